@@ -1,0 +1,79 @@
+//! `cargo bench --bench dag`: time to build the DAG, apply a 1F1B program and
+//! compile it, at PP=16 stages, 128 segments, 256 microbatches; then the same
+//! with ZeRO-3 `replicate` over 8 devices per stage (128 devices). Prints the
+//! node counts and the time of each phase (best of several runs).
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use piper::compile::compile;
+use piper::dag::{Cluster, TrainingDag};
+use piper::model::ModelConfig;
+use std::time::{Duration, Instant};
+
+fn model() -> ModelConfig {
+    ModelConfig {
+        name: "bench-128".into(),
+        layers: 128,
+        d_model: 256,
+        heads: 8,
+        seq_len: 128,
+        vocab: 1024,
+        batch_size: 2048,
+        layers_per_region: 1,
+        regions: None,
+        moe: None,
+    }
+}
+
+struct Times {
+    build: Duration,
+    apply: Duration,
+    compile: Duration,
+    nodes: usize,
+    edges: usize,
+    ops: usize,
+}
+
+fn run(stages: u32, mbs: u32, dp: u32, zero: Option<u8>) -> Times {
+    let t0 = Instant::now();
+    let mut dag = TrainingDag::build(&model(), Cluster::new(stages * dp)).unwrap();
+    let t1 = Instant::now();
+    common::one_f_one_b(&mut dag, stages, mbs, dp, zero).unwrap();
+    let t2 = Instant::now();
+    let plan = compile(&dag).unwrap();
+    let t3 = Instant::now();
+    let ops = plan.devices.iter().flat_map(|d| d.streams.iter()).map(|s| s.ops.len()).sum();
+    Times {
+        build: t1 - t0,
+        apply: t2 - t1,
+        compile: t3 - t2,
+        nodes: dag.node_count(),
+        edges: dag.edge_count(),
+        ops,
+    }
+}
+
+fn report(name: &str, stages: u32, mbs: u32, dp: u32, zero: Option<u8>) {
+    let runs: Vec<Times> = (0..3).map(|_| run(stages, mbs, dp, zero)).collect();
+    let best = |f: fn(&Times) -> Duration| runs.iter().map(f).min().unwrap();
+    let (b, a, c) = (best(|t| t.build), best(|t| t.apply), best(|t| t.compile));
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "{name}: {} nodes, {} edges, {} ops over {} devices | build {:.1} ms, apply {:.1} ms, compile {:.1} ms, total {:.1} ms (goal < 200 ms each)",
+        runs[0].nodes,
+        runs[0].edges,
+        runs[0].ops,
+        stages * dp,
+        ms(b),
+        ms(a),
+        ms(c),
+        ms(b + a + c)
+    );
+}
+
+fn main() {
+    println!("DAG benchmark: 128 segments, PP=16, 256 microbatches (best of 3)");
+    report("1f1b", 16, 256, 1, None);
+    report("zero3+1f1b (DP 8 per stage)", 16, 256, 8, Some(3));
+}

@@ -1,0 +1,507 @@
+//! Compile: global training DAG → per-device [`Plan`]s. After the strategies
+//! (`plugin/`) and before the runtime and simulator.
+//!
+//! 1. **Validate**: every node placed; a segment's nodes on one device group;
+//!    SPMD groups only where replicated; no data edge crossing devices
+//!    without a send/recv; the tied embedding/head reconciled; the global batch
+//!    divisible by each node's microbatches × DP degree; no cycle.
+//! 2. **Order**: one global list schedule (Kahn's algorithm; among ready
+//!    nodes the lowest depth first, then the higher priority, then the lower
+//!    id; a node with no predecessor is keyed just before its first consumer,
+//!    so prefetches run late, not all at once). Each device's per-stream order
+//!    is this order restricted to it, so every edge is respected.
+//! 3. **Events**: a cross-stream dependency on one device becomes a `wait` on
+//!    the producer's position in its stream; send/recv carry peer and pair,
+//!    collectives their group.
+//! 4. **Memory**: walking the device's ops in order, transient buffers live
+//!    from their producer to their last local consumer; model states
+//!    (fp32 Adam: 4 B params + 4 B grads + 8 B moments per parameter, divided
+//!    over the group as the ZeRO stage says) are resident. Peak = states +
+//!    transient peak.
+//! 5. **Deadlock check** ([`check_deadlock`]) and a stable hash.
+
+mod deadlock;
+pub mod plan;
+
+pub use deadlock::{check_deadlock, DeadlockError};
+pub use plan::{human_bytes, DevicePlan, Op, Plan, StreamPlan, Wait};
+
+use crate::dag::{
+    CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TensorKind, TrainingDag,
+};
+use crate::model::DTYPE_BYTES;
+use petgraph::visit::NodeIndexable;
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
+
+/// Why a DAG cannot be compiled.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CompileError {
+    #[error("{node} is not placed on any device: a strategy must place every compute node (e.g. `place({{}}, [0], \"pp\")`)")]
+    Unplaced { node: String },
+    #[error("segment {segment} ({name}) is split over device groups: {a} on {a_devices:?}, {b} on {b_devices:?}; a segment's F and B nodes must share their devices")]
+    SplitSegment {
+        segment: u32,
+        name: String,
+        a: String,
+        a_devices: Vec<u32>,
+        b: String,
+        b_devices: Vec<u32>,
+    },
+    #[error("{node} runs on devices {devices:?} but is not replicated: use `replicate` for data parallelism")]
+    NotReplicated { node: String, devices: Vec<u32> },
+    #[error("data edge {from} -> {to} crosses from devices {from_devices:?} to {to_devices:?} with no send/recv (place pairs groups of equal size only)")]
+    CrossingEdge {
+        from: String,
+        from_devices: Vec<u32>,
+        to: String,
+        to_devices: Vec<u32>,
+    },
+    #[error("temporal edge {from} -> {to} joins devices {from_devices:?} and {to_devices:?} that share none")]
+    CrossingOrder {
+        from: String,
+        from_devices: Vec<u32>,
+        to: String,
+        to_devices: Vec<u32>,
+    },
+    #[error("the tied embedding (devices {emb:?}) and LM head (devices {head:?}) are on groups that cannot be paired for their gradient all-reduce (they must have equal size and no device in common)")]
+    TiedUnpaired { emb: Vec<u32>, head: Vec<u32> },
+    #[error("{node}: global batch {batch} is not divisible by microbatches × data-parallel degree = {div}")]
+    Indivisible { node: String, batch: u32, div: u64 },
+    #[error("{node} sends to its own device {device}: the groups it joins overlap")]
+    SelfSend { node: String, device: u32 },
+    #[error("the DAG has a cycle: {}", .0.join(" -> "))]
+    Cycle(Vec<String>),
+    #[error(transparent)]
+    Deadlock(#[from] DeadlockError),
+}
+
+/// Compile a DAG into per-device plans (the DAG is synced first if a
+/// directive left derived nodes stale).
+pub fn compile(dag: &TrainingDag) -> Result<Plan, CompileError> {
+    if dag.dirty {
+        let mut d = dag.clone();
+        d.sync();
+        return compile_synced(&d);
+    }
+    compile_synced(dag)
+}
+
+fn ids(devs: &[DeviceId]) -> Vec<u32> {
+    devs.iter().map(|d| d.0).collect()
+}
+
+fn validate(dag: &TrainingDag) -> Result<(), CompileError> {
+    let g = &dag.graph;
+    // Compute nodes first: derived nodes follow their placement.
+    for ix in g.node_indices() {
+        if matches!(g[ix].kind, NodeKind::Compute { .. }) && g[ix].devices.is_empty() {
+            return Err(CompileError::Unplaced {
+                node: dag.label(NodeId(ix.index() as u32)),
+            });
+        }
+    }
+    validate_segments(dag)?;
+    for ix in g.node_indices() {
+        let id = NodeId(ix.index() as u32);
+        let n = &g[ix];
+        if matches!(n.kind, NodeKind::Marker) {
+            continue;
+        }
+        if n.devices.is_empty() {
+            return Err(CompileError::Unplaced { node: dag.label(id) });
+        }
+        if let NodeKind::Compute { .. } = n.kind {
+            if n.devices.len() > 1 && n.replica.is_none() {
+                return Err(CompileError::NotReplicated {
+                    node: dag.label(id),
+                    devices: ids(&n.devices),
+                });
+            }
+            let div = dag.batch_share_div(id);
+            if dag.model().batch_size as u64 % div != 0 {
+                return Err(CompileError::Indivisible {
+                    node: dag.label(id),
+                    batch: dag.model().batch_size,
+                    div,
+                });
+            }
+        }
+        if let NodeKind::Comm(c) = &n.kind {
+            if c.op.is_p2p() {
+                if let Some(i) = n.devices.iter().zip(&c.peers).position(|(a, b)| a == b) {
+                    return Err(CompileError::SelfSend {
+                        node: dag.label(id),
+                        device: n.devices[i].0,
+                    });
+                }
+            }
+        }
+    }
+    validate_edges(dag)
+}
+
+/// A segment's compute nodes share one group.
+fn validate_segments(dag: &TrainingDag) -> Result<(), CompileError> {
+    let g = &dag.graph;
+    let mut first: HashMap<u32, NodeId> = HashMap::new();
+    for ix in g.node_indices() {
+        if let NodeKind::Compute { segment, .. } = g[ix].kind {
+            let id = NodeId(ix.index() as u32);
+            let f = *first.entry(segment).or_insert(id);
+            let (a, b) = (&g[f.ix()], &g[ix]);
+            if a.devices != b.devices || a.replica != b.replica {
+                return Err(CompileError::SplitSegment {
+                    segment,
+                    name: dag.segments()[segment as usize].name(),
+                    a: dag.label(f),
+                    a_devices: ids(&a.devices),
+                    b: dag.label(id),
+                    b_devices: ids(&b.devices),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Data edges within nested groups, temporal edges on a shared device, the
+/// tied embedding reconciled, no cycle.
+fn validate_edges(dag: &TrainingDag) -> Result<(), CompileError> {
+    let g = &dag.graph;
+    for e in g.edge_indices() {
+        let (s, t) = g.edge_endpoints(e).unwrap();
+        let (a, b) = (&g[s], &g[t]);
+        if matches!(a.kind, NodeKind::Marker) || matches!(b.kind, NodeKind::Marker) {
+            continue;
+        }
+        let subset = |x: &[DeviceId], y: &[DeviceId]| x.iter().all(|d| y.contains(d));
+        match g[e] {
+            EdgeKind::Data { .. } if !subset(&a.devices, &b.devices) && !subset(&b.devices, &a.devices) => {
+                return Err(CompileError::CrossingEdge {
+                    from: dag.label(NodeId(s.index() as u32)),
+                    from_devices: ids(&a.devices),
+                    to: dag.label(NodeId(t.index() as u32)),
+                    to_devices: ids(&b.devices),
+                })
+            }
+            EdgeKind::Temporal if !a.devices.iter().any(|d| b.devices.contains(d)) => {
+                return Err(CompileError::CrossingOrder {
+                    from: dag.label(NodeId(s.index() as u32)),
+                    from_devices: ids(&a.devices),
+                    to: dag.label(NodeId(t.index() as u32)),
+                    to_devices: ids(&b.devices),
+                })
+            }
+            _ => {}
+        }
+    }
+    // Tied embedding / head on different groups need their all-reduce.
+    let placement = dag.segment_placement();
+    let segs = dag.segments();
+    if let (Some(e), Some(h)) = (
+        segs.iter().position(|s| s.has_embedding()),
+        segs.iter().position(|s| s.has_head()),
+    ) {
+        if let (Some(pe), Some(ph)) = (&placement[e], &placement[h]) {
+            let tied = g.node_weights().any(|n| {
+                matches!(&n.kind, NodeKind::Comm(c) if c.purpose == CommPurpose::TiedGrad)
+            });
+            if pe.0 != ph.0 && !tied {
+                return Err(CompileError::TiedUnpaired {
+                    emb: ids(&pe.0),
+                    head: ids(&ph.0),
+                });
+            }
+        }
+    }
+    dag.check_acyclic()
+        .map_err(|c| CompileError::Cycle(c.iter().map(|n| dag.label(*n)).collect()))
+}
+
+/// Is the tensor on this edge a transient buffer (vs. a resident model state)?
+fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
+    match tensor {
+        TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved | TensorKind::MicroGrad => true,
+        TensorKind::ParamGrad => false,
+        TensorKind::Param => matches!(
+            &dag.graph[producer.ix()].kind,
+            NodeKind::Comm(c) if c.purpose == CommPurpose::ParamGather
+        ),
+    }
+}
+
+fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
+    validate(dag)?;
+    let g = &dag.graph;
+    let bound = g.node_bound();
+    let order = schedule(dag);
+
+    // Markers are pass-through: each node's effective local predecessors.
+    let real_preds = |id: NodeId| -> Vec<(NodeId, EdgeKind)> {
+        let mut out = Vec::new();
+        let mut stack: Vec<(NodeId, EdgeKind)> = dag.preds(id).collect();
+        while let Some((p, k)) = stack.pop() {
+            if matches!(g[p.ix()].kind, NodeKind::Marker) {
+                stack.extend(dag.preds(p));
+            } else {
+                out.push((p, k));
+            }
+        }
+        out
+    };
+
+    // Streams per device, in first-use order; positions of each node.
+    let ndev = dag.cluster_info().devices as usize;
+    let mut streams: Vec<Vec<(u16, Vec<Op>)>> = vec![Vec::new(); ndev];
+    let mut pos: Vec<Vec<(u16, u32)>> = vec![Vec::new(); bound];
+    for &id in &order {
+        let n = &g[id.ix()];
+        if matches!(n.kind, NodeKind::Marker) {
+            continue;
+        }
+        let preds = real_preds(id);
+        let cost = dag.cost(id);
+        let div = dag.batch_share_div(id);
+        for (i, dev) in n.devices.iter().enumerate() {
+            let d = dev.0 as usize;
+            let mut op = Op {
+                op: n.kind.label().to_string(),
+                node: id.0,
+                tags: dag.tag_map(&n.tags),
+                segments: Vec::new(),
+                peer: None,
+                pair: None,
+                group: None,
+                purpose: None,
+                batch_div: div,
+                flops: cost.flops,
+                bytes: cost.comm_bytes,
+                waits: Vec::new(),
+                inputs: Vec::new(),
+            };
+            match &n.kind {
+                NodeKind::Compute { segment, .. } => op.segments = vec![*segment],
+                NodeKind::Update { segments } => op.segments = segments.clone(),
+                NodeKind::Comm(c) => {
+                    op.segments = c.segments.clone();
+                    op.purpose = Some(
+                        serde_json::to_value(c.purpose)
+                            .ok()
+                            .and_then(|v| v.as_str().map(String::from))
+                            .unwrap_or_default(),
+                    );
+                    if c.op.is_p2p() {
+                        op.peer = c.peers.get(i).map(|p| p.0);
+                        op.pair = Some(match c.op {
+                            crate::dag::CommOp::Send => id.0,
+                            _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
+                        });
+                    } else {
+                        op.group = c
+                            .groups
+                            .iter()
+                            .find(|grp| grp.contains(dev))
+                            .map(|grp| ids(grp));
+                    }
+                }
+                NodeKind::Marker => {}
+            }
+            // Cross-stream waits (latest op per stream) and local inputs.
+            let mut waits: BTreeMap<u16, u32> = BTreeMap::new();
+            for (p, k) in &preds {
+                let pn = &g[p.ix()];
+                let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
+                    continue;
+                };
+                let (ps, pidx) = pos[p.ix().index()][pi];
+                if ps != n.stream.0 {
+                    let w = waits.entry(ps).or_insert(pidx);
+                    *w = (*w).max(pidx);
+                }
+                if matches!(k, EdgeKind::Data { .. }) {
+                    op.inputs.push(p.0);
+                }
+            }
+            op.inputs.sort_unstable();
+            op.inputs.dedup();
+            op.waits = waits
+                .into_iter()
+                .map(|(s, i)| Wait {
+                    stream: dag.stream_name(crate::dag::StreamId(s)).to_string(),
+                    op: i as usize,
+                })
+                .collect();
+            let list = &mut streams[d];
+            let si = match list.iter().position(|(s, _)| *s == n.stream.0) {
+                Some(si) => si,
+                None => {
+                    list.push((n.stream.0, Vec::new()));
+                    list.len() - 1
+                }
+            };
+            let idx = list[si].1.len() as u32;
+            list[si].1.push(op);
+            pos[id.ix().index()].push((n.stream.0, idx));
+        }
+    }
+
+    // Memory per device, walking the global order.
+    let placement = dag.segment_placement();
+    let mut devices = Vec::with_capacity(ndev);
+    let mut transient_peak = vec![0u64; ndev];
+    {
+        let mut live = vec![0u64; ndev];
+        // (producer, device) → (bytes, local consumers left)
+        let mut bufs: HashMap<(u32, u32), (u64, u32)> = HashMap::new();
+        for &id in &order {
+            let n = &g[id.ix()];
+            if matches!(n.kind, NodeKind::Marker) {
+                continue;
+            }
+            for dev in &n.devices {
+                let d = dev.0 as usize;
+                // Allocate this node's transient outputs that have local readers.
+                // One buffer per tensor kind, however many readers it has.
+                let mut by_kind: BTreeMap<u8, u64> = BTreeMap::new();
+                let mut readers = 0u32;
+                for (c, k) in dag.succs(id) {
+                    if let EdgeKind::Data { tensor, bytes } = k {
+                        if transient(dag, id, tensor) && g[c.ix()].devices.contains(dev) {
+                            let b = if tensor.scales_with_batch() {
+                                bytes / dag.batch_share_div(id)
+                            } else {
+                                bytes
+                            };
+                            let slot = by_kind.entry(tensor as u8).or_insert(0);
+                            *slot = (*slot).max(b);
+                            readers += 1;
+                        }
+                    }
+                }
+                let out_bytes: u64 = by_kind.values().sum();
+                if readers > 0 {
+                    live[d] += out_bytes;
+                    bufs.insert((id.0, dev.0), (out_bytes, readers));
+                }
+                transient_peak[d] = transient_peak[d].max(live[d]);
+                // Release inputs whose last local reader this was.
+                for (p, k) in dag.preds(id) {
+                    if matches!(k, EdgeKind::Data { .. }) {
+                        if let Some(entry) = bufs.get_mut(&(p.0, dev.0)) {
+                            entry.1 -= 1;
+                            if entry.1 == 0 {
+                                live[d] -= entry.0;
+                                bufs.remove(&(p.0, dev.0));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut states = vec![0u64; ndev];
+    for (s, p) in placement.iter().enumerate() {
+        let Some((devs, rep)) = p else { continue };
+        let held = dag.held_elems(s as u32, &placement);
+        let n = devs.len() as u64;
+        let zero = match rep {
+            Some(r) if n > 1 => dag.specs[*r as usize].zero,
+            _ => 0,
+        };
+        let shard = held.div_ceil(n);
+        let params = if zero >= 3 { shard } else { held };
+        let grads = if zero >= 2 { shard } else { held };
+        let moments = 2 * if zero >= 1 { shard } else { held };
+        for d in devs {
+            states[d.0 as usize] += (params + grads + moments) * DTYPE_BYTES;
+        }
+    }
+    for (d, list) in streams.into_iter().enumerate() {
+        devices.push(DevicePlan {
+            device: d as u32,
+            peak_bytes: states[d] + transient_peak[d],
+            model_state_bytes: states[d],
+            transient_peak_bytes: transient_peak[d],
+            streams: list
+                .into_iter()
+                .map(|(s, ops)| StreamPlan {
+                    stream: dag.stream_name(crate::dag::StreamId(s)).to_string(),
+                    ops,
+                })
+                .collect(),
+        });
+    }
+    check_deadlock(&devices)?;
+    let mut plan = Plan {
+        hash: String::new(),
+        model: dag.model().name.clone(),
+        batch_size: dag.model().batch_size,
+        devices,
+    };
+    plan.hash = plan.compute_hash();
+    Ok(plan)
+}
+
+/// The global list schedule (see the module docs).
+fn schedule(dag: &TrainingDag) -> Vec<NodeId> {
+    let g = &dag.graph;
+    let bound = g.node_bound();
+    let mut indeg = vec![0u32; bound];
+    for e in g.edge_indices() {
+        let (_, t) = g.edge_endpoints(e).unwrap();
+        indeg[t.index()] += 1;
+    }
+    // Depth: longest path from a source, in topological order.
+    let mut depth = vec![0u32; bound];
+    let mut topo = Vec::with_capacity(g.node_count());
+    {
+        let mut deg = indeg.clone();
+        let mut stack: Vec<_> = g.node_indices().filter(|i| deg[i.index()] == 0).collect();
+        while let Some(n) = stack.pop() {
+            topo.push(n);
+            for t in g.neighbors_directed(n, petgraph::Direction::Outgoing) {
+                depth[t.index()] = depth[t.index()].max(depth[n.index()] + 1);
+                deg[t.index()] -= 1;
+                if deg[t.index()] == 0 {
+                    stack.push(t);
+                }
+            }
+        }
+    }
+    // Sources are keyed just before their first consumer (prefetch late).
+    let mut key = depth.clone();
+    for ix in g.node_indices() {
+        if indeg[ix.index()] == 0 {
+            if let Some(m) = g
+                .neighbors_directed(ix, petgraph::Direction::Outgoing)
+                .map(|t| depth[t.index()])
+                .min()
+            {
+                key[ix.index()] = m.saturating_sub(1);
+            }
+        }
+    }
+    let mut heap: BinaryHeap<Reverse<(u32, i32, u32)>> = BinaryHeap::new();
+    let push = |heap: &mut BinaryHeap<_>, ix: petgraph::stable_graph::NodeIndex| {
+        heap.push(Reverse((key[ix.index()], -g[ix].priority, ix.index() as u32)));
+    };
+    let mut deg = indeg;
+    for ix in g.node_indices() {
+        if deg[ix.index()] == 0 {
+            push(&mut heap, ix);
+        }
+    }
+    let mut out = Vec::with_capacity(g.node_count());
+    while let Some(Reverse((_, _, i))) = heap.pop() {
+        let ix = petgraph::stable_graph::NodeIndex::new(i as usize);
+        out.push(NodeId(i));
+        for t in g.neighbors_directed(ix, petgraph::Direction::Outgoing) {
+            deg[t.index()] -= 1;
+            if deg[t.index()] == 0 {
+                push(&mut heap, t);
+            }
+        }
+    }
+    out
+}

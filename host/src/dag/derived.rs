@@ -1,0 +1,474 @@
+//! Derived nodes: the optimizer `update` nodes, the data-parallel / ZeRO
+//! collectives and the tied-embedding gradient all-reduce. They follow from
+//! the core nodes' placement and replication, so they are rebuilt (lazily,
+//! before the next read or directive) after every `split`, `place` and
+//! `replicate`.
+//!
+//! For each device group (and replication spec) there is one `update` node,
+//! the optimizer step for the parameter bucket of the segments on that group.
+//! Gradient collectives per ZeRO stage (`N` = group size):
+//! - 0: all-reduce after the last microbatch, in buckets of `bucket-bytes`;
+//! - 1: reduce-scatter after the last microbatch, sharded update, all-gather
+//!   of the updated parameters;
+//! - 2: reduce-scatter after every microbatch (gradients stay sharded),
+//!   sharded update, all-gather of the updated parameters;
+//! - 3: as 2, but no gather after the update: parameters stay sharded and are
+//!   all-gathered before every `F` and `B`/`BI` use instead.
+//!
+//! When the embedding and the LM head (which share `wte`) sit on different
+//! groups of equal size, each keeps a copy of `wte` and their gradients are
+//! all-reduced pairwise (device `i` of one group with device `i` of the
+//! other) before the data-parallel reduction, as Megatron does.
+
+use super::{
+    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, StreamId, Tags,
+    TensorKind, TrainingDag, COMPUTE,
+};
+use crate::model::DTYPE_BYTES;
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// A strategy's changes to a derived node, carried over a rebuild.
+struct Tweak {
+    stream: StreamId,
+    priority: i32,
+    before: Vec<NodeId>,
+    after: Vec<NodeId>,
+}
+
+fn key_of(parts: impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    parts.hash(&mut h);
+    h.finish()
+}
+
+/// Where a segment's gradient comes from: the node and its split key (the
+/// microbatch indices), `None` for a source that covers every microbatch.
+type Sources = Vec<(Option<Vec<u32>>, NodeId)>;
+
+impl TrainingDag {
+    /// Rebuild derived nodes if a directive made them stale.
+    pub(crate) fn sync(&mut self) {
+        if self.dirty {
+            self.rebuild_derived();
+        }
+    }
+
+    /// Group and replication of each segment when all its compute nodes agree.
+    pub(crate) fn segment_placement(&self) -> Vec<Option<(Vec<DeviceId>, Option<u32>)>> {
+        let mut out: Vec<Option<Option<(Vec<DeviceId>, Option<u32>)>>> =
+            vec![None; self.segments().len()];
+        for n in self.graph.node_weights() {
+            if let NodeKind::Compute { segment, .. } = n.kind {
+                let this = (!n.devices.is_empty()).then(|| (n.devices.clone(), n.replica));
+                let slot = &mut out[segment as usize];
+                match slot {
+                    None => *slot = Some(this),
+                    Some(prev) if *prev != this => *prev = None,
+                    _ => {}
+                }
+            }
+        }
+        out.into_iter().map(|s| s.flatten()).collect()
+    }
+
+    /// Parameter elements a segment holds on its devices: its own, plus a copy
+    /// of the tied `wte` when it has the head but not the embedding's group.
+    pub(crate) fn held_elems(&self, seg: u32, placement: &[Option<(Vec<DeviceId>, Option<u32>)>]) -> u64 {
+        let s = &self.segments()[seg as usize];
+        if s.tied_elems == 0 || s.has_embedding() {
+            return s.param_elems;
+        }
+        let emb = self.segments().iter().position(|x| x.has_embedding()).unwrap_or(0);
+        let same = match (&placement[emb], &placement[seg as usize]) {
+            (Some(a), Some(b)) => a.0 == b.0,
+            _ => true,
+        };
+        if same {
+            s.param_elems
+        } else {
+            s.param_elems + s.tied_elems
+        }
+    }
+
+    fn split_key(&self, n: &Node) -> Vec<u32> {
+        self.split_dims
+            .iter()
+            .map(|k| n.tags.get(*k).unwrap_or(0))
+            .collect()
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn add_derived(
+        &mut self,
+        key: u64,
+        kind: NodeKind,
+        tags: Tags,
+        devices: Vec<DeviceId>,
+        stream: StreamId,
+        batch_div: u32,
+        tweaks: &HashMap<u64, Tweak>,
+    ) -> NodeId {
+        let mut node = Node {
+            kind,
+            tags,
+            devices,
+            stream,
+            priority: 0,
+            batch_div,
+            replica: None,
+            derived: Some(key),
+            tweaked: false,
+        };
+        if let Some(t) = tweaks.get(&key) {
+            node.stream = t.stream;
+            node.priority = t.priority;
+            node.tweaked = true;
+        }
+        NodeId::of(self.add_node(node))
+    }
+
+    fn data(&mut self, from: NodeId, to: NodeId, tensor: TensorKind, bytes: u64) {
+        self.graph
+            .add_edge(from.ix(), to.ix(), EdgeKind::Data { tensor, bytes });
+    }
+
+    /// Remove and recreate every derived node.
+    pub(crate) fn rebuild_derived(&mut self) {
+        self.dirty = false;
+        self.index.take();
+        // 1. Remember strategy tweaks, then drop the derived nodes.
+        let mut tweaks: HashMap<u64, Tweak> = HashMap::new();
+        let derived: Vec<NodeId> = self
+            .node_ids()
+            .filter(|id| self.graph[id.ix()].derived.is_some())
+            .collect();
+        for &id in &derived {
+            let n = &self.graph[id.ix()];
+            if n.tweaked {
+                let core = |x: &NodeId| self.graph[x.ix()].derived.is_none();
+                let temporal = |dir| -> Vec<NodeId> {
+                    self.graph
+                        .edges_directed(id.ix(), dir)
+                        .filter(|e| matches!(e.weight(), EdgeKind::Temporal))
+                        .map(|e| {
+                            NodeId::of(if dir == Direction::Incoming { e.source() } else { e.target() })
+                        })
+                        .filter(core)
+                        .collect()
+                };
+                tweaks.insert(
+                    n.derived.unwrap(),
+                    Tweak {
+                        stream: n.stream,
+                        priority: n.priority,
+                        before: temporal(Direction::Incoming),
+                        after: temporal(Direction::Outgoing),
+                    },
+                );
+            }
+        }
+        for id in derived {
+            self.graph.remove_node(id.ix());
+        }
+
+        // 2. Per segment: placement, gradient producers, weight readers.
+        let placement = self.segment_placement();
+        let nseg = self.segments().len();
+        let mut sources: Vec<Sources> = vec![Vec::new(); nseg];
+        let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); nseg];
+        for id in self.node_ids().collect::<Vec<_>>() {
+            let n = &self.graph[id.ix()];
+            if let NodeKind::Compute { pass, segment } = n.kind {
+                if pass.makes_weight_grads() {
+                    sources[segment as usize].push((Some(self.split_key(n)), id));
+                }
+                if pass.reads_weights() {
+                    readers[segment as usize].push(id);
+                }
+            }
+        }
+        let pp = self.find_tag("PP");
+        let region_tags = |dag: &TrainingDag, seg: u32| {
+            let mut t = Tags::default();
+            if let Some(pp) = pp {
+                t.set(pp, dag.segments()[seg as usize].region);
+            }
+            t
+        };
+        let grad_bytes =
+            |dag: &TrainingDag, seg: u32| dag.held_elems(seg, &placement) * DTYPE_BYTES;
+
+        // 3. Tied embedding / head gradients across groups.
+        let emb = self.segments().iter().position(|s| s.has_embedding());
+        let head = self.segments().iter().position(|s| s.has_head());
+        if let (Some(e), Some(h)) = (emb, head) {
+            if let (Some((ge, re)), Some((gh, rh))) = (placement[e].clone(), placement[h].clone()) {
+                let disjoint = ge.iter().all(|d| !gh.contains(d));
+                if e != h && ge != gh && ge.len() == gh.len() && disjoint {
+                    let per_mb = |r: Option<u32>| {
+                        r.is_some_and(|r| self.specs[r as usize].zero >= 2)
+                    };
+                    let per_mb = per_mb(re) || per_mb(rh);
+                    let wte = self.segments()[h].tied_elems * DTYPE_BYTES;
+                    let mut devices = ge.clone();
+                    devices.extend(gh.iter().copied());
+                    let groups: Vec<Vec<DeviceId>> =
+                        ge.iter().zip(&gh).map(|(a, b)| vec![*a, *b]).collect();
+                    let keys: Vec<Option<Vec<u32>>> = if per_mb {
+                        let mut k: Vec<Option<Vec<u32>>> =
+                            sources[e].iter().map(|(k, _)| k.clone()).collect();
+                        k.sort();
+                        k.dedup();
+                        k
+                    } else {
+                        vec![None]
+                    };
+                    let stream = self.tied_stream;
+                    for k in keys {
+                        let node = self.add_derived(
+                            key_of(("tied", &k)),
+                            NodeKind::Comm(Comm {
+                                op: CommOp::AllReduce,
+                                purpose: CommPurpose::TiedGrad,
+                                tensor: TensorKind::ParamGrad,
+                                bytes: wte,
+                                segments: vec![e as u32, h as u32],
+                                peers: Vec::new(),
+                                groups: groups.clone(),
+                                pair: None,
+                            }),
+                            Tags::default(),
+                            devices.clone(),
+                            stream,
+                            1,
+                            &tweaks,
+                        );
+                        for s in [e, h] {
+                            let srcs: Vec<NodeId> = sources[s]
+                                .iter()
+                                .filter(|(sk, _)| k.is_none() || *sk == k)
+                                .map(|(_, id)| *id)
+                                .collect();
+                            for src in srcs {
+                                let t = if k.is_some() { TensorKind::MicroGrad } else { TensorKind::ParamGrad };
+                                self.data(src, node, t, wte);
+                            }
+                        }
+                        sources[e].push((k.clone(), node));
+                        sources[h].push((k.clone(), node));
+                    }
+                }
+            }
+        }
+
+        // 4. One update per (group, spec), gradient collectives per bucket.
+        let mut keys: BTreeMap<(Vec<DeviceId>, Option<u32>), Vec<u32>> = BTreeMap::new();
+        for s in 0..nseg {
+            let k = placement[s].clone().unwrap_or((Vec::new(), None));
+            keys.entry(k).or_default().push(s as u32);
+        }
+        let mut keys: Vec<_> = keys.into_iter().collect();
+        keys.sort_by_key(|(_, segs)| segs[0]);
+        for ((devs, rep), segs) in keys {
+            let update = self.add_derived(
+                key_of(("update", &segs)),
+                NodeKind::Update {
+                    segments: segs.clone(),
+                },
+                Tags::default(),
+                devs.clone(),
+                COMPUTE,
+                1,
+                &tweaks,
+            );
+            let spec = rep.map(|r| self.specs[r as usize].clone());
+            let n = devs.len() as u64;
+            let Some(spec) = spec.filter(|_| n > 1) else {
+                for &s in &segs {
+                    let b = grad_bytes(self, s);
+                    for (_, src) in sources[s as usize].clone() {
+                        self.data(src, update, TensorKind::ParamGrad, b);
+                    }
+                }
+                continue;
+            };
+            let groups = vec![devs.clone()];
+            // Buckets in backward order (last segment first).
+            let mut buckets: Vec<Vec<u32>> = Vec::new();
+            let mut acc = u64::MAX;
+            for &s in segs.iter().rev() {
+                if acc >= spec.bucket_bytes.max(1) || spec.bucket_bytes == 0 {
+                    buckets.push(Vec::new());
+                    acc = 0;
+                }
+                buckets.last_mut().unwrap().push(s);
+                acc += grad_bytes(self, s);
+            }
+            for bucket in buckets {
+                let bytes: u64 = bucket.iter().map(|s| grad_bytes(self, *s)).sum();
+                let tags = region_tags(self, bucket[0]);
+                let op = if spec.zero == 0 { CommOp::AllReduce } else { CommOp::ReduceScatter };
+                let sync_kind = |segs: &Vec<u32>| {
+                    NodeKind::Comm(Comm {
+                        op,
+                        purpose: CommPurpose::GradSync,
+                        tensor: TensorKind::ParamGrad,
+                        bytes,
+                        segments: segs.clone(),
+                        peers: Vec::new(),
+                        groups: groups.clone(),
+                        pair: None,
+                    })
+                };
+                let out_bytes = if spec.zero == 0 { bytes } else { bytes.div_ceil(n) };
+                if spec.zero <= 1 {
+                    // Accumulate every microbatch, then reduce once.
+                    let sync = self.add_derived(
+                        key_of(("sync", &bucket)),
+                        sync_kind(&bucket),
+                        tags.clone(),
+                        devs.clone(),
+                        spec.reduce_stream,
+                        1,
+                        &tweaks,
+                    );
+                    for &s in &bucket {
+                        let b = grad_bytes(self, s);
+                        for (_, src) in sources[s as usize].clone() {
+                            self.data(src, sync, TensorKind::ParamGrad, b);
+                        }
+                    }
+                    self.data(sync, update, TensorKind::ParamGrad, out_bytes);
+                } else {
+                    // Reduce-scatter every microbatch's gradients.
+                    let mut by_key: BTreeMap<Option<Vec<u32>>, Vec<(u32, NodeId)>> = BTreeMap::new();
+                    for &s in &bucket {
+                        for (k, src) in &sources[s as usize] {
+                            by_key.entry(k.clone()).or_default().push((s, *src));
+                        }
+                    }
+                    for (k, srcs) in by_key {
+                        let mut t = tags.clone();
+                        for (dim, v) in self.split_dims.clone().iter().zip(k.iter().flatten()) {
+                            t.set(*dim, *v);
+                        }
+                        let div = srcs
+                            .iter()
+                            .map(|(_, id)| self.graph[id.ix()].batch_div)
+                            .max()
+                            .unwrap_or(1);
+                        let sync = self.add_derived(
+                            key_of(("sync", &bucket, &k)),
+                            sync_kind(&bucket),
+                            t,
+                            devs.clone(),
+                            spec.reduce_stream,
+                            div,
+                            &tweaks,
+                        );
+                        for (s, src) in srcs {
+                            let b = grad_bytes(self, s);
+                            self.data(src, sync, TensorKind::MicroGrad, b);
+                        }
+                        self.data(sync, update, TensorKind::ParamGrad, out_bytes);
+                    }
+                }
+                if spec.zero == 1 || spec.zero == 2 {
+                    // Updated parameter shards are gathered back.
+                    let ag = self.add_derived(
+                        key_of(("refresh", &bucket)),
+                        NodeKind::Comm(Comm {
+                            op: CommOp::AllGather,
+                            purpose: CommPurpose::ParamRefresh,
+                            tensor: TensorKind::Param,
+                            bytes,
+                            segments: bucket.clone(),
+                            peers: Vec::new(),
+                            groups: groups.clone(),
+                            pair: None,
+                        }),
+                        tags.clone(),
+                        devs.clone(),
+                        spec.gather_stream,
+                        1,
+                        &tweaks,
+                    );
+                    self.data(update, ag, TensorKind::Param, bytes.div_ceil(n));
+                }
+            }
+            if spec.zero == 3 {
+                // Gather full parameters before every use.
+                for &s in &segs {
+                    let bytes = grad_bytes(self, s);
+                    let gather = |_readers: &[NodeId]| {
+                        NodeKind::Comm(Comm {
+                            op: CommOp::AllGather,
+                            purpose: CommPurpose::ParamGather,
+                            tensor: TensorKind::Param,
+                            bytes,
+                            segments: vec![s],
+                            peers: Vec::new(),
+                            groups: groups.clone(),
+                            pair: None,
+                        })
+                    };
+                    let rs = readers[s as usize].clone();
+                    if spec.reshard_after_forward {
+                        for r in rs {
+                            let rn = &self.graph[r.ix()];
+                            let (tags, div, label) = (rn.tags.clone(), rn.batch_div, rn.kind.label());
+                            let ag = self.add_derived(
+                                key_of(("gather", s, label, self.split_key(&self.graph[r.ix()]))),
+                                gather(&[r]),
+                                tags,
+                                devs.clone(),
+                                spec.gather_stream,
+                                div,
+                                &tweaks,
+                            );
+                            self.data(ag, r, TensorKind::Param, bytes);
+                        }
+                    } else {
+                        let ag = self.add_derived(
+                            key_of(("gather", s)),
+                            gather(&rs),
+                            region_tags(self, s),
+                            devs.clone(),
+                            spec.gather_stream,
+                            1,
+                            &tweaks,
+                        );
+                        for r in rs {
+                            self.data(ag, r, TensorKind::Param, bytes);
+                        }
+                    }
+                }
+            }
+        }
+
+        // 5. Re-attach tweaked derived nodes' temporal edges.
+        if !tweaks.is_empty() {
+            let new: Vec<(NodeId, u64)> = self
+                .node_ids()
+                .filter_map(|id| self.graph[id.ix()].derived.map(|k| (id, k)))
+                .collect();
+            for (id, k) in new {
+                if let Some(t) = tweaks.get(&k) {
+                    for &b in &t.before {
+                        if self.graph.node_weight(b.ix()).is_some() {
+                            self.graph.add_edge(b.ix(), id.ix(), EdgeKind::Temporal);
+                        }
+                    }
+                    for &a in &t.after {
+                        if self.graph.node_weight(a.ix()).is_some() {
+                            self.graph.add_edge(id.ix(), a.ix(), EdgeKind::Temporal);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,717 @@
+//! Directives: the host-implemented transformations strategies call —
+//! `split`, `place`, `replicate`, `shard`, `shard-tensor` and `order`. Each
+//! checks all its arguments before it changes anything, so a failed directive
+//! leaves the DAG exactly as it was (`order`, the one directive whose failure
+//! is only known after the change — a cycle — rolls its edges back).
+
+use super::error::{DagError, DagErrorKind};
+use super::filter::Filter;
+use super::{
+    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Pass, ReplicaSpec,
+    StreamId, TensorKind, TrainingDag,
+};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences};
+use petgraph::Direction;
+use std::collections::{HashMap, HashSet};
+
+/// Options of `replicate` (data parallelism and ZeRO).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicateOptions {
+    /// ZeRO-1: optimizer states sharded over the group.
+    pub shard_optimizer: bool,
+    /// ZeRO-2: gradients reduce-scattered and sharded too.
+    pub shard_grads: bool,
+    /// ZeRO-3: parameters sharded too, all-gathered before every use.
+    pub shard_params: bool,
+    /// Gradient bucket size for the reduction collectives (0 = one per segment).
+    pub bucket_bytes: u64,
+    /// Stream of the gradient reductions.
+    pub reduce_stream: String,
+    /// Stream of the parameter all-gathers.
+    pub gather_stream: String,
+    /// ZeRO-3: free gathered parameters after each use (true) or keep them
+    /// from the first forward to the last backward (false).
+    pub reshard_after_forward: bool,
+}
+
+impl Default for ReplicateOptions {
+    fn default() -> Self {
+        ReplicateOptions {
+            shard_optimizer: false,
+            shard_grads: false,
+            shard_params: false,
+            bucket_bytes: 25 << 20, // PyTorch DDP's default bucket
+            reduce_stream: "dp".into(),
+            gather_stream: "dp".into(),
+            reshard_after_forward: true,
+        }
+    }
+}
+
+impl ReplicateOptions {
+    /// Plain data parallelism (stage 0) or ZeRO stage 1, 2 or 3.
+    pub fn zero(stage: u8) -> Self {
+        ReplicateOptions {
+            shard_optimizer: stage >= 1,
+            shard_grads: stage >= 2,
+            shard_params: stage >= 3,
+            ..Self::default()
+        }
+    }
+    /// The ZeRO stage; stages are cumulative (sharding parameters implies
+    /// sharding gradients and optimizer states).
+    pub fn stage(&self) -> u8 {
+        if self.shard_params {
+            3
+        } else if self.shard_grads {
+            2
+        } else if self.shard_optimizer {
+            1
+        } else {
+            0
+        }
+    }
+}
+
+fn devices_str(d: &[u32]) -> String {
+    format!("{d:?}")
+}
+
+impl TrainingDag {
+    pub(crate) fn check_devices(&self, devices: &[u32], call: &str) -> Result<Vec<DeviceId>, DagError> {
+        if devices.is_empty() {
+            return Err(DagError::new(call, DagErrorKind::EmptyDevices));
+        }
+        let mut seen = HashSet::new();
+        for &d in devices {
+            if d >= self.cluster_info().devices {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::DeviceOutOfRange {
+                        device: d,
+                        cluster: self.cluster_info().devices,
+                    },
+                ));
+            }
+            if !seen.insert(d) {
+                return Err(DagError::new(call, DagErrorKind::DuplicateDevice { device: d }));
+            }
+        }
+        Ok(devices.iter().map(|d| DeviceId(*d)).collect())
+    }
+
+    fn check_stream(stream: &str, what: &str, call: &str) -> Result<(), DagError> {
+        if stream.trim().is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!("the {what} name is empty")),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Core compute nodes among `ids`; an error naming what matched if none.
+    fn compute_only(&self, f: &Filter, ids: Vec<NodeId>, call: &str) -> Result<Vec<NodeId>, DagError> {
+        let compute: Vec<NodeId> = ids
+            .iter()
+            .copied()
+            .filter(|id| matches!(self.graph[id.ix()].kind, NodeKind::Compute { .. }))
+            .collect();
+        if compute.is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::WrongKind {
+                    filter: f.to_string(),
+                    what: "compute",
+                    matched: ids.iter().take(8).map(|i| self.label(*i)).collect(),
+                },
+            ));
+        }
+        Ok(compute)
+    }
+
+    /// Mark derived nodes stale (rebuilt before the next read or `order`).
+    pub(crate) fn touch(&mut self) {
+        self.dirty = true;
+    }
+
+    /// **split**: copy the matched sub-DAG `n` times along dimension `dim`
+    /// (microbatches: `split(all, "MB", 8)`), tagging copy `i` with `dim = i`.
+    /// Each copy runs `1/n` of the batch; parameter gradients of the copies
+    /// accumulate before the update. The region must be closed: no data edge may
+    /// leave it for a node it does not contain.
+    pub fn split(&mut self, f: &Filter, dim: &str, n: u32) -> Result<(), DagError> {
+        let call = format!("split({f}, {dim:?}, {n})");
+        if n == 0 {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument("n must be at least 1, got 0".into()),
+            ));
+        }
+        if dim.is_empty() || dim == "PASS" || dim == "PP" || dim == "EP" {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "`{dim}` cannot be a split dimension (use a new name such as MB)"
+                )),
+            ));
+        }
+        let ids: Vec<NodeId> = self
+            .select(f, &call)?
+            .into_iter()
+            .filter(|id| self.graph[id.ix()].derived.is_none())
+            .collect();
+        let ids = self.compute_only(f, ids.clone(), &call).map(|_| ids)?;
+        let set: HashSet<NodeId> = ids.iter().copied().collect();
+        if let Some(key) = self.find_tag(dim) {
+            if ids.iter().any(|id| self.graph[id.ix()].tags.get(key).is_some()) {
+                return Err(DagError::new(call, DagErrorKind::AlreadySplit { dim: dim.into() }));
+            }
+        }
+        // Closure: data and peer edges between the region and other core nodes.
+        for &id in &ids {
+            for e in self.graph.edges_directed(id.ix(), Direction::Outgoing) {
+                let t = NodeId::of(e.target());
+                if !set.contains(&t)
+                    && self.graph[t.ix()].derived.is_none()
+                    && !matches!(e.weight(), EdgeKind::Temporal)
+                {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::NonContiguous {
+                            inside: self.label(id),
+                            outside: self.label(t),
+                        },
+                    ));
+                }
+            }
+            for e in self.graph.edges_directed(id.ix(), Direction::Incoming) {
+                let s = NodeId::of(e.source());
+                if !set.contains(&s)
+                    && self.graph[s.ix()].derived.is_none()
+                    && !matches!(e.weight(), EdgeKind::Temporal)
+                {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::NonContiguous {
+                            inside: self.label(id),
+                            outside: self.label(s),
+                        },
+                    ));
+                }
+            }
+        }
+        // Validated: from here on nothing fails.
+        let key = self.tag_key(dim);
+        let edges: Vec<(NodeId, NodeId, EdgeKind)> = self
+            .graph
+            .edge_references()
+            .filter(|e| {
+                let (s, t) = (NodeId::of(e.source()), NodeId::of(e.target()));
+                let (ins, int) = (set.contains(&s), set.contains(&t));
+                let core = |x: NodeId| self.graph[x.ix()].derived.is_none();
+                (ins && int) || ((ins || int) && core(s) && core(t))
+            })
+            .map(|e| (NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
+            .collect();
+        for &id in &ids {
+            let node = &mut self.graph[id.ix()];
+            node.tags.set(key, 0);
+            node.batch_div *= n;
+            self.index_tag(id, key, 0);
+        }
+        for i in 1..n {
+            let mut map: HashMap<NodeId, NodeId> = HashMap::with_capacity(ids.len());
+            for &id in &ids {
+                let mut node = self.graph[id.ix()].clone();
+                node.tags.set(key, i);
+                map.insert(id, NodeId::of(self.add_node(node)));
+            }
+            for &id in &ids {
+                if let NodeKind::Comm(c) = &mut self.graph[map[&id].ix()].kind {
+                    if let Some(p) = c.pair {
+                        c.pair = map.get(&p).copied().or(Some(p));
+                    }
+                }
+            }
+            for &(s, t, k) in &edges {
+                let (s2, t2) = (map.get(&s).copied().unwrap_or(s), map.get(&t).copied().unwrap_or(t));
+                self.graph.add_edge(s2.ix(), t2.ix(), k);
+            }
+        }
+        self.split_dims.push(key);
+        self.touch();
+        Ok(())
+    }
+
+    /// **place**: put the matched compute nodes on `devices` (several devices =
+    /// SPMD). Every data edge that then crosses device groups of equal size gets
+    /// a `send`/`recv` pair on `stream`, pairing the groups element-wise. When
+    /// the tied embedding and LM head end up on different groups, their
+    /// gradients get an all-reduce (on the same stream) before the update.
+    pub fn place(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
+        let call = format!("place({f}, devices {}, stream {stream:?})", devices_str(devices));
+        let devs = self.check_devices(devices, &call)?;
+        Self::check_stream(stream, "stream", &call)?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        let s = self.stream_id(stream);
+        for &id in &compute {
+            self.graph[id.ix()].devices = devs.clone();
+        }
+        for &id in &compute {
+            self.rewire_p2p(id, s);
+        }
+        self.tied_stream = s;
+        self.touch();
+        Ok(())
+    }
+
+    /// **replicate**: data parallelism of the matched compute nodes over
+    /// `devices`. Gradients are all-reduced after the last microbatch's backward
+    /// on `reduce_stream`, in buckets of `bucket_bytes`; ZeRO-1 shards the
+    /// optimizer (reduce-scatter, sharded update, all-gather of parameters),
+    /// ZeRO-2 reduce-scatters every microbatch's gradients, ZeRO-3 also shards
+    /// the parameters and all-gathers them on `gather_stream` before every
+    /// forward and backward use. A segment's forward and backward must be
+    /// matched together.
+    pub fn replicate(
+        &mut self,
+        f: &Filter,
+        devices: &[u32],
+        opts: &ReplicateOptions,
+    ) -> Result<(), DagError> {
+        let call = format!(
+            "replicate({f}, devices {}, zero {}, bucket-bytes {})",
+            devices_str(devices),
+            opts.stage(),
+            opts.bucket_bytes
+        );
+        let devs = self.check_devices(devices, &call)?;
+        Self::check_stream(&opts.reduce_stream, "reduce-stream", &call)?;
+        Self::check_stream(&opts.gather_stream, "gather-stream", &call)?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        let set: HashSet<NodeId> = compute.iter().copied().collect();
+        // Forward and backward of one segment and microbatch go together.
+        for &id in &compute {
+            for (other, k) in self.preds(id).chain(self.succs(id)) {
+                let partner = matches!(
+                    k,
+                    EdgeKind::Data {
+                        tensor: TensorKind::Saved,
+                        ..
+                    }
+                ) || (matches!(self.graph[id.ix()].kind, NodeKind::Compute { pass: Pass::BI, .. })
+                    && matches!(self.graph[other.ix()].kind, NodeKind::Compute { pass: Pass::BW, .. }));
+                if partner && !set.contains(&other) {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::Unpaired {
+                            node: self.label(id),
+                            partner: self.label(other),
+                        },
+                    ));
+                }
+            }
+        }
+        let spec = ReplicaSpec {
+            zero: opts.stage(),
+            bucket_bytes: opts.bucket_bytes,
+            reduce_stream: self.stream_id(&opts.reduce_stream),
+            gather_stream: self.stream_id(&opts.gather_stream),
+            reshard_after_forward: opts.reshard_after_forward,
+        };
+        let rep = match self.specs.iter().position(|s| *s == spec) {
+            Some(i) => i as u32,
+            None => {
+                self.specs.push(spec);
+                (self.specs.len() - 1) as u32
+            }
+        };
+        // Pipeline transfers keep the stream they were placed with.
+        let p2p_stream = self.tied_stream;
+        for &id in &compute {
+            let n = &mut self.graph[id.ix()];
+            n.devices = devs.clone();
+            n.replica = Some(rep);
+        }
+        for &id in &compute {
+            self.rewire_p2p(id, p2p_stream);
+        }
+        self.touch();
+        Ok(())
+    }
+
+    /// **shard** (expert parallelism).
+    pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
+        let call = format!("shard({f}, devices {}, stream {stream:?})", devices_str(devices));
+        Err(DagError::new(
+            call,
+            DagErrorKind::Unsupported {
+                what: "shard (expert parallelism)".into(),
+            },
+        ))
+    }
+
+    /// **shard-tensor** (tensor parallelism).
+    pub fn shard_tensor(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
+        let call = format!(
+            "shard-tensor({f}, devices {}, stream {stream:?})",
+            devices_str(devices)
+        );
+        Err(DagError::new(
+            call,
+            DagErrorKind::Unsupported {
+                what: "shard-tensor (tensor parallelism)".into(),
+            },
+        ))
+    }
+
+    /// **order**: on one device (group), run the nodes of `groups[i]` before
+    /// those of `groups[i+1]`: temporal edges from the sinks of group i to the
+    /// sources of group i+1 (through an order marker when that is fewer edges).
+    /// A group of several filters is one set whose members may interleave. A
+    /// filter on `PASS: BI` or `PASS: BW` splits the matching fused `B` nodes
+    /// into backward-for-input and backward-for-weight first.
+    pub fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
+        self.sync();
+        let call = order_call(groups);
+        if groups.len() < 2 {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "order needs at least 2 groups, got {}",
+                    groups.len()
+                )),
+            ));
+        }
+        if let Some(i) = groups.iter().position(|g| g.is_empty()) {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!("group {i} has no filter")),
+            ));
+        }
+        let mut resolved = Vec::new();
+        for g in groups {
+            let mut rg = Vec::new();
+            for f in g {
+                rg.push((f, self.resolve(f, &call)?));
+            }
+            resolved.push(rg);
+        }
+        // Backward splits asked for by BI/BW filters.
+        let mut to_split: Vec<NodeId> = Vec::new();
+        for g in groups {
+            for f in g {
+                if matches!(f.pass.as_deref(), Some("BI") | Some("BW")) {
+                    let fb = f.clone().pass("B");
+                    let r = self.resolve(&fb, &call)?;
+                    to_split.extend(self.select_resolved(&r));
+                }
+            }
+        }
+        to_split.sort_unstable();
+        to_split.dedup();
+        let snapshot = if to_split.is_empty() {
+            None
+        } else {
+            Some(self.clone())
+        };
+        let fail = |dag: &mut TrainingDag, kind: DagErrorKind, snapshot: Option<TrainingDag>| {
+            if let Some(s) = snapshot {
+                *dag = s;
+            }
+            Err(DagError::new(call.clone(), kind))
+        };
+        for &b in &to_split {
+            self.split_backward(b);
+        }
+        let mut sets: Vec<Vec<NodeId>> = Vec::new();
+        for rg in &resolved {
+            let mut set = Vec::new();
+            for (f, r) in rg {
+                let m = self.select_resolved(r);
+                if m.is_empty() {
+                    return fail(self, DagErrorKind::NoMatch { filter: f.to_string() }, snapshot);
+                }
+                set.extend(m);
+            }
+            set.sort_unstable();
+            set.dedup();
+            sets.push(set);
+        }
+        // One device group for the whole order.
+        let first = sets[0][0];
+        let devs = self.graph[first.ix()].devices.clone();
+        for set in &sets {
+            for &id in set {
+                let d = &self.graph[id.ix()].devices;
+                if d.is_empty() {
+                    return fail(self, DagErrorKind::Unplaced { node: self.label(id) }, snapshot);
+                }
+                if *d != devs {
+                    let kind = DagErrorKind::CrossDevice {
+                        a: self.label(first),
+                        a_devices: devs.iter().map(|d| d.0).collect(),
+                        b: self.label(id),
+                        b_devices: d.iter().map(|d| d.0).collect(),
+                    };
+                    return fail(self, kind, snapshot);
+                }
+            }
+        }
+        let mut added_edges = Vec::new();
+        let mut added_nodes = Vec::new();
+        for w in sets.windows(2) {
+            let sinks = self.boundary(&w[0], Direction::Outgoing);
+            let sources = self.boundary(&w[1], Direction::Incoming);
+            if sinks.iter().any(|s| sources.contains(s)) {
+                let n = *sinks.iter().find(|s| sources.contains(s)).unwrap();
+                let cycle = vec![self.label(n), self.label(n)];
+                self.rollback(&added_edges, &added_nodes);
+                return fail(self, DagErrorKind::Cycle { cycle }, snapshot);
+            }
+            if sinks.len() * sources.len() > sinks.len() + sources.len() {
+                let marker = self.add_node(Node {
+                    kind: NodeKind::Marker,
+                    tags: Default::default(),
+                    devices: devs.clone(),
+                    stream: super::COMPUTE,
+                    priority: 0,
+                    batch_div: 1,
+                    replica: None,
+                    derived: None,
+                    tweaked: false,
+                });
+                added_nodes.push(marker);
+                for &s in &sinks {
+                    added_edges.push(self.graph.add_edge(s.ix(), marker, EdgeKind::Temporal));
+                }
+                for &t in &sources {
+                    added_edges.push(self.graph.add_edge(marker, t.ix(), EdgeKind::Temporal));
+                }
+            } else {
+                for &s in &sinks {
+                    for &t in &sources {
+                        if self.graph.find_edge(s.ix(), t.ix()).is_none() {
+                            added_edges.push(self.graph.add_edge(s.ix(), t.ix(), EdgeKind::Temporal));
+                        }
+                    }
+                }
+            }
+        }
+        if let Err(cycle) = self.check_acyclic() {
+            let cycle = cycle.iter().map(|n| self.label(*n)).collect();
+            self.rollback(&added_edges, &added_nodes);
+            return fail(self, DagErrorKind::Cycle { cycle }, snapshot);
+        }
+        Ok(())
+    }
+
+    fn rollback(
+        &mut self,
+        edges: &[petgraph::stable_graph::EdgeIndex],
+        nodes: &[petgraph::stable_graph::NodeIndex],
+    ) {
+        for e in edges.iter().rev() {
+            self.graph.remove_edge(*e);
+        }
+        for n in nodes.iter().rev() {
+            self.graph.remove_node(*n);
+        }
+    }
+
+    /// Nodes of `set` with no successor (Outgoing) / predecessor (Incoming)
+    /// inside the set.
+    fn boundary(&self, set: &[NodeId], dir: Direction) -> Vec<NodeId> {
+        let members: HashSet<NodeId> = set.iter().copied().collect();
+        set.iter()
+            .copied()
+            .filter(|id| {
+                !self
+                    .graph
+                    .edges_directed(id.ix(), dir)
+                    .any(|e| {
+                        let other = if dir == Direction::Outgoing { e.target() } else { e.source() };
+                        members.contains(&NodeId::of(other))
+                    })
+            })
+            .collect()
+    }
+
+    /// Split a fused backward node into `BI` (this node) and a new `BW`.
+    fn split_backward(&mut self, b: NodeId) {
+        let node = &mut self.graph[b.ix()];
+        let NodeKind::Compute { pass, segment } = &mut node.kind else {
+            return;
+        };
+        if *pass != Pass::B {
+            return;
+        }
+        *pass = Pass::BI;
+        let segment = *segment;
+        let mut bw = node.clone();
+        bw.kind = NodeKind::Compute {
+            pass: Pass::BW,
+            segment,
+        };
+        self.index_label(b);
+        let bw = self.add_node(bw);
+        // BW needs the saved activations and the output gradient, which BI hands on.
+        let saved: Vec<(NodeId, EdgeKind)> = self
+            .preds(b)
+            .filter(|(_, k)| matches!(k, EdgeKind::Data { tensor: TensorKind::Saved, .. }))
+            .collect();
+        for (src, k) in saved {
+            self.graph.add_edge(src.ix(), bw, k);
+        }
+        let seg = &self.segments()[segment as usize];
+        let grad_bytes = seg.cost.act_out_bytes;
+        self.graph.add_edge(
+            b.ix(),
+            bw,
+            EdgeKind::Data {
+                tensor: TensorKind::ActGrad,
+                bytes: grad_bytes,
+            },
+        );
+        // The backward is complete when BW is: temporal successors move to BW.
+        let temporal_out: Vec<_> = self
+            .graph
+            .edges_directed(b.ix(), Direction::Outgoing)
+            .filter(|e| matches!(e.weight(), EdgeKind::Temporal))
+            .map(|e| (e.id(), e.target()))
+            .collect();
+        for (e, t) in temporal_out {
+            self.graph.remove_edge(e);
+            self.graph.add_edge(bw, t, EdgeKind::Temporal);
+        }
+        // Weight gradients now come from BW: move them (derived nodes stay valid;
+        // ZeRO-3 gathers keep feeding BI, which reads the weights).
+        let grads: Vec<_> = self
+            .graph
+            .edges_directed(b.ix(), Direction::Outgoing)
+            .filter(|e| {
+                matches!(
+                    e.weight(),
+                    EdgeKind::Data { tensor: TensorKind::ParamGrad | TensorKind::MicroGrad, .. }
+                )
+            })
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        for (e, t, k) in grads {
+            self.graph.remove_edge(e);
+            self.graph.add_edge(bw, t, k);
+        }
+    }
+
+    /// Replace the send/recv pairs around `id` and insert the ones its data
+    /// edges now need.
+    pub(crate) fn rewire_p2p(&mut self, id: NodeId, stream: StreamId) {
+        // Collapse existing pipeline pairs adjacent to `id`.
+        let adjacent: Vec<NodeId> = self
+            .preds(id)
+            .chain(self.succs(id))
+            .map(|(n, _)| n)
+            .filter(|n| {
+                matches!(&self.graph[n.ix()].kind, NodeKind::Comm(c) if c.purpose == CommPurpose::Pipeline)
+            })
+            .collect();
+        for c in adjacent {
+            if self.graph.node_weight(c.ix()).is_none() {
+                continue;
+            }
+            let NodeKind::Comm(comm) = &self.graph[c.ix()].kind else {
+                continue;
+            };
+            let (send, recv) = match comm.op {
+                CommOp::Send => (c, comm.pair.expect("send has a pair")),
+                _ => (comm.pair.expect("recv has a pair"), c),
+            };
+            let from: Vec<(NodeId, EdgeKind)> = self.preds(send).filter(|(_, k)| matches!(k, EdgeKind::Data { .. })).collect();
+            let to: Vec<(NodeId, EdgeKind)> = self.succs(recv).filter(|(_, k)| matches!(k, EdgeKind::Data { .. })).collect();
+            for (u, k) in &from {
+                for (v, _) in &to {
+                    self.graph.add_edge(u.ix(), v.ix(), *k);
+                }
+            }
+            self.graph.remove_node(send.ix());
+            self.graph.remove_node(recv.ix());
+        }
+        // Insert pairs for data edges that cross groups of equal size.
+        let crossing: Vec<(petgraph::stable_graph::EdgeIndex, NodeId, NodeId, EdgeKind)> = self
+            .graph
+            .edges_directed(id.ix(), Direction::Incoming)
+            .chain(self.graph.edges_directed(id.ix(), Direction::Outgoing))
+            .filter(|e| matches!(e.weight(), EdgeKind::Data { .. }))
+            .map(|e| (e.id(), NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
+            .filter(|(_, u, v, _)| {
+                let (a, b) = (&self.graph[u.ix()], &self.graph[v.ix()]);
+                matches!(a.kind, NodeKind::Compute { .. })
+                    && matches!(b.kind, NodeKind::Compute { .. })
+                    && !a.devices.is_empty()
+                    && !b.devices.is_empty()
+                    && a.devices != b.devices
+                    && a.devices.len() == b.devices.len()
+            })
+            .collect();
+        for (e, u, v, k) in crossing {
+            let EdgeKind::Data { tensor, bytes } = k else {
+                continue;
+            };
+            self.graph.remove_edge(e);
+            let (un, vn) = (self.graph[u.ix()].clone(), self.graph[v.ix()].clone());
+            let seg = |n: &Node| match n.kind {
+                NodeKind::Compute { segment, .. } => vec![segment],
+                _ => vec![],
+            };
+            let mk = |op, base: &Node, peers: &[DeviceId], segments| Node {
+                kind: NodeKind::Comm(Comm {
+                    op,
+                    purpose: CommPurpose::Pipeline,
+                    tensor,
+                    bytes,
+                    segments,
+                    peers: peers.to_vec(),
+                    groups: Vec::new(),
+                    pair: None,
+                }),
+                tags: base.tags.clone(),
+                devices: base.devices.clone(),
+                stream,
+                priority: 0,
+                batch_div: base.batch_div,
+                replica: None,
+                derived: None,
+                tweaked: false,
+            };
+            let send = self.add_node(mk(CommOp::Send, &un, &vn.devices, seg(&un)));
+            let recv = self.add_node(mk(CommOp::Recv, &vn, &un.devices, seg(&vn)));
+            if let NodeKind::Comm(c) = &mut self.graph[send].kind {
+                c.pair = Some(NodeId::of(recv));
+            }
+            if let NodeKind::Comm(c) = &mut self.graph[recv].kind {
+                c.pair = Some(NodeId::of(send));
+            }
+            self.graph.add_edge(u.ix(), send, k);
+            self.graph.add_edge(send, recv, EdgeKind::Peer);
+            self.graph.add_edge(recv, v.ix(), k);
+        }
+    }
+}
+
+/// `order([{..} | {..}, {..}, …])`, shortened for long schedules.
+fn order_call(groups: &[Vec<Filter>]) -> String {
+    let show: Vec<String> = groups
+        .iter()
+        .take(6)
+        .map(|g| g.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" | "))
+        .collect();
+    let more = if groups.len() > 6 {
+        format!(", … ({} groups)", groups.len())
+    } else {
+        String::new()
+    };
+    format!("order([{}{more}])", show.join(", "))
+}

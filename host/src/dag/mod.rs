@@ -1,0 +1,583 @@
+//! The global training DAG: Piper's one intermediate representation. It holds
+//! every computation and communication of a training step across all devices.
+//! The model builder (`model/`) creates it; strategies rewrite it only through
+//! the directives (`split`, `place`, `replicate`, `order`, …) and primitives
+//! (`query`, `node`, `neighbours`, …) defined as methods here; `compile/` turns
+//! it into per-device plans.
+//!
+//! # Example
+//! ```
+//! use piper::model::ModelConfig;
+//! use piper::dag::{Cluster, Filter, TrainingDag};
+//!
+//! let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(2)).unwrap();
+//! dag.split(&Filter::all(), "MB", 4).unwrap();
+//! for region in 0..8 {
+//!     dag.place(&Filter::tag("PP", region), &[region / 4], "pp").unwrap();
+//! }
+//! assert_eq!(dag.query(&Filter::all().pass("send")).unwrap().len(), 8);
+//! ```
+//!
+//! # Node kinds and who owns them
+//! - *Core* nodes: `F`/`B`/`BI`/`BW` compute nodes (one per segment, copied by
+//!   `split`), `send`/`recv` pairs (inserted by `place` where a data edge
+//!   crosses device groups) and `order` markers.
+//! - *Derived* nodes: the `update` nodes, the data-parallel collectives
+//!   inserted for `replicate` (all-reduce, ZeRO reduce-scatter / all-gather)
+//!   and the tied-embedding all-reduce. They are a function of the core nodes'
+//!   placement and replication and are rebuilt after every `split`, `place`
+//!   and `replicate`; a stream, priority or temporal edge a strategy set on a
+//!   derived node is carried over to its rebuilt counterpart.
+//!
+//! A node on several devices runs SPMD: data-parallel replicas are one node.
+
+mod derived;
+mod directives;
+pub mod error;
+pub mod filter;
+mod primitives;
+#[cfg(test)]
+mod tests;
+
+pub use directives::ReplicateOptions;
+pub use error::{DagError, DagErrorKind};
+pub use filter::{Filter, TagMatch, PASS_VALUES};
+pub use primitives::{Neighbour, NodeInfo};
+
+use crate::model::{ModelConfig, ModelError, Segment};
+use petgraph::stable_graph::{NodeIndex, StableDiGraph};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
+use petgraph::Direction;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A node's id: stable across rewrites (petgraph `StableDiGraph` index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct NodeId(pub u32);
+
+/// A device index in the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DeviceId(pub u32);
+
+/// An interned logical stream name (`compute`, `pp`, `dp`, …).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamId(pub u16);
+
+/// An interned tag key (`PP`, `EP`, `MB`, …).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TagKey(pub u16);
+
+impl NodeId {
+    pub(crate) fn ix(self) -> NodeIndex {
+        NodeIndex::new(self.0 as usize)
+    }
+    pub(crate) fn of(ix: NodeIndex) -> Self {
+        NodeId(ix.index() as u32)
+    }
+}
+
+/// Compute passes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Pass {
+    /// Forward.
+    F,
+    /// Fused backward (input and weight gradients).
+    B,
+    /// Backward for inputs.
+    BI,
+    /// Backward for weights.
+    BW,
+}
+
+impl Pass {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Pass::F => "F",
+            Pass::B => "B",
+            Pass::BI => "BI",
+            Pass::BW => "BW",
+        }
+    }
+    /// Does this pass produce weight gradients?
+    pub fn makes_weight_grads(self) -> bool {
+        matches!(self, Pass::B | Pass::BW)
+    }
+    /// Does this pass read the weights?
+    pub fn reads_weights(self) -> bool {
+        matches!(self, Pass::F | Pass::B | Pass::BI)
+    }
+}
+
+/// Communication operations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CommOp {
+    Send,
+    Recv,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    AllToAll,
+}
+
+impl CommOp {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommOp::Send => "send",
+            CommOp::Recv => "recv",
+            CommOp::AllReduce => "all-reduce",
+            CommOp::ReduceScatter => "reduce-scatter",
+            CommOp::AllGather => "all-gather",
+            CommOp::AllToAll => "all-to-all",
+        }
+    }
+    pub fn is_p2p(self) -> bool {
+        matches!(self, CommOp::Send | CommOp::Recv)
+    }
+}
+
+/// Why a communication node exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CommPurpose {
+    /// Pipeline activation / gradient transfer (from `place`).
+    Pipeline,
+    /// Data-parallel gradient reduction (from `replicate`).
+    GradSync,
+    /// ZeRO-3 parameter gather before a use.
+    ParamGather,
+    /// ZeRO-1/2 parameter gather after the sharded optimizer step.
+    ParamRefresh,
+    /// Gradient all-reduce of the tied embedding / LM head across stages.
+    TiedGrad,
+}
+
+/// What a data edge carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum TensorKind {
+    /// Forward activation (scales with the batch share).
+    Activation,
+    /// Gradient of an activation (scales with the batch share).
+    ActGrad,
+    /// Tensors kept from forward for backward (scale with the batch share).
+    Saved,
+    /// Parameter gradients accumulated over microbatches (they live in the
+    /// device's gradient buffer, a model state).
+    ParamGrad,
+    /// One microbatch's parameter gradients, alive until its reduce-scatter
+    /// (ZeRO-2/3).
+    MicroGrad,
+    /// Parameters (ZeRO gathers).
+    Param,
+}
+
+impl TensorKind {
+    /// Does the size scale with the share of the batch the node runs?
+    pub fn scales_with_batch(self) -> bool {
+        matches!(
+            self,
+            TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved
+        )
+    }
+}
+
+/// A communication node's payload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Comm {
+    pub op: CommOp,
+    pub purpose: CommPurpose,
+    pub tensor: TensorKind,
+    /// Bytes this node moves per device: for batch-scaled tensors the
+    /// full-batch figure (divided at compile time), else exact.
+    pub bytes: u64,
+    /// Segments whose tensors it moves.
+    pub segments: Vec<u32>,
+    /// Point-to-point: the peer of each device of the node's group, element-wise.
+    pub peers: Vec<DeviceId>,
+    /// Collectives: the groups that run it (a partition of the node's devices).
+    pub groups: Vec<Vec<DeviceId>>,
+    /// Point-to-point: the other half of the pair.
+    pub pair: Option<NodeId>,
+}
+
+/// What a node does.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum NodeKind {
+    Compute { pass: Pass, segment: u32 },
+    Update { segments: Vec<u32> },
+    Comm(Comm),
+    Marker,
+}
+
+impl NodeKind {
+    /// The op name used in filters (`PASS`) and plans.
+    pub fn label(&self) -> &'static str {
+        match self {
+            NodeKind::Compute { pass, .. } => pass.as_str(),
+            NodeKind::Update { .. } => "update",
+            NodeKind::Comm(c) => c.op.as_str(),
+            NodeKind::Marker => "marker",
+        }
+    }
+}
+
+/// Sorted `(key, index)` pairs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Tags(pub(crate) Vec<(TagKey, u32)>);
+
+impl Tags {
+    pub fn get(&self, k: TagKey) -> Option<u32> {
+        self.0.iter().find(|(key, _)| *key == k).map(|(_, v)| *v)
+    }
+    pub fn set(&mut self, k: TagKey, v: u32) {
+        match self.0.binary_search_by_key(&k, |(key, _)| *key) {
+            Ok(i) => self.0[i].1 = v,
+            Err(i) => self.0.insert(i, (k, v)),
+        }
+    }
+}
+
+/// A node of the global training DAG.
+#[derive(Clone, Debug)]
+pub struct Node {
+    pub kind: NodeKind,
+    pub tags: Tags,
+    /// The device group; empty until placed. Several devices = SPMD.
+    pub devices: Vec<DeviceId>,
+    pub stream: StreamId,
+    pub priority: i32,
+    /// How many pieces `split` cut the batch into for this node.
+    pub batch_div: u32,
+    /// Replication spec (index into the DAG's specs) for compute nodes.
+    pub replica: Option<u32>,
+    /// Identity of a derived node across rebuilds; `None` for core nodes.
+    pub(crate) derived: Option<u64>,
+    /// A strategy changed this derived node (stream, priority, temporal edge):
+    /// the change is carried over when derived nodes are rebuilt.
+    pub(crate) tweaked: bool,
+}
+
+/// What an edge means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EdgeKind {
+    /// A tensor flows; `bytes` as in [`Comm::bytes`].
+    Data { tensor: TensorKind, bytes: u64 },
+    /// Ordering only, on one device.
+    Temporal,
+    /// A send to its recv (crosses devices).
+    Peer,
+}
+
+/// The cluster the DAG targets.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Cluster {
+    pub devices: u32,
+    /// Memory per device in bytes.
+    pub memory_bytes: u64,
+    /// Link bandwidth between devices, bytes/s (for the simulator).
+    pub link_bytes_per_s: f64,
+}
+
+impl Cluster {
+    /// `n` devices with 16 GiB each and 50 GB/s links.
+    pub fn new(n: u32) -> Self {
+        Cluster {
+            devices: n,
+            memory_bytes: 16 << 30,
+            link_bytes_per_s: 50e9,
+        }
+    }
+}
+
+/// A replication spec recorded by `replicate`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ReplicaSpec {
+    pub zero: u8,
+    pub bucket_bytes: u64,
+    pub reduce_stream: StreamId,
+    pub gather_stream: StreamId,
+    pub reshard_after_forward: bool,
+}
+
+/// The global training DAG.
+#[derive(Clone)]
+pub struct TrainingDag {
+    pub(crate) graph: StableDiGraph<Node, EdgeKind>,
+    model: ModelConfig,
+    segments: Vec<Segment>,
+    cluster: Cluster,
+    tag_names: Vec<String>,
+    streams: Vec<String>,
+    pub(crate) specs: Vec<ReplicaSpec>,
+    /// Split dimensions applied, in order (`MB`, …).
+    pub(crate) split_dims: Vec<TagKey>,
+    /// Stream of the tied-gradient all-reduce (the last `place` stream).
+    pub(crate) tied_stream: StreamId,
+    /// Derived nodes are stale: rebuilt before the next read or directive.
+    pub(crate) dirty: bool,
+    /// Filter index, built on first use after a structural change.
+    pub(crate) index: std::cell::OnceCell<primitives::Index>,
+}
+
+pub(crate) const COMPUTE: StreamId = StreamId(0);
+
+impl TrainingDag {
+    /// Build the initial DAG of a model on a cluster (see `model::builder`).
+    pub fn build(model: &ModelConfig, cluster: Cluster) -> Result<Self, ModelError> {
+        crate::model::builder::build(model, cluster)
+    }
+
+    /// An empty DAG for `model` (used by the builder).
+    pub(crate) fn empty(model: ModelConfig, segments: Vec<Segment>, cluster: Cluster) -> Self {
+        TrainingDag {
+            graph: StableDiGraph::new(),
+            model,
+            segments,
+            cluster,
+            tag_names: Vec::new(),
+            streams: vec!["compute".into()],
+            specs: Vec::new(),
+            split_dims: Vec::new(),
+            tied_stream: COMPUTE,
+            dirty: true,
+            index: std::cell::OnceCell::new(),
+        }
+    }
+
+    pub fn model(&self) -> &ModelConfig {
+        &self.model
+    }
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+    pub fn cluster_info(&self) -> &Cluster {
+        &self.cluster
+    }
+    /// Number of nodes.
+    pub fn node_count(&self) -> usize {
+        self.graph.node_count()
+    }
+    /// Number of edges.
+    pub fn edge_count(&self) -> usize {
+        self.graph.edge_count()
+    }
+    pub(crate) fn node_ref(&self, id: NodeId) -> Option<&Node> {
+        self.graph.node_weight(id.ix())
+    }
+    pub(crate) fn node_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.graph.node_indices().map(NodeId::of)
+    }
+
+    /// Add a node, keeping the filter index (if built) up to date.
+    pub(crate) fn add_node(&mut self, node: Node) -> NodeIndex {
+        let ix = self.graph.add_node(node);
+        if let Some(mut index) = self.index.take() {
+            index.add(self, NodeId::of(ix));
+            let _ = self.index.set(index);
+        }
+        ix
+    }
+
+    /// Record in the index that `id` now carries `key = v`.
+    pub(crate) fn index_tag(&mut self, id: NodeId, key: TagKey, v: u32) {
+        if let Some(mut index) = self.index.take() {
+            index.add_tag(self, id, key, v);
+            let _ = self.index.set(index);
+        }
+    }
+
+    /// Record in the index that `id` changed its op label.
+    pub(crate) fn index_label(&mut self, id: NodeId) {
+        if let Some(mut index) = self.index.take() {
+            index.add(self, id);
+            let _ = self.index.set(index);
+        }
+    }
+
+    /// Intern a tag key.
+    pub(crate) fn tag_key(&mut self, name: &str) -> TagKey {
+        if let Some(i) = self.tag_names.iter().position(|n| n == name) {
+            return TagKey(i as u16);
+        }
+        self.tag_names.push(name.to_string());
+        TagKey((self.tag_names.len() - 1) as u16)
+    }
+    pub(crate) fn find_tag(&self, name: &str) -> Option<TagKey> {
+        self.tag_names
+            .iter()
+            .position(|n| n == name)
+            .map(|i| TagKey(i as u16))
+    }
+    pub fn tag_name(&self, k: TagKey) -> &str {
+        &self.tag_names[k.0 as usize]
+    }
+    /// Tag keys the DAG's nodes carry (keys are interned only when first
+    /// set on a node), plus `PASS`.
+    pub fn tag_names(&self) -> Vec<String> {
+        let mut names = self.tag_names.clone();
+        names.push("PASS".into());
+        names
+    }
+
+    /// Intern a stream name.
+    pub(crate) fn stream_id(&mut self, name: &str) -> StreamId {
+        if let Some(i) = self.streams.iter().position(|n| n == name) {
+            return StreamId(i as u16);
+        }
+        self.streams.push(name.to_string());
+        StreamId((self.streams.len() - 1) as u16)
+    }
+    pub fn stream_name(&self, s: StreamId) -> &str {
+        &self.streams[s.0 as usize]
+    }
+
+    /// Tags as a name → index map (without `PASS`).
+    pub fn tag_map(&self, tags: &Tags) -> BTreeMap<String, u32> {
+        tags.0
+            .iter()
+            .map(|(k, v)| (self.tag_name(*k).to_string(), *v))
+            .collect()
+    }
+
+    /// A readable node label for errors and tables: `F{PP:1,MB:3}#17`.
+    pub fn label(&self, id: NodeId) -> String {
+        match self.node_ref(id) {
+            None => format!("#{}", id.0),
+            Some(n) => {
+                let tags: Vec<String> = n
+                    .tags
+                    .0
+                    .iter()
+                    .map(|(k, v)| format!("{}:{v}", self.tag_name(*k)))
+                    .collect();
+                format!("{}{{{}}}#{}", n.kind.label(), tags.join(","), id.0)
+            }
+        }
+    }
+
+    /// Data and temporal predecessors (what must finish first on the same device).
+    pub(crate) fn preds(&self, id: NodeId) -> impl Iterator<Item = (NodeId, EdgeKind)> + '_ {
+        self.graph
+            .edges_directed(id.ix(), Direction::Incoming)
+            .map(|e| (NodeId::of(e.source()), *e.weight()))
+    }
+    pub(crate) fn succs(&self, id: NodeId) -> impl Iterator<Item = (NodeId, EdgeKind)> + '_ {
+        self.graph
+            .edges_directed(id.ix(), Direction::Outgoing)
+            .map(|e| (NodeId::of(e.target()), *e.weight()))
+    }
+
+    /// Every node's devices (for compile).
+    pub(crate) fn devices_of(&self, id: NodeId) -> &[DeviceId] {
+        &self.graph[id.ix()].devices
+    }
+
+    /// The share of the global batch one device of this node processes:
+    /// `1 / (microbatch splits × data-parallel degree)`.
+    pub fn batch_share_div(&self, id: NodeId) -> u64 {
+        let n = &self.graph[id.ix()];
+        n.batch_div as u64 * n.devices.len().max(1) as u64
+    }
+
+    /// A JSON snapshot of the DAG for debugging (derived nodes brought up to date first).
+    pub fn snapshot(&mut self) -> serde_json::Value {
+        self.sync();
+        self.to_json()
+    }
+
+    /// A JSON snapshot of the DAG as it stands.
+    pub fn to_json(&self) -> serde_json::Value {
+        let nodes: Vec<serde_json::Value> = self
+            .node_ids()
+            .map(|id| {
+                let n = &self.graph[id.ix()];
+                serde_json::json!({
+                    "id": id.0,
+                    "op": n.kind.label(),
+                    "kind": n.kind,
+                    "tags": self.tag_map(&n.tags),
+                    "devices": n.devices.iter().map(|d| d.0).collect::<Vec<_>>(),
+                    "stream": self.stream_name(n.stream),
+                    "priority": n.priority,
+                    "batch_div": n.batch_div,
+                    "derived": n.derived.is_some(),
+                })
+            })
+            .collect();
+        let edges: Vec<serde_json::Value> = self
+            .graph
+            .edge_references()
+            .map(|e| {
+                serde_json::json!({
+                    "from": e.source().index(),
+                    "to": e.target().index(),
+                    "kind": e.weight(),
+                })
+            })
+            .collect();
+        serde_json::json!({
+            "model": self.model,
+            "cluster": self.cluster,
+            "segments": self.segments,
+            "nodes": nodes,
+            "edges": edges,
+        })
+    }
+
+    /// Kahn's algorithm over every edge. `Err` holds one cycle.
+    pub(crate) fn check_acyclic(&self) -> Result<(), Vec<NodeId>> {
+        let bound = self.graph.node_bound();
+        let mut indeg = vec![0u32; bound];
+        for e in self.graph.edge_references() {
+            indeg[e.target().index()] += 1;
+        }
+        let mut stack: Vec<NodeIndex> = self
+            .graph
+            .node_indices()
+            .filter(|i| indeg[i.index()] == 0)
+            .collect();
+        let mut seen = 0usize;
+        while let Some(n) = stack.pop() {
+            seen += 1;
+            for e in self.graph.edges_directed(n, Direction::Outgoing) {
+                let t = e.target().index();
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    stack.push(e.target());
+                }
+            }
+        }
+        if seen == self.graph.node_count() {
+            return Ok(());
+        }
+        // Walk predecessors among the blocked nodes until one repeats.
+        let start = self
+            .graph
+            .node_indices()
+            .find(|i| indeg[i.index()] > 0)
+            .expect("a blocked node exists");
+        let mut path = vec![start];
+        let mut pos: BTreeMap<usize, usize> = BTreeMap::from([(start.index(), 0)]);
+        let mut cur = start;
+        loop {
+            let next = self
+                .graph
+                .edges_directed(cur, Direction::Incoming)
+                .map(|e| e.source())
+                .find(|s| indeg[s.index()] > 0)
+                .expect("a blocked node has a blocked predecessor");
+            if let Some(&p) = pos.get(&next.index()) {
+                let mut cycle: Vec<NodeId> = path[p..].iter().map(|i| NodeId::of(*i)).collect();
+                cycle.reverse();
+                cycle.push(cycle[0]);
+                return Err(cycle);
+            }
+            pos.insert(next.index(), path.len());
+            path.push(next);
+            cur = next;
+        }
+    }
+}

@@ -1,0 +1,399 @@
+//! Primitives: the small API for strategies no directive foresaw — query nodes
+//! by filter, read a node and its neighbours, tag extents, the cluster, add a
+//! temporal edge, set streams and priorities. Like directives, each checks its
+//! arguments and leaves the DAG unchanged on error.
+
+use super::error::{DagError, DagErrorKind};
+use super::filter::{Filter, TagMatch, PASS_VALUES};
+use super::{EdgeKind, NodeId, NodeKind, TagKey, TrainingDag};
+use crate::model::DTYPE_BYTES;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+
+/// Cost hints of one node as one device runs it (its share of the batch).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct NodeCost {
+    pub flops: f64,
+    pub param_bytes: u64,
+    pub act_in_bytes: u64,
+    pub act_out_bytes: u64,
+    pub saved_bytes: u64,
+    /// Bytes a communication node moves per device.
+    pub comm_bytes: u64,
+}
+
+/// What a strategy can read about a node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    /// `F`, `B`, `BI`, `BW`, `update`, `send`, … (the `PASS` value).
+    pub op: String,
+    pub tags: BTreeMap<String, u32>,
+    pub devices: Vec<u32>,
+    pub stream: String,
+    pub priority: i32,
+    /// Segments it computes or moves tensors of.
+    pub segments: Vec<u32>,
+    pub cost: NodeCost,
+}
+
+/// One edge seen from a node.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Neighbour {
+    pub node: NodeId,
+    /// `data`, `temporal` or `peer`.
+    pub edge: &'static str,
+}
+
+/// Node lists by tag value and by op label, for fast filter evaluation.
+///
+/// Lists only grow between full rebuilds (each sync of derived nodes): a
+/// removed or changed node may linger in a list, so candidates are always
+/// re-checked against the filter.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Index {
+    by_tag: HashMap<(TagKey, u32), Vec<NodeId>>,
+    by_label: HashMap<&'static str, Vec<NodeId>>,
+    by_label_tag: HashMap<(&'static str, TagKey, u32), Vec<NodeId>>,
+}
+
+impl Index {
+    fn build(dag: &TrainingDag) -> Self {
+        let mut ix = Index::default();
+        for id in dag.node_ids() {
+            ix.add(dag, id);
+        }
+        ix
+    }
+    pub(crate) fn add(&mut self, dag: &TrainingDag, id: NodeId) {
+        let n = &dag.graph[id.ix()];
+        let label = n.kind.label();
+        for (k, v) in &n.tags.0 {
+            self.by_tag.entry((*k, *v)).or_default().push(id);
+            self.by_label_tag.entry((label, *k, *v)).or_default().push(id);
+        }
+        self.by_label.entry(label).or_default().push(id);
+    }
+    pub(crate) fn add_tag(&mut self, dag: &TrainingDag, id: NodeId, k: TagKey, v: u32) {
+        let label = dag.graph[id.ix()].kind.label();
+        self.by_tag.entry((k, v)).or_default().push(id);
+        self.by_label_tag.entry((label, k, v)).or_default().push(id);
+    }
+}
+
+/// A filter with names resolved to keys.
+pub(crate) struct Resolved {
+    tags: Vec<(TagKey, TagMatch)>,
+    pass: Option<String>,
+}
+
+impl TrainingDag {
+    /// Resolve a filter's names; unknown tags and passes are errors.
+    pub(crate) fn resolve(&self, f: &Filter, call: &str) -> Result<Resolved, DagError> {
+        let mut tags = Vec::new();
+        for (k, m) in &f.tags {
+            let key = self.find_tag(k);
+            match key {
+                Some(key) => tags.push((key, *m)),
+                None => {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::UnknownTag {
+                            tag: k.clone(),
+                            known: self.tag_names(),
+                        },
+                    ))
+                }
+            }
+        }
+        if let Some(p) = &f.pass {
+            if !PASS_VALUES.contains(&p.as_str()) {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::InvalidArgument(format!(
+                        "PASS `{p}` is not one of {PASS_VALUES:?}"
+                    )),
+                ));
+            }
+        }
+        Ok(Resolved {
+            tags,
+            pass: f.pass.clone(),
+        })
+    }
+
+    pub(crate) fn matches(&self, id: NodeId, r: &Resolved) -> bool {
+        let n = &self.graph[id.ix()];
+        if let Some(p) = &r.pass {
+            if n.kind.label() != p {
+                return false;
+            }
+        }
+        r.tags.iter().all(|(k, m)| match (n.tags.get(*k), m) {
+            (None, _) => false,
+            (Some(_), TagMatch::Any) => true,
+            (Some(v), TagMatch::Index(i)) => v == *i,
+        })
+    }
+
+    /// Ids of the nodes a resolved filter matches, in id order.
+    pub(crate) fn select_resolved(&self, r: &Resolved) -> Vec<NodeId> {
+        let index = self.index.get_or_init(|| Index::build(self));
+        // Scan the smallest candidate list among the exact constraints.
+        let mut best: Option<&Vec<NodeId>> = None;
+        let empty = Vec::new();
+        let label = r.pass.as_deref().and_then(|p| PASS_VALUES.iter().find(|v| **v == p).copied());
+        for (k, m) in &r.tags {
+            if let TagMatch::Index(i) = m {
+                let list = match label {
+                    Some(l) => index.by_label_tag.get(&(l, *k, *i)),
+                    None => index.by_tag.get(&(*k, *i)),
+                }
+                .unwrap_or(&empty);
+                if best.is_none_or(|b| list.len() < b.len()) {
+                    best = Some(list);
+                }
+            }
+        }
+        if let Some(p) = label {
+            let list = index.by_label.get(p).unwrap_or(&empty);
+            if best.is_none_or(|b| list.len() < b.len()) {
+                best = Some(list);
+            }
+        }
+        let mut ids: Vec<NodeId> = match best {
+            Some(list) => list
+                .iter()
+                .copied()
+                .filter(|id| self.node_ref(*id).is_some() && self.matches(*id, r))
+                .collect(),
+            None => self.node_ids().filter(|id| self.matches(*id, r)).collect(),
+        };
+        ids.sort_unstable();
+        ids.dedup();
+        ids
+    }
+
+    /// Ids of the nodes a filter matches, in id order; an error if none.
+    pub(crate) fn select(&self, f: &Filter, call: &str) -> Result<Vec<NodeId>, DagError> {
+        let r = self.resolve(f, call)?;
+        let ids = self.select_resolved(&r);
+        if ids.is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::NoMatch {
+                    filter: f.to_string(),
+                },
+            ));
+        }
+        Ok(ids)
+    }
+
+    /// Nodes matching a filter (an error if the filter names an unknown tag
+    /// or matches nothing).
+    pub fn query(&mut self, f: &Filter) -> Result<Vec<NodeInfo>, DagError> {
+        self.sync();
+        let call = format!("query({f})");
+        Ok(self
+            .select(f, &call)?
+            .into_iter()
+            .map(|id| self.info(id))
+            .collect())
+    }
+
+    /// Ids only (cheaper than [`query`](Self::query)).
+    pub fn query_ids(&mut self, f: &Filter) -> Result<Vec<NodeId>, DagError> {
+        self.sync();
+        self.select(f, &format!("query({f})"))
+    }
+
+    /// One node.
+    pub fn node(&mut self, id: NodeId) -> Result<NodeInfo, DagError> {
+        self.sync();
+        self.check_id(id, &format!("node({})", id.0))?;
+        Ok(self.info(id))
+    }
+
+    pub(crate) fn check_id(&self, id: NodeId, call: &str) -> Result<(), DagError> {
+        if self.node_ref(id).is_none() {
+            return Err(DagError::new(call, DagErrorKind::UnknownNode { id: id.0 }));
+        }
+        Ok(())
+    }
+
+    /// Predecessors and successors of a node.
+    pub fn neighbours(
+        &mut self,
+        id: NodeId,
+    ) -> Result<(Vec<Neighbour>, Vec<Neighbour>), DagError> {
+        self.sync();
+        self.check_id(id, &format!("neighbours({})", id.0))?;
+        let name = |k: EdgeKind| match k {
+            EdgeKind::Data { .. } => "data",
+            EdgeKind::Temporal => "temporal",
+            EdgeKind::Peer => "peer",
+        };
+        let mut preds: Vec<Neighbour> = self
+            .preds(id)
+            .map(|(n, k)| Neighbour {
+                node: n,
+                edge: name(k),
+            })
+            .collect();
+        let mut succs: Vec<Neighbour> = self
+            .succs(id)
+            .map(|(n, k)| Neighbour {
+                node: n,
+                edge: name(k),
+            })
+            .collect();
+        preds.sort_by_key(|n| n.node);
+        succs.sort_by_key(|n| n.node);
+        Ok((preds, succs))
+    }
+
+    /// For each tag, how many indices it spans (max index + 1).
+    pub fn tag_extents(&self) -> BTreeMap<String, u32> {
+        let mut out: BTreeMap<String, u32> = BTreeMap::new();
+        for n in self.graph.node_weights() {
+            for (k, v) in &n.tags.0 {
+                let e = out.entry(self.tag_name(*k).to_string()).or_insert(0);
+                *e = (*e).max(v + 1);
+            }
+        }
+        out
+    }
+
+    /// Add an ordering edge `from` → `to`. Both must share a device (or both
+    /// be unplaced) and the edge must not close a cycle.
+    pub fn add_temporal_edge(&mut self, from: NodeId, to: NodeId) -> Result<(), DagError> {
+        self.sync();
+        let call = format!("add-temporal-edge({}, {})", from.0, to.0);
+        self.check_id(from, &call)?;
+        self.check_id(to, &call)?;
+        let (a, b) = (self.devices_of(from), self.devices_of(to));
+        let shares = a.iter().any(|d| b.contains(d)) || (a.is_empty() && b.is_empty());
+        if !shares {
+            return Err(DagError::new(
+                &call,
+                DagErrorKind::CrossDevice {
+                    a: self.label(from),
+                    a_devices: a.iter().map(|d| d.0).collect(),
+                    b: self.label(to),
+                    b_devices: b.iter().map(|d| d.0).collect(),
+                },
+            ));
+        }
+        if from == to || petgraph::algo::has_path_connecting(&self.graph, to.ix(), from.ix(), None)
+        {
+            return Err(DagError::new(
+                &call,
+                DagErrorKind::Cycle {
+                    cycle: vec![self.label(from), self.label(to), self.label(from)],
+                },
+            ));
+        }
+        self.graph.add_edge(from.ix(), to.ix(), EdgeKind::Temporal);
+        for id in [from, to] {
+            let n = &mut self.graph[id.ix()];
+            n.tweaked |= n.derived.is_some();
+        }
+        Ok(())
+    }
+
+    /// Put the matched nodes on a logical stream. Returns how many changed.
+    pub fn set_stream(&mut self, f: &Filter, stream: &str) -> Result<usize, DagError> {
+        let call = format!("set-stream({f}, {stream:?})");
+        if stream.is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument("the stream name is empty".into()),
+            ));
+        }
+        self.sync();
+        let ids = self.select(f, &call)?;
+        let s = self.stream_id(stream);
+        for id in &ids {
+            let n = &mut self.graph[id.ix()];
+            n.stream = s;
+            n.tweaked |= n.derived.is_some();
+        }
+        Ok(ids.len())
+    }
+
+    /// Set the scheduling priority of the matched nodes (higher runs first
+    /// among nodes ready together). Returns how many changed.
+    pub fn set_priority(&mut self, f: &Filter, priority: i32) -> Result<usize, DagError> {
+        let call = format!("set-priority({f}, {priority})");
+        self.sync();
+        let ids = self.select(f, &call)?;
+        for id in &ids {
+            let n = &mut self.graph[id.ix()];
+            n.priority = priority;
+            n.tweaked |= n.derived.is_some();
+        }
+        Ok(ids.len())
+    }
+
+    /// Cost hints of a node as one of its devices runs it.
+    pub fn cost(&self, id: NodeId) -> NodeCost {
+        let n = &self.graph[id.ix()];
+        let div = self.batch_share_div(id);
+        match &n.kind {
+            NodeKind::Compute { pass, segment } => {
+                let seg = &self.segments()[*segment as usize];
+                let c = &seg.cost;
+                let flops = match pass {
+                    super::Pass::F => c.fwd_flops,
+                    super::Pass::B => c.bwd_flops,
+                    super::Pass::BW => c.bwd_weight_flops,
+                    super::Pass::BI => c.bwd_flops - c.bwd_weight_flops,
+                };
+                NodeCost {
+                    flops: flops / div as f64,
+                    param_bytes: (seg.param_elems + seg.tied_elems) * DTYPE_BYTES,
+                    act_in_bytes: c.act_in_bytes / div,
+                    act_out_bytes: c.act_out_bytes / div,
+                    saved_bytes: c.saved_bytes / div,
+                    comm_bytes: 0,
+                }
+            }
+            NodeKind::Comm(c) => NodeCost {
+                comm_bytes: if c.tensor.scales_with_batch() {
+                    c.bytes / div
+                } else {
+                    c.bytes
+                },
+                ..NodeCost::default()
+            },
+            NodeKind::Update { segments } => NodeCost {
+                param_bytes: segments
+                    .iter()
+                    .map(|s| self.segments()[*s as usize].param_elems * DTYPE_BYTES)
+                    .sum(),
+                ..NodeCost::default()
+            },
+            NodeKind::Marker => NodeCost::default(),
+        }
+    }
+
+    pub(crate) fn info(&self, id: NodeId) -> NodeInfo {
+        let n = &self.graph[id.ix()];
+        let segments = match &n.kind {
+            NodeKind::Compute { segment, .. } => vec![*segment],
+            NodeKind::Update { segments } => segments.clone(),
+            NodeKind::Comm(c) => c.segments.clone(),
+            NodeKind::Marker => vec![],
+        };
+        NodeInfo {
+            id,
+            op: n.kind.label().to_string(),
+            tags: self.tag_map(&n.tags),
+            devices: n.devices.iter().map(|d| d.0).collect(),
+            stream: self.stream_name(n.stream).to_string(),
+            priority: n.priority,
+            segments,
+            cost: self.cost(id),
+        }
+    }
+}

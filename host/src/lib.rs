@@ -1,0 +1,10 @@
+//! Piper: a programmable distributed-training system. A strategy is a
+//! sandboxed WebAssembly component that rewrites the host-owned global
+//! training DAG through directives; the host compiles the DAG into per-device
+//! plans and runs them.
+//!
+//! The modules follow the flow: [`model`] → [`dag`] → [`compile`].
+
+pub mod compile;
+pub mod dag;
+pub mod model;

@@ -1,0 +1,109 @@
+//! Cost hints per model part, from the config alone: FLOPs, parameters,
+//! activation bytes in and out, and bytes saved for backward. All figures are
+//! for the whole global batch (`batch_size × seq_len` tokens); the DAG scales
+//! them by the share of the batch a node runs.
+
+use super::{ModelConfig, Part, DTYPE_BYTES};
+use serde::{Deserialize, Serialize};
+
+/// Cost hints of a part (or a sum of parts).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PartCost {
+    /// Forward FLOPs (multiply-add = 2).
+    pub fwd_flops: f64,
+    /// Backward FLOPs, input and weight gradients together (≈ 2× forward).
+    pub bwd_flops: f64,
+    /// Of `bwd_flops`, the share that computes weight gradients.
+    pub bwd_weight_flops: f64,
+    /// Parameters owned, in elements.
+    pub param_elems: u64,
+    /// Activation bytes entering the part.
+    pub act_in_bytes: u64,
+    /// Activation bytes leaving the part.
+    pub act_out_bytes: u64,
+    /// Bytes kept from forward for backward.
+    pub saved_bytes: u64,
+}
+
+impl PartCost {
+    pub fn add(&mut self, o: &PartCost) {
+        if self.param_elems == 0 && self.fwd_flops == 0.0 {
+            self.act_in_bytes = o.act_in_bytes;
+        }
+        self.fwd_flops += o.fwd_flops;
+        self.bwd_flops += o.bwd_flops;
+        self.bwd_weight_flops += o.bwd_weight_flops;
+        self.param_elems += o.param_elems;
+        self.act_out_bytes = o.act_out_bytes;
+        self.saved_bytes += o.saved_bytes;
+    }
+}
+
+/// Cost of one part over the global batch.
+pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
+    let d = cfg.d_model as f64;
+    let t = cfg.seq_len as f64;
+    let v = cfg.vocab as f64;
+    let h = cfg.heads as f64;
+    let n = cfg.batch_size as f64 * t; // tokens
+    let (e, k) = cfg
+        .moe
+        .as_ref()
+        .map(|m| (m.experts as f64, m.top_k as f64))
+        .unwrap_or((0.0, 0.0));
+    let b = DTYPE_BYTES as f64;
+    let hidden = n * d * b; // one (tokens × d_model) fp32 tensor
+    let attn_flops = 4.0 * n * t * d; // QKᵀ and AV
+    let (fwd, wgrad_share, params, saved, act_in, act_out) = match part {
+        Part::Embedding => (
+            n * d,
+            1.0,
+            v * d + t * d,
+            n * 4.0, // token ids
+            n * 4.0,
+            hidden,
+        ),
+        Part::Block(_) => (
+            2.0 * n * 12.0 * d * d + attn_flops,
+            0.5,
+            12.0 * d * d + 13.0 * d,
+            // ln1, qkv, probs, attention out, residual, ln2, fc, gelu, + mean/rstd ×2
+            (15.0 * d + h * t + 4.0) * n * b,
+            hidden,
+            hidden,
+        ),
+        Part::Attention(_) => (
+            2.0 * n * 4.0 * d * d + attn_flops + 2.0 * n * d * e,
+            0.5,
+            4.0 * d * d + 9.0 * d + d * e,
+            (7.0 * d + h * t + 4.0 + e) * n * b,
+            hidden,
+            hidden,
+        ),
+        Part::Experts(_) => (
+            2.0 * n * k * 8.0 * d * d,
+            0.5,
+            e * (8.0 * d * d + 5.0 * d),
+            (9.0 * d * k + k) * n * b,
+            hidden,
+            hidden,
+        ),
+        Part::Head => (
+            2.0 * n * d * v + 5.0 * n * v,
+            0.5,
+            2.0 * d, // ln_f; the head weight is the tied wte
+            (d + 2.0 + v) * n * b,
+            hidden,
+            b, // the loss
+        ),
+    };
+    PartCost {
+        fwd_flops: fwd,
+        bwd_flops: 2.0 * fwd,
+        bwd_weight_flops: 2.0 * fwd * wgrad_share,
+        param_elems: params as u64,
+        act_in_bytes: act_in as u64,
+        act_out_bytes: act_out as u64,
+        saved_bytes: saved as u64,
+    }
+}

@@ -1,0 +1,407 @@
+//! Model: the first stage of the flow. A GPT-2-style decoder described by a
+//! [`ModelConfig`] (preset, TOML file or Rust), cut into annotated
+//! [`Segment`]s, each carrying cost hints. The [`builder`] turns a config into
+//! the initial global training DAG (`dag/`).
+//!
+//! Decisions recorded here (see also `docs/design-notes.md`):
+//! - `batch_size` is the *global* batch in sequences. The micro-batch size a
+//!   device runs is `batch_size / (DP degree × microbatches)`; the compiler
+//!   checks that it divides.
+//! - Layers are grouped into `PP` regions (`layers_per_region`, default 1, or an
+//!   explicit `regions` list of layer counts). The embedding joins the first
+//!   region; final norm, tied LM head and loss join the last.
+//! - A MoE layer is two segments: the attention half (with the router) and the
+//!   expert half, which is tagged `EP` with the index of the MoE block.
+
+pub mod builder;
+mod cost;
+
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+pub use cost::{part_cost, PartCost};
+
+/// Bytes per element: Piper trains in fp32.
+pub const DTYPE_BYTES: u64 = 4;
+
+/// Errors of the model stage: a config that cannot describe a model.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("unknown model `{name}`: built-in presets are {known:?}, or give a path to a .toml model file")]
+    UnknownPreset { name: String, known: Vec<&'static str> },
+    #[error("cannot read model file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("model file {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("model `{name}`: {message}")]
+    Invalid { name: String, message: String },
+}
+
+/// Mixture-of-experts MLP: every layer's MLP is replaced by `experts` experts of
+/// which `top_k` run per token.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeConfig {
+    pub experts: u32,
+    pub top_k: u32,
+}
+
+/// A GPT-2-style decoder and the global batch it trains on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    #[serde(default = "default_name")]
+    pub name: String,
+    pub layers: u32,
+    pub d_model: u32,
+    pub heads: u32,
+    pub seq_len: u32,
+    pub vocab: u32,
+    /// Global batch in sequences (all data-parallel replicas and microbatches together).
+    pub batch_size: u32,
+    /// Layers per `PP` region when `regions` is not given.
+    #[serde(default = "one")]
+    pub layers_per_region: u32,
+    /// Explicit region sizes in layers; must sum to `layers`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regions: Option<Vec<u32>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe: Option<MoeConfig>,
+}
+
+fn default_name() -> String {
+    "custom".into()
+}
+fn one() -> u32 {
+    1
+}
+
+/// Names of the built-in presets.
+pub const PRESETS: [&str; 2] = ["tiny", "gpt2-small"];
+
+impl ModelConfig {
+    /// `tiny`: trains in seconds on a CPU. 8 layers, each its own `PP` region, so
+    /// pipelines of 2, 4 or 8 stages fit; global batch 32 so DP × microbatches up
+    /// to 32 divide it. Byte-level vocabulary.
+    pub fn tiny() -> Self {
+        ModelConfig {
+            name: "tiny".into(),
+            layers: 8,
+            d_model: 64,
+            heads: 4,
+            seq_len: 64,
+            vocab: 256,
+            batch_size: 32,
+            layers_per_region: 1,
+            regions: None,
+            moe: None,
+        }
+    }
+
+    /// `gpt2-small`: the 124M GPT-2 configuration.
+    pub fn gpt2_small() -> Self {
+        ModelConfig {
+            name: "gpt2-small".into(),
+            layers: 12,
+            d_model: 768,
+            heads: 12,
+            seq_len: 1024,
+            vocab: 50257,
+            batch_size: 32,
+            layers_per_region: 1,
+            regions: None,
+            moe: None,
+        }
+    }
+
+    /// A preset by name.
+    pub fn preset(name: &str) -> Result<Self, ModelError> {
+        match name {
+            "tiny" => Ok(Self::tiny()),
+            "gpt2-small" => Ok(Self::gpt2_small()),
+            _ => Err(ModelError::UnknownPreset {
+                name: name.into(),
+                known: PRESETS.to_vec(),
+            }),
+        }
+    }
+
+    /// A preset name, or else a path to a TOML model file.
+    pub fn from_name_or_file(spec: &str) -> Result<Self, ModelError> {
+        if PRESETS.contains(&spec) {
+            return Self::preset(spec);
+        }
+        let path = Path::new(spec);
+        if path.extension().is_some_and(|e| e == "toml") || path.exists() {
+            return Self::from_toml_file(path);
+        }
+        Self::preset(spec)
+    }
+
+    /// Parse a model from TOML text; `origin` names the source in errors.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Self, ModelError> {
+        let cfg: ModelConfig = toml::from_str(text).map_err(|e| ModelError::Parse {
+            path: origin.into(),
+            message: e.to_string(),
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn from_toml_file(path: &Path) -> Result<Self, ModelError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let mut cfg = Self::from_toml_str(&text, &path.display().to_string())?;
+        if cfg.name == "custom" {
+            if let Some(stem) = path.file_stem() {
+                cfg.name = stem.to_string_lossy().into_owned();
+            }
+        }
+        Ok(cfg)
+    }
+
+    fn invalid(&self, message: impl Into<String>) -> ModelError {
+        ModelError::Invalid {
+            name: self.name.clone(),
+            message: message.into(),
+        }
+    }
+
+    /// Check that the numbers describe a model that can be built.
+    pub fn validate(&self) -> Result<(), ModelError> {
+        for (field, v) in [
+            ("layers", self.layers),
+            ("d_model", self.d_model),
+            ("heads", self.heads),
+            ("seq_len", self.seq_len),
+            ("vocab", self.vocab),
+            ("batch_size", self.batch_size),
+            ("layers_per_region", self.layers_per_region),
+        ] {
+            if v == 0 {
+                return Err(self.invalid(format!("{field} must be at least 1, got 0")));
+            }
+        }
+        if self.d_model % self.heads != 0 {
+            return Err(self.invalid(format!(
+                "d_model must be divisible by heads: d_model {} heads {}",
+                self.d_model, self.heads
+            )));
+        }
+        if let Some(regions) = &self.regions {
+            let sum: u32 = regions.iter().sum();
+            if regions.contains(&0) || sum != self.layers {
+                return Err(self.invalid(format!(
+                    "regions {regions:?} must be non-zero layer counts summing to layers = {}",
+                    self.layers
+                )));
+            }
+        } else if self.layers % self.layers_per_region != 0 {
+            return Err(self.invalid(format!(
+                "layers ({}) must be divisible by layers_per_region ({})",
+                self.layers, self.layers_per_region
+            )));
+        }
+        if let Some(moe) = &self.moe {
+            if moe.experts == 0 || moe.top_k == 0 || moe.top_k > moe.experts {
+                return Err(self.invalid(format!(
+                    "moe needs 1 ≤ top_k ≤ experts: experts {} top_k {}",
+                    moe.experts, moe.top_k
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Layer counts of the `PP` regions, in order.
+    pub fn region_sizes(&self) -> Vec<u32> {
+        match &self.regions {
+            Some(r) => r.clone(),
+            None => vec![self.layers_per_region; (self.layers / self.layers_per_region) as usize],
+        }
+    }
+
+    /// Total parameter count (the tied embedding/head counted once).
+    pub fn param_count(&self) -> u64 {
+        self.segments().iter().map(|s| s.param_elems).sum()
+    }
+
+    /// Cut the model into segments: the units that get one `F` and one `B` node.
+    pub fn segments(&self) -> Vec<Segment> {
+        let sizes = self.region_sizes();
+        let n_regions = sizes.len() as u32;
+        let mut segments: Vec<Segment> = Vec::new();
+        let mut layer = 0u32;
+        let mut expert_block = 0u32;
+        for (region, &size) in sizes.iter().enumerate() {
+            let region = region as u32;
+            let mut parts: Vec<Part> = Vec::new();
+            if region == 0 {
+                parts.push(Part::Embedding);
+            }
+            for _ in 0..size {
+                if self.moe.is_some() {
+                    parts.push(Part::Attention(layer));
+                    // The expert half is its own segment, tagged EP.
+                    segments.push(Segment::new(self, region, None, std::mem::take(&mut parts)));
+                    segments.push(Segment::new(
+                        self,
+                        region,
+                        Some(expert_block),
+                        vec![Part::Experts(layer)],
+                    ));
+                    expert_block += 1;
+                } else {
+                    parts.push(Part::Block(layer));
+                }
+                layer += 1;
+            }
+            if region == n_regions - 1 {
+                parts.push(Part::Head);
+            }
+            if !parts.is_empty() {
+                segments.push(Segment::new(self, region, None, parts));
+            }
+        }
+        // Drop empty dense segments (a MoE region whose parts all went to experts)
+        // and number them.
+        segments.retain(|s| !s.parts.is_empty());
+        for (i, s) in segments.iter_mut().enumerate() {
+            s.index = i as u32;
+        }
+        segments
+    }
+}
+
+/// One piece of the model a segment runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Part {
+    /// Token + position embedding (owns the tied `wte`).
+    Embedding,
+    /// A dense pre-LN transformer block.
+    Block(u32),
+    /// Attention half of a MoE block (ln1, attention, residual, ln2, router).
+    Attention(u32),
+    /// Expert half of a MoE block (experts, combine, residual).
+    Experts(u32),
+    /// Final layernorm, tied LM head and cross-entropy loss.
+    Head,
+}
+
+/// A contiguous piece of the model with its annotations and cost hints for the
+/// whole global batch (the DAG scales activations by microbatches and DP).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Segment {
+    pub index: u32,
+    /// `PP` region.
+    pub region: u32,
+    /// `EP` index when this segment holds experts.
+    pub expert_block: Option<u32>,
+    pub parts: Vec<Part>,
+    /// Parameters this segment owns (the tied `wte` belongs to the embedding).
+    pub param_elems: u64,
+    /// Parameters it uses but does not own (the LM head's tied `wte`).
+    pub tied_elems: u64,
+    pub cost: PartCost,
+}
+
+impl Segment {
+    fn new(cfg: &ModelConfig, region: u32, expert_block: Option<u32>, parts: Vec<Part>) -> Self {
+        let mut cost = PartCost::default();
+        let mut tied = 0;
+        for p in &parts {
+            let c = part_cost(cfg, *p);
+            cost.add(&c);
+            if matches!(p, Part::Head) {
+                tied = cfg.vocab as u64 * cfg.d_model as u64;
+            }
+        }
+        Segment {
+            index: 0,
+            region,
+            expert_block,
+            param_elems: cost.param_elems,
+            tied_elems: tied,
+            parts,
+            cost,
+        }
+    }
+
+    pub fn has_embedding(&self) -> bool {
+        self.parts.contains(&Part::Embedding)
+    }
+    pub fn has_head(&self) -> bool {
+        self.parts.contains(&Part::Head)
+    }
+    /// Short human name: `emb+L0`, `L3`, `L7+head`, `L2.experts`.
+    pub fn name(&self) -> String {
+        self.parts
+            .iter()
+            .map(|p| match p {
+                Part::Embedding => "emb".to_string(),
+                Part::Block(l) => format!("L{l}"),
+                Part::Attention(l) => format!("L{l}.attn"),
+                Part::Experts(l) => format!("L{l}.experts"),
+                Part::Head => "head".to_string(),
+            })
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpt2_small_has_124m_parameters() {
+        let p = ModelConfig::gpt2_small().param_count();
+        // GPT-2 small: 124,439,808 parameters with the tied head.
+        assert_eq!(p, 124_439_808);
+    }
+
+    #[test]
+    fn tiny_has_eight_regions_and_divisible_batch() {
+        let t = ModelConfig::tiny();
+        let segs = t.segments();
+        assert_eq!(segs.len(), 8);
+        assert!(segs[0].has_embedding() && segs[7].has_head());
+        assert_eq!(t.batch_size % 32, 0);
+        assert_eq!(segs.iter().map(|s| s.region).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn moe_splits_expert_halves_into_ep_segments() {
+        let mut t = ModelConfig::tiny();
+        t.moe = Some(MoeConfig { experts: 4, top_k: 2 });
+        let segs = t.segments();
+        let experts: Vec<_> = segs.iter().filter_map(|s| s.expert_block).collect();
+        assert_eq!(experts, (0..8).collect::<Vec<_>>());
+        // 8 attention halves + 8 expert halves + the head.
+        assert_eq!(segs.len(), 17);
+        assert!(segs.last().unwrap().has_head());
+        assert!(segs[0].has_embedding() && segs[1].expert_block == Some(0));
+    }
+
+    #[test]
+    fn toml_model_file_parses_and_rejects_bad_numbers() {
+        let ok = "name = \"m\"\nlayers = 4\nd_model = 32\nheads = 4\nseq_len = 16\nvocab = 256\nbatch_size = 8\nregions = [1, 3]\n";
+        let cfg = ModelConfig::from_toml_str(ok, "m.toml").unwrap();
+        assert_eq!(cfg.region_sizes(), vec![1, 3]);
+        let bad = ok.replace("heads = 4", "heads = 5");
+        let err = ModelConfig::from_toml_str(&bad, "m.toml").unwrap_err().to_string();
+        assert!(err.contains("divisible by heads"), "{err}");
+        let unknown = format!("{ok}colour = 3\n");
+        let err = ModelConfig::from_toml_str(&unknown, "m.toml").unwrap_err().to_string();
+        assert!(err.contains("colour"), "{err}");
+        let err = ModelConfig::preset("huge").unwrap_err().to_string();
+        assert!(err.contains("tiny") && err.contains("huge"), "{err}");
+    }
+}

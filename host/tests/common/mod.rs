@@ -1,0 +1,93 @@
+//! Native (plain Rust) strategies used by tests and benchmarks: the same
+//! directive programs the bundled plugins run, called directly on the DAG.
+#![allow(dead_code)]
+
+use piper::dag::{DagError, Filter, ReplicateOptions, TrainingDag};
+
+/// Regions per stage when `regions` PP regions are spread over `stages` stages.
+pub fn stage_regions(regions: u32, stages: u32, stage: u32) -> Vec<u32> {
+    let per = regions / stages;
+    (stage * per..(stage + 1) * per).collect()
+}
+
+/// One group of an `order`: pass `pass` of microbatch `mb` over the stage's regions.
+pub fn group(regions: &[u32], mb: u32, pass: &str) -> Vec<Filter> {
+    regions
+        .iter()
+        .map(|r| Filter::tag("PP", *r).and("MB", mb).pass(pass))
+        .collect()
+}
+
+/// The 1F1B order of one stage: warm-up forwards, one-forward-one-backward,
+/// cool-down backwards.
+pub fn one_f_one_b_order(stages: u32, stage: u32, mbs: u32, regions: &[u32]) -> Vec<Vec<Filter>> {
+    let warmup = (stages - stage - 1).min(mbs);
+    let mut groups = Vec::new();
+    for i in 0..warmup {
+        groups.push(group(regions, i, "F"));
+    }
+    for i in 0..mbs - warmup {
+        groups.push(group(regions, warmup + i, "F"));
+        groups.push(group(regions, i, "B"));
+    }
+    for i in mbs - warmup..mbs {
+        groups.push(group(regions, i, "B"));
+    }
+    groups
+}
+
+/// Split into microbatches and place stage `s` on the `s`-th device group.
+/// `groups[s]` is the device group of stage `s`.
+pub fn pipeline_place(dag: &mut TrainingDag, groups: &[Vec<u32>], mbs: u32) -> Result<(), DagError> {
+    let regions = dag.tag_extents()["PP"];
+    let stages = groups.len() as u32;
+    dag.split(&Filter::all(), "MB", mbs)?;
+    for s in 0..stages {
+        for r in stage_regions(regions, stages, s) {
+            dag.place(&Filter::tag("PP", r), &groups[s as usize], "pp")?;
+        }
+    }
+    Ok(())
+}
+
+/// 1F1B over `stages` single devices (or DP groups when `dp > 1`:
+/// stage `s` on devices `s, s + stages, …`), `mbs` microbatches.
+pub fn one_f_one_b(dag: &mut TrainingDag, stages: u32, mbs: u32, dp: u32, zero: Option<u8>) -> Result<(), DagError> {
+    let groups: Vec<Vec<u32>> = (0..stages).map(|s| (0..dp).map(|r| s + r * stages).collect()).collect();
+    if let Some(z) = zero {
+        for s in 0..stages {
+            // replicate before the split: the DP directive of a `dp`/`zero` plugin.
+            let regions = dag.tag_extents()["PP"];
+            for r in stage_regions(regions, stages, s) {
+                dag.replicate(&Filter::tag("PP", r), &groups[s as usize], &ReplicateOptions::zero(z))?;
+            }
+        }
+    }
+    pipeline_place(dag, &groups, mbs)?;
+    let regions = dag.tag_extents()["PP"];
+    for s in 0..stages {
+        let order = one_f_one_b_order(stages, s, mbs, &stage_regions(regions, stages, s));
+        dag.order(&order)?;
+    }
+    Ok(())
+}
+
+/// Collapse a device's compute labels into `F3`/`B0` steps: consecutive ops of
+/// one pass and microbatch over several regions read as one.
+pub fn steps(plan: &piper::compile::Plan, device: u32) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut last = None;
+    for s in plan.devices[device as usize].streams.iter().filter(|s| s.stream == "compute") {
+        for op in &s.ops {
+            if !matches!(op.op.as_str(), "F" | "B" | "BI" | "BW") {
+                continue;
+            }
+            let key = (op.op.clone(), op.tags.get("MB").copied().unwrap_or(0));
+            if last.as_ref() != Some(&key) {
+                out.push(format!("{}{}", key.0, key.1));
+                last = Some(key);
+            }
+        }
+    }
+    out
+}
