@@ -5,7 +5,7 @@
 mod common;
 
 use common::*;
-use piper::compile::{check_deadlock, compile, CompileError, DevicePlan, Op, StreamPlan};
+use piper::compile::{check_deadlock, compile, CompileError, DevicePlan, Op, OpKind, StreamPlan};
 use piper::dag::{Cluster, Filter, ReplicateOptions, TrainingDag};
 use piper::model::ModelConfig;
 
@@ -21,8 +21,14 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
     let expect0 = "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7";
     let expect3 = "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7";
     assert_eq!(steps(&plan, 0).join(" "), expect0);
-    assert_eq!(steps(&plan, 1).join(" "), "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7");
-    assert_eq!(steps(&plan, 2).join(" "), "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7");
+    assert_eq!(
+        steps(&plan, 1).join(" "),
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 B6 B7"
+    );
+    assert_eq!(
+        steps(&plan, 2).join(" "),
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7"
+    );
     assert_eq!(steps(&plan, 3).join(" "), expect3);
     // Each F/B step covers the stage's two regions, in order.
     let d0: Vec<String> = plan.compute_labels(0);
@@ -38,28 +44,59 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
             .flat_map(|s| s.ops.iter())
             .filter(|o| o.op == "send" || o.op == "recv")
             .collect();
-        let count = |op: &str, peer: u32| pp.iter().filter(|o| o.op == op && o.peer == Some(peer)).count();
+        let count = |op: &str, peer: u32| {
+            pp.iter()
+                .filter(|o| o.op == op && o.peer == Some(peer))
+                .count()
+        };
         if d + 1 < 4 {
-            assert_eq!(count("send", d + 1), 8, "device {d} sends activations to {}", d + 1);
-            assert_eq!(count("recv", d + 1), 8, "device {d} receives gradients from {}", d + 1);
+            assert_eq!(
+                count("send", d + 1),
+                8,
+                "device {d} sends activations to {}",
+                d + 1
+            );
+            assert_eq!(
+                count("recv", d + 1),
+                8,
+                "device {d} receives gradients from {}",
+                d + 1
+            );
         }
         if d > 0 {
-            assert_eq!(count("recv", d - 1), 8, "device {d} receives activations from {}", d - 1);
-            assert_eq!(count("send", d - 1), 8, "device {d} sends gradients to {}", d - 1);
+            assert_eq!(
+                count("recv", d - 1),
+                8,
+                "device {d} receives activations from {}",
+                d - 1
+            );
+            assert_eq!(
+                count("send", d - 1),
+                8,
+                "device {d} sends gradients to {}",
+                d - 1
+            );
         }
         assert_eq!(pp.len(), if d == 0 || d == 3 { 16 } else { 32 });
         for o in pp.iter().filter(|o| o.op == "recv") {
             let peer = &plan.devices[o.peer.unwrap() as usize];
-            let matched = peer.streams.iter().flat_map(|s| s.ops.iter()).any(|s| {
-                s.op == "send" && Some(s.node) == o.pair && s.peer == Some(d)
-            });
+            let matched = peer
+                .streams
+                .iter()
+                .flat_map(|s| s.ops.iter())
+                .any(|s| s.op == "send" && Some(s.node) == o.pair && s.peer == Some(d));
             assert!(matched, "recv {} on device {d} has its send", o.label());
         }
     }
     // The tied embedding (device 0) and head (device 3) reduce their gradients.
-    let tied: Vec<&Op> = plan.devices[0].streams.iter().flat_map(|s| s.ops.iter()).filter(|o| o.op == "all-reduce").collect();
+    let tied: Vec<&Op> = plan.devices[0]
+        .streams
+        .iter()
+        .flat_map(|s| s.ops.iter())
+        .filter(|o| o.op == "all-reduce")
+        .collect();
     assert_eq!(tied.len(), 1);
-    assert_eq!(tied[0].group, Some(vec![0, 3]));
+    assert_eq!(tied[0].group.as_deref(), Some(&[0, 3][..]));
 }
 
 #[test]
@@ -87,18 +124,38 @@ fn dp_times_pp_puts_all_reduce_on_the_dp_stream() {
     let mut dag = tiny(8);
     one_f_one_b(&mut dag, 4, 8, 2, Some(0)).unwrap();
     let plan = compile(&dag).unwrap();
-    assert_eq!(steps(&plan, 0).join(" "), "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7");
-    assert_eq!(steps(&plan, 4), steps(&plan, 0), "DP replicas run the same order");
+    assert_eq!(
+        steps(&plan, 0).join(" "),
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    );
+    assert_eq!(
+        steps(&plan, 4),
+        steps(&plan, 0),
+        "DP replicas run the same order"
+    );
     for d in 0..8u32 {
-        let dp: Vec<&Op> = plan.devices[d as usize].streams.iter().filter(|s| s.stream == "dp").flat_map(|s| s.ops.iter()).collect();
-        assert!(!dp.is_empty() && dp.iter().all(|o| o.op == "all-reduce"), "device {d}");
+        let dp: Vec<&Op> = plan.devices[d as usize]
+            .streams
+            .iter()
+            .filter(|s| s.stream == "dp")
+            .flat_map(|s| s.ops.iter())
+            .collect();
+        assert!(
+            !dp.is_empty() && dp.iter().all(|o| o.op == "all-reduce"),
+            "device {d}"
+        );
         let partner = if d < 4 { d + 4 } else { d - 4 };
-        let mut group = vec![d.min(partner), d.max(partner)];
-        group.sort();
-        assert!(dp.iter().all(|o| o.group.as_ref() == Some(&group)));
+        let group = [d.min(partner), d.max(partner)];
+        assert!(dp.iter().all(|o| o.group.as_deref() == Some(&group[..])));
     }
     // Pipeline sends pair the replicas element-wise: 0→1 and 4→5.
-    let sends4: Vec<u32> = plan.devices[4].streams.iter().flat_map(|s| s.ops.iter()).filter(|o| o.op == "send").map(|o| o.peer.unwrap()).collect();
+    let sends4: Vec<u32> = plan.devices[4]
+        .streams
+        .iter()
+        .flat_map(|s| s.ops.iter())
+        .filter(|o| o.op == "send")
+        .map(|o| o.peer.unwrap())
+        .collect();
     assert!(sends4.iter().all(|p| *p == 5));
 }
 
@@ -109,11 +166,15 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
     let mut peaks = Vec::new();
     for stage in 0..=3u8 {
         let mut dag = tiny(2);
-        dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(stage)).unwrap();
+        dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(stage))
+            .unwrap();
         dag.split(&Filter::all(), "MB", 2).unwrap();
         let plan = compile(&dag).unwrap();
         psi = dag.model().param_count();
-        assert_eq!(plan.devices[0].model_state_bytes, plan.devices[1].model_state_bytes);
+        assert_eq!(
+            plan.devices[0].model_state_bytes,
+            plan.devices[1].model_state_bytes
+        );
         states.push(plan.devices[0].model_state_bytes as f64);
         peaks.push(plan.devices[0].peak_bytes);
         if stage == 3 {
@@ -134,29 +195,47 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
             // Every B's gradients are reduce-scattered for its microbatch.
             for b in dag.query(&Filter::all().pass("B")).unwrap() {
                 let (_, succs) = dag.neighbours(b.id).unwrap();
-                assert!(succs.iter().any(|s| dag.node(s.node).unwrap().op == "reduce-scatter"));
+                assert!(succs
+                    .iter()
+                    .any(|s| dag.node(s.node).unwrap().op == "reduce-scatter"));
             }
             // The compiled plan gathers before each use on the gather stream.
-            let ops: Vec<String> = plan.devices[0].streams.iter().filter(|s| s.stream == "dp").flat_map(|s| s.ops.iter().map(|o| o.op.clone())).collect();
+            let ops: Vec<String> = plan.devices[0]
+                .streams
+                .iter()
+                .filter(|s| s.stream == "dp")
+                .flat_map(|s| s.ops.iter().map(|o| o.op.to_string()))
+                .collect();
             assert_eq!(ops.iter().filter(|o| *o == "all-gather").count(), f + b);
         }
     }
     let psi = psi as f64;
     let n = 2.0;
-    let expect = [16.0 * psi, 8.0 * psi + 8.0 * psi / n, 4.0 * psi + 12.0 * psi / n, 16.0 * psi / n];
+    let expect = [
+        16.0 * psi,
+        8.0 * psi + 8.0 * psi / n,
+        4.0 * psi + 12.0 * psi / n,
+        16.0 * psi / n,
+    ];
     for (stage, (got, want)) in states.iter().zip(expect).enumerate() {
         let rel = (got - want).abs() / want;
-        assert!(rel < 1e-4, "ZeRO-{stage}: model states {got} B, paper says {want} B");
+        assert!(
+            rel < 1e-4,
+            "ZeRO-{stage}: model states {got} B, paper says {want} B"
+        );
     }
-    assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2] && peaks[2] > peaks[3], "peaks {peaks:?}");
+    assert!(
+        peaks[0] > peaks[1] && peaks[1] > peaks[2] && peaks[2] > peaks[3],
+        "peaks {peaks:?}"
+    );
 }
 
 fn op(op: &str, node: u32, peer: u32) -> Op {
     Op {
-        op: op.into(),
+        op: OpKind::from_label(op).unwrap(),
         node,
         tags: Default::default(),
-        segments: vec![],
+        segments: Default::default(),
         peer: Some(peer),
         pair: Some(node),
         group: None,
@@ -165,7 +244,7 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         flops: 0.0,
         bytes: 0,
         waits: vec![],
-        inputs: vec![],
+        inputs: Default::default(),
     }
 }
 
@@ -178,19 +257,31 @@ fn receive_before_send_on_both_devices_is_a_deadlock() {
         peak_bytes: 0,
         model_state_bytes: 0,
         transient_peak_bytes: 0,
-        streams: vec![StreamPlan { stream: "pp".into(), ops: vec![op("recv", recv, 1 - d), op("send", send, 1 - d)] }],
+        streams: vec![StreamPlan {
+            stream: "pp".into(),
+            ops: vec![op("recv", recv, 1 - d), op("send", send, 1 - d)],
+        }],
     };
     let err = check_deadlock(&[dev(0, 11, 10), dev(1, 10, 11)]).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("device 0") && msg.contains("device 1"), "{msg}");
-    assert!(msg.contains("recv←1#11") && msg.contains("recv←0#10"), "{msg}");
+    assert!(
+        msg.contains("device 0") && msg.contains("device 1"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("recv←1#11") && msg.contains("recv←0#10"),
+        "{msg}"
+    );
     // The consistent order (send first) passes.
     let ok = |d: u32, recv: u32, send: u32| DevicePlan {
         device: d,
         peak_bytes: 0,
         model_state_bytes: 0,
         transient_peak_bytes: 0,
-        streams: vec![StreamPlan { stream: "pp".into(), ops: vec![op("send", send, 1 - d), op("recv", recv, 1 - d)] }],
+        streams: vec![StreamPlan {
+            stream: "pp".into(),
+            ops: vec![op("send", send, 1 - d), op("recv", recv, 1 - d)],
+        }],
     };
     check_deadlock(&[ok(0, 11, 10), ok(1, 10, 11)]).unwrap();
 }
@@ -203,7 +294,11 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     check_deadlock(&plan.devices).unwrap();
     // Device 0 waits for the first gradient before sending the first activation.
     let mut bad = plan.devices.clone();
-    let pp = bad[0].streams.iter_mut().find(|s| s.stream == "pp").unwrap();
+    let pp = bad[0]
+        .streams
+        .iter_mut()
+        .find(|s| s.stream == "pp")
+        .unwrap();
     let first_recv = pp.ops.iter().position(|o| o.op == "recv").unwrap();
     let r = pp.ops.remove(first_recv);
     pp.ops.insert(0, r);
@@ -213,10 +308,22 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     assert!(err.contains("device 0 stream pp waits at recv"), "{err}");
     // Two collectives issued in opposite orders on a DP pair deadlock too.
     let mut dag = tiny(2);
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions { bucket_bytes: 0, ..ReplicateOptions::zero(0) }).unwrap();
+    dag.replicate(
+        &Filter::all(),
+        &[0, 1],
+        &ReplicateOptions {
+            bucket_bytes: 0,
+            ..ReplicateOptions::zero(0)
+        },
+    )
+    .unwrap();
     let plan = compile(&dag).unwrap();
     let mut bad = plan.devices.clone();
-    let dp = bad[1].streams.iter_mut().find(|s| s.stream == "dp").unwrap();
+    let dp = bad[1]
+        .streams
+        .iter_mut()
+        .find(|s| s.stream == "dp")
+        .unwrap();
     assert!(dp.ops.len() >= 2);
     dp.ops.swap(0, 1);
     let err = check_deadlock(&bad).unwrap_err().to_string();
@@ -236,10 +343,19 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
     assert_ne!(a.hash, build(4).hash);
     // One changed argument of one directive changes the hash.
     let mut dag = tiny(2);
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0)).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0))
+        .unwrap();
     let h1 = compile(&dag).unwrap().hash;
     let mut dag = tiny(2);
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions { bucket_bytes: 1 << 10, ..ReplicateOptions::zero(0) }).unwrap();
+    dag.replicate(
+        &Filter::all(),
+        &[0, 1],
+        &ReplicateOptions {
+            bucket_bytes: 1 << 10,
+            ..ReplicateOptions::zero(0)
+        },
+    )
+    .unwrap();
     assert_ne!(h1, compile(&dag).unwrap().hash);
     // The JSON round-trips and keeps the hash.
     let back = piper::compile::Plan::from_json(&a.to_json()).unwrap();
@@ -256,12 +372,20 @@ fn plan_json_has_the_documented_shape() {
     let d0 = &v["devices"][0];
     assert_eq!(d0["device"], 0);
     assert!(d0["peak_bytes"].as_u64().unwrap() > 0);
-    let compute = d0["streams"].as_array().unwrap().iter().find(|s| s["stream"] == "compute").unwrap();
+    let compute = d0["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stream"] == "compute")
+        .unwrap();
     assert_eq!(compute["ops"][0]["op"], "F");
     assert_eq!(compute["ops"][0]["tags"]["PP"], 0);
     assert_eq!(compute["ops"][0]["tags"]["MB"], 0);
     let table = plan.render_table();
-    assert!(table.contains("device 3: peak") && table.contains("compute | F[MB0 PP6]"), "{table}");
+    assert!(
+        table.contains("device 3: peak") && table.contains("compute | F[MB0 PP6]"),
+        "{table}"
+    );
 }
 
 #[test]
@@ -270,16 +394,21 @@ fn unplaced_and_inconsistent_dags_do_not_compile() {
     assert!(matches!(compile(&dag), Err(CompileError::Unplaced { .. })));
     let mut dag = tiny(2);
     dag.place(&Filter::all(), &[0], "pp").unwrap();
-    dag.place(&Filter::tag("PP", 3).pass("B"), &[1], "pp").unwrap();
+    dag.place(&Filter::tag("PP", 3).pass("B"), &[1], "pp")
+        .unwrap();
     let err = compile(&dag).unwrap_err().to_string();
-    assert!(err.contains("segment 3") && err.contains("must share"), "{err}");
+    assert!(
+        err.contains("segment 3") && err.contains("must share"),
+        "{err}"
+    );
     let mut dag = tiny(2);
     dag.place(&Filter::all(), &[0, 1], "pp").unwrap();
     let err = compile(&dag).unwrap_err().to_string();
     assert!(err.contains("not replicated"), "{err}");
     // 3-way DP of a batch of 32 does not divide.
     let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(3)).unwrap();
-    dag.replicate(&Filter::all(), &[0, 1, 2], &ReplicateOptions::default()).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1, 2], &ReplicateOptions::default())
+        .unwrap();
     let err = compile(&dag).unwrap_err().to_string();
     assert!(err.contains("global batch 32 is not divisible"), "{err}");
 }

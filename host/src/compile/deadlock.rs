@@ -32,7 +32,10 @@ impl<'a> Machine<'a> {
         self.devices[d].streams[s].ops.get(self.pc[d][s])
     }
     fn stream_ix(&self, d: usize, name: &str) -> Option<usize> {
-        self.devices[d].streams.iter().position(|s| s.stream == name)
+        self.devices[d]
+            .streams
+            .iter()
+            .position(|s| s.stream == name)
     }
     fn waits_done(&self, d: usize, op: &Op) -> bool {
         op.waits.iter().all(|w| match self.stream_ix(d, &w.stream) {
@@ -45,7 +48,11 @@ impl<'a> Machine<'a> {
         let dev = self.devices[d].device;
         let stream = &self.devices[d].streams[s].stream;
         let op = self.head(d, s).expect("blocked streams have a head");
-        let at = format!("device {dev} stream {stream} waits at {}#{}", op.label(), op.node);
+        let at = format!(
+            "device {dev} stream {stream} waits at {}#{}",
+            op.label(),
+            op.node
+        );
         for w in &op.waits {
             match self.stream_ix(d, &w.stream) {
                 Some(ws) if self.pc[d][ws] <= w.op => {
@@ -54,7 +61,12 @@ impl<'a> Machine<'a> {
                         Some((d, ws)),
                     )
                 }
-                None => return (format!("{at} for a stream {} that does not exist", w.stream), None),
+                None => {
+                    return (
+                        format!("{at} for a stream {} that does not exist", w.stream),
+                        None,
+                    )
+                }
                 _ => {}
             }
         }
@@ -66,10 +78,15 @@ impl<'a> Machine<'a> {
                     return (format!("{at} for device {peer}, which has no plan"), None);
                 };
                 let holder = self.devices[pd].streams.iter().enumerate().find(|(_, st)| {
-                    st.ops.iter().any(|o| o.op == "send" && o.node == pair && o.peer == Some(dev))
+                    st.ops
+                        .iter()
+                        .any(|o| o.op == "send" && o.node == pair && o.peer == Some(dev))
                 });
                 match holder {
-                    Some((ps, _)) => (format!("{at} for device {peer} to send #{pair}"), Some((pd, ps))),
+                    Some((ps, _)) => (
+                        format!("{at} for device {peer} to send #{pair}"),
+                        Some((pd, ps)),
+                    ),
                     None => (
                         format!("{at}, but device {peer} has no matching send #{pair}"),
                         None,
@@ -77,7 +94,7 @@ impl<'a> Machine<'a> {
                 }
             }
             _ if op.group.is_some() => {
-                for g in op.group.as_ref().unwrap() {
+                for g in op.group.as_deref().unwrap() {
                     let Some(&gd) = self.dev_ix.get(g) else {
                         return (format!("{at} for device {g}, which has no plan"), None);
                     };
@@ -94,13 +111,19 @@ impl<'a> Machine<'a> {
                         }
                         Some(h) => {
                             return (
-                                format!("{at} for device {g}, which is at {}#{}", h.label(), h.node),
+                                format!(
+                                    "{at} for device {g}, which is at {}#{}",
+                                    h.label(),
+                                    h.node
+                                ),
                                 Some((gd, gs)),
                             )
                         }
                         None => {
                             return (
-                                format!("{at}, but device {g} has finished stream {stream} without it"),
+                                format!(
+                                    "{at}, but device {g} has finished stream {stream} without it"
+                                ),
                                 None,
                             )
                         }
@@ -117,29 +140,36 @@ impl<'a> Machine<'a> {
 pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
     let mut m = Machine {
         devices,
-        dev_ix: devices.iter().enumerate().map(|(i, d)| (d.device, i)).collect(),
+        dev_ix: devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.device, i))
+            .collect(),
         pc: devices.iter().map(|d| vec![0; d.streams.len()]).collect(),
         sent: HashSet::new(),
     };
     let mut queue: VecDeque<(usize, usize)> = VecDeque::new();
-    let mut queued: Vec<Vec<bool>> = devices.iter().map(|d| vec![true; d.streams.len()]).collect();
+    let mut queued: Vec<Vec<bool>> = devices
+        .iter()
+        .map(|d| vec![true; d.streams.len()])
+        .collect();
     for (d, dp) in devices.iter().enumerate() {
         for s in 0..dp.streams.len() {
             queue.push_back((d, s));
         }
     }
-    let wake_device = |d: usize, queue: &mut VecDeque<(usize, usize)>, queued: &mut Vec<Vec<bool>>| {
-        for (s, q) in queued[d].iter_mut().enumerate() {
-            if !*q {
-                *q = true;
-                queue.push_back((d, s));
+    let wake_device =
+        |d: usize, queue: &mut VecDeque<(usize, usize)>, queued: &mut Vec<Vec<bool>>| {
+            for (s, q) in queued[d].iter_mut().enumerate() {
+                if !*q {
+                    *q = true;
+                    queue.push_back((d, s));
+                }
             }
-        }
-    };
+        };
     while let Some((d, s)) = queue.pop_front() {
         queued[d][s] = false;
-        loop {
-            let Some(op) = m.head(d, s) else { break };
+        while let Some(op) = m.head(d, s) {
             if !m.waits_done(d, op) {
                 break;
             }
@@ -164,8 +194,12 @@ pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
                     let stream = &devices[d].streams[s].stream;
                     let mut members = Vec::new();
                     let ready = group.iter().all(|g| {
-                        let Some(&gd) = m.dev_ix.get(g) else { return false };
-                        let Some(gs) = m.stream_ix(gd, stream) else { return false };
+                        let Some(&gd) = m.dev_ix.get(g) else {
+                            return false;
+                        };
+                        let Some(gs) = m.stream_ix(gd, stream) else {
+                            return false;
+                        };
                         members.push((gd, gs));
                         m.head(gd, gs)
                             .is_some_and(|h| h.node == op.node && m.waits_done(gd, h))

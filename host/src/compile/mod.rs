@@ -24,15 +24,14 @@ mod deadlock;
 pub mod plan;
 
 pub use deadlock::{check_deadlock, DeadlockError};
-pub use plan::{human_bytes, DevicePlan, Op, Plan, StreamPlan, Wait};
+pub use plan::{human_bytes, DevicePlan, Op, OpKind, Plan, StreamPlan, Wait};
 
-use crate::dag::{
-    CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TensorKind, TrainingDag,
-};
+use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TensorKind, TrainingDag};
 use crate::model::DTYPE_BYTES;
 use petgraph::visit::NodeIndexable;
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
 
 /// Why a DAG cannot be compiled.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -109,7 +108,9 @@ fn validate(dag: &TrainingDag) -> Result<(), CompileError> {
             continue;
         }
         if n.devices.is_empty() {
-            return Err(CompileError::Unplaced { node: dag.label(id) });
+            return Err(CompileError::Unplaced {
+                node: dag.label(id),
+            });
         }
         if let NodeKind::Compute { .. } = n.kind {
             if n.devices.len() > 1 && n.replica.is_none() {
@@ -119,7 +120,7 @@ fn validate(dag: &TrainingDag) -> Result<(), CompileError> {
                 });
             }
             let div = dag.batch_share_div(id);
-            if dag.model().batch_size as u64 % div != 0 {
+            if !(dag.model().batch_size as u64).is_multiple_of(div) {
                 return Err(CompileError::Indivisible {
                     node: dag.label(id),
                     batch: dag.model().batch_size,
@@ -177,7 +178,9 @@ fn validate_edges(dag: &TrainingDag) -> Result<(), CompileError> {
         }
         let subset = |x: &[DeviceId], y: &[DeviceId]| x.iter().all(|d| y.contains(d));
         match g[e] {
-            EdgeKind::Data { .. } if !subset(&a.devices, &b.devices) && !subset(&b.devices, &a.devices) => {
+            EdgeKind::Data { .. }
+                if !subset(&a.devices, &b.devices) && !subset(&b.devices, &a.devices) =>
+            {
                 return Err(CompileError::CrossingEdge {
                     from: dag.label(NodeId(s.index() as u32)),
                     from_devices: ids(&a.devices),
@@ -204,9 +207,9 @@ fn validate_edges(dag: &TrainingDag) -> Result<(), CompileError> {
         segs.iter().position(|s| s.has_head()),
     ) {
         if let (Some(pe), Some(ph)) = (&placement[e], &placement[h]) {
-            let tied = g.node_weights().any(|n| {
-                matches!(&n.kind, NodeKind::Comm(c) if c.purpose == CommPurpose::TiedGrad)
-            });
+            let tied = g.node_weights().any(
+                |n| matches!(&n.kind, NodeKind::Comm(c) if c.purpose == CommPurpose::TiedGrad),
+            );
             if pe.0 != ph.0 && !tied {
                 return Err(CompileError::TiedUnpaired {
                     emb: ids(&pe.0),
@@ -219,10 +222,23 @@ fn validate_edges(dag: &TrainingDag) -> Result<(), CompileError> {
         .map_err(|c| CompileError::Cycle(c.iter().map(|n| dag.label(*n)).collect()))
 }
 
+fn purpose_name(p: CommPurpose) -> &'static str {
+    match p {
+        CommPurpose::Pipeline => "pipeline",
+        CommPurpose::GradSync => "grad-sync",
+        CommPurpose::ParamGather => "param-gather",
+        CommPurpose::ParamRefresh => "param-refresh",
+        CommPurpose::TiedGrad => "tied-grad",
+    }
+}
+
 /// Is the tensor on this edge a transient buffer (vs. a resident model state)?
 fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
     match tensor {
-        TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved | TensorKind::MicroGrad => true,
+        TensorKind::Activation
+        | TensorKind::ActGrad
+        | TensorKind::Saved
+        | TensorKind::MicroGrad => true,
         TensorKind::ParamGrad => false,
         TensorKind::Param => matches!(
             &dag.graph[producer.ix()].kind,
@@ -251,10 +267,41 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         out
     };
 
-    // Streams per device, in first-use order; positions of each node.
+    // Streams per device, in first-use order; positions of each node
+    // (flat: `pos[pos_base[node] + i]` for the node's i-th device).
     let ndev = dag.cluster_info().devices as usize;
+    let stream_names: Vec<Arc<str>> = (0..=u16::MAX as usize)
+        .map_while(|i| dag.stream_name_opt(crate::dag::StreamId(i as u16)))
+        .map(Arc::from)
+        .collect();
+    // Count ops per (device, stream) first so the lists never reallocate.
     let mut streams: Vec<Vec<(u16, Vec<Op>)>> = vec![Vec::new(); ndev];
-    let mut pos: Vec<Vec<(u16, u32)>> = vec![Vec::new(); bound];
+    {
+        let mut counts: Vec<Vec<(u16, usize)>> = vec![Vec::new(); ndev];
+        for &id in &order {
+            let n = &g[id.ix()];
+            if matches!(n.kind, NodeKind::Marker) {
+                continue;
+            }
+            for dev in &n.devices {
+                let c = &mut counts[dev.0 as usize];
+                match c.iter_mut().find(|(s, _)| *s == n.stream.0) {
+                    Some(e) => e.1 += 1,
+                    None => c.push((n.stream.0, 1)),
+                }
+            }
+        }
+        for (d, c) in counts.into_iter().enumerate() {
+            streams[d] = c
+                .into_iter()
+                .map(|(s, n)| (s, Vec::with_capacity(n)))
+                .collect();
+        }
+    }
+    let mut pos_base = vec![u32::MAX; bound];
+    let mut pos: Vec<(u16, u32)> =
+        Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
+    let no_segments: Arc<[u32]> = Arc::from(Vec::new());
     for &id in &order {
         let n = &g[id.ix()];
         if matches!(n.kind, NodeKind::Marker) {
@@ -263,72 +310,94 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         let preds = real_preds(id);
         let cost = dag.cost(id);
         let div = dag.batch_share_div(id);
+        // Shared by all devices of the node.
+        let tags = Arc::new(dag.tag_map(&n.tags));
+        let (segments, purpose): (Arc<[u32]>, Option<Arc<str>>) = match &n.kind {
+            NodeKind::Compute { segment, .. } => (Arc::from(vec![*segment]), None),
+            NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
+            NodeKind::Comm(c) => (
+                Arc::from(c.segments.clone()),
+                Some(Arc::from(purpose_name(c.purpose))),
+            ),
+            NodeKind::Marker => (no_segments.clone(), None),
+        };
+        let groups: Vec<Arc<[u32]>> = match &n.kind {
+            NodeKind::Comm(c) if !c.op.is_p2p() => {
+                c.groups.iter().map(|grp| Arc::from(ids(grp))).collect()
+            }
+            _ => Vec::new(),
+        };
+        let mut inputs: Vec<u32> = preds
+            .iter()
+            .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+            .map(|(p, _)| p.0)
+            .collect();
+        inputs.sort_unstable();
+        inputs.dedup();
+        let all_inputs: Arc<[u32]> = Arc::from(inputs);
+        let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
+        pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
             let d = dev.0 as usize;
             let mut op = Op {
-                op: n.kind.label().to_string(),
+                op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
                 node: id.0,
-                tags: dag.tag_map(&n.tags),
-                segments: Vec::new(),
+                tags: tags.clone(),
+                segments: segments.clone(),
                 peer: None,
                 pair: None,
                 group: None,
-                purpose: None,
+                purpose: purpose.clone(),
                 batch_div: div,
                 flops: cost.flops,
                 bytes: cost.comm_bytes,
                 waits: Vec::new(),
-                inputs: Vec::new(),
+                inputs: all_inputs.clone(),
             };
-            match &n.kind {
-                NodeKind::Compute { segment, .. } => op.segments = vec![*segment],
-                NodeKind::Update { segments } => op.segments = segments.clone(),
-                NodeKind::Comm(c) => {
-                    op.segments = c.segments.clone();
-                    op.purpose = Some(
-                        serde_json::to_value(c.purpose)
-                            .ok()
-                            .and_then(|v| v.as_str().map(String::from))
-                            .unwrap_or_default(),
-                    );
-                    if c.op.is_p2p() {
-                        op.peer = c.peers.get(i).map(|p| p.0);
-                        op.pair = Some(match c.op {
-                            crate::dag::CommOp::Send => id.0,
-                            _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
-                        });
-                    } else {
-                        op.group = c
-                            .groups
-                            .iter()
-                            .find(|grp| grp.contains(dev))
-                            .map(|grp| ids(grp));
-                    }
+            if let NodeKind::Comm(c) = &n.kind {
+                if c.op.is_p2p() {
+                    op.peer = c.peers.get(i).map(|p| p.0);
+                    op.pair = Some(match c.op {
+                        crate::dag::CommOp::Send => id.0,
+                        _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
+                    });
+                } else {
+                    op.group = c
+                        .groups
+                        .iter()
+                        .position(|grp| grp.contains(dev))
+                        .map(|gi| groups[gi].clone());
                 }
-                NodeKind::Marker => {}
             }
             // Cross-stream waits (latest op per stream) and local inputs.
-            let mut waits: BTreeMap<u16, u32> = BTreeMap::new();
+            let mut waits: Vec<(u16, u32)> = Vec::new();
+            let mut local_inputs: Vec<u32> = Vec::new();
             for (p, k) in &preds {
                 let pn = &g[p.ix()];
                 let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
                     continue;
                 };
-                let (ps, pidx) = pos[p.ix().index()][pi];
+                let (ps, pidx) = pos[pos_base[p.ix().index()] as usize + pi];
                 if ps != n.stream.0 {
-                    let w = waits.entry(ps).or_insert(pidx);
-                    *w = (*w).max(pidx);
+                    match waits.iter_mut().find(|(s, _)| *s == ps) {
+                        Some(w) => w.1 = w.1.max(pidx),
+                        None => waits.push((ps, pidx)),
+                    }
                 }
-                if matches!(k, EdgeKind::Data { .. }) {
-                    op.inputs.push(p.0);
+                if !single_device_inputs && matches!(k, EdgeKind::Data { .. }) {
+                    local_inputs.push(p.0);
                 }
             }
-            op.inputs.sort_unstable();
-            op.inputs.dedup();
+            if !single_device_inputs {
+                local_inputs.sort_unstable();
+                local_inputs.dedup();
+                op.inputs = Arc::from(local_inputs);
+            }
+            waits.sort_unstable();
             op.waits = waits
                 .into_iter()
                 .map(|(s, i)| Wait {
-                    stream: dag.stream_name(crate::dag::StreamId(s)).to_string(),
+                    stream: stream_names[s as usize].clone(),
                     op: i as usize,
                 })
                 .collect();
@@ -342,58 +411,67 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             };
             let idx = list[si].1.len() as u32;
             list[si].1.push(op);
-            pos[id.ix().index()].push((n.stream.0, idx));
+            pos.push((n.stream.0, idx));
         }
     }
 
-    // Memory per device, walking the global order.
+    // Memory per device, walking the global order. Buffers are per
+    // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
     let placement = dag.segment_placement();
     let mut devices = Vec::with_capacity(ndev);
     let mut transient_peak = vec![0u64; ndev];
     {
         let mut live = vec![0u64; ndev];
-        // (producer, device) → (bytes, local consumers left)
-        let mut bufs: HashMap<(u32, u32), (u64, u32)> = HashMap::new();
+        let mut bufs: Vec<(u64, u32)> = vec![(0, 0); pos.len()];
         for &id in &order {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {
                 continue;
             }
-            for dev in &n.devices {
-                let d = dev.0 as usize;
-                // Allocate this node's transient outputs that have local readers.
-                // One buffer per tensor kind, however many readers it has.
-                let mut by_kind: BTreeMap<u8, u64> = BTreeMap::new();
-                let mut readers = 0u32;
-                for (c, k) in dag.succs(id) {
-                    if let EdgeKind::Data { tensor, bytes } = k {
-                        if transient(dag, id, tensor) && g[c.ix()].devices.contains(dev) {
-                            let b = if tensor.scales_with_batch() {
-                                bytes / dag.batch_share_div(id)
-                            } else {
-                                bytes
-                            };
-                            let slot = by_kind.entry(tensor as u8).or_insert(0);
-                            *slot = (*slot).max(b);
-                            readers += 1;
-                        }
+            // One buffer per tensor kind, however many readers it has.
+            let mut by_kind = [0u64; 6];
+            let mut readers_of: Vec<&[DeviceId]> = Vec::new();
+            for (c, k) in dag.succs(id) {
+                if let EdgeKind::Data { tensor, bytes } = k {
+                    if transient(dag, id, tensor) {
+                        let b = if tensor.scales_with_batch() {
+                            bytes / dag.batch_share_div(id)
+                        } else {
+                            bytes
+                        };
+                        let slot = &mut by_kind[tensor as usize];
+                        *slot = (*slot).max(b);
+                        readers_of.push(&g[c.ix()].devices);
                     }
                 }
-                let out_bytes: u64 = by_kind.values().sum();
+            }
+            let out_bytes: u64 = by_kind.iter().sum();
+            let base = pos_base[id.ix().index()] as usize;
+            for (i, dev) in n.devices.iter().enumerate() {
+                let d = dev.0 as usize;
+                let readers = readers_of.iter().filter(|r| r.contains(dev)).count() as u32;
                 if readers > 0 {
                     live[d] += out_bytes;
-                    bufs.insert((id.0, dev.0), (out_bytes, readers));
+                    bufs[base + i] = (out_bytes, readers);
                 }
                 transient_peak[d] = transient_peak[d].max(live[d]);
-                // Release inputs whose last local reader this was.
-                for (p, k) in dag.preds(id) {
-                    if matches!(k, EdgeKind::Data { .. }) {
-                        if let Some(entry) = bufs.get_mut(&(p.0, dev.0)) {
-                            entry.1 -= 1;
-                            if entry.1 == 0 {
-                                live[d] -= entry.0;
-                                bufs.remove(&(p.0, dev.0));
-                            }
+            }
+            // Release inputs whose last local reader this was.
+            for (p, k) in dag.preds(id) {
+                if !matches!(k, EdgeKind::Data { .. }) {
+                    continue;
+                }
+                let pn = &g[p.ix()];
+                let pbase = pos_base[p.ix().index()] as usize;
+                for dev in &n.devices {
+                    let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
+                        continue;
+                    };
+                    let entry = &mut bufs[pbase + pi];
+                    if entry.1 > 0 {
+                        entry.1 -= 1;
+                        if entry.1 == 0 {
+                            live[dev.0 as usize] -= entry.0;
                         }
                     }
                 }
@@ -484,7 +562,11 @@ fn schedule(dag: &TrainingDag) -> Vec<NodeId> {
     }
     let mut heap: BinaryHeap<Reverse<(u32, i32, u32)>> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<_>, ix: petgraph::stable_graph::NodeIndex| {
-        heap.push(Reverse((key[ix.index()], -g[ix].priority, ix.index() as u32)));
+        heap.push(Reverse((
+            key[ix.index()],
+            -g[ix].priority,
+            ix.index() as u32,
+        )));
     };
     let mut deg = indeg;
     for ix in g.node_indices() {

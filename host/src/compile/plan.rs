@@ -3,14 +3,15 @@
 //! readable per-device table.
 
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 
 /// The compiled plan of every device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
-    /// sha256 (hex, 16 chars) of everything below; equal plans, equal hashes.
+    /// Hash (hex, 16 chars) of everything below: equal plans, equal hashes,
+    /// on every machine (a fixed word hash, not the std hasher).
     pub hash: String,
     pub model: String,
     /// Global batch in sequences.
@@ -38,17 +39,16 @@ pub struct StreamPlan {
     pub ops: Vec<Op>,
 }
 
-/// One instruction.
+/// One instruction. Fields shared by the devices of an SPMD node are
+/// reference-counted, so a plan over many devices stays cheap to build.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Op {
-    /// `F`, `B`, `BI`, `BW`, `update`, `send`, `recv`, `all-reduce`,
-    /// `reduce-scatter`, `all-gather` or `all-to-all`.
-    pub op: String,
+    pub op: OpKind,
     /// The DAG node this op runs.
     pub node: u32,
-    pub tags: BTreeMap<String, u32>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub segments: Vec<u32>,
+    pub tags: Arc<BTreeMap<String, u32>>,
+    #[serde(default, skip_serializing_if = "is_empty")]
+    pub segments: Arc<[u32]>,
     /// `send`: destination device; `recv`: source device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<u32>,
@@ -57,10 +57,10 @@ pub struct Op {
     pub pair: Option<u32>,
     /// Collectives: the devices that run it together (this device included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group: Option<Vec<u32>>,
+    pub group: Option<Arc<[u32]>>,
     /// Why a communication op exists (`pipeline`, `grad-sync`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub purpose: Option<String>,
+    pub purpose: Option<Arc<str>>,
     /// Microbatch split factor × data-parallel degree: the op runs
     /// `1/batch_div` of the global batch.
     pub batch_div: u64,
@@ -73,15 +73,120 @@ pub struct Op {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waits: Vec<Wait>,
     /// Local producers of the tensors this op reads.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub inputs: Vec<u32>,
+    #[serde(default, skip_serializing_if = "is_empty")]
+    pub inputs: Arc<[u32]>,
+}
+
+/// What an op does; serialized as `F`, `B`, `BI`, `BW`, `update`, `send`,
+/// `recv`, `all-reduce`, `reduce-scatter`, `all-gather` or `all-to-all`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum OpKind {
+    F,
+    B,
+    BI,
+    BW,
+    #[serde(rename = "update")]
+    Update,
+    #[serde(rename = "send")]
+    Send,
+    #[serde(rename = "recv")]
+    Recv,
+    #[serde(rename = "all-reduce")]
+    AllReduce,
+    #[serde(rename = "reduce-scatter")]
+    ReduceScatter,
+    #[serde(rename = "all-gather")]
+    AllGather,
+    #[serde(rename = "all-to-all")]
+    AllToAll,
+}
+
+impl OpKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpKind::F => "F",
+            OpKind::B => "B",
+            OpKind::BI => "BI",
+            OpKind::BW => "BW",
+            OpKind::Update => "update",
+            OpKind::Send => "send",
+            OpKind::Recv => "recv",
+            OpKind::AllReduce => "all-reduce",
+            OpKind::ReduceScatter => "reduce-scatter",
+            OpKind::AllGather => "all-gather",
+            OpKind::AllToAll => "all-to-all",
+        }
+    }
+    /// From a DAG node label (`None` for markers, which never reach a plan).
+    pub fn from_label(s: &str) -> Option<Self> {
+        [
+            OpKind::F,
+            OpKind::B,
+            OpKind::BI,
+            OpKind::BW,
+            OpKind::Update,
+            OpKind::Send,
+            OpKind::Recv,
+            OpKind::AllReduce,
+            OpKind::ReduceScatter,
+            OpKind::AllGather,
+            OpKind::AllToAll,
+        ]
+        .into_iter()
+        .find(|k| k.as_str() == s)
+    }
+    pub fn is_compute(self) -> bool {
+        matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
+    }
+}
+
+impl PartialEq<&str> for OpKind {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl std::fmt::Display for OpKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+fn is_empty(v: &Arc<[u32]>) -> bool {
+    v.is_empty()
 }
 
 /// A cross-stream dependency: op `op` (index) of stream `stream`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Wait {
-    pub stream: String,
+    pub stream: Arc<str>,
     pub op: usize,
+}
+
+/// A fixed 64-bit word hash (FxHash's mixing step, applied twice with
+/// different seeds for 128 bits): stable across runs, builds and machines.
+struct StableHasher([u64; 2]);
+
+impl StableHasher {
+    const K: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+    fn word(&mut self, w: u64) {
+        self.0[0] = (self.0[0].rotate_left(5) ^ w).wrapping_mul(Self::K);
+        self.0[1] = (self.0[1].rotate_left(7) ^ w ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(Self::K);
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.word(b.len() as u64);
+        for c in b.chunks(8) {
+            let mut w = [0u8; 8];
+            w[..c.len()].copy_from_slice(c);
+            self.word(u64::from_le_bytes(w));
+        }
+    }
+    fn words(&mut self, ws: &[u32]) {
+        self.word(ws.len() as u64);
+        for w in ws {
+            self.word(*w as u64);
+        }
+    }
 }
 
 impl Op {
@@ -89,7 +194,7 @@ impl Op {
     pub fn label(&self) -> String {
         let tags: Vec<String> = self.tags.iter().map(|(k, v)| format!("{k}{v}")).collect();
         let mut s = if tags.is_empty() {
-            self.op.clone()
+            self.op.to_string()
         } else {
             format!("{}[{}]", self.op, tags.join(" "))
         };
@@ -105,10 +210,51 @@ impl Op {
 impl Plan {
     /// Hash of the plan body (everything but `hash`).
     pub fn compute_hash(&self) -> String {
-        let body = serde_json::to_vec(&(&self.model, self.batch_size, &self.devices))
-            .expect("plans serialize");
-        let digest = Sha256::digest(&body);
-        digest.iter().take(8).map(|b| format!("{b:02x}")).collect()
+        let mut h = StableHasher([0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344]);
+        h.bytes(self.model.as_bytes());
+        h.word(self.batch_size as u64);
+        let mut seen: Vec<bool> = Vec::new();
+        for d in &self.devices {
+            h.word(d.device as u64);
+            h.word(d.peak_bytes);
+            h.word(d.model_state_bytes);
+            h.word(d.transient_peak_bytes);
+            for s in &d.streams {
+                h.bytes(s.stream.as_bytes());
+                h.word(s.ops.len() as u64);
+                for o in &s.ops {
+                    h.bytes(o.op.as_str().as_bytes());
+                    h.word(o.node as u64);
+                    // What every device of a node shares is hashed at its
+                    // first op (a deterministic position in the plan).
+                    let n = o.node as usize;
+                    if n >= seen.len() {
+                        seen.resize(n + 1, false);
+                    }
+                    if !seen[n] {
+                        seen[n] = true;
+                        for (k, v) in o.tags.iter() {
+                            h.bytes(k.as_bytes());
+                            h.word(*v as u64);
+                        }
+                        h.words(&o.segments);
+                        h.bytes(o.purpose.as_deref().unwrap_or("").as_bytes());
+                        h.word(o.batch_div);
+                        h.word(o.flops.to_bits());
+                        h.word(o.bytes);
+                    }
+                    h.word(o.peer.map_or(u64::MAX, |p| p as u64));
+                    h.word(o.pair.map_or(u64::MAX, |p| p as u64));
+                    h.words(o.group.as_deref().unwrap_or(&[]));
+                    for w in &o.waits {
+                        h.bytes(w.stream.as_bytes());
+                        h.word(w.op as u64);
+                    }
+                    h.words(&o.inputs);
+                }
+            }
+        }
+        format!("{:016x}", h.0[0] ^ h.0[1].rotate_left(32))
     }
 
     pub fn to_json(&self) -> String {

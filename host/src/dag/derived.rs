@@ -48,6 +48,9 @@ fn key_of(parts: impl Hash) -> u64 {
 /// microbatch indices), `None` for a source that covers every microbatch.
 type Sources = Vec<(Option<Vec<u32>>, NodeId)>;
 
+/// A segment's device group and replication spec, when all its nodes agree.
+pub(crate) type Placement = Option<(Vec<DeviceId>, Option<u32>)>;
+
 impl TrainingDag {
     /// Rebuild derived nodes if a directive made them stale.
     pub(crate) fn sync(&mut self) {
@@ -57,9 +60,8 @@ impl TrainingDag {
     }
 
     /// Group and replication of each segment when all its compute nodes agree.
-    pub(crate) fn segment_placement(&self) -> Vec<Option<(Vec<DeviceId>, Option<u32>)>> {
-        let mut out: Vec<Option<Option<(Vec<DeviceId>, Option<u32>)>>> =
-            vec![None; self.segments().len()];
+    pub(crate) fn segment_placement(&self) -> Vec<Placement> {
+        let mut out: Vec<Option<Placement>> = vec![None; self.segments().len()];
         for n in self.graph.node_weights() {
             if let NodeKind::Compute { segment, .. } = n.kind {
                 let this = (!n.devices.is_empty()).then(|| (n.devices.clone(), n.replica));
@@ -76,12 +78,20 @@ impl TrainingDag {
 
     /// Parameter elements a segment holds on its devices: its own, plus a copy
     /// of the tied `wte` when it has the head but not the embedding's group.
-    pub(crate) fn held_elems(&self, seg: u32, placement: &[Option<(Vec<DeviceId>, Option<u32>)>]) -> u64 {
+    pub(crate) fn held_elems(
+        &self,
+        seg: u32,
+        placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+    ) -> u64 {
         let s = &self.segments()[seg as usize];
         if s.tied_elems == 0 || s.has_embedding() {
             return s.param_elems;
         }
-        let emb = self.segments().iter().position(|x| x.has_embedding()).unwrap_or(0);
+        let emb = self
+            .segments()
+            .iter()
+            .position(|x| x.has_embedding())
+            .unwrap_or(0);
         let same = match (&placement[emb], &placement[seg as usize]) {
             (Some(a), Some(b)) => a.0 == b.0,
             _ => true,
@@ -154,7 +164,11 @@ impl TrainingDag {
                         .edges_directed(id.ix(), dir)
                         .filter(|e| matches!(e.weight(), EdgeKind::Temporal))
                         .map(|e| {
-                            NodeId::of(if dir == Direction::Incoming { e.source() } else { e.target() })
+                            NodeId::of(if dir == Direction::Incoming {
+                                e.source()
+                            } else {
+                                e.target()
+                            })
                         })
                         .filter(core)
                         .collect()
@@ -208,9 +222,8 @@ impl TrainingDag {
             if let (Some((ge, re)), Some((gh, rh))) = (placement[e].clone(), placement[h].clone()) {
                 let disjoint = ge.iter().all(|d| !gh.contains(d));
                 if e != h && ge != gh && ge.len() == gh.len() && disjoint {
-                    let per_mb = |r: Option<u32>| {
-                        r.is_some_and(|r| self.specs[r as usize].zero >= 2)
-                    };
+                    let per_mb =
+                        |r: Option<u32>| r.is_some_and(|r| self.specs[r as usize].zero >= 2);
                     let per_mb = per_mb(re) || per_mb(rh);
                     let wte = self.segments()[h].tied_elems * DTYPE_BYTES;
                     let mut devices = ge.clone();
@@ -253,7 +266,11 @@ impl TrainingDag {
                                 .map(|(_, id)| *id)
                                 .collect();
                             for src in srcs {
-                                let t = if k.is_some() { TensorKind::MicroGrad } else { TensorKind::ParamGrad };
+                                let t = if k.is_some() {
+                                    TensorKind::MicroGrad
+                                } else {
+                                    TensorKind::ParamGrad
+                                };
                                 self.data(src, node, t, wte);
                             }
                         }
@@ -266,8 +283,8 @@ impl TrainingDag {
 
         // 4. One update per (group, spec), gradient collectives per bucket.
         let mut keys: BTreeMap<(Vec<DeviceId>, Option<u32>), Vec<u32>> = BTreeMap::new();
-        for s in 0..nseg {
-            let k = placement[s].clone().unwrap_or((Vec::new(), None));
+        for (s, p) in placement.iter().enumerate() {
+            let k = p.clone().unwrap_or((Vec::new(), None));
             keys.entry(k).or_default().push(s as u32);
         }
         let mut keys: Vec<_> = keys.into_iter().collect();
@@ -310,7 +327,11 @@ impl TrainingDag {
             for bucket in buckets {
                 let bytes: u64 = bucket.iter().map(|s| grad_bytes(self, *s)).sum();
                 let tags = region_tags(self, bucket[0]);
-                let op = if spec.zero == 0 { CommOp::AllReduce } else { CommOp::ReduceScatter };
+                let op = if spec.zero == 0 {
+                    CommOp::AllReduce
+                } else {
+                    CommOp::ReduceScatter
+                };
                 let sync_kind = |segs: &Vec<u32>| {
                     NodeKind::Comm(Comm {
                         op,
@@ -323,7 +344,11 @@ impl TrainingDag {
                         pair: None,
                     })
                 };
-                let out_bytes = if spec.zero == 0 { bytes } else { bytes.div_ceil(n) };
+                let out_bytes = if spec.zero == 0 {
+                    bytes
+                } else {
+                    bytes.div_ceil(n)
+                };
                 if spec.zero <= 1 {
                     // Accumulate every microbatch, then reduce once.
                     let sync = self.add_derived(
@@ -344,7 +369,8 @@ impl TrainingDag {
                     self.data(sync, update, TensorKind::ParamGrad, out_bytes);
                 } else {
                     // Reduce-scatter every microbatch's gradients.
-                    let mut by_key: BTreeMap<Option<Vec<u32>>, Vec<(u32, NodeId)>> = BTreeMap::new();
+                    let mut by_key: BTreeMap<Option<Vec<u32>>, Vec<(u32, NodeId)>> =
+                        BTreeMap::new();
                     for &s in &bucket {
                         for (k, src) in &sources[s as usize] {
                             by_key.entry(k.clone()).or_default().push((s, *src));
@@ -419,7 +445,8 @@ impl TrainingDag {
                     if spec.reshard_after_forward {
                         for r in rs {
                             let rn = &self.graph[r.ix()];
-                            let (tags, div, label) = (rn.tags.clone(), rn.batch_div, rn.kind.label());
+                            let (tags, div, label) =
+                                (rn.tags.clone(), rn.batch_div, rn.kind.label());
                             let ag = self.add_derived(
                                 key_of(("gather", s, label, self.split_key(&self.graph[r.ix()]))),
                                 gather(&[r]),

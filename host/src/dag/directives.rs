@@ -78,7 +78,11 @@ fn devices_str(d: &[u32]) -> String {
 }
 
 impl TrainingDag {
-    pub(crate) fn check_devices(&self, devices: &[u32], call: &str) -> Result<Vec<DeviceId>, DagError> {
+    pub(crate) fn check_devices(
+        &self,
+        devices: &[u32],
+        call: &str,
+    ) -> Result<Vec<DeviceId>, DagError> {
         if devices.is_empty() {
             return Err(DagError::new(call, DagErrorKind::EmptyDevices));
         }
@@ -94,7 +98,10 @@ impl TrainingDag {
                 ));
             }
             if !seen.insert(d) {
-                return Err(DagError::new(call, DagErrorKind::DuplicateDevice { device: d }));
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::DuplicateDevice { device: d },
+                ));
             }
         }
         Ok(devices.iter().map(|d| DeviceId(*d)).collect())
@@ -111,7 +118,12 @@ impl TrainingDag {
     }
 
     /// Core compute nodes among `ids`; an error naming what matched if none.
-    fn compute_only(&self, f: &Filter, ids: Vec<NodeId>, call: &str) -> Result<Vec<NodeId>, DagError> {
+    fn compute_only(
+        &self,
+        f: &Filter,
+        ids: Vec<NodeId>,
+        call: &str,
+    ) -> Result<Vec<NodeId>, DagError> {
         let compute: Vec<NodeId> = ids
             .iter()
             .copied()
@@ -164,8 +176,14 @@ impl TrainingDag {
         let ids = self.compute_only(f, ids.clone(), &call).map(|_| ids)?;
         let set: HashSet<NodeId> = ids.iter().copied().collect();
         if let Some(key) = self.find_tag(dim) {
-            if ids.iter().any(|id| self.graph[id.ix()].tags.get(key).is_some()) {
-                return Err(DagError::new(call, DagErrorKind::AlreadySplit { dim: dim.into() }));
+            if ids
+                .iter()
+                .any(|id| self.graph[id.ix()].tags.get(key).is_some())
+            {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::AlreadySplit { dim: dim.into() },
+                ));
             }
         }
         // Closure: data and peer edges between the region and other core nodes.
@@ -235,7 +253,10 @@ impl TrainingDag {
                 }
             }
             for &(s, t, k) in &edges {
-                let (s2, t2) = (map.get(&s).copied().unwrap_or(s), map.get(&t).copied().unwrap_or(t));
+                let (s2, t2) = (
+                    map.get(&s).copied().unwrap_or(s),
+                    map.get(&t).copied().unwrap_or(t),
+                );
                 self.graph.add_edge(s2.ix(), t2.ix(), k);
             }
         }
@@ -250,7 +271,10 @@ impl TrainingDag {
     /// the tied embedding and LM head end up on different groups, their
     /// gradients get an all-reduce (on the same stream) before the update.
     pub fn place(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
-        let call = format!("place({f}, devices {}, stream {stream:?})", devices_str(devices));
+        let call = format!(
+            "place({f}, devices {}, stream {stream:?})",
+            devices_str(devices)
+        );
         let devs = self.check_devices(devices, &call)?;
         Self::check_stream(stream, "stream", &call)?;
         let ids = self.select(f, &call)?;
@@ -302,8 +326,13 @@ impl TrainingDag {
                         tensor: TensorKind::Saved,
                         ..
                     }
-                ) || (matches!(self.graph[id.ix()].kind, NodeKind::Compute { pass: Pass::BI, .. })
-                    && matches!(self.graph[other.ix()].kind, NodeKind::Compute { pass: Pass::BW, .. }));
+                ) || (matches!(
+                    self.graph[id.ix()].kind,
+                    NodeKind::Compute { pass: Pass::BI, .. }
+                ) && matches!(
+                    self.graph[other.ix()].kind,
+                    NodeKind::Compute { pass: Pass::BW, .. }
+                ));
                 if partner && !set.contains(&other) {
                     return Err(DagError::new(
                         call,
@@ -345,7 +374,10 @@ impl TrainingDag {
 
     /// **shard** (expert parallelism).
     pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
-        let call = format!("shard({f}, devices {}, stream {stream:?})", devices_str(devices));
+        let call = format!(
+            "shard({f}, devices {}, stream {stream:?})",
+            devices_str(devices)
+        );
         Err(DagError::new(
             call,
             DagErrorKind::Unsupported {
@@ -355,7 +387,12 @@ impl TrainingDag {
     }
 
     /// **shard-tensor** (tensor parallelism).
-    pub fn shard_tensor(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
+    pub fn shard_tensor(
+        &mut self,
+        f: &Filter,
+        devices: &[u32],
+        stream: &str,
+    ) -> Result<(), DagError> {
         let call = format!(
             "shard-tensor({f}, devices {}, stream {stream:?})",
             devices_str(devices)
@@ -433,7 +470,13 @@ impl TrainingDag {
             for (f, r) in rg {
                 let m = self.select_resolved(r);
                 if m.is_empty() {
-                    return fail(self, DagErrorKind::NoMatch { filter: f.to_string() }, snapshot);
+                    return fail(
+                        self,
+                        DagErrorKind::NoMatch {
+                            filter: f.to_string(),
+                        },
+                        snapshot,
+                    );
                 }
                 set.extend(m);
             }
@@ -448,7 +491,13 @@ impl TrainingDag {
             for &id in set {
                 let d = &self.graph[id.ix()].devices;
                 if d.is_empty() {
-                    return fail(self, DagErrorKind::Unplaced { node: self.label(id) }, snapshot);
+                    return fail(
+                        self,
+                        DagErrorKind::Unplaced {
+                            node: self.label(id),
+                        },
+                        snapshot,
+                    );
                 }
                 if *d != devs {
                     let kind = DagErrorKind::CrossDevice {
@@ -495,7 +544,11 @@ impl TrainingDag {
                 for &s in &sinks {
                     for &t in &sources {
                         if self.graph.find_edge(s.ix(), t.ix()).is_none() {
-                            added_edges.push(self.graph.add_edge(s.ix(), t.ix(), EdgeKind::Temporal));
+                            added_edges.push(self.graph.add_edge(
+                                s.ix(),
+                                t.ix(),
+                                EdgeKind::Temporal,
+                            ));
                         }
                     }
                 }
@@ -529,13 +582,14 @@ impl TrainingDag {
         set.iter()
             .copied()
             .filter(|id| {
-                !self
-                    .graph
-                    .edges_directed(id.ix(), dir)
-                    .any(|e| {
-                        let other = if dir == Direction::Outgoing { e.target() } else { e.source() };
-                        members.contains(&NodeId::of(other))
-                    })
+                !self.graph.edges_directed(id.ix(), dir).any(|e| {
+                    let other = if dir == Direction::Outgoing {
+                        e.target()
+                    } else {
+                        e.source()
+                    };
+                    members.contains(&NodeId::of(other))
+                })
             })
             .collect()
     }
@@ -561,7 +615,15 @@ impl TrainingDag {
         // BW needs the saved activations and the output gradient, which BI hands on.
         let saved: Vec<(NodeId, EdgeKind)> = self
             .preds(b)
-            .filter(|(_, k)| matches!(k, EdgeKind::Data { tensor: TensorKind::Saved, .. }))
+            .filter(|(_, k)| {
+                matches!(
+                    k,
+                    EdgeKind::Data {
+                        tensor: TensorKind::Saved,
+                        ..
+                    }
+                )
+            })
             .collect();
         for (src, k) in saved {
             self.graph.add_edge(src.ix(), bw, k);
@@ -595,7 +657,10 @@ impl TrainingDag {
             .filter(|e| {
                 matches!(
                     e.weight(),
-                    EdgeKind::Data { tensor: TensorKind::ParamGrad | TensorKind::MicroGrad, .. }
+                    EdgeKind::Data {
+                        tensor: TensorKind::ParamGrad | TensorKind::MicroGrad,
+                        ..
+                    }
                 )
             })
             .map(|e| (e.id(), e.target(), *e.weight()))
@@ -629,8 +694,14 @@ impl TrainingDag {
                 CommOp::Send => (c, comm.pair.expect("send has a pair")),
                 _ => (comm.pair.expect("recv has a pair"), c),
             };
-            let from: Vec<(NodeId, EdgeKind)> = self.preds(send).filter(|(_, k)| matches!(k, EdgeKind::Data { .. })).collect();
-            let to: Vec<(NodeId, EdgeKind)> = self.succs(recv).filter(|(_, k)| matches!(k, EdgeKind::Data { .. })).collect();
+            let from: Vec<(NodeId, EdgeKind)> = self
+                .preds(send)
+                .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+                .collect();
+            let to: Vec<(NodeId, EdgeKind)> = self
+                .succs(recv)
+                .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+                .collect();
             for (u, k) in &from {
                 for (v, _) in &to {
                     self.graph.add_edge(u.ix(), v.ix(), *k);
@@ -645,7 +716,14 @@ impl TrainingDag {
             .edges_directed(id.ix(), Direction::Incoming)
             .chain(self.graph.edges_directed(id.ix(), Direction::Outgoing))
             .filter(|e| matches!(e.weight(), EdgeKind::Data { .. }))
-            .map(|e| (e.id(), NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
+            .map(|e| {
+                (
+                    e.id(),
+                    NodeId::of(e.source()),
+                    NodeId::of(e.target()),
+                    *e.weight(),
+                )
+            })
             .filter(|(_, u, v, _)| {
                 let (a, b) = (&self.graph[u.ix()], &self.graph[v.ix()]);
                 matches!(a.kind, NodeKind::Compute { .. })
@@ -706,7 +784,12 @@ fn order_call(groups: &[Vec<Filter>]) -> String {
     let show: Vec<String> = groups
         .iter()
         .take(6)
-        .map(|g| g.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(" | "))
+        .map(|g| {
+            g.iter()
+                .map(|f| f.to_string())
+                .collect::<Vec<_>>()
+                .join(" | ")
+        })
         .collect();
     let more = if groups.len() > 6 {
         format!(", … ({} groups)", groups.len())

@@ -98,7 +98,11 @@ impl fmt::Display for Filter {
 impl FromStr for Filter {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        let inner = s.trim().trim_start_matches('{').trim_end_matches('}').trim();
+        let inner = s
+            .trim()
+            .trim_start_matches('{')
+            .trim_end_matches('}')
+            .trim();
         let mut filter = Filter::all();
         if inner.is_empty() {
             return Ok(filter);

@@ -433,6 +433,9 @@ impl TrainingDag {
     pub fn stream_name(&self, s: StreamId) -> &str {
         &self.streams[s.0 as usize]
     }
+    pub(crate) fn stream_name_opt(&self, s: StreamId) -> Option<&str> {
+        self.streams.get(s.0 as usize).map(|x| x.as_str())
+    }
 
     /// Tags as a name → index map (without `PASS`).
     pub fn tag_map(&self, tags: &Tags) -> BTreeMap<String, u32> {

@@ -55,6 +55,9 @@ pub(crate) struct Index {
     by_tag: HashMap<(TagKey, u32), Vec<NodeId>>,
     by_label: HashMap<&'static str, Vec<NodeId>>,
     by_label_tag: HashMap<(&'static str, TagKey, u32), Vec<NodeId>>,
+    /// Nodes by label and two exact tags (`F`, PP=3, MB=7): the usual
+    /// strategy filter hits a list of one.
+    by_label_pair: HashMap<(&'static str, TagKey, u32, TagKey, u32), Vec<NodeId>>,
 }
 
 impl Index {
@@ -68,16 +71,39 @@ impl Index {
     pub(crate) fn add(&mut self, dag: &TrainingDag, id: NodeId) {
         let n = &dag.graph[id.ix()];
         let label = n.kind.label();
-        for (k, v) in &n.tags.0 {
+        for (i, (k, v)) in n.tags.0.iter().enumerate() {
             self.by_tag.entry((*k, *v)).or_default().push(id);
-            self.by_label_tag.entry((label, *k, *v)).or_default().push(id);
+            self.by_label_tag
+                .entry((label, *k, *v))
+                .or_default()
+                .push(id);
+            for (k2, v2) in &n.tags.0[i + 1..] {
+                self.by_label_pair
+                    .entry((label, *k, *v, *k2, *v2))
+                    .or_default()
+                    .push(id);
+            }
         }
         self.by_label.entry(label).or_default().push(id);
     }
     pub(crate) fn add_tag(&mut self, dag: &TrainingDag, id: NodeId, k: TagKey, v: u32) {
-        let label = dag.graph[id.ix()].kind.label();
+        let n = &dag.graph[id.ix()];
+        let label = n.kind.label();
         self.by_tag.entry((k, v)).or_default().push(id);
         self.by_label_tag.entry((label, k, v)).or_default().push(id);
+        for (k2, v2) in &n.tags.0 {
+            if *k2 < k {
+                self.by_label_pair
+                    .entry((label, *k2, *v2, k, v))
+                    .or_default()
+                    .push(id);
+            } else if *k2 > k {
+                self.by_label_pair
+                    .entry((label, k, v, *k2, *v2))
+                    .or_default()
+                    .push(id);
+            }
+        }
     }
 }
 
@@ -142,7 +168,10 @@ impl TrainingDag {
         // Scan the smallest candidate list among the exact constraints.
         let mut best: Option<&Vec<NodeId>> = None;
         let empty = Vec::new();
-        let label = r.pass.as_deref().and_then(|p| PASS_VALUES.iter().find(|v| **v == p).copied());
+        let label = r
+            .pass
+            .as_deref()
+            .and_then(|p| PASS_VALUES.iter().find(|v| **v == p).copied());
         for (k, m) in &r.tags {
             if let TagMatch::Index(i) = m {
                 let list = match label {
@@ -155,7 +184,31 @@ impl TrainingDag {
                 }
             }
         }
-        if let Some(p) = label {
+        if let Some(l) = label {
+            let exact: Vec<(TagKey, u32)> = {
+                let mut e: Vec<(TagKey, u32)> = r
+                    .tags
+                    .iter()
+                    .filter_map(|(k, m)| match m {
+                        TagMatch::Index(i) => Some((*k, *i)),
+                        TagMatch::Any => None,
+                    })
+                    .collect();
+                e.sort_unstable();
+                e
+            };
+            for (i, (k, v)) in exact.iter().enumerate() {
+                for (k2, v2) in &exact[i + 1..] {
+                    let list = index
+                        .by_label_pair
+                        .get(&(l, *k, *v, *k2, *v2))
+                        .unwrap_or(&empty);
+                    if best.is_none_or(|b| list.len() < b.len()) {
+                        best = Some(list);
+                    }
+                }
+            }
+            let p = l;
             let list = index.by_label.get(p).unwrap_or(&empty);
             if best.is_none_or(|b| list.len() < b.len()) {
                 best = Some(list);
@@ -222,10 +275,7 @@ impl TrainingDag {
     }
 
     /// Predecessors and successors of a node.
-    pub fn neighbours(
-        &mut self,
-        id: NodeId,
-    ) -> Result<(Vec<Neighbour>, Vec<Neighbour>), DagError> {
+    pub fn neighbours(&mut self, id: NodeId) -> Result<(Vec<Neighbour>, Vec<Neighbour>), DagError> {
         self.sync();
         self.check_id(id, &format!("neighbours({})", id.0))?;
         let name = |k: EdgeKind| match k {

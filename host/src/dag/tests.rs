@@ -9,12 +9,23 @@ fn tiny(devices: u32) -> TrainingDag {
 }
 
 /// Run `f`, expect an error containing `needle`, and check the DAG is unchanged.
-fn fails_unchanged(dag: &mut TrainingDag, needle: &str, f: impl FnOnce(&mut TrainingDag) -> Result<(), DagError>) -> DagError {
+fn fails_unchanged(
+    dag: &mut TrainingDag,
+    needle: &str,
+    f: impl FnOnce(&mut TrainingDag) -> Result<(), DagError>,
+) -> DagError {
     let before = dag.snapshot();
     let err = f(dag).expect_err("the directive should fail");
     let msg = err.to_string();
-    assert!(msg.contains(needle), "error `{msg}` should contain `{needle}`");
-    assert_eq!(dag.snapshot(), before, "a failed directive changed the DAG: {msg}");
+    assert!(
+        msg.contains(needle),
+        "error `{msg}` should contain `{needle}`"
+    );
+    assert_eq!(
+        dag.snapshot(),
+        before,
+        "a failed directive changed the DAG: {msg}"
+    );
     err
 }
 
@@ -36,20 +47,32 @@ fn split_copies_the_region_and_tags_microbatches() {
     assert_eq!(preds.len(), 32);
     // Each copy runs a quarter of the batch.
     let f0 = &dag.query(&"{PP:0,MB:0,PASS:F}".parse().unwrap()).unwrap()[0];
-    let whole = tiny(1).query(&"{PP:0,PASS:F}".parse().unwrap()).unwrap()[0].cost.flops;
+    let whole = tiny(1).query(&"{PP:0,PASS:F}".parse().unwrap()).unwrap()[0]
+        .cost
+        .flops;
     assert!((f0.cost.flops * 4.0 - whole).abs() < 1e-6 * whole);
 }
 
 #[test]
 fn split_errors_leave_the_dag_unchanged() {
     let mut dag = tiny(1);
-    fails_unchanged(&mut dag, "not contiguous", |d| d.split(&"{PASS:F}".parse().unwrap(), "MB", 2));
-    fails_unchanged(&mut dag, "not contiguous", |d| d.split(&Filter::tag("PP", 2), "MB", 2));
-    fails_unchanged(&mut dag, "unknown tag `XX`", |d| d.split(&Filter::tag("XX", 0), "MB", 2));
-    fails_unchanged(&mut dag, "matches no node", |d| d.split(&Filter::tag("PP", 99), "MB", 2));
+    fails_unchanged(&mut dag, "not contiguous", |d| {
+        d.split(&"{PASS:F}".parse().unwrap(), "MB", 2)
+    });
+    fails_unchanged(&mut dag, "not contiguous", |d| {
+        d.split(&Filter::tag("PP", 2), "MB", 2)
+    });
+    fails_unchanged(&mut dag, "unknown tag `XX`", |d| {
+        d.split(&Filter::tag("XX", 0), "MB", 2)
+    });
+    fails_unchanged(&mut dag, "matches no node", |d| {
+        d.split(&Filter::tag("PP", 99), "MB", 2)
+    });
     fails_unchanged(&mut dag, "at least 1", |d| d.split(&Filter::all(), "MB", 0));
     dag.split(&Filter::all(), "MB", 2).unwrap();
-    fails_unchanged(&mut dag, "already split along `MB`", |d| d.split(&Filter::all(), "MB", 2));
+    fails_unchanged(&mut dag, "already split along `MB`", |d| {
+        d.split(&Filter::all(), "MB", 2)
+    });
     // A second, nested dimension is fine.
     dag.split(&Filter::all(), "SUB", 2).unwrap();
     assert_eq!(count(&mut dag, "{PASS:F}"), 32);
@@ -85,40 +108,68 @@ fn place_inserts_send_recv_pairs_and_undoes_them() {
 #[test]
 fn place_errors_leave_the_dag_unchanged() {
     let mut dag = tiny(8);
-    let e = fails_unchanged(&mut dag, "device 9 does not exist, the cluster has 8", |d| d.place(&Filter::tag("PP", 1), &[0, 9], "pp"));
-    assert!(e.call.contains("place({PP:1}, devices [0, 9]"), "{}", e.call);
-    fails_unchanged(&mut dag, "unknown tag `STAGE`", |d| d.place(&Filter::tag("STAGE", 1), &[0], "pp"));
-    fails_unchanged(&mut dag, "filter {PP:42} matches no node", |d| d.place(&Filter::tag("PP", 42), &[0], "pp"));
-    fails_unchanged(&mut dag, "device list is empty", |d| d.place(&Filter::all(), &[], "pp"));
-    fails_unchanged(&mut dag, "appears twice", |d| d.place(&Filter::all(), &[1, 1], "pp"));
-    fails_unchanged(&mut dag, "no compute node", |d| d.place(&"{PASS:update}".parse().unwrap(), &[0], "pp"));
+    let e = fails_unchanged(
+        &mut dag,
+        "device 9 does not exist, the cluster has 8",
+        |d| d.place(&Filter::tag("PP", 1), &[0, 9], "pp"),
+    );
+    assert!(
+        e.call.contains("place({PP:1}, devices [0, 9]"),
+        "{}",
+        e.call
+    );
+    fails_unchanged(&mut dag, "unknown tag `STAGE`", |d| {
+        d.place(&Filter::tag("STAGE", 1), &[0], "pp")
+    });
+    fails_unchanged(&mut dag, "filter {PP:42} matches no node", |d| {
+        d.place(&Filter::tag("PP", 42), &[0], "pp")
+    });
+    fails_unchanged(&mut dag, "device list is empty", |d| {
+        d.place(&Filter::all(), &[], "pp")
+    });
+    fails_unchanged(&mut dag, "appears twice", |d| {
+        d.place(&Filter::all(), &[1, 1], "pp")
+    });
+    fails_unchanged(&mut dag, "no compute node", |d| {
+        d.place(&"{PASS:update}".parse().unwrap(), &[0], "pp")
+    });
 }
 
 #[test]
 fn replicate_inserts_gradient_all_reduce_in_buckets() {
     let mut dag = tiny(2);
-    let opts = ReplicateOptions { bucket_bytes: 0, ..ReplicateOptions::default() };
+    let opts = ReplicateOptions {
+        bucket_bytes: 0,
+        ..ReplicateOptions::default()
+    };
     dag.replicate(&Filter::all(), &[0, 1], &opts).unwrap();
     // One all-reduce per segment with bucket-bytes 0, on the dp stream.
     let ar = dag.query(&"{PASS:all-reduce}".parse().unwrap()).unwrap();
     assert_eq!(ar.len(), 8);
-    assert!(ar.iter().all(|a| a.stream == "dp" && a.devices == vec![0, 1]));
+    assert!(ar
+        .iter()
+        .all(|a| a.stream == "dp" && a.devices == vec![0, 1]));
     // One big bucket covers the whole model.
     let mut dag = tiny(2);
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default()).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
     assert_eq!(count(&mut dag, "{PASS:all-reduce}"), 1);
     // Microbatches accumulate before the one reduction.
     dag.split(&Filter::all(), "MB", 4).unwrap();
     assert_eq!(count(&mut dag, "{PASS:all-reduce}"), 1);
     // ZeRO-2 reduce-scatters every microbatch instead, and gathers updated params.
     let mut dag = tiny(2);
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(2)).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(2))
+        .unwrap();
     dag.split(&Filter::all(), "MB", 4).unwrap();
     assert_eq!(count(&mut dag, "{PASS:reduce-scatter}"), 4);
     assert_eq!(count(&mut dag, "{PASS:all-gather}"), 1);
     // ZeRO-3 keeping gathered parameters: one gather per segment.
     let mut dag = tiny(2);
-    let keep = ReplicateOptions { reshard_after_forward: false, ..ReplicateOptions::zero(3) };
+    let keep = ReplicateOptions {
+        reshard_after_forward: false,
+        ..ReplicateOptions::zero(3)
+    };
     dag.replicate(&Filter::all(), &[0, 1], &keep).unwrap();
     dag.split(&Filter::all(), "MB", 4).unwrap();
     assert_eq!(count(&mut dag, "{PASS:all-gather}"), 8);
@@ -127,18 +178,41 @@ fn replicate_inserts_gradient_all_reduce_in_buckets() {
 #[test]
 fn replicate_errors_leave_the_dag_unchanged() {
     let mut dag = tiny(4);
-    fails_unchanged(&mut dag, "partner", |d| d.replicate(&"{PASS:F}".parse().unwrap(), &[0, 1], &ReplicateOptions::default()));
-    fails_unchanged(&mut dag, "device 4 does not exist", |d| d.replicate(&Filter::all(), &[3, 4], &ReplicateOptions::default()));
+    fails_unchanged(&mut dag, "partner", |d| {
+        d.replicate(
+            &"{PASS:F}".parse().unwrap(),
+            &[0, 1],
+            &ReplicateOptions::default(),
+        )
+    });
+    fails_unchanged(&mut dag, "device 4 does not exist", |d| {
+        d.replicate(&Filter::all(), &[3, 4], &ReplicateOptions::default())
+    });
     fails_unchanged(&mut dag, "reduce-stream name is empty", |d| {
-        d.replicate(&Filter::all(), &[0, 1], &ReplicateOptions { reduce_stream: String::new(), ..Default::default() })
+        d.replicate(
+            &Filter::all(),
+            &[0, 1],
+            &ReplicateOptions {
+                reduce_stream: String::new(),
+                ..Default::default()
+            },
+        )
     });
 }
 
 #[test]
 fn shard_and_shard_tensor_say_not_yet_supported() {
     let mut dag = tiny(2);
-    fails_unchanged(&mut dag, "shard (expert parallelism) is not yet supported", |d| d.shard(&Filter::all(), &[0, 1], "ep"));
-    fails_unchanged(&mut dag, "shard-tensor (tensor parallelism) is not yet supported", |d| d.shard_tensor(&Filter::all(), &[0, 1], "tp"));
+    fails_unchanged(
+        &mut dag,
+        "shard (expert parallelism) is not yet supported",
+        |d| d.shard(&Filter::all(), &[0, 1], "ep"),
+    );
+    fails_unchanged(
+        &mut dag,
+        "shard-tensor (tensor parallelism) is not yet supported",
+        |d| d.shard_tensor(&Filter::all(), &[0, 1], "tp"),
+    );
 }
 
 #[test]
@@ -149,21 +223,36 @@ fn order_adds_temporal_edges_and_rejects_cycles_and_crossings() {
     dag.snapshot(); // brings derived nodes up to date
     let edges = dag.edge_count();
     // F of microbatch 1 before F of microbatch 0: one edge, sink → source.
-    dag.order(&[vec!["{PP:7,MB:1,PASS:F}".parse().unwrap()], vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()]]).unwrap();
+    dag.order(&[
+        vec!["{PP:7,MB:1,PASS:F}".parse().unwrap()],
+        vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()],
+    ])
+    .unwrap();
     assert_eq!(dag.edge_count(), edges + 1);
     // Backward before its own forward closes a cycle.
     let e = fails_unchanged(&mut dag, "cycle", |d| {
-        d.order(&[vec!["{PP:0,MB:0,PASS:B}".parse().unwrap()], vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()]])
+        d.order(&[
+            vec!["{PP:0,MB:0,PASS:B}".parse().unwrap()],
+            vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()],
+        ])
     });
     assert!(matches!(e.kind, DagErrorKind::Cycle { .. }));
     fails_unchanged(&mut dag, "matches no node", |d| {
-        d.order(&[vec!["{PP:0,MB:5,PASS:F}".parse().unwrap()], vec!["{PP:0,MB:0,PASS:B}".parse().unwrap()]])
+        d.order(&[
+            vec!["{PP:0,MB:5,PASS:F}".parse().unwrap()],
+            vec!["{PP:0,MB:0,PASS:B}".parse().unwrap()],
+        ])
     });
-    fails_unchanged(&mut dag, "at least 2 groups", |d| d.order(&[vec![Filter::all()]]));
+    fails_unchanged(&mut dag, "at least 2 groups", |d| {
+        d.order(&[vec![Filter::all()]])
+    });
     // Nodes on different devices cannot be ordered.
     dag.place(&Filter::tag("PP", 7), &[1], "pp").unwrap();
     fails_unchanged(&mut dag, "crosses devices", |d| {
-        d.order(&[vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()], vec!["{PP:7,MB:0,PASS:F}".parse().unwrap()]])
+        d.order(&[
+            vec!["{PP:0,MB:0,PASS:F}".parse().unwrap()],
+            vec!["{PP:7,MB:0,PASS:F}".parse().unwrap()],
+        ])
     });
 }
 
@@ -174,19 +263,30 @@ fn order_on_bi_bw_splits_the_backward() {
     dag.place(&Filter::all(), &[0], "pp").unwrap();
     // Zero-bubble style: BI of microbatch 0, then the F of microbatch 1, then BW of 0.
     let f = |s: &str| -> Vec<Filter> { vec![s.parse().unwrap()] };
-    dag.order(&[f("{PP:3,MB:0,PASS:BI}"), f("{PP:3,MB:1,PASS:F}"), f("{PP:3,MB:0,PASS:BW}")]).unwrap();
+    dag.order(&[
+        f("{PP:3,MB:0,PASS:BI}"),
+        f("{PP:3,MB:1,PASS:F}"),
+        f("{PP:3,MB:0,PASS:BW}"),
+    ])
+    .unwrap();
     assert_eq!(count(&mut dag, "{PASS:BI}"), 1);
     assert_eq!(count(&mut dag, "{PASS:BW}"), 1);
     assert_eq!(count(&mut dag, "{PASS:B}"), 15);
     // BW, not BI, feeds the update.
     let bw = &dag.query(&"{PASS:BW}".parse().unwrap()).unwrap()[0];
     let (_, succs) = dag.neighbours(bw.id).unwrap();
-    assert!(succs.iter().any(|s| dag.node(s.node).unwrap().op == "update"));
+    assert!(succs
+        .iter()
+        .any(|s| dag.node(s.node).unwrap().op == "update"));
     let bi = &dag.query(&"{PASS:BI}".parse().unwrap()).unwrap()[0];
     let (_, succs) = dag.neighbours(bi.id).unwrap();
-    assert!(!succs.iter().any(|s| dag.node(s.node).unwrap().op == "update"));
+    assert!(!succs
+        .iter()
+        .any(|s| dag.node(s.node).unwrap().op == "update"));
     // A failing order that would have split backwards restores the fused B.
-    fails_unchanged(&mut dag, "cycle", |d| d.order(&[f("{PP:2,MB:0,PASS:BW}"), f("{PP:2,MB:0,PASS:F}")]));
+    fails_unchanged(&mut dag, "cycle", |d| {
+        d.order(&[f("{PP:2,MB:0,PASS:BW}"), f("{PP:2,MB:0,PASS:F}")])
+    });
     assert_eq!(count(&mut dag, "{PASS:BW}"), 1);
 }
 
@@ -195,9 +295,15 @@ fn interleavable_groups_go_through_a_marker() {
     let mut dag = tiny(1);
     dag.split(&Filter::all(), "MB", 4).unwrap();
     dag.place(&Filter::all(), &[0], "pp").unwrap();
-    let g = |mb: u32| -> Vec<Filter> { (0..4).map(|m| Filter::tag("PP", 0).and("MB", (mb + m) % 4).pass("F")).collect() };
+    let g = |mb: u32| -> Vec<Filter> {
+        (0..4)
+            .map(|m| Filter::tag("PP", 0).and("MB", (mb + m) % 4).pass("F"))
+            .collect()
+    };
     // Group 0: four independent forwards (4 sinks); group 1: four more sources.
-    let b: Vec<Filter> = (0..4).map(|m| Filter::tag("PP", 7).and("MB", m).pass("B")).collect();
+    let b: Vec<Filter> = (0..4)
+        .map(|m| Filter::tag("PP", 7).and("MB", m).pass("B"))
+        .collect();
     dag.order(&[g(0), b]).unwrap();
     assert_eq!(count(&mut dag, "{PASS:marker}"), 1);
 }
@@ -209,24 +315,41 @@ fn primitives_read_and_tweak_the_dag() {
     let ext = dag.tag_extents();
     assert_eq!((ext["PP"], ext["MB"]), (8, 2));
     assert_eq!(dag.cluster_info().devices, 2);
-    let f = dag.query_ids(&"{PP:0,MB:1,PASS:F}".parse().unwrap()).unwrap()[0];
+    let f = dag
+        .query_ids(&"{PP:0,MB:1,PASS:F}".parse().unwrap())
+        .unwrap()[0];
     let (preds, succs) = dag.neighbours(f).unwrap();
     assert!(preds.is_empty());
     assert_eq!(succs.len(), 2); // next forward, own backward
-    assert_eq!(dag.set_stream(&"{PASS:update}".parse().unwrap(), "opt").unwrap(), 1);
+    assert_eq!(
+        dag.set_stream(&"{PASS:update}".parse().unwrap(), "opt")
+            .unwrap(),
+        1
+    );
     assert_eq!(dag.set_priority(&"{MB:1}".parse().unwrap(), 5).unwrap(), 16);
     // The tweak survives derived nodes being rebuilt by a later directive.
     dag.place(&Filter::all(), &[0], "pp").unwrap();
-    assert_eq!(dag.query(&"{PASS:update}".parse().unwrap()).unwrap()[0].stream, "opt");
-    let b = dag.query_ids(&"{PP:0,MB:1,PASS:B}".parse().unwrap()).unwrap()[0];
+    assert_eq!(
+        dag.query(&"{PASS:update}".parse().unwrap()).unwrap()[0].stream,
+        "opt"
+    );
+    let b = dag
+        .query_ids(&"{PP:0,MB:1,PASS:B}".parse().unwrap())
+        .unwrap()[0];
     let err = dag.add_temporal_edge(b, f).unwrap_err().to_string();
     assert!(err.contains("cycle"), "{err}");
     dag.add_temporal_edge(f, b).unwrap();
     dag.place(&Filter::tag("PP", 7), &[1], "pp").unwrap();
-    let last = dag.query_ids(&"{PP:7,MB:0,PASS:F}".parse().unwrap()).unwrap()[0];
+    let last = dag
+        .query_ids(&"{PP:7,MB:0,PASS:F}".parse().unwrap())
+        .unwrap()[0];
     let err = dag.add_temporal_edge(f, last).unwrap_err().to_string();
     assert!(err.contains("crosses devices"), "{err}");
-    assert!(dag.node(NodeId(99_999)).unwrap_err().to_string().contains("no node has id 99999"));
+    assert!(dag
+        .node(NodeId(99_999))
+        .unwrap_err()
+        .to_string()
+        .contains("no node has id 99999"));
     let json = dag.snapshot();
     assert!(json["nodes"].as_array().unwrap().len() > 30);
 }

@@ -28,7 +28,10 @@ pub const DTYPE_BYTES: u64 = 4;
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error("unknown model `{name}`: built-in presets are {known:?}, or give a path to a .toml model file")]
-    UnknownPreset { name: String, known: Vec<&'static str> },
+    UnknownPreset {
+        name: String,
+        known: Vec<&'static str>,
+    },
     #[error("cannot read model file {path}: {source}")]
     Io {
         path: String,
@@ -188,7 +191,7 @@ impl ModelConfig {
                 return Err(self.invalid(format!("{field} must be at least 1, got 0")));
             }
         }
-        if self.d_model % self.heads != 0 {
+        if !self.d_model.is_multiple_of(self.heads) {
             return Err(self.invalid(format!(
                 "d_model must be divisible by heads: d_model {} heads {}",
                 self.d_model, self.heads
@@ -202,7 +205,7 @@ impl ModelConfig {
                     self.layers
                 )));
             }
-        } else if self.layers % self.layers_per_region != 0 {
+        } else if !self.layers.is_multiple_of(self.layers_per_region) {
             return Err(self.invalid(format!(
                 "layers ({}) must be divisible by layers_per_region ({})",
                 self.layers, self.layers_per_region
@@ -374,13 +377,19 @@ mod tests {
         assert_eq!(segs.len(), 8);
         assert!(segs[0].has_embedding() && segs[7].has_head());
         assert_eq!(t.batch_size % 32, 0);
-        assert_eq!(segs.iter().map(|s| s.region).collect::<Vec<_>>(), (0..8).collect::<Vec<_>>());
+        assert_eq!(
+            segs.iter().map(|s| s.region).collect::<Vec<_>>(),
+            (0..8).collect::<Vec<_>>()
+        );
     }
 
     #[test]
     fn moe_splits_expert_halves_into_ep_segments() {
         let mut t = ModelConfig::tiny();
-        t.moe = Some(MoeConfig { experts: 4, top_k: 2 });
+        t.moe = Some(MoeConfig {
+            experts: 4,
+            top_k: 2,
+        });
         let segs = t.segments();
         let experts: Vec<_> = segs.iter().filter_map(|s| s.expert_block).collect();
         assert_eq!(experts, (0..8).collect::<Vec<_>>());
@@ -396,10 +405,14 @@ mod tests {
         let cfg = ModelConfig::from_toml_str(ok, "m.toml").unwrap();
         assert_eq!(cfg.region_sizes(), vec![1, 3]);
         let bad = ok.replace("heads = 4", "heads = 5");
-        let err = ModelConfig::from_toml_str(&bad, "m.toml").unwrap_err().to_string();
+        let err = ModelConfig::from_toml_str(&bad, "m.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("divisible by heads"), "{err}");
         let unknown = format!("{ok}colour = 3\n");
-        let err = ModelConfig::from_toml_str(&unknown, "m.toml").unwrap_err().to_string();
+        let err = ModelConfig::from_toml_str(&unknown, "m.toml")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("colour"), "{err}");
         let err = ModelConfig::preset("huge").unwrap_err().to_string();
         assert!(err.contains("tiny") && err.contains("huge"), "{err}");

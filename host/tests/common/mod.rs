@@ -38,7 +38,11 @@ pub fn one_f_one_b_order(stages: u32, stage: u32, mbs: u32, regions: &[u32]) -> 
 
 /// Split into microbatches and place stage `s` on the `s`-th device group.
 /// `groups[s]` is the device group of stage `s`.
-pub fn pipeline_place(dag: &mut TrainingDag, groups: &[Vec<u32>], mbs: u32) -> Result<(), DagError> {
+pub fn pipeline_place(
+    dag: &mut TrainingDag,
+    groups: &[Vec<u32>],
+    mbs: u32,
+) -> Result<(), DagError> {
     let regions = dag.tag_extents()["PP"];
     let stages = groups.len() as u32;
     dag.split(&Filter::all(), "MB", mbs)?;
@@ -52,18 +56,52 @@ pub fn pipeline_place(dag: &mut TrainingDag, groups: &[Vec<u32>], mbs: u32) -> R
 
 /// 1F1B over `stages` single devices (or DP groups when `dp > 1`:
 /// stage `s` on devices `s, s + stages, …`), `mbs` microbatches.
-pub fn one_f_one_b(dag: &mut TrainingDag, stages: u32, mbs: u32, dp: u32, zero: Option<u8>) -> Result<(), DagError> {
-    let groups: Vec<Vec<u32>> = (0..stages).map(|s| (0..dp).map(|r| s + r * stages).collect()).collect();
+pub fn one_f_one_b(
+    dag: &mut TrainingDag,
+    stages: u32,
+    mbs: u32,
+    dp: u32,
+    zero: Option<u8>,
+) -> Result<(), DagError> {
+    let groups = stage_groups(stages, dp);
+    replicate_stages(dag, &groups, zero)?;
+    pipeline_place(dag, &groups, mbs)?;
+    one_f_one_b_orders(dag, stages, mbs)
+}
+
+/// Device groups of `stages` stages with `dp` replicas each: stage `s` on
+/// devices `s, s + stages, …`.
+pub fn stage_groups(stages: u32, dp: u32) -> Vec<Vec<u32>> {
+    (0..stages)
+        .map(|s| (0..dp).map(|r| s + r * stages).collect())
+        .collect()
+}
+
+/// Replicate each stage's regions over its group with ZeRO stage `zero`.
+pub fn replicate_stages(
+    dag: &mut TrainingDag,
+    groups: &[Vec<u32>],
+    zero: Option<u8>,
+) -> Result<(), DagError> {
+    let stages = groups.len() as u32;
     if let Some(z) = zero {
         for s in 0..stages {
             // replicate before the split: the DP directive of a `dp`/`zero` plugin.
             let regions = dag.tag_extents()["PP"];
             for r in stage_regions(regions, stages, s) {
-                dag.replicate(&Filter::tag("PP", r), &groups[s as usize], &ReplicateOptions::zero(z))?;
+                dag.replicate(
+                    &Filter::tag("PP", r),
+                    &groups[s as usize],
+                    &ReplicateOptions::zero(z),
+                )?;
             }
         }
     }
-    pipeline_place(dag, &groups, mbs)?;
+    Ok(())
+}
+
+/// The `order` directives of 1F1B, one per stage.
+pub fn one_f_one_b_orders(dag: &mut TrainingDag, stages: u32, mbs: u32) -> Result<(), DagError> {
     let regions = dag.tag_extents()["PP"];
     for s in 0..stages {
         let order = one_f_one_b_order(stages, s, mbs, &stage_regions(regions, stages, s));
@@ -77,12 +115,16 @@ pub fn one_f_one_b(dag: &mut TrainingDag, stages: u32, mbs: u32, dp: u32, zero: 
 pub fn steps(plan: &piper::compile::Plan, device: u32) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     let mut last = None;
-    for s in plan.devices[device as usize].streams.iter().filter(|s| s.stream == "compute") {
+    for s in plan.devices[device as usize]
+        .streams
+        .iter()
+        .filter(|s| s.stream == "compute")
+    {
         for op in &s.ops {
-            if !matches!(op.op.as_str(), "F" | "B" | "BI" | "BW") {
+            if !op.op.is_compute() {
                 continue;
             }
-            let key = (op.op.clone(), op.tags.get("MB").copied().unwrap_or(0));
+            let key = (op.op.to_string(), op.tags.get("MB").copied().unwrap_or(0));
             if last.as_ref() != Some(&key) {
                 out.push(format!("{}{}", key.0, key.1));
                 last = Some(key);
