@@ -3,8 +3,10 @@
 //! training DAG through directives; the host compiles the DAG into per-device
 //! plans and runs them.
 //!
-//! The modules follow the flow: [`model`] → [`dag`] → [`compile`].
+//! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`].
 
+pub mod cli;
 pub mod compile;
 pub mod dag;
 pub mod model;
+pub mod plugin;

@@ -1,0 +1,212 @@
+//! The run config (TOML) and how flags override it.
+//!
+//! ```toml
+//! model = "tiny"              # preset, a model TOML path, or an inline [model] table
+//! devices = 8
+//!
+//! [[strategy]]
+//! name = "dp"                 # bundled name or path to a .wasm component
+//! options = { degree = 2 }
+//!
+//! [[strategy]]
+//! name = "1f1b"
+//! options = { microbatches = 8 }
+//!
+//! [sandbox]                   # limits for every plugin call
+//! memory_mib = 512
+//! fuel = 20_000_000_000
+//! deadline_ms = 60_000
+//! ```
+//! Flags: `--model` and `--devices` replace the file's; `--strategy` flags,
+//! when given, replace the file's whole strategy list. No strategy at all
+//! means the bundled `1f1b` over every device.
+
+use super::RunArgs;
+use crate::model::ModelConfig;
+use crate::plugin::SandboxLimits;
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// A model: a name/path, or the config inline.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(untagged)]
+pub enum ModelSpec {
+    Name(String),
+    Inline(ModelConfig),
+}
+
+/// One strategy of the list, with its options as text.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StrategySpec {
+    pub name: String,
+    pub options: Vec<(String, String)>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileStrategy {
+    name: String,
+    #[serde(default)]
+    options: BTreeMap<String, toml::Value>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    model: Option<ModelSpec>,
+    devices: Option<u32>,
+    #[serde(default)]
+    strategy: Vec<FileStrategy>,
+    #[serde(default)]
+    sandbox: SandboxLimits,
+}
+
+/// Everything a run needs, resolved.
+#[derive(Clone, Debug)]
+pub struct RunConfig {
+    pub model: ModelSpec,
+    pub devices: Option<u32>,
+    pub strategies: Vec<StrategySpec>,
+    pub sandbox: SandboxLimits,
+}
+
+/// The bundled pipeline strategy used when none is given.
+pub const DEFAULT_STRATEGY: &str = "1f1b";
+
+impl StrategySpec {
+    /// `NAME[:k=v,k=v]`, NAME a bundled name or a path.
+    pub fn parse(s: &str) -> Result<Self> {
+        let (name, opts) = match s.rsplit_once(':') {
+            Some((n, o)) if o.contains('=') || o.is_empty() => (n, o),
+            _ => (s, ""),
+        };
+        if name.is_empty() {
+            bail!("strategy `{s}` has no name");
+        }
+        let mut options = Vec::new();
+        for kv in opts.split(',').filter(|kv| !kv.trim().is_empty()) {
+            let Some((k, v)) = kv.split_once('=') else {
+                bail!("strategy `{s}`: option `{kv}` is not KEY=VALUE");
+            };
+            options.push((k.trim().to_string(), v.trim().to_string()));
+        }
+        Ok(StrategySpec {
+            name: name.to_string(),
+            options,
+        })
+    }
+}
+
+fn value_text(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl RunConfig {
+    /// Read `--config` (if any) and apply the flags over it.
+    pub fn resolve(args: &RunArgs) -> Result<Self> {
+        let file: FileConfig = match &args.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading run config {}", path.display()))?;
+                toml::from_str(&text).with_context(|| format!("run config {}", path.display()))?
+            }
+            None => FileConfig::default(),
+        };
+        let model = match (&args.model, file.model) {
+            (Some(m), _) => ModelSpec::Name(m.clone()),
+            (None, Some(m)) => m,
+            (None, None) => ModelSpec::Name("tiny".into()),
+        };
+        let mut strategies: Vec<StrategySpec> = if args.strategies.is_empty() {
+            file.strategy
+                .into_iter()
+                .map(|s| StrategySpec {
+                    name: s.name,
+                    options: s
+                        .options
+                        .iter()
+                        .map(|(k, v)| (k.clone(), value_text(v)))
+                        .collect(),
+                })
+                .collect()
+        } else {
+            args.strategies
+                .iter()
+                .map(|s| StrategySpec::parse(s))
+                .collect::<Result<_>>()?
+        };
+        if strategies.is_empty() {
+            strategies.push(StrategySpec {
+                name: DEFAULT_STRATEGY.into(),
+                options: Vec::new(),
+            });
+        }
+        Ok(RunConfig {
+            model,
+            devices: args.devices.or(file.devices),
+            strategies,
+            sandbox: file.sandbox,
+        })
+    }
+
+    pub fn model_config(&self) -> Result<ModelConfig> {
+        Ok(match &self.model {
+            ModelSpec::Name(n) => ModelConfig::from_name_or_file(n)?,
+            ModelSpec::Inline(m) => {
+                m.validate()?;
+                m.clone()
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strategy_specs_parse_names_paths_and_options() {
+        let s = StrategySpec::parse("1f1b:microbatches=8,stages=4").unwrap();
+        assert_eq!(s.name, "1f1b");
+        assert_eq!(
+            s.options,
+            vec![
+                ("microbatches".into(), "8".into()),
+                ("stages".into(), "4".into())
+            ]
+        );
+        assert_eq!(StrategySpec::parse("dp").unwrap().options, vec![]);
+        let p = StrategySpec::parse("target/x.wasm:k=v").unwrap();
+        assert_eq!(p.name, "target/x.wasm");
+        assert!(StrategySpec::parse("1f1b:oops").unwrap().name == "1f1b:oops");
+        assert!(StrategySpec::parse("1f1b:a=1,b").is_err());
+    }
+
+    #[test]
+    fn flags_override_the_file_and_unknown_keys_are_errors() {
+        let dir = std::env::temp_dir().join(format!("piper-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("run.toml");
+        std::fs::write(
+            &path,
+            "model = \"tiny\"\ndevices = 8\n[[strategy]]\nname = \"dp\"\noptions = { degree = 2 }\n[sandbox]\nfuel = 1000\n",
+        )
+        .unwrap();
+        let args = RunArgs {
+            config: Some(path.clone()),
+            devices: Some(2),
+            ..Default::default()
+        };
+        let c = RunConfig::resolve(&args).unwrap();
+        assert_eq!(c.devices, Some(2));
+        assert_eq!(c.strategies[0].options, vec![("degree".into(), "2".into())]);
+        assert_eq!(c.sandbox.fuel, 1000);
+        std::fs::write(&path, "modle = \"tiny\"\n").unwrap();
+        let err = format!("{:#}", RunConfig::resolve(&args).unwrap_err());
+        assert!(err.contains("modle"), "{err}");
+    }
+}

@@ -1,0 +1,227 @@
+//! The `piper` command line (clap): `plan`, `plugin info`, `plugin list`.
+//! The last stage of the flow for a user; errors here are `anyhow` chains
+//! of the typed errors of each stage.
+
+mod config;
+
+pub use config::{RunConfig, StrategySpec};
+
+use crate::compile::compile;
+use crate::dag::{Cluster, TrainingDag};
+use crate::plugin::{bundled, PluginHost};
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "piper",
+    version,
+    about = "Piper: distributed training with strategies as sandboxed Wasm plugins"
+)]
+struct Cli {
+    /// Log what the host does (plugin compiles, cache hits, plugin logs).
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Apply strategies to a model's DAG and print the per-device plans.
+    Plan(PlanArgs),
+    /// Inspect strategy plugins.
+    #[command(subcommand)]
+    Plugin(PluginCommand),
+}
+
+/// What a run is made of; flags override the `--config` file.
+#[derive(Args, Clone, Default)]
+pub struct RunArgs {
+    /// Run config (TOML): model, devices, strategies with options, sandbox limits.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// A preset (`tiny`, `gpt2-small`) or a model TOML file.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Number of (virtual) devices.
+    #[arg(long)]
+    pub devices: Option<u32>,
+    /// A strategy: bundled name or path to a .wasm component, with options:
+    /// `1f1b:microbatches=8,stages=4`. Repeat to compose (`--strategy dp:degree=2 --strategy 1f1b`).
+    #[arg(long = "strategy", value_name = "NAME[:k=v,...]")]
+    pub strategies: Vec<String>,
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Print the plan as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Write the plan to this file instead of standard output.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum PluginCommand {
+    /// What a plugin's `info()` returns, its WIT version and sha256.
+    Info {
+        /// Bundled name or path to a .wasm component.
+        plugin: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The bundled strategies.
+    List,
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let level = if cli.verbose {
+        tracing::Level::INFO
+    } else {
+        tracing::Level::WARN
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .without_time()
+        .try_init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Plan(a) => plan(a),
+        Command::Plugin(PluginCommand::Info { plugin, json }) => plugin_info(&plugin, json),
+        Command::Plugin(PluginCommand::List) => plugin_list(),
+    }
+}
+
+/// A model DAG with every strategy applied, ready to compile.
+pub struct Prepared {
+    pub config: RunConfig,
+    pub dag: TrainingDag,
+    /// One line per applied strategy.
+    pub applied: Vec<String>,
+}
+
+/// Resolve config + flags, build the DAG, load and apply the strategies.
+pub fn prepare(args: &RunArgs) -> Result<Prepared> {
+    let config = RunConfig::resolve(args)?;
+    let model = config.model_config()?;
+    let devices = config.devices.unwrap_or(4);
+    if devices == 0 {
+        bail!("--devices must be at least 1");
+    }
+    let mut dag =
+        TrainingDag::build(&model, Cluster::new(devices)).context("building the model DAG")?;
+    let host = PluginHost::new(
+        config.sandbox.clone(),
+        Some(PluginHost::default_cache_dir()),
+    )?;
+    let mut applied = Vec::new();
+    for s in &config.strategies {
+        let plugin = host.load(&s.name)?;
+        let report = host.apply(&plugin, &mut dag, &s.options)?;
+        applied.push(format!(
+            "{}@{} ({}): {} host calls, {:.1} ms",
+            plugin.info.name,
+            plugin.info.version,
+            s.options
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(","),
+            report.host_calls,
+            report.elapsed.as_secs_f64() * 1e3
+        ));
+    }
+    Ok(Prepared {
+        config,
+        dag,
+        applied,
+    })
+}
+
+fn plan(a: PlanArgs) -> Result<()> {
+    let p = prepare(&a.run)?;
+    let plan = compile(&p.dag).context("compiling the plan")?;
+    let text = if a.json {
+        plan.to_json()
+    } else {
+        let mut t = plan.render_table();
+        t.push_str("\nstrategies:\n");
+        for line in &p.applied {
+            t.push_str(&format!("  {line}\n"));
+        }
+        t
+    };
+    match a.out {
+        Some(path) => {
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?
+        }
+        None => println!("{text}"),
+    }
+    Ok(())
+}
+
+fn plugin_info(spec: &str, json: bool) -> Result<()> {
+    let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+    let p = host.load(spec)?;
+    if json {
+        let v = serde_json::json!({
+            "info": p.info,
+            "wit": format!("piper:strategy@{}", p.wit_version),
+            "sha256": p.sha256,
+            "origin": p.origin,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("{} {}", p.info.name, p.info.version);
+    println!("  {}", p.info.description);
+    println!("  wit:    piper:strategy@{}", p.wit_version);
+    println!("  sha256: {}", p.sha256);
+    println!("  from:   {}", p.origin);
+    if p.info.options.is_empty() {
+        println!("  options: none");
+    } else {
+        println!("  options:");
+        for o in &p.info.options {
+            let d = o
+                .default
+                .as_deref()
+                .map(|d| format!(" = {d}"))
+                .unwrap_or_default();
+            println!("    {:<14} {:<5}{d:<12}  {}", o.name, o.ty, o.help);
+        }
+    }
+    Ok(())
+}
+
+fn plugin_list() -> Result<()> {
+    let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+    for name in bundled::names() {
+        let p = host.load(name)?;
+        println!(
+            "{:<10} {:<8} {}",
+            p.info.name, p.info.version, p.info.description
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,5 @@
+//! The `piper` command.
+
+fn main() -> std::process::ExitCode {
+    piper::cli::main()
+}

@@ -1,0 +1,655 @@
+//! Plugin host: loads strategy components (WIT world `piper:strategy/strategy`)
+//! with wasmtime and runs their `apply` on the global training DAG. After
+//! `dag/` in the flow and before `compile/`.
+//!
+//! Every call (`info` at load, `apply` per run) gets a **fresh instance** in its
+//! own store with:
+//! - a memory cap (a [`wasmtime::ResourceLimiter`] that records a refusal),
+//! - a fuel budget (deterministic instruction count) and an epoch deadline
+//!   (wall clock, a 10 ms ticker),
+//! - a wasm stack cap (engine-wide), a cap on calls into the host and on
+//!   resource-table entries,
+//! - a deny-all WASI 0.2 context: no files, environment, arguments or
+//!   sockets; stdout/stderr captured (panic messages come from there);
+//!   clocks fixed at the epoch; randomness seeded.
+//!
+//! `apply` is transactional: the plugin rewrites a copy of the DAG, which
+//! replaces the caller's only when `apply` returns `Ok`. Any failure — trap,
+//! panic, fuel, deadline, memory, stack, call flood, a directive error, an
+//! `Err` from the plugin — becomes a [`PluginError`] naming the plugin (name,
+//! version, sha256 prefix), the call and the cause.
+//!
+//! Compiled components are cached on disk under `$PIPER_HOME/compiled`, keyed
+//! by the plugin's sha256 and the engine's compatibility hash; each file
+//! carries an HMAC under a per-installation key, so only files this host wrote
+//! are ever deserialized.
+
+mod cache;
+mod host_impl;
+mod limits;
+
+pub use cache::CompileCache;
+pub use limits::SandboxLimits;
+
+use crate::dag::TrainingDag;
+use limits::{FixedClock, Limiter};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use wasmtime::component::{Component, HasSelf, Linker, ResourceTable};
+use wasmtime::{Config, Engine, Store, Trap};
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+pub(crate) mod bindings {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "strategy",
+        imports: { default: trappable },
+        with: { "piper:strategy/dag.training-dag": super::DagHandle },
+    });
+}
+
+/// The `piper:strategy` versions this host accepts: 0.1.x.
+pub const WIT_VERSION: &str = "0.1.0";
+const WIT_ACCEPTS: &str = "0.1.x";
+
+/// Strategy components bundled into the binary at build time: (name, wasm).
+pub mod bundled {
+    include!(concat!(env!("OUT_DIR"), "/bundled.rs"));
+
+    /// The bundled plugin called `name`.
+    pub fn get(name: &str) -> Option<&'static [u8]> {
+        BUNDLED.iter().find(|(n, _)| *n == name).map(|(_, b)| *b)
+    }
+
+    /// Names of the bundled plugins.
+    pub fn names() -> Vec<&'static str> {
+        BUNDLED.iter().map(|(n, _)| *n).collect()
+    }
+}
+
+/// The host-side resource behind `training-dag`: the store's DAG.
+pub struct DagHandle;
+
+/// Everything one plugin call can touch.
+pub(crate) struct PluginState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    /// The working copy `apply` rewrites.
+    pub(crate) dag: Option<TrainingDag>,
+    limiter: Limiter,
+    pub(crate) calls: u64,
+    pub(crate) max_calls: u64,
+    pub(crate) max_table_entries: usize,
+    /// Why the host stopped the plugin, when it did so from a host call.
+    pub(crate) stop: Option<Cause>,
+    /// The last directive error returned to the plugin.
+    pub(crate) last_directive_error: Option<String>,
+    pub(crate) logs: Vec<String>,
+    pub(crate) plugin: String,
+}
+
+impl WasiView for PluginState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+/// A strategy option as the plugin declares it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct OptionInfo {
+    pub name: String,
+    /// `int`, `float`, `bool` or `str`.
+    #[serde(rename = "type")]
+    pub ty: String,
+    pub default: Option<String>,
+    pub help: String,
+}
+
+/// What a plugin's `info()` returned.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PluginInfo {
+    pub name: String,
+    pub version: String,
+    pub description: String,
+    pub options: Vec<OptionInfo>,
+}
+
+/// A loaded, compiled plugin.
+#[derive(Clone)]
+pub struct Plugin {
+    pub info: PluginInfo,
+    /// Hex sha256 of the component bytes.
+    pub sha256: String,
+    /// The `piper:strategy` version it was built against.
+    pub wit_version: String,
+    /// Where it came from (bundled name or path).
+    pub origin: String,
+    component: Component,
+}
+
+impl Plugin {
+    /// `1f1b@0.1.0 (sha256 3fa2b1c9d0e4)`.
+    pub fn ident(&self) -> String {
+        format!(
+            "`{}@{}` (sha256 {})",
+            self.info.name,
+            self.info.version,
+            &self.sha256[..12]
+        )
+    }
+}
+
+/// Why a plugin call failed.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Cause {
+    #[error("cannot read or compile the component: {0}")]
+    Load(String),
+    #[error("it imports what the host does not provide: {}; a strategy may import only WASI 0.2 and piper:strategy@{WIT_ACCEPTS}", .0.join(", "))]
+    Imports(Vec<String>),
+    #[error("it was built against piper:strategy@{found}, but this host accepts piper:strategy@{accepted}")]
+    Version { found: String, accepted: String },
+    #[error("ran out of fuel: the budget of {0} instructions is spent (sandbox.fuel)")]
+    Fuel(u64),
+    #[error("exceeded its wall-clock deadline of {0} ms (sandbox.deadline_ms)")]
+    Deadline(u64),
+    #[error("exceeded its memory cap of {0} MiB (sandbox.memory_mib)")]
+    Memory(u64),
+    #[error("overflowed its wasm stack of {0} KiB (sandbox.max_wasm_stack_kib)")]
+    Stack(u64),
+    #[error("made more than {0} calls into the host (sandbox.max_host_calls)")]
+    HostCalls(u64),
+    #[error("holds more than {0} resources (sandbox.max_table_entries)")]
+    Resources(usize),
+    #[error("panicked: {0}")]
+    Panic(String),
+    #[error("trapped: {0}")]
+    Trap(String),
+    #[error("a directive failed: {0}")]
+    Directive(String),
+    #[error("returned an error: {0}")]
+    Returned(String),
+    #[error("{0}")]
+    Options(String),
+}
+
+/// A failed plugin call: which plugin, which call, why.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("plugin {plugin}: {call}: {cause}")]
+pub struct PluginError {
+    /// `name@version (sha256 prefix)`, or the origin before `info` is known.
+    pub plugin: String,
+    /// `load`, `info` or `apply`.
+    pub call: String,
+    pub cause: Cause,
+}
+
+/// What one `apply` did.
+#[derive(Clone, Debug)]
+pub struct ApplyReport {
+    pub host_calls: u64,
+    pub fuel_used: u64,
+    pub elapsed: Duration,
+    pub logs: Vec<String>,
+}
+
+/// Loads and runs strategy plugins.
+pub struct PluginHost {
+    engine: Engine,
+    linker: Linker<PluginState>,
+    limits: SandboxLimits,
+    cache: Option<CompileCache>,
+    compiles: AtomicU64,
+    cache_hits: AtomicU64,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+impl Drop for PluginHost {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One epoch tick.
+const TICK: Duration = Duration::from_millis(10);
+
+impl PluginHost {
+    /// A host with these limits; `cache` = where compiled components are kept
+    /// (`None`: compile every time).
+    pub fn new(limits: SandboxLimits, cache: Option<PathBuf>) -> Result<Self, PluginError> {
+        let fail = |m: String| PluginError {
+            plugin: "host".into(),
+            call: "start".into(),
+            cause: Cause::Load(m),
+        };
+        let mut config = Config::new();
+        config.wasm_component_model(true);
+        config.consume_fuel(true);
+        config.epoch_interruption(true);
+        config.max_wasm_stack(limits.max_wasm_stack_kib as usize * 1024);
+        let engine = Engine::new(&config).map_err(|e| fail(format!("{e:#}")))?;
+        let mut linker: Linker<PluginState> = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
+        bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
+            .map_err(|e| fail(format!("{e:#}")))?;
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = ticker_stop.clone();
+            std::thread::Builder::new()
+                .name("piper-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        let cache = match cache {
+            Some(dir) => Some(CompileCache::open(&dir).map_err(|e| fail(e.to_string()))?),
+            None => None,
+        };
+        Ok(PluginHost {
+            engine,
+            linker,
+            limits,
+            cache,
+            compiles: AtomicU64::new(0),
+            cache_hits: AtomicU64::new(0),
+            ticker_stop,
+        })
+    }
+
+    /// The default cache directory: `$PIPER_HOME/compiled`, `$PIPER_HOME`
+    /// defaulting to `$XDG_CACHE_HOME/piper` or `~/.cache/piper`.
+    pub fn default_cache_dir() -> PathBuf {
+        let home = std::env::var_os("PIPER_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("piper")))
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/piper")))
+            .unwrap_or_else(|| std::env::temp_dir().join("piper"));
+        home.join("compiled")
+    }
+
+    pub fn limits(&self) -> &SandboxLimits {
+        &self.limits
+    }
+    /// Components compiled (cache misses) so far.
+    pub fn compiles(&self) -> u64 {
+        self.compiles.load(Ordering::Relaxed)
+    }
+    /// Components loaded from the compile cache so far.
+    pub fn cache_hits(&self) -> u64 {
+        self.cache_hits.load(Ordering::Relaxed)
+    }
+
+    /// Load a plugin by bundled name (`1f1b`) or path to a `.wasm` component.
+    pub fn load(&self, spec: &str) -> Result<Plugin, PluginError> {
+        if let Some(bytes) = bundled::get(spec) {
+            return self.load_bytes(bytes, spec);
+        }
+        let path = Path::new(spec);
+        if path.exists() || spec.ends_with(".wasm") {
+            return self.load_file(path);
+        }
+        Err(PluginError {
+            plugin: format!("`{spec}`"),
+            call: "load".into(),
+            cause: Cause::Load(format!(
+                "no bundled strategy of that name and no such file; bundled: {}",
+                bundled::names().join(", ")
+            )),
+        })
+    }
+
+    pub fn load_file(&self, path: &Path) -> Result<Plugin, PluginError> {
+        let bytes = std::fs::read(path).map_err(|e| PluginError {
+            plugin: format!("`{}`", path.display()),
+            call: "load".into(),
+            cause: Cause::Load(e.to_string()),
+        })?;
+        self.load_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// Compile (or fetch from the cache), check imports and read `info()`.
+    pub fn load_bytes(&self, bytes: &[u8], origin: &str) -> Result<Plugin, PluginError> {
+        let sha256: String = Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        let who = format!("`{origin}` (sha256 {})", &sha256[..12]);
+        let fail = |call: &str, cause: Cause| PluginError {
+            plugin: who.clone(),
+            call: call.into(),
+            cause,
+        };
+        let component = self
+            .compile(bytes, &sha256)
+            .map_err(|e| fail("load", Cause::Load(e)))?;
+        let wit_version = self
+            .check_imports(&component)
+            .map_err(|c| fail("load", c))?;
+        let mut plugin = Plugin {
+            info: PluginInfo {
+                name: origin.to_string(),
+                version: String::new(),
+                description: String::new(),
+                options: Vec::new(),
+            },
+            sha256,
+            wit_version,
+            origin: origin.into(),
+            component,
+        };
+        plugin.info = self.call_info(&plugin).map_err(|c| fail("info", c))?;
+        Ok(plugin)
+    }
+
+    fn compile(&self, bytes: &[u8], sha256: &str) -> Result<Component, String> {
+        let engine_hash = cache::engine_hash(&self.engine);
+        if let Some(cache) = &self.cache {
+            if let Some(c) = cache.get(&self.engine, sha256, &engine_hash) {
+                self.cache_hits.fetch_add(1, Ordering::Relaxed);
+                tracing::info!("plugin {}: loaded from the compile cache", &sha256[..12]);
+                return Ok(c);
+            }
+        }
+        let t = Instant::now();
+        let component = Component::new(&self.engine, bytes).map_err(|e| format!("{e:#}"))?;
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(
+            "plugin {}: compiled in {:.0} ms (cache miss)",
+            &sha256[..12],
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        if let Some(cache) = &self.cache {
+            if let Err(e) = cache.put(&component, sha256, &engine_hash) {
+                tracing::warn!("could not write the compile cache: {e}");
+            }
+        }
+        Ok(component)
+    }
+
+    /// Refuse imports beyond WASI 0.2 and a compatible `piper:strategy`.
+    fn check_imports(&self, component: &Component) -> Result<String, Cause> {
+        let ty = component.component_type();
+        let mut unexpected = Vec::new();
+        let mut version = None;
+        for (name, _) in ty.imports(&self.engine) {
+            let (path, ver) = name.split_once('@').unwrap_or((name, ""));
+            if let Some(iface) = path.strip_prefix("piper:strategy/") {
+                if !["types", "dag", "log"].contains(&iface) {
+                    unexpected.push(name.to_string());
+                    continue;
+                }
+                let compatible = ver
+                    .strip_prefix("0.1.")
+                    .is_some_and(|p| p.parse::<u32>().is_ok());
+                if !compatible {
+                    return Err(Cause::Version {
+                        found: ver.to_string(),
+                        accepted: WIT_ACCEPTS.into(),
+                    });
+                }
+                version = Some(ver.to_string());
+            } else if path.starts_with("wasi:") && ver.starts_with("0.2.") {
+                // WASI 0.2: provided, deny-all.
+            } else if name == "training-dag" {
+                // The world's `use dag.{training-dag}`: a type, not a capability.
+            } else {
+                unexpected.push(name.to_string());
+            }
+        }
+        if !unexpected.is_empty() {
+            return Err(Cause::Imports(unexpected));
+        }
+        Ok(version.unwrap_or_else(|| WIT_VERSION.to_string()))
+    }
+
+    fn new_store(
+        &self,
+        dag: Option<TrainingDag>,
+        plugin: &str,
+    ) -> (Store<PluginState>, MemoryOutputPipe) {
+        let l = &self.limits;
+        let stdout = MemoryOutputPipe::new(l.max_log_bytes);
+        let stderr = MemoryOutputPipe::new(l.max_log_bytes);
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.stdout(stdout)
+            .stderr(stderr.clone())
+            .allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false)
+            .wall_clock(FixedClock)
+            .monotonic_clock(FixedClock)
+            .secure_random(wasmtime_wasi::Deterministic::new(vec![
+                0x5e, 0xed, 0x00, 0x01,
+            ]))
+            .insecure_random(wasmtime_wasi::Deterministic::new(vec![
+                0x5e, 0xed, 0x00, 0x02,
+            ]))
+            .insecure_random_seed(0x5eed);
+        let state = PluginState {
+            wasi: wasi.build(),
+            table: ResourceTable::new(),
+            dag,
+            limiter: Limiter::new(l.memory_mib as usize * 1024 * 1024),
+            calls: 0,
+            max_calls: l.max_host_calls,
+            max_table_entries: l.max_table_entries,
+            stop: None,
+            last_directive_error: None,
+            logs: Vec::new(),
+            plugin: plugin.to_string(),
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limiter);
+        store.set_fuel(l.fuel).expect("fuel is enabled");
+        store.set_epoch_deadline(l.deadline_ms.div_ceil(TICK.as_millis() as u64) + 1);
+        (store, stderr)
+    }
+
+    /// Turn a wasmtime error into the cause a user can act on.
+    fn cause(
+        &self,
+        store: &mut Store<PluginState>,
+        stderr: &MemoryOutputPipe,
+        e: wasmtime::Error,
+    ) -> Cause {
+        if let Some(c) = store.data_mut().stop.take() {
+            return c;
+        }
+        let l = &self.limits;
+        if store.data().limiter.refused {
+            return Cause::Memory(l.memory_mib);
+        }
+        let err_text = String::from_utf8_lossy(&stderr.contents()).into_owned();
+        match e.downcast_ref::<Trap>() {
+            Some(Trap::OutOfFuel) => return Cause::Fuel(l.fuel),
+            Some(Trap::Interrupt) => return Cause::Deadline(l.deadline_ms),
+            Some(Trap::StackOverflow) => return Cause::Stack(l.max_wasm_stack_kib),
+            _ => {}
+        }
+        if let Some(msg) = panic_message(&err_text) {
+            return Cause::Panic(msg);
+        }
+        let mut text = format!("{e:#}");
+        if !err_text.trim().is_empty() {
+            text.push_str(&format!("; stderr: {}", err_text.trim()));
+        }
+        Cause::Trap(text)
+    }
+
+    fn call_info(&self, plugin: &Plugin) -> Result<PluginInfo, Cause> {
+        let (mut store, stderr) = self.new_store(None, &plugin.origin);
+        let inst = bindings::Strategy::instantiate(&mut store, &plugin.component, &self.linker)
+            .map_err(|e| Cause::Load(format!("{e:#}")))?;
+        let info = inst
+            .call_info(&mut store)
+            .map_err(|e| self.cause(&mut store, &stderr, e))?;
+        Ok(PluginInfo {
+            name: info.name,
+            version: info.version,
+            description: info.description,
+            options: info
+                .options
+                .into_iter()
+                .map(|o| OptionInfo {
+                    name: o.name,
+                    ty: match o.type_ {
+                        bindings::OptionType::Int => "int",
+                        bindings::OptionType::Float => "float",
+                        bindings::OptionType::Bool => "bool",
+                        bindings::OptionType::Str => "str",
+                    }
+                    .into(),
+                    default: o.default,
+                    help: o.help,
+                })
+                .collect(),
+        })
+    }
+
+    /// Check `options` (name, text) against the plugin's declared options and
+    /// complete them with defaults.
+    pub fn check_options(
+        plugin: &Plugin,
+        options: &[(String, String)],
+    ) -> Result<Vec<bindings::OptionEntry>, Cause> {
+        let takes = || {
+            if plugin.info.options.is_empty() {
+                "it takes no options".to_string()
+            } else {
+                format!(
+                    "it takes {}",
+                    plugin
+                        .info
+                        .options
+                        .iter()
+                        .map(|o| format!("{} ({})", o.name, o.ty))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            }
+        };
+        let parse = |spec: &OptionInfo, text: &str| -> Result<bindings::OptionValue, Cause> {
+            let bad = || {
+                Cause::Options(format!(
+                    "option `{}` expects {} {}, got `{text}`",
+                    spec.name,
+                    if spec.ty == "int" { "an" } else { "a" },
+                    spec.ty
+                ))
+            };
+            Ok(match spec.ty.as_str() {
+                "int" => bindings::OptionValue::Int(text.trim().parse().map_err(|_| bad())?),
+                "float" => bindings::OptionValue::Float(text.trim().parse().map_err(|_| bad())?),
+                "bool" => bindings::OptionValue::Bool(match text.trim() {
+                    "true" | "1" | "yes" => true,
+                    "false" | "0" | "no" => false,
+                    _ => return Err(bad()),
+                }),
+                _ => bindings::OptionValue::Str(text.to_string()),
+            })
+        };
+        let mut out = Vec::new();
+        for (name, text) in options {
+            let Some(spec) = plugin.info.options.iter().find(|o| &o.name == name) else {
+                return Err(Cause::Options(format!(
+                    "unknown option `{name}`: {}",
+                    takes()
+                )));
+            };
+            if out.iter().any(|e: &bindings::OptionEntry| &e.name == name) {
+                return Err(Cause::Options(format!("option `{name}` is given twice")));
+            }
+            out.push(bindings::OptionEntry {
+                name: name.clone(),
+                value: parse(spec, text)?,
+            });
+        }
+        for spec in &plugin.info.options {
+            if let (Some(d), false) = (&spec.default, out.iter().any(|e| e.name == spec.name)) {
+                let value = parse(spec, d).map_err(|_| {
+                    Cause::Options(format!(
+                        "the plugin's own default `{d}` for option `{}` is not a valid {}",
+                        spec.name, spec.ty
+                    ))
+                })?;
+                out.push(bindings::OptionEntry {
+                    name: spec.name.clone(),
+                    value,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// Run the plugin's `apply` on `dag`. On any failure `dag` is unchanged.
+    pub fn apply(
+        &self,
+        plugin: &Plugin,
+        dag: &mut TrainingDag,
+        options: &[(String, String)],
+    ) -> Result<ApplyReport, PluginError> {
+        let fail = |cause: Cause| PluginError {
+            plugin: plugin.ident(),
+            call: "apply".into(),
+            cause,
+        };
+        let entries = Self::check_options(plugin, options).map_err(fail)?;
+        let t = Instant::now();
+        let (mut store, stderr) = self.new_store(Some(dag.clone()), &plugin.ident());
+        let inst = bindings::Strategy::instantiate(&mut store, &plugin.component, &self.linker)
+            .map_err(|e| fail(Cause::Load(format!("{e:#}"))))?;
+        let handle = store
+            .data_mut()
+            .table
+            .push(DagHandle)
+            .map_err(|e| fail(Cause::Load(e.to_string())))?;
+        let result = inst.call_apply(&mut store, handle, &entries);
+        let fuel_used = self.limits.fuel - store.get_fuel().unwrap_or(0);
+        let outcome = match result {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(msg)) => Err(match store.data().last_directive_error.as_deref() {
+                Some(d) if msg.contains(d) || d.contains(&msg) => Cause::Directive(msg),
+                _ => Cause::Returned(msg),
+            }),
+            Err(e) => Err(self.cause(&mut store, &stderr, e)),
+        };
+        let state = store.into_data();
+        for line in &state.logs {
+            tracing::info!("{line}");
+        }
+        outcome.map_err(fail)?;
+        *dag = state.dag.expect("the DAG stays in the store");
+        Ok(ApplyReport {
+            host_calls: state.calls,
+            fuel_used,
+            elapsed: t.elapsed(),
+            logs: state.logs,
+        })
+    }
+}
+
+/// The message of a Rust panic from a guest's stderr.
+fn panic_message(stderr: &str) -> Option<String> {
+    let at = stderr.find("panicked at")?;
+    let rest = &stderr[at..];
+    let mut lines = rest.lines();
+    let location = lines.next()?.trim_end_matches(':').to_string();
+    let msg: Vec<&str> = lines.take_while(|l| !l.starts_with("note:")).collect();
+    Some(format!(
+        "{} ({})",
+        msg.join(" ").trim(),
+        location.replace("panicked at ", "at ")
+    ))
+}

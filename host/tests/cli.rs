@@ -1,0 +1,144 @@
+//! The `piper` binary as a user runs it.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn piper(home: &PathBuf, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(args)
+        .env("PIPER_HOME", home)
+        .output()
+        .expect("run piper");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn home(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("piper-cli-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// `F0 F1 …` steps of a device's compute stream in plan JSON.
+fn steps(plan: &serde_json::Value, device: usize) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let streams = plan["devices"][device]["streams"].as_array().unwrap();
+    let compute = streams.iter().find(|s| s["stream"] == "compute").unwrap();
+    for op in compute["ops"].as_array().unwrap() {
+        let o = op["op"].as_str().unwrap();
+        if !["F", "B", "BI", "BW"].contains(&o) {
+            continue;
+        }
+        let s = format!("{o}{}", op["tags"]["MB"]);
+        if out.last() != Some(&s) {
+            out.push(s);
+        }
+    }
+    out.join(" ")
+}
+
+#[test]
+fn plan_json_with_bundled_1f1b_has_textbook_orders_and_the_cache_is_reused() {
+    let h = home("plan");
+    let args = [
+        "-v",
+        "plan",
+        "--model",
+        "tiny",
+        "--devices",
+        "4",
+        "--strategy",
+        "1f1b:microbatches=8",
+        "--json",
+    ];
+    let (ok, out, err) = piper(&h, &args);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("compiled in") && err.contains("(cache miss)"),
+        "{err}"
+    );
+    let plan: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        steps(&plan, 0),
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    );
+    assert_eq!(
+        steps(&plan, 3),
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    );
+    // The second run skips compilation.
+    let (ok, out2, err) = piper(&h, &args);
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("loaded from the compile cache") && !err.contains("cache miss"),
+        "{err}"
+    );
+    assert_eq!(out, out2, "same DAG, same plan (and hash)");
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+#[test]
+fn dp_then_1f1b_from_a_run_config_and_a_table_by_default() {
+    let h = home("cfg");
+    std::fs::create_dir_all(&h).unwrap();
+    let cfg = h.join("run.toml");
+    std::fs::write(
+        &cfg,
+        "model = \"tiny\"\ndevices = 8\n[[strategy]]\nname = \"dp\"\noptions = { degree = 2 }\n[[strategy]]\nname = \"1f1b\"\noptions = { microbatches = 8 }\n",
+    )
+    .unwrap();
+    let (ok, out, err) = piper(&h, &["plan", "--config", cfg.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(out.contains("device 7: peak"), "{out}");
+    assert!(out.contains("dp      | all-reduce"), "{out}");
+    assert!(
+        out.contains("dp@0.1.0 (degree=2)") && out.contains("1f1b@0.1.0 (microbatches=8)"),
+        "{out}"
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+#[test]
+fn bad_input_gets_a_clear_error_not_a_panic() {
+    let h = home("bad");
+    let (ok, _, err) = piper(&h, &["plan", "--strategy", "1f1b:microbatches=eight"]);
+    assert!(
+        !ok && err.contains("option `microbatches` expects an int, got `eight`"),
+        "{err}"
+    );
+    let (ok, _, err) = piper(&h, &["plan", "--strategy", "nope"]);
+    assert!(
+        !ok && err.contains("no bundled strategy of that name"),
+        "{err}"
+    );
+    let (ok, _, err) = piper(&h, &["plan", "--model", "huge"]);
+    assert!(!ok && err.contains("unknown model `huge`"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+#[test]
+fn plugin_info_and_list() {
+    let h = home("info");
+    let (ok, out, err) = piper(&h, &["plugin", "info", "1f1b"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("1f1b 0.1.0")
+            && out.contains("piper:strategy@0.1.0")
+            && out.contains("sha256:"),
+        "{out}"
+    );
+    assert!(
+        out.contains("microbatches") && out.contains("stages"),
+        "{out}"
+    );
+    let (ok, out, err) = piper(&h, &["plugin", "list"]);
+    assert!(ok, "{err}");
+    for name in ["dp", "gpipe", "1f1b"] {
+        assert!(out.lines().any(|l| l.starts_with(name)), "{out}");
+    }
+    let _ = std::fs::remove_dir_all(&h);
+}

@@ -1,0 +1,299 @@
+//! Strategy plugins end to end: real components built from `plugins/` and
+//! `tests/plugins/`, loaded by the wasmtime host, applied to the DAG, compiled.
+
+use piper::compile::compile;
+use piper::dag::{Cluster, TrainingDag};
+use piper::model::ModelConfig;
+use piper::plugin::{PluginHost, SandboxLimits};
+use std::path::PathBuf;
+
+fn wasm(stem: &str) -> PathBuf {
+    PathBuf::from(env!("PIPER_PLUGINS_WASM_DIR")).join(format!("{stem}.wasm"))
+}
+
+fn tiny(devices: u32) -> TrainingDag {
+    TrainingDag::build(&ModelConfig::tiny(), Cluster::new(devices)).unwrap()
+}
+
+fn opts(kv: &[(&str, &str)]) -> Vec<(String, String)> {
+    kv.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+/// Tight limits so the hostile cases end quickly.
+fn strict() -> SandboxLimits {
+    SandboxLimits {
+        memory_mib: 64,
+        fuel: 400_000_000,
+        deadline_ms: 20_000,
+        max_wasm_stack_kib: 256,
+        max_host_calls: 100_000,
+        ..SandboxLimits::default()
+    }
+}
+
+fn steps(plan: &piper::compile::Plan, device: usize) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut last = None;
+    for s in plan.devices[device]
+        .streams
+        .iter()
+        .filter(|s| s.stream == "compute")
+    {
+        for op in s.ops.iter().filter(|o| o.op.is_compute()) {
+            let key = (op.op.to_string(), op.tags["MB"]);
+            if last.as_ref() != Some(&key) {
+                out.push(format!("{}{}", key.0, key.1));
+                last = Some(key);
+            }
+        }
+    }
+    out.join(" ")
+}
+
+#[test]
+fn bundled_1f1b_plugin_produces_the_textbook_orders() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let plugin = host.load("1f1b").unwrap();
+    assert_eq!(plugin.info.name, "1f1b");
+    assert_eq!(plugin.wit_version, "0.1.0");
+    let mut dag = tiny(4);
+    let report = host
+        .apply(&plugin, &mut dag, &opts(&[("microbatches", "8")]))
+        .unwrap();
+    assert!(
+        report.host_calls < 100,
+        "bulk interface: {} calls",
+        report.host_calls
+    );
+    let plan = compile(&dag).unwrap();
+    assert_eq!(
+        steps(&plan, 0),
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    );
+    assert_eq!(
+        steps(&plan, 3),
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7"
+    );
+}
+
+#[test]
+fn dp_then_1f1b_on_8_devices_all_reduces_on_the_dp_stream() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let mut dag = tiny(8);
+    host.apply(
+        &host.load("dp").unwrap(),
+        &mut dag,
+        &opts(&[("degree", "2")]),
+    )
+    .unwrap();
+    host.apply(
+        &host.load("1f1b").unwrap(),
+        &mut dag,
+        &opts(&[("microbatches", "8")]),
+    )
+    .unwrap();
+    let plan = compile(&dag).unwrap();
+    for d in 0..8 {
+        let dp: Vec<_> = plan.devices[d]
+            .streams
+            .iter()
+            .filter(|s| s.stream == "dp")
+            .flat_map(|s| s.ops.iter())
+            .collect();
+        assert!(
+            !dp.is_empty() && dp.iter().all(|o| o.op == "all-reduce"),
+            "device {d}"
+        );
+    }
+    assert_eq!(
+        steps(&plan, 0),
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7"
+    );
+    assert_eq!(steps(&plan, 4), steps(&plan, 0));
+}
+
+#[test]
+fn gpipe_plugin_runs_all_forwards_first() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let mut dag = tiny(2);
+    host.apply(
+        &host.load("gpipe").unwrap(),
+        &mut dag,
+        &opts(&[("microbatches", "4")]),
+    )
+    .unwrap();
+    let plan = compile(&dag).unwrap();
+    assert_eq!(steps(&plan, 1), "F0 F1 F2 F3 B0 B1 B2 B3");
+}
+
+#[test]
+fn options_are_checked_against_info() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let p = host.load("1f1b").unwrap();
+    let mut dag = tiny(4);
+    let err = host
+        .apply(&p, &mut dag, &opts(&[("micro", "8")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`1f1b@0.1.0`") && err.contains("unknown option `micro`"),
+        "{err}"
+    );
+    assert!(
+        err.contains("microbatches (int)") && err.contains("stages (int)"),
+        "{err}"
+    );
+    let err = host
+        .apply(&p, &mut dag, &opts(&[("microbatches", "eight")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("option `microbatches` expects an int, got `eight`"),
+        "{err}"
+    );
+    // Preconditions with numbers.
+    let err = host
+        .apply(&p, &mut dag, &opts(&[("stages", "16")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("got 16 stages for 8 regions"), "{err}");
+}
+
+#[test]
+fn hostile_plugins_are_stopped_with_specific_messages_and_the_host_carries_on() {
+    let host = PluginHost::new(strict(), None).unwrap();
+    let hostile = host.load_file(&wasm("piper_testing_hostile")).unwrap();
+    assert_eq!(hostile.info.name, "hostile");
+    let mut dag = tiny(1);
+    let before = dag.snapshot();
+    let cases = [
+        (
+            "loop",
+            "ran out of fuel: the budget of 400000000 instructions is spent",
+        ),
+        ("alloc", "exceeded its memory cap of 64 MiB"),
+        ("recurse", "overflowed its wasm stack of 256 KiB"),
+        ("panic", "panicked: hostile plugin panics on purpose"),
+        ("error", "returned an error: hostile plugin refuses to plan"),
+        ("nomatch", "filter {PP:999} matches no node"),
+        ("cycle", "it would make a cycle"),
+        ("flood", "made more than 100000 calls into the host"),
+    ];
+    for (mode, expect) in cases {
+        let err = host
+            .apply(&hostile, &mut dag, &opts(&[("mode", mode)]))
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains(expect),
+            "mode {mode}: `{msg}` should contain `{expect}`"
+        );
+        assert!(msg.starts_with("plugin `hostile@0.1.0` (sha256 "), "{msg}");
+        assert!(msg.contains(": apply: "), "{msg}");
+        // Transactional: the DAG is untouched.
+        assert_eq!(dag.snapshot(), before, "mode {mode} changed the DAG");
+        // The next plugin in the same process runs normally.
+        host.apply(&hostile, &mut dag.clone(), &opts(&[("mode", "ok")]))
+            .unwrap();
+    }
+    let err = host
+        .apply(&hostile, &mut dag, &opts(&[("mode", "nomatch")]))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("a directive failed"), "{err}");
+    // Each run starts from a fresh instance: the global counter is never seen.
+    for _ in 0..3 {
+        host.apply(&hostile, &mut dag.clone(), &opts(&[("mode", "global")]))
+            .unwrap();
+    }
+    // And a well-behaved plugin still works afterwards.
+    let mut dag = tiny(4);
+    host.apply(&host.load("1f1b").unwrap(), &mut dag, &[])
+        .unwrap();
+    compile(&dag).unwrap();
+}
+
+#[test]
+fn a_plugin_past_its_wall_clock_deadline_is_stopped() {
+    let limits = SandboxLimits {
+        fuel: u64::MAX / 2,
+        deadline_ms: 300,
+        ..strict()
+    };
+    let host = PluginHost::new(limits, None).unwrap();
+    let hostile = host.load_file(&wasm("piper_testing_hostile")).unwrap();
+    let t = std::time::Instant::now();
+    let err = host
+        .apply(&hostile, &mut tiny(1), &opts(&[("mode", "loop")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("exceeded its wall-clock deadline of 300 ms"),
+        "{err}"
+    );
+    assert!(t.elapsed().as_secs() < 10);
+}
+
+#[test]
+fn a_plugin_built_against_another_major_wit_version_is_refused() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let err = host
+        .load_file(&wasm("piper_testing_wrong_version"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains(
+            "built against piper:strategy@1.0.0, but this host accepts piper:strategy@0.1.x"
+        ),
+        "{err}"
+    );
+    assert!(err.contains(": load: "), "{err}");
+}
+
+#[test]
+fn garbage_is_refused_at_load() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let err = host
+        .load_bytes(b"\0asm not really", "junk.wasm")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("`junk.wasm`") && err.contains("cannot read or compile"),
+        "{err}"
+    );
+    let err = host.load("no-such-strategy").err().unwrap().to_string();
+    assert!(err.contains("bundled: dp, gpipe, 1f1b"), "{err}");
+}
+
+#[test]
+fn the_compile_cache_skips_compilation_and_ignores_tampered_files() {
+    let dir = std::env::temp_dir().join(format!("piper-cache-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let first = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
+    first.load("gpipe").unwrap();
+    assert_eq!((first.compiles(), first.cache_hits()), (1, 0));
+    // A second host (a second `piper plan`) finds it compiled.
+    let second = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
+    let p = second.load("gpipe").unwrap();
+    assert_eq!((second.compiles(), second.cache_hits()), (0, 1));
+    let mut dag = tiny(2);
+    second.apply(&p, &mut dag, &[]).unwrap();
+    // A file the host did not write (or a flipped byte) is never deserialized.
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "cwasm") {
+            let mut bytes = std::fs::read(&path).unwrap();
+            let mid = bytes.len() / 2;
+            bytes[mid] ^= 0xff;
+            std::fs::write(&path, bytes).unwrap();
+        }
+    }
+    let third = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
+    third.load("gpipe").unwrap();
+    assert_eq!((third.compiles(), third.cache_hits()), (1, 0));
+    let _ = std::fs::remove_dir_all(&dir);
+}

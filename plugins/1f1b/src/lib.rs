@@ -1,0 +1,72 @@
+//! `1f1b`: pipeline parallelism with the one-forward-one-backward schedule
+//! (PipeDream-Flush, Megatron's default). Stage s of p runs p − s − 1 warm-up
+//! forwards, then alternates one forward and one backward, then drains the
+//! remaining backwards: at most p − s microbatches of activations are alive.
+
+use piper_sdk::pipeline::Pipeline;
+use piper_sdk::{
+    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
+};
+
+pub struct OneFOneB;
+
+/// The 1F1B order of stage `s` of `p` over `m` microbatches, as (pass, microbatch).
+pub fn schedule(p: u32, s: u32, m: u32) -> Vec<(Pass, u32)> {
+    let warmup = (p - s - 1).min(m);
+    let mut steps: Vec<(Pass, u32)> = (0..warmup).map(|i| (Pass::F, i)).collect();
+    for i in 0..m - warmup {
+        steps.push((Pass::F, warmup + i));
+        steps.push((Pass::B, i));
+    }
+    steps.extend((m - warmup..m).map(|i| (Pass::B, i)));
+    steps
+}
+
+impl Strategy for OneFOneB {
+    fn info() -> PluginInfo {
+        PluginInfo::new(
+            "1f1b",
+            env!("CARGO_PKG_VERSION"),
+            "1F1B pipeline schedule (PipeDream-Flush)",
+        )
+        .option(OptionSpec::int(
+            "stages",
+            None,
+            "pipeline stages (default: devices ÷ data-parallel degree)",
+        ))
+        .option(OptionSpec::int(
+            "microbatches",
+            None,
+            "microbatches per step (default: 2 × stages)",
+        ))
+        .option(OptionSpec::str(
+            "stream",
+            Some("pp"),
+            "stream of the activation/gradient transfers",
+        ))
+    }
+
+    fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
+        let pipe = Pipeline::plan(dag, options.u32("stages")?, "1f1b")?;
+        let p = pipe.stages();
+        let mbs = options.u32("microbatches")?.unwrap_or(2 * p);
+        if mbs == 0 {
+            return Err(Error::msg("1f1b needs at least 1 microbatch, got 0"));
+        }
+        // 1. Microbatches.
+        dag.split(&Filter::all(), "MB", mbs)?;
+        // 2. One stage per device group.
+        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
+        // 3. Per stage: warm-up forwards, 1F1B steady state, cool-down backwards.
+        for s in 0..p {
+            let groups: Vec<Vec<Filter>> = schedule(p, s, mbs)
+                .into_iter()
+                .map(|(pass, m)| pipe.step(s, m, pass))
+                .collect();
+            dag.order(&groups)?;
+        }
+        Ok(())
+    }
+}
+
+export_strategy!(OneFOneB);

@@ -1,0 +1,55 @@
+//! `gpipe`: pipeline parallelism with the GPipe schedule — every stage runs all
+//! its microbatches' forwards, then all their backwards.
+
+use piper_sdk::pipeline::Pipeline;
+use piper_sdk::{
+    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
+};
+
+pub struct GPipe;
+
+impl Strategy for GPipe {
+    fn info() -> PluginInfo {
+        PluginInfo::new(
+            "gpipe",
+            env!("CARGO_PKG_VERSION"),
+            "GPipe: all forwards, then all backwards, per stage",
+        )
+        .option(OptionSpec::int(
+            "stages",
+            None,
+            "pipeline stages (default: devices ÷ data-parallel degree)",
+        ))
+        .option(OptionSpec::int(
+            "microbatches",
+            None,
+            "microbatches per step (default: 2 × stages)",
+        ))
+        .option(OptionSpec::str(
+            "stream",
+            Some("pp"),
+            "stream of the activation/gradient transfers",
+        ))
+    }
+
+    fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
+        let pipe = Pipeline::plan(dag, options.u32("stages")?, "gpipe")?;
+        let mbs = options.u32("microbatches")?.unwrap_or(2 * pipe.stages());
+        if mbs == 0 {
+            return Err(Error::msg("gpipe needs at least 1 microbatch, got 0"));
+        }
+        // 1. Microbatches.
+        dag.split(&Filter::all(), "MB", mbs)?;
+        // 2. One stage per device group.
+        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
+        // 3. Per stage: F0 … F(m-1), then B0 … B(m-1).
+        for s in 0..pipe.stages() {
+            let mut groups: Vec<Vec<Filter>> = (0..mbs).map(|m| pipe.step(s, m, Pass::F)).collect();
+            groups.extend((0..mbs).map(|m| pipe.step(s, m, Pass::B)));
+            dag.order(&groups)?;
+        }
+        Ok(())
+    }
+}
+
+export_strategy!(GPipe);

@@ -1,0 +1,99 @@
+//! A plugin that misbehaves on purpose, chosen by its `mode` option. The host's
+//! tests check that each misbehaviour is stopped with a specific message, that
+//! the host survives, and that the next plugin runs normally.
+
+use piper_sdk::{
+    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
+};
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+pub struct Hostile;
+
+/// Survives between runs only if the host reuses instances (it must not).
+static RUNS: AtomicU32 = AtomicU32::new(0);
+
+fn recurse(n: u64) -> u64 {
+    if n == 0 {
+        return 0;
+    }
+    let mut pad = [0u8; 256];
+    pad[0] = n as u8;
+    black_box(&mut pad);
+    1 + recurse(black_box(n - 1)) + pad[0] as u64 % 2
+}
+
+/// The normal part: everything on device 0.
+fn place_all(dag: &mut dyn Dag) -> Result<(), Error> {
+    dag.place(&Filter::all(), &[0], "pp")?;
+    Ok(())
+}
+
+impl Strategy for Hostile {
+    fn info() -> PluginInfo {
+        PluginInfo::new(
+            "hostile",
+            "0.1.0",
+            "misbehaves on purpose, for sandbox tests",
+        )
+        .option(OptionSpec::str(
+            "mode",
+            Some("ok"),
+            "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global",
+        ))
+    }
+
+    fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
+        match options.str("mode")?.unwrap_or("ok") {
+            "ok" => place_all(dag),
+            "loop" => {
+                let mut x = 0u64;
+                loop {
+                    x = black_box(x.wrapping_add(1));
+                }
+            }
+            "alloc" => {
+                let mut hoard: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    hoard.push(black_box(vec![1u8; 1 << 20]));
+                }
+            }
+            "recurse" => {
+                black_box(recurse(black_box(u64::MAX)));
+                Ok(())
+            }
+            "panic" => panic!("hostile plugin panics on purpose"),
+            "error" => Err(Error::msg("hostile plugin refuses to plan")),
+            "nomatch" => {
+                dag.place(&Filter::tag("PP", 999), &[0], "pp")?;
+                Ok(())
+            }
+            "cycle" => {
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 2)?;
+                // The backward of microbatch 0 before its own forward.
+                dag.order(&[
+                    vec![Filter::tag("PP", 0).and("MB", 0).pass(Pass::B)],
+                    vec![Filter::tag("PP", 0).and("MB", 0).pass(Pass::F)],
+                ])?;
+                Ok(())
+            }
+            "flood" => {
+                for _ in 0..50_000_000u64 {
+                    black_box(dag.cluster());
+                }
+                Ok(())
+            }
+            "global" => {
+                let seen = RUNS.fetch_add(1, Ordering::SeqCst);
+                if seen > 0 {
+                    return Err(Error::msg(format!("saw state from {seen} earlier run(s)")));
+                }
+                place_all(dag)
+            }
+            other => Err(Error::msg(format!("unknown mode `{other}`"))),
+        }
+    }
+}
+
+export_strategy!(Hostile);
