@@ -16,7 +16,11 @@ const BUNDLED: &[(&str, &str, &str)] = &[
     ("1f1b", "piper-plugin-1f1b", "piper_plugin_1f1b"),
 ];
 /// Built for tests, not bundled.
-const TESTING: &[&str] = &["piper-testing-hostile", "piper-testing-wrong-version"];
+const TESTING: &[&str] = &[
+    "piper-testing-hostile",
+    "piper-testing-wrong-version",
+    "piper-testing-extra-import",
+];
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());

@@ -297,3 +297,17 @@ fn the_compile_cache_skips_compilation_and_ignores_tampered_files() {
     assert_eq!((third.compiles(), third.cache_hits()), (1, 0));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_plugin_importing_anything_else_is_refused_with_the_list() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let err = host
+        .load_file(&wasm("piper_testing_extra_import"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("it imports what the host does not provide: evil:plugin/sockets"),
+        "{err}"
+    );
+}

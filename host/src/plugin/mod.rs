@@ -605,6 +605,11 @@ impl PluginHost {
             call: "apply".into(),
             cause,
         };
+        if !Engine::same(plugin.component.engine(), &self.engine) {
+            return Err(fail(Cause::Load(
+                "this plugin was loaded by another PluginHost; load it with the host that applies it".into(),
+            )));
+        }
         let entries = Self::check_options(plugin, options).map_err(fail)?;
         let t = Instant::now();
         let (mut store, stderr) = self.new_store(Some(dag.clone()), &plugin.ident());

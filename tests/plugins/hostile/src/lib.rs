@@ -41,6 +41,11 @@ impl Strategy for Hostile {
             Some("ok"),
             "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global",
         ))
+        .option(OptionSpec::int(
+            "calls",
+            Some("50000000"),
+            "host calls made by mode=flood",
+        ))
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
@@ -79,10 +84,11 @@ impl Strategy for Hostile {
                 Ok(())
             }
             "flood" => {
-                for _ in 0..50_000_000u64 {
+                let calls = options.u64("calls")?.unwrap_or(50_000_000);
+                for _ in 0..calls {
                     black_box(dag.cluster());
                 }
-                Ok(())
+                place_all(dag)
             }
             "global" => {
                 let seen = RUNS.fetch_add(1, Ordering::SeqCst);

@@ -1,0 +1,129 @@
+//! `cargo bench -p piper-e2e --bench plugin`: plugin load time cold and from
+//! the compile cache; `apply` of the 1F1B plugin at PP=16, 256 microbatches in
+//! the sandbox and natively (the same strategy source built for the host via
+//! `piper-sdk`'s `native` feature); host-call throughput.
+
+use piper::dag::{Cluster, TrainingDag};
+use piper::model::ModelConfig;
+use piper::plugin::{PluginHost, SandboxLimits};
+use piper_sdk::{OptionValue, Options, Strategy};
+use std::time::{Duration, Instant};
+
+fn model() -> ModelConfig {
+    ModelConfig {
+        name: "bench-128".into(),
+        layers: 128,
+        d_model: 256,
+        heads: 8,
+        seq_len: 128,
+        vocab: 1024,
+        batch_size: 2048,
+        layers_per_region: 1,
+        regions: None,
+        moe: None,
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn best<T>(n: usize, mut f: impl FnMut() -> (Duration, T)) -> (Duration, T) {
+    let mut out = f();
+    for _ in 1..n {
+        let r = f();
+        if r.0 < out.0 {
+            out = r;
+        }
+    }
+    out
+}
+
+fn main() {
+    let cache = std::env::temp_dir().join(format!("piper-bench-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let limits = SandboxLimits {
+        max_host_calls: 10_000_000,
+        ..SandboxLimits::default()
+    };
+
+    // Load: cold (compile) and from the cache (a fresh host, as a second `piper plan`).
+    let t = Instant::now();
+    let cold = PluginHost::new(limits.clone(), Some(cache.clone())).unwrap();
+    cold.load("1f1b").unwrap();
+    let cold_t = t.elapsed();
+    let (warm_t, _) = best(5, || {
+        let t = Instant::now();
+        let h = PluginHost::new(limits.clone(), Some(cache.clone())).unwrap();
+        h.load("1f1b").unwrap();
+        assert_eq!(h.compiles(), 0);
+        (t.elapsed(), ())
+    });
+    println!(
+        "plugin load (1f1b, {} KiB): cold {:.1} ms, from cache {:.1} ms",
+        include_bytes_len(),
+        ms(cold_t),
+        ms(warm_t)
+    );
+
+    // apply at PP=16, 256 microbatches: sandbox vs native, same strategy source.
+    let host = PluginHost::new(limits.clone(), Some(cache.clone())).unwrap();
+    let plugin = host.load("1f1b").unwrap();
+    let base = TrainingDag::build(&model(), Cluster::new(16)).unwrap();
+    let args = vec![("microbatches".to_string(), "256".to_string())];
+    let (sandbox_t, report) = best(3, || {
+        let mut dag = base.clone();
+        let t = Instant::now();
+        let r = host.apply(&plugin, &mut dag, &args).unwrap();
+        (t.elapsed(), r)
+    });
+    let opts = Options::new(vec![
+        ("microbatches".into(), OptionValue::Int(256)),
+        ("stream".into(), OptionValue::Str("pp".into())),
+    ]);
+    let (native_t, _) = best(3, || {
+        let mut dag = base.clone();
+        let t = Instant::now();
+        piper_plugin_1f1b::OneFOneB::apply(&mut dag, &opts).unwrap();
+        (t.elapsed(), ())
+    });
+    println!(
+        "apply 1f1b (PP=16, 128 segments, 256 microbatches): sandbox {:.1} ms, native {:.1} ms, ratio {:.2}x (goal ≤ 1.5x); {} host calls, {:.2e} fuel of {:.1e}",
+        ms(sandbox_t),
+        ms(native_t),
+        sandbox_t.as_secs_f64() / native_t.as_secs_f64(),
+        report.host_calls,
+        report.fuel_used as f64,
+        limits.fuel as f64
+    );
+
+    // Host-call throughput: a plugin calling `cluster()` in a loop.
+    let hostile =
+        std::path::PathBuf::from(env!("PIPER_E2E_WASM_DIR")).join("piper_testing_hostile.wasm");
+    let hostile = host.load_file(&hostile).unwrap();
+    let n = 1_000_000u64;
+    let calls = vec![
+        ("mode".to_string(), "flood".to_string()),
+        ("calls".to_string(), n.to_string()),
+    ];
+    let (t1, r) = best(3, || {
+        let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(1)).unwrap();
+        let t = Instant::now();
+        let r = host.apply(&hostile, &mut dag, &calls).unwrap();
+        (t.elapsed(), r)
+    });
+    println!(
+        "host calls: {} in {:.1} ms = {:.2} M calls/s ({:.0} ns per call, guest loop included)",
+        r.host_calls,
+        ms(t1),
+        r.host_calls as f64 / t1.as_secs_f64() / 1e6,
+        t1.as_secs_f64() * 1e9 / r.host_calls as f64
+    );
+    let _ = std::fs::remove_dir_all(&cache);
+}
+
+fn include_bytes_len() -> usize {
+    piper::plugin::bundled::get("1f1b")
+        .map(|b| b.len() / 1024)
+        .unwrap_or(0)
+}

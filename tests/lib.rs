@@ -1,0 +1,2 @@
+//! End-to-end tests and benchmarks that span crates. The library part is
+//! empty; see `benches/`.
