@@ -10,3 +10,4 @@ pub mod compile;
 pub mod dag;
 pub mod model;
 pub mod plugin;
+pub mod runtime;

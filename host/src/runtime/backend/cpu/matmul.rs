@@ -1,0 +1,123 @@
+//! Linear layers: `out[N,OC] = inp[N,C] · W[OC,C]ᵀ + b[OC]`, through the
+//! `gemm` crate (single-threaded: each virtual device is a thread already, and
+//! a fixed blocking keeps results bit-identical run to run).
+
+use gemm::{gemm, Parallelism};
+
+/// `dst[m,n] (+)= a[m,k] · b[k,n]`, every matrix given by (row stride, col stride).
+#[allow(clippy::too_many_arguments)]
+fn mm(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    accumulate: bool,
+    a: &[f32],
+    a_rs: usize,
+    a_cs: usize,
+    b: &[f32],
+    b_rs: usize,
+    b_cs: usize,
+) {
+    assert!(dst.len() >= m * n);
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            dst[..m * n].fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: the strides describe matrices that lie inside the given slices
+    // (checked by the callers' shape asserts), and `dst` does not alias them.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs as isize,
+            a_rs as isize,
+            b.as_ptr(),
+            b_cs as isize,
+            b_rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// Forward: `out = inp · Wᵀ + bias`.
+pub fn matmul_forward(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: Option<&[f32]>,
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), oc * c);
+    assert_eq!(out.len(), n * oc);
+    // out[n,oc] = inp[n,c] · Wᵀ[c,oc]  (Wᵀ: row stride 1, col stride c)
+    mm(n, oc, c, out, false, inp, c, 1, weight, 1, c);
+    if let Some(b) = bias {
+        for row in out.chunks_exact_mut(oc) {
+            for (o, bb) in row.iter_mut().zip(b) {
+                *o += bb;
+            }
+        }
+    }
+}
+
+/// Backward for the input: `dinp (+)= dout · W`.
+pub fn matmul_backward_input(
+    dinp: &mut [f32],
+    dout: &[f32],
+    weight: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+    accumulate: bool,
+) {
+    assert_eq!(dinp.len(), n * c);
+    assert_eq!(dout.len(), n * oc);
+    mm(n, c, oc, dinp, accumulate, dout, oc, 1, weight, c, 1);
+}
+
+/// Backward for the weights: `dW += doutᵀ · inp`, `db += Σ_rows dout`.
+pub fn matmul_backward_weight(
+    dweight: &mut [f32],
+    dbias: Option<&mut [f32]>,
+    dout: &[f32],
+    inp: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    assert_eq!(dweight.len(), oc * c);
+    // dW[oc,c] += doutᵀ[oc,n] · inp[n,c]  (doutᵀ: row stride 1, col stride oc)
+    mm(oc, c, n, dweight, true, dout, 1, oc, inp, c, 1);
+    if let Some(db) = dbias {
+        for row in dout.chunks_exact(oc) {
+            for (d, g) in db.iter_mut().zip(row) {
+                *d += g;
+            }
+        }
+    }
+}
+
+/// `out[m,n] = a[m,k] · b[k,n]` for plain row-major matrices (attention).
+pub fn matmul_plain(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
+    mm(m, n, k, out, false, a, k, 1, b, n, 1);
+}

@@ -1,0 +1,16 @@
+//! The CPU backend's kernels, llm.c style: one file per op family, each op a
+//! forward plus a backward-for-input and a backward-for-weights with explicit
+//! shapes and caches; `gpt` composes them into segments. fp32, single-threaded
+//! per call, deterministic.
+
+pub mod adamw;
+pub mod attention;
+pub mod elementwise;
+pub mod embedding;
+pub mod gpt;
+pub mod layernorm;
+pub mod loss;
+pub mod matmul;
+
+#[cfg(test)]
+mod tests;

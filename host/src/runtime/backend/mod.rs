@@ -1,0 +1,3 @@
+//! Compute backends. `cpu` is the embedded default.
+
+pub mod cpu;
