@@ -93,7 +93,7 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.op == "all-reduce")
+        .filter(|o| o.op == "all-reduce" && o.purpose.as_deref() == Some("tied-grad"))
         .collect();
     assert_eq!(tied.len(), 1);
     assert_eq!(tied[0].group.as_deref(), Some(&[0, 3][..]));
@@ -245,6 +245,10 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         bytes: 0,
         waits: vec![],
         inputs: Default::default(),
+        replica: 0,
+        microbatch: 0,
+        microbatches: 1,
+        tensor: None,
     }
 }
 

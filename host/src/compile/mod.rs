@@ -24,7 +24,7 @@ mod deadlock;
 pub mod plan;
 
 pub use deadlock::{check_deadlock, DeadlockError};
-pub use plan::{human_bytes, DevicePlan, Op, OpKind, Plan, StreamPlan, Wait};
+pub use plan::{human_bytes, DevicePlan, Input, Op, OpKind, Plan, StreamPlan, Wait};
 
 use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TensorKind, TrainingDag};
 use crate::model::DTYPE_BYTES;
@@ -229,6 +229,7 @@ fn purpose_name(p: CommPurpose) -> &'static str {
         CommPurpose::ParamGather => "param-gather",
         CommPurpose::ParamRefresh => "param-refresh",
         CommPurpose::TiedGrad => "tied-grad",
+        CommPurpose::GradNorm => "grad-norm",
     }
 }
 
@@ -238,7 +239,8 @@ fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
         TensorKind::Activation
         | TensorKind::ActGrad
         | TensorKind::Saved
-        | TensorKind::MicroGrad => true,
+        | TensorKind::MicroGrad
+        | TensorKind::Stash => true,
         TensorKind::ParamGrad => false,
         TensorKind::Param => matches!(
             &dag.graph[producer.ix()].kind,
@@ -302,6 +304,13 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     let mut pos: Vec<(u16, u32)> =
         Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
     let no_segments: Arc<[u32]> = Arc::from(Vec::new());
+    // Split dimensions and their sizes, outermost first.
+    let extents = dag.tag_extents();
+    let split_sizes: Vec<(crate::dag::TagKey, u32)> = dag
+        .split_dims
+        .iter()
+        .map(|k| (*k, extents.get(dag.tag_name(*k)).copied().unwrap_or(1)))
+        .collect();
     for &id in &order {
         let n = &g[id.ix()];
         if matches!(n.kind, NodeKind::Marker) {
@@ -327,14 +336,25 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             }
             _ => Vec::new(),
         };
-        let mut inputs: Vec<u32> = preds
-            .iter()
-            .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
-            .map(|(p, _)| p.0)
-            .collect();
-        inputs.sort_unstable();
+        let input_of = |(p, k): &(NodeId, EdgeKind)| match k {
+            EdgeKind::Data { tensor, .. } => Some(Input {
+                node: p.0,
+                tensor: *tensor,
+            }),
+            _ => None,
+        };
+        let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
+        inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
         inputs.dedup();
-        let all_inputs: Arc<[u32]> = Arc::from(inputs);
+        let all_inputs: Arc<[Input]> = Arc::from(inputs);
+        let microbatch = split_sizes.iter().fold(0u32, |acc, (k, size)| {
+            acc * size + n.tags.get(*k).unwrap_or(0)
+        });
+        let microbatches: u32 = split_sizes.iter().map(|(_, s)| *s).product();
+        let tensor = match &n.kind {
+            NodeKind::Comm(c) => Some(c.tensor),
+            _ => None,
+        };
         let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
         pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
@@ -353,6 +373,10 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 bytes: cost.comm_bytes,
                 waits: Vec::new(),
                 inputs: all_inputs.clone(),
+                replica: i as u32,
+                microbatch,
+                microbatches,
+                tensor,
             };
             if let NodeKind::Comm(c) = &n.kind {
                 if c.op.is_p2p() {
@@ -371,7 +395,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             }
             // Cross-stream waits (latest op per stream) and local inputs.
             let mut waits: Vec<(u16, u32)> = Vec::new();
-            let mut local_inputs: Vec<u32> = Vec::new();
+            let mut local_inputs: Vec<Input> = Vec::new();
             for (p, k) in &preds {
                 let pn = &g[p.ix()];
                 let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
@@ -384,12 +408,14 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         None => waits.push((ps, pidx)),
                     }
                 }
-                if !single_device_inputs && matches!(k, EdgeKind::Data { .. }) {
-                    local_inputs.push(p.0);
+                if !single_device_inputs {
+                    if let Some(inp) = input_of(&(*p, *k)) {
+                        local_inputs.push(inp);
+                    }
                 }
             }
             if !single_device_inputs {
-                local_inputs.sort_unstable();
+                local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
                 local_inputs.dedup();
                 op.inputs = Arc::from(local_inputs);
             }
@@ -429,7 +455,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 continue;
             }
             // One buffer per tensor kind, however many readers it has.
-            let mut by_kind = [0u64; 6];
+            let mut by_kind = [0u64; 7];
             let mut readers_of: Vec<&[DeviceId]> = Vec::new();
             for (c, k) in dag.succs(id) {
                 if let EdgeKind::Data { tensor, bytes } = k {

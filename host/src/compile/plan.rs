@@ -7,6 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use crate::dag::TensorKind;
+
 /// The compiled plan of every device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Plan {
@@ -72,9 +74,37 @@ pub struct Op {
     /// Ops of other streams on this device that must finish first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub waits: Vec<Wait>,
-    /// Local producers of the tensors this op reads.
-    #[serde(default, skip_serializing_if = "is_empty")]
-    pub inputs: Arc<[u32]>,
+    /// Local producers of the tensors this op reads, with the tensor kind.
+    #[serde(default, skip_serializing_if = "no_inputs")]
+    pub inputs: Arc<[Input]>,
+    /// Compute ops: this device's index in the node's data-parallel group.
+    #[serde(default)]
+    pub replica: u32,
+    /// Compute ops: the microbatch (linear index over every split dimension)
+    /// and how many there are; the op runs batch piece
+    /// `microbatch × DP degree + replica` of `batch_div`.
+    #[serde(default)]
+    pub microbatch: u32,
+    #[serde(default = "one")]
+    pub microbatches: u32,
+    /// Communication ops: what they move.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tensor: Option<TensorKind>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn no_inputs(v: &Arc<[Input]>) -> bool {
+    v.is_empty()
+}
+
+/// A tensor an op reads: produced by `node` on this device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Input {
+    pub node: u32,
+    pub tensor: TensorKind,
 }
 
 /// What an op does; serialized as `F`, `B`, `BI`, `BW`, `update`, `send`,
@@ -250,7 +280,15 @@ impl Plan {
                         h.bytes(w.stream.as_bytes());
                         h.word(w.op as u64);
                     }
-                    h.words(&o.inputs);
+                    h.word(o.inputs.len() as u64);
+                    for i in o.inputs.iter() {
+                        h.word(i.node as u64);
+                        h.word(i.tensor as u64);
+                    }
+                    h.word(o.replica as u64);
+                    h.word(o.microbatch as u64);
+                    h.word(o.microbatches as u64);
+                    h.word(o.tensor.map_or(u64::MAX, |t| t as u64));
                 }
             }
         }

@@ -476,7 +476,54 @@ impl TrainingDag {
             }
         }
 
-        // 5. Re-attach tweaked derived nodes' temporal edges.
+        // 5. The global gradient norm: one all-reduce over every device that
+        //    holds parameters, after all gradient reductions, before any update.
+        let updates: Vec<NodeId> = self
+            .node_ids()
+            .filter(|id| matches!(self.graph[id.ix()].kind, NodeKind::Update { .. }))
+            .collect();
+        let mut all: Vec<DeviceId> = updates
+            .iter()
+            .flat_map(|u| self.graph[u.ix()].devices.iter().copied())
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        let placed = updates
+            .iter()
+            .all(|u| !self.graph[u.ix()].devices.is_empty());
+        if all.len() > 1 && placed {
+            let norm = self.add_derived(
+                key_of("grad-norm"),
+                NodeKind::Comm(Comm {
+                    op: CommOp::AllReduce,
+                    purpose: CommPurpose::GradNorm,
+                    tensor: TensorKind::ParamGrad,
+                    bytes: 8,
+                    segments: Vec::new(),
+                    peers: Vec::new(),
+                    groups: vec![all.clone()],
+                    pair: None,
+                }),
+                Tags::default(),
+                all,
+                COMPUTE,
+                1,
+                &tweaks,
+            );
+            for &u in &updates {
+                let preds: Vec<NodeId> = self
+                    .preds(u)
+                    .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+                    .map(|(p, _)| p)
+                    .collect();
+                for p in preds {
+                    self.data(p, norm, TensorKind::ParamGrad, 8);
+                }
+                self.data(norm, u, TensorKind::ParamGrad, 8);
+            }
+        }
+
+        // 6. Re-attach tweaked derived nodes' temporal edges.
         if !tweaks.is_empty() {
             let new: Vec<(NodeId, u64)> = self
                 .node_ids()

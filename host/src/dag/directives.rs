@@ -628,14 +628,15 @@ impl TrainingDag {
         for (src, k) in saved {
             self.graph.add_edge(src.ix(), bw, k);
         }
+        // BI's stash: the output gradients of every layer (≈ the saved bytes).
         let seg = &self.segments()[segment as usize];
-        let grad_bytes = seg.cost.act_out_bytes;
+        let stash_bytes = seg.cost.saved_bytes;
         self.graph.add_edge(
             b.ix(),
             bw,
             EdgeKind::Data {
-                tensor: TensorKind::ActGrad,
-                bytes: grad_bytes,
+                tensor: TensorKind::Stash,
+                bytes: stash_bytes,
             },
         );
         // The backward is complete when BW is: temporal successors move to BW.

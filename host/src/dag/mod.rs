@@ -150,6 +150,10 @@ pub enum CommPurpose {
     ParamRefresh,
     /// Gradient all-reduce of the tied embedding / LM head across stages.
     TiedGrad,
+    /// All-reduce of the squared gradient norm over every device holding
+    /// parameters, so clipping uses the global norm however the gradients are
+    /// spread (stages) or sharded (ZeRO).
+    GradNorm,
 }
 
 /// What a data edge carries.
@@ -168,6 +172,9 @@ pub enum TensorKind {
     /// One microbatch's parameter gradients, alive until its reduce-scatter
     /// (ZeRO-2/3).
     MicroGrad,
+    /// What a `BI` hands its `BW`: the per-layer output gradients the weight
+    /// gradients are computed from (scales with the batch share).
+    Stash,
     /// Parameters (ZeRO gathers).
     Param,
 }
@@ -177,7 +184,7 @@ impl TensorKind {
     pub fn scales_with_batch(self) -> bool {
         matches!(
             self,
-            TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved
+            TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved | TensorKind::Stash
         )
     }
 }

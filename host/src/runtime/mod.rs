@@ -1,4 +1,155 @@
 //! Runtime: executes per-device plans with real numerics. Strategy-agnostic:
-//! it reads plans and nothing else.
+//! it reads a [`Plan`] (from `compile/`) and the model config, nothing else.
+//! After `compile/` in the flow.
+//!
+//! Per training step, every (device, stream) of the plan is a thread that runs
+//! its ops in plan order, waiting on the plan's cross-stream events; devices
+//! talk through the in-process [`comm::Comm`]. Each device owns its
+//! parameters, gradients and AdamW moments (for the segments it runs) and its
+//! transient buffers, which are reference-counted by the plan's readers and
+//! freed at their last use. Every byte is accounted against the device's
+//! memory cap; the measured peak is reported beside the plan's prediction.
+//!
+//! Numerics: the loss is the mean over every token of the global batch; each
+//! op scales its gradient by `1 / (B·T)` of the global batch, so microbatch
+//! accumulation and data-parallel sums give the full-batch gradient whatever
+//! the strategy. Gradient clipping uses the global norm (the plan's
+//! `grad-norm` all-reduce; each parameter counted once: by DP replica 0, and
+//! the tied `wte` by the embedding's device).
 
 pub mod backend;
+pub mod comm;
+pub mod data;
+mod exec;
+
+pub use data::{Batch, Corpus, DataError};
+pub use exec::RuntimeError;
+
+use crate::compile::Plan;
+use crate::model::ModelConfig;
+use backend::cpu::adamw::AdamW;
+use backend::cpu::gpt::Tensors;
+use exec::Device;
+use std::time::{Duration, Instant};
+
+/// How to train.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    pub seed: u64,
+    pub adamw: AdamW,
+    /// Clip the global gradient norm to this (0: no clipping).
+    pub clip: f32,
+    /// Memory cap per device, bytes (`None`: no cap).
+    pub device_memory: Option<u64>,
+    /// Longest wait for a peer before a communication error.
+    pub comm_timeout: Duration,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            seed: 1337,
+            adamw: AdamW::default(),
+            clip: 1.0,
+            device_memory: None,
+            comm_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Debug)]
+pub struct StepStats {
+    pub step: u32,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub elapsed: Duration,
+    /// Measured peak bytes per device (model states + transient buffers).
+    pub peak_bytes: Vec<u64>,
+}
+
+/// Trains a model by running a compiled plan.
+pub struct Trainer {
+    cfg: ModelConfig,
+    plan: Plan,
+    opts: TrainOptions,
+    devices: Vec<Device>,
+    step: u32,
+}
+
+impl Trainer {
+    /// Set up every device of the plan: parameters (initialised from `seed`),
+    /// gradients and optimizer state for the segments it runs.
+    pub fn new(cfg: &ModelConfig, plan: Plan, opts: TrainOptions) -> Result<Self, RuntimeError> {
+        crate::compile::check_deadlock(&plan.devices)
+            .map_err(|e| RuntimeError::Plan(e.to_string()))?;
+        if cfg.moe.is_some() {
+            return Err(RuntimeError::Unsupported(
+                "MoE models are not yet supported by the CPU runtime".into(),
+            ));
+        }
+        let segments = cfg.segments();
+        let devices = plan
+            .devices
+            .iter()
+            .map(|d| Device::new(cfg, &segments, d, &opts))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Trainer {
+            cfg: cfg.clone(),
+            plan,
+            opts,
+            devices,
+            step: 0,
+        })
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+    pub fn step_count(&self) -> u32 {
+        self.step
+    }
+
+    /// Run one step on `batch` (the global batch).
+    pub fn step(&mut self, batch: &Batch) -> Result<StepStats, RuntimeError> {
+        let t = Instant::now();
+        self.step += 1;
+        let scale = 1.0 / (batch.b * batch.t) as f32;
+        let comm = comm::Comm::new(self.opts.comm_timeout);
+        let ctx = exec::StepCtx {
+            cfg: &self.cfg,
+            segments: self.cfg.segments(),
+            batch,
+            loss_scale: scale,
+            step: self.step,
+            opts: &self.opts,
+            comm: &comm,
+        };
+        exec::run_step(&self.devices, &self.plan, &ctx)?;
+        let mut loss = 0.0;
+        let mut grad_norm = 0.0;
+        for d in &self.devices {
+            let s = d.stats();
+            loss += s.0;
+            grad_norm = f64::max(grad_norm, s.1);
+        }
+        Ok(StepStats {
+            step: self.step,
+            loss: loss * scale as f64,
+            grad_norm,
+            elapsed: t.elapsed(),
+            peak_bytes: self.devices.iter().map(|d| d.peak_bytes()).collect(),
+        })
+    }
+
+    /// Every parameter of the model, taken from the first device holding it.
+    pub fn params(&self) -> Tensors {
+        let mut out = Tensors::new();
+        for d in &self.devices {
+            for (k, v) in d.params() {
+                out.entry(k).or_insert(v);
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,162 @@
+//! Training data: a byte-level tokenizer (vocabulary 256) over any UTF-8 text
+//! (`--data FILE`), or the built-in corpus — generated, so it needs no files,
+//! with structure a small model learns quickly (a tiny grammar of sentences).
+//!
+//! Batches are a pure function of the step: sequence `r` of step `s` starts at
+//! byte `((s − 1) · B + r) · T` (wrapping), targets are inputs shifted by one.
+//! Every strategy therefore sees the same global batch; a data-parallel replica
+//! reads its own rows of it.
+
+use std::path::Path;
+
+/// One global batch: `tokens[B·T]` and `targets[B·T]`, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    pub b: usize,
+    pub t: usize,
+    pub tokens: Vec<u32>,
+    pub targets: Vec<u32>,
+}
+
+impl Batch {
+    /// Rows `[first, first + rows)`.
+    pub fn rows(&self, first: usize, rows: usize) -> (&[u32], &[u32]) {
+        let r = first * self.t..(first + rows) * self.t;
+        (&self.tokens[r.clone()], &self.targets[r])
+    }
+}
+
+/// A token stream to train on.
+#[derive(Clone, Debug)]
+pub struct Corpus {
+    pub name: String,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("cannot read training data {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("training data {path} is not UTF-8 text (first bad byte at offset {offset})")]
+    NotUtf8 { path: String, offset: usize },
+    #[error("training data {name} has {len} tokens; a sequence needs {need}")]
+    TooShort {
+        name: String,
+        len: usize,
+        need: usize,
+    },
+    #[error("the model's vocabulary ({vocab}) is smaller than the byte tokenizer's 256")]
+    Vocab { vocab: u32 },
+}
+
+const SUBJECTS: [&str; 8] = [
+    "the cat",
+    "a dog",
+    "my sister",
+    "the old man",
+    "our teacher",
+    "a small bird",
+    "the farmer",
+    "his friend",
+];
+const VERBS: [&str; 8] = [
+    "sees", "likes", "finds", "follows", "feeds", "paints", "calls", "helps",
+];
+const OBJECTS: [&str; 8] = [
+    "the red ball",
+    "a green apple",
+    "the big house",
+    "a quiet river",
+    "the tall tree",
+    "a warm coat",
+    "the blue boat",
+    "a bright star",
+];
+const PLACES: [&str; 6] = [
+    "in the morning",
+    "near the hill",
+    "at the market",
+    "after dinner",
+    "by the sea",
+    "every day",
+];
+
+impl Corpus {
+    /// The built-in corpus: 20,000 generated sentences (≈ 0.8 MB).
+    pub fn builtin() -> Self {
+        let mut state: u64 = 0x5eed_c0de;
+        let mut next = |n: usize| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) as usize) % n
+        };
+        let mut text = String::new();
+        for _ in 0..20_000 {
+            let s = SUBJECTS[next(SUBJECTS.len())];
+            let v = VERBS[next(VERBS.len())];
+            let o = OBJECTS[next(OBJECTS.len())];
+            let p = PLACES[next(PLACES.len())];
+            text.push_str(&format!("{s} {v} {o} {p}. "));
+        }
+        Corpus {
+            name: "built-in sentences".into(),
+            tokens: text.bytes().map(u32::from).collect(),
+        }
+    }
+
+    /// Any UTF-8 text file, byte-tokenized.
+    pub fn from_file(path: &Path) -> Result<Self, DataError> {
+        let bytes = std::fs::read(path).map_err(|source| DataError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        if let Err(e) = std::str::from_utf8(&bytes) {
+            return Err(DataError::NotUtf8 {
+                path: path.display().to_string(),
+                offset: e.valid_up_to(),
+            });
+        }
+        Ok(Corpus {
+            name: path.display().to_string(),
+            tokens: bytes.into_iter().map(u32::from).collect(),
+        })
+    }
+
+    /// Check the corpus fits the model.
+    pub fn check(&self, vocab: u32, seq_len: usize) -> Result<(), DataError> {
+        if vocab < 256 {
+            return Err(DataError::Vocab { vocab });
+        }
+        if self.tokens.len() < seq_len + 2 {
+            return Err(DataError::TooShort {
+                name: self.name.clone(),
+                len: self.tokens.len(),
+                need: seq_len + 2,
+            });
+        }
+        Ok(())
+    }
+
+    /// The global batch of `step` (1-based).
+    pub fn batch(&self, step: u32, b: usize, t: usize) -> Batch {
+        let span = self.tokens.len() - t - 1;
+        let mut tokens = Vec::with_capacity(b * t);
+        let mut targets = Vec::with_capacity(b * t);
+        for r in 0..b {
+            let start = (((step as usize - 1) * b + r) * t) % span;
+            tokens.extend_from_slice(&self.tokens[start..start + t]);
+            targets.extend_from_slice(&self.tokens[start + 1..start + t + 1]);
+        }
+        Batch {
+            b,
+            t,
+            tokens,
+            targets,
+        }
+    }
+}
