@@ -142,3 +142,33 @@ fn plugin_info_and_list() {
     }
     let _ = std::fs::remove_dir_all(&h);
 }
+
+#[test]
+fn the_default_train_run_completes_and_the_loss_falls() {
+    let h = home("train");
+    let metrics = std::env::temp_dir().join(format!("piper-metrics-{}.jsonl", std::process::id()));
+    let _ = std::fs::remove_file(&metrics);
+    let (ok, out, err) = piper(&h, &["train", "--metrics", metrics.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    // "done: 150 steps, loss 5.5105 → 1.6430, 6138 tokens/s"
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("done:"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let nums: Vec<f64> = line
+        .split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let (first, last) = (nums[1], nums[2]);
+    assert!(last < first - 2.0, "loss {first} → {last}");
+    assert!(out.contains("device 3: peak"), "{out}");
+    let lines = std::fs::read_to_string(&metrics).unwrap();
+    assert_eq!(lines.lines().count(), 150);
+    let last_json: serde_json::Value = serde_json::from_str(lines.lines().last().unwrap()).unwrap();
+    assert_eq!(last_json["step"], 150);
+    assert_eq!(last_json["peak_bytes"].as_array().unwrap().len(), 4);
+    let (ok, _, err) = piper(&h, &["train", "--steps", "1", "--device-memory", "2MiB"]);
+    assert!(!ok && err.contains("out of memory"), "{err}");
+    let _ = std::fs::remove_file(&metrics);
+    let _ = std::fs::remove_dir_all(&h);
+}

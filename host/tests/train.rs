@@ -111,3 +111,78 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
         }
     }
 }
+
+fn plan_for(devices: u32, strategy: Strategy) -> piper::compile::Plan {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let mut dag = TrainingDag::build(&small(), Cluster::new(devices)).unwrap();
+    for (name, opts) in strategy {
+        let o: Vec<(String, String)> = opts
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        host.apply(&host.load(name).unwrap(), &mut dag, &o).unwrap();
+    }
+    compile(&dag).unwrap()
+}
+
+#[test]
+fn a_memory_cap_too_small_is_a_clear_error_naming_device_and_op() {
+    let plan = plan_for(2, &[("1f1b", &[("microbatches", "4")])]);
+    let predicted = plan.devices[0].peak_bytes;
+    let opts = TrainOptions {
+        device_memory: Some(predicted / 2),
+        ..Default::default()
+    };
+    let cfg = small();
+    let mut trainer = Trainer::new(&cfg, plan, opts).unwrap();
+    let batch = Corpus::builtin().batch(1, 32, 16);
+    let err = trainer.step(&batch).unwrap_err().to_string();
+    assert!(
+        err.contains("device 0")
+            && err.contains("out of memory")
+            && err.contains("over its cap of"),
+        "{err}"
+    );
+    assert!(
+        err.contains("F[") || err.contains("B["),
+        "names the op: {err}"
+    );
+    // States alone over the cap: refused before anything runs.
+    let plan = plan_for(1, &[("1f1b", &[("stages", "1"), ("microbatches", "1")])]);
+    let opts = TrainOptions {
+        device_memory: Some(1 << 20),
+        ..Default::default()
+    };
+    let err = Trainer::new(&cfg, plan, opts).err().unwrap().to_string();
+    assert!(err.contains("device 0: setup: out of memory"), "{err}");
+}
+
+#[test]
+fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
+    let mut plan = plan_for(2, &[("dp", &[("bucket-bytes", "0")])]);
+    // Device 1 believes the first gradient all-reduce covers other segments.
+    let dp = plan.devices[1]
+        .streams
+        .iter_mut()
+        .find(|s| s.stream == "dp")
+        .unwrap();
+    let op = dp.ops.iter_mut().find(|o| o.op == "all-reduce").unwrap();
+    op.segments = std::sync::Arc::from(vec![0u32]);
+    let opts = TrainOptions {
+        comm_timeout: std::time::Duration::from_secs(5),
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
+    let t = std::time::Instant::now();
+    let err = trainer
+        .step(&Corpus::builtin().batch(1, 32, 16))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("members disagree about its size")
+            && err.contains("device 0:")
+            && err.contains("device 1:"),
+        "{err}"
+    );
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+}

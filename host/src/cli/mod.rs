@@ -3,6 +3,7 @@
 //! of the typed errors of each stage.
 
 mod config;
+mod train;
 
 pub use config::{RunConfig, StrategySpec};
 
@@ -32,6 +33,8 @@ struct Cli {
 enum Command {
     /// Apply strategies to a model's DAG and print the per-device plans.
     Plan(PlanArgs),
+    /// Train: apply the strategies, compile, and run the plans on virtual CPU devices.
+    Train(train::TrainArgs),
     /// Inspect strategy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -107,6 +110,7 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan(a) => plan(a),
+        Command::Train(a) => train::train(a),
         Command::Plugin(PluginCommand::Info { plugin, json }) => plugin_info(&plugin, json),
         Command::Plugin(PluginCommand::List) => plugin_list(),
     }

@@ -531,11 +531,13 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                         at += len;
                     }
                 }
-                other => return Err(RuntimeError::Unsupported(format!(
+                other => {
+                    return Err(RuntimeError::Unsupported(format!(
                     "device {}: {}: all-reduce for {other:?} is not supported by the CPU runtime",
                     dev.id,
                     label(op)
-                ))),
+                )))
+                }
             }
         }
         OpKind::Update => {

@@ -1,0 +1,177 @@
+//! `piper train`: the model, strategies and cluster of a run config (or flags),
+//! compiled and executed on the CPU runtime, with a progress bar, a summary,
+//! and per-step metrics as JSON lines.
+
+use super::{prepare, RunArgs};
+use crate::compile::{compile, human_bytes};
+use crate::runtime::backend::cpu::adamw::AdamW;
+use crate::runtime::{Corpus, TrainOptions, Trainer};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct TrainArgs {
+    #[command(flatten)]
+    run: RunArgs,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 150)]
+    steps: u32,
+    /// Peak learning rate (AdamW).
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// Seed of the initial weights.
+    #[arg(long, default_value_t = 1337)]
+    seed: u64,
+    /// Clip the global gradient norm to this (0: off).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f32,
+    /// UTF-8 text to train on (byte-level tokens); default: the built-in corpus.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Memory cap per device: bytes, or with a unit (`512MiB`, `2GiB`).
+    #[arg(long)]
+    device_memory: Option<String>,
+    /// Append one JSON object per step (step, loss, lr, grad norm, tokens/s, peak bytes per device).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+}
+
+/// `512MiB`, `2GiB`, `1000000`.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (num, mult) = [
+        ("KiB", 1u64 << 10),
+        ("MiB", 1 << 20),
+        ("GiB", 1 << 30),
+        ("TiB", 1 << 40),
+        ("KB", 1000),
+        ("MB", 1_000_000),
+        ("GB", 1_000_000_000),
+        ("B", 1),
+    ]
+    .iter()
+    .find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m)))
+    .unwrap_or((t, 1));
+    let v: f64 = num
+        .parse()
+        .with_context(|| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)"))?;
+    if v <= 0.0 {
+        bail!("memory size `{s}` must be positive");
+    }
+    Ok((v * mult as f64) as u64)
+}
+
+pub fn train(a: TrainArgs) -> Result<()> {
+    let p = prepare(&a.run)?;
+    let cfg = p.config.model_config()?;
+    let plan = compile(&p.dag).context("compiling the plan")?;
+    let corpus = match &a.data {
+        Some(path) => Corpus::from_file(path)?,
+        None => Corpus::builtin(),
+    };
+    corpus.check(cfg.vocab, cfg.seq_len as usize)?;
+    let opts = TrainOptions {
+        seed: a.seed,
+        adamw: AdamW {
+            lr: a.lr,
+            ..AdamW::default()
+        },
+        clip: a.clip,
+        device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
+        comm_timeout: Duration::from_secs(120),
+    };
+    let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
+    let devices = plan.devices.len();
+    let hash = plan.hash.clone();
+    let mut trainer = Trainer::new(&cfg, plan, opts)?;
+    eprintln!(
+        "training {} ({} parameters) on {devices} CPU device(s), plan {hash}, data: {}",
+        cfg.name,
+        cfg.param_count(),
+        corpus.name
+    );
+    for line in &p.applied {
+        eprintln!("  strategy {line}");
+    }
+    let mut metrics = match &a.metrics {
+        Some(path) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("opening metrics file {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let bar = ProgressBar::new(a.steps as u64);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    let tokens_per_step = (cfg.batch_size * cfg.seq_len) as f64;
+    let start = Instant::now();
+    let (mut first, mut last) = (None, 0.0);
+    let mut peaks = vec![0u64; devices];
+    for step in 1..=a.steps {
+        let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
+        let s = trainer
+            .step(&batch)
+            .with_context(|| format!("step {step}"))?;
+        let tps = tokens_per_step / s.elapsed.as_secs_f64();
+        first.get_or_insert(s.loss);
+        last = s.loss;
+        for (p, m) in peaks.iter_mut().zip(&s.peak_bytes) {
+            *p = (*p).max(*m);
+        }
+        bar.set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tps));
+        bar.inc(1);
+        if let Some(f) = metrics.as_mut() {
+            let line = serde_json::json!({
+                "step": step,
+                "loss": s.loss,
+                "lr": a.lr,
+                "grad_norm": s.grad_norm,
+                "tokens_per_s": tps,
+                "peak_bytes": s.peak_bytes,
+            });
+            writeln!(f, "{line}").context("writing metrics")?;
+        }
+    }
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    println!(
+        "done: {} steps, loss {:.4} → {:.4}, {:.0} tokens/s",
+        a.steps,
+        first.unwrap_or(0.0),
+        last,
+        tokens_per_step * a.steps as f64 / secs
+    );
+    for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
+        println!(
+            "  device {d}: peak {} measured, {} planned",
+            human_bytes(*m),
+            human_bytes(*p)
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(super::parse_size("512MiB").unwrap(), 512 << 20);
+        assert_eq!(super::parse_size("2GiB").unwrap(), 2 << 30);
+        assert_eq!(super::parse_size("1000").unwrap(), 1000);
+        assert!(super::parse_size("lots")
+            .unwrap_err()
+            .to_string()
+            .contains("not a size"));
+    }
+}
