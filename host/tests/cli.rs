@@ -172,3 +172,83 @@ fn the_default_train_run_completes_and_the_loss_falls() {
     let _ = std::fs::remove_file(&metrics);
     let _ = std::fs::remove_dir_all(&h);
 }
+
+#[test]
+fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
+    let h = home("ckpt");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    let common = [
+        "train",
+        "--devices",
+        "2",
+        "--strategy",
+        "1f1b:microbatches=2",
+    ];
+    let args = |extra: &[String]| -> Vec<String> {
+        common
+            .iter()
+            .map(|s| s.to_string())
+            .chain(extra.iter().cloned())
+            .collect()
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        let (ok, out, err) = piper(&h, &refs);
+        assert!(ok, "{err}");
+        out
+    };
+    run(args(&[
+        "--steps".into(),
+        "6".into(),
+        "--metrics".into(),
+        p("full.jsonl"),
+    ]));
+    run(args(&[
+        "--steps".into(),
+        "3".into(),
+        "--checkpoint".into(),
+        p("ck"),
+        "--dump-step1".into(),
+        p("step1.safetensors"),
+        "--trace".into(),
+        p("trace.json"),
+    ]));
+    run(args(&[
+        "--steps".into(),
+        "6".into(),
+        "--resume".into(),
+        p("ck"),
+        "--metrics".into(),
+        p("resumed.jsonl"),
+    ]));
+    let losses = |f: &str| -> Vec<String> {
+        std::fs::read_to_string(h.join(f))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|v| format!("{}:{}", v["step"], v["loss"]))
+            .collect()
+    };
+    assert_eq!(losses("resumed.jsonl"), losses("full.jsonl")[3..].to_vec());
+    // The trace opens as Chrome-trace JSON with complete events per stream.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(h.join("trace.json")).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "X" && e["name"].as_str().unwrap().starts_with("F[")));
+    assert!(events
+        .iter()
+        .any(|e| e["ph"] == "M" && e["args"]["name"] == "pp"));
+    // The dump holds GPT-2-named weights and gradients, the batch and the loss.
+    let bytes = std::fs::read(h.join("step1.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let w = st.tensor("param.h.0.attn.c_attn.weight").unwrap();
+    assert_eq!(w.shape(), &[64, 192]);
+    assert_eq!(st.tensor("grad.wte.weight").unwrap().shape(), &[256, 64]);
+    assert_eq!(st.tensor("inputs").unwrap().shape(), &[32, 64]);
+    let loss = f32::from_le_bytes(st.tensor("loss").unwrap().data().try_into().unwrap());
+    assert!((loss - (256f32).ln()).abs() < 0.1, "initial loss {loss}");
+    let _ = std::fs::remove_dir_all(&h);
+}

@@ -186,3 +186,39 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
     );
     assert!(t.elapsed() < std::time::Duration::from_secs(5));
 }
+
+#[test]
+fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
+    let cfg = small();
+    let corpus = Corpus::builtin();
+    let plan = || plan_for(4, &[("1f1b", &[("microbatches", "4")])]);
+    let run = |trainer: &mut Trainer, steps: std::ops::RangeInclusive<u32>| -> Vec<f64> {
+        steps
+            .map(|s| trainer.step(&corpus.batch(s, 32, 16)).unwrap().loss)
+            .collect()
+    };
+    let mut full = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+    let all = run(&mut full, 1..=20);
+    let dir = std::env::temp_dir().join(format!("piper-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+    let head = run(&mut first, 1..=10);
+    first.checkpoint().save(&dir).unwrap();
+    assert!(dir.join("model.safetensors").exists() && dir.join("optimizer.safetensors").exists());
+    let ck = piper::runtime::checkpoint::Checkpoint::load(&dir).unwrap();
+    assert_eq!(ck.state.step, 10);
+    // Bit-identical needs the same reduction order, so resume on the same plan.
+    let mut second = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+    second.restore(&ck).unwrap();
+    let tail = run(&mut second, 11..=20);
+    let resumed: Vec<f64> = head.into_iter().chain(tail).collect();
+    assert_eq!(resumed, all, "losses of steps 11–20 differ");
+    assert_eq!(second.params(), full.params(), "final weights differ");
+    // A checkpoint of another model is refused with both names.
+    let mut other_cfg = small();
+    other_cfg.name = "other".into();
+    let mut third = Trainer::new(&other_cfg, plan(), TrainOptions::default()).unwrap();
+    let err = third.restore(&ck).unwrap_err().to_string();
+    assert!(err.contains("`small`") && err.contains("`other`"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

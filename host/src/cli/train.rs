@@ -4,11 +4,15 @@
 
 use super::{prepare, RunArgs};
 use crate::compile::{compile, human_bytes};
+use crate::model::ModelConfig;
 use crate::runtime::backend::cpu::adamw::AdamW;
-use crate::runtime::{Corpus, TrainOptions, Trainer};
+use crate::runtime::backend::cpu::gpt::Tensors;
+use crate::runtime::checkpoint::{gpt2_entries, write_safetensors, Checkpoint};
+use crate::runtime::{Batch, Corpus, TrainOptions, Trainer};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use safetensors::tensor::Dtype;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -38,6 +42,19 @@ pub struct TrainArgs {
     /// Append one JSON object per step (step, loss, lr, grad norm, tokens/s, peak bytes per device).
     #[arg(long)]
     metrics: Option<PathBuf>,
+    /// Save a checkpoint here at the end (GPT-2 safetensors, optimizer state, step).
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// Continue from a checkpoint; `--steps` is then the total to reach.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Write a Chrome-trace JSON of what each device's streams did (open in Perfetto).
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Write one safetensors file with the initial weights, the first batch,
+    /// the step-1 loss and every parameter gradient.
+    #[arg(long)]
+    dump_step1: Option<PathBuf>,
 }
 
 /// `512MiB`, `2GiB`, `1000000`.
@@ -83,11 +100,20 @@ pub fn train(a: TrainArgs) -> Result<()> {
         clip: a.clip,
         device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
         comm_timeout: Duration::from_secs(120),
+        capture_grads: a.dump_step1.is_some(),
+        trace: a.trace.is_some(),
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let devices = plan.devices.len();
     let hash = plan.hash.clone();
     let mut trainer = Trainer::new(&cfg, plan, opts)?;
+    if let Some(dir) = &a.resume {
+        let ck = Checkpoint::load(dir)?;
+        trainer.restore(&ck)?;
+        eprintln!("resumed from {} at step {}", dir.display(), ck.state.step);
+    }
+    let first_step = trainer.step_count() + 1;
+    let initial = a.dump_step1.as_ref().map(|_| trainer.params());
     eprintln!(
         "training {} ({} parameters) on {devices} CPU device(s), plan {hash}, data: {}",
         cfg.name,
@@ -108,6 +134,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
         None => None,
     };
     let bar = ProgressBar::new(a.steps as u64);
+    bar.set_position(first_step as u64 - 1);
     bar.set_style(
         ProgressStyle::with_template(
             "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
@@ -118,11 +145,14 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let start = Instant::now();
     let (mut first, mut last) = (None, 0.0);
     let mut peaks = vec![0u64; devices];
-    for step in 1..=a.steps {
+    for step in first_step..=a.steps {
         let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
         let s = trainer
             .step(&batch)
             .with_context(|| format!("step {step}"))?;
+        if let (Some(path), Some(init), 1) = (&a.dump_step1, &initial, step) {
+            dump_step1(path, &cfg, init, &batch, s.loss, &trainer.last_grads())?;
+        }
         let tps = tokens_per_step / s.elapsed.as_secs_f64();
         first.get_or_insert(s.loss);
         last = s.loss;
@@ -145,13 +175,27 @@ pub fn train(a: TrainArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
+    let ran = a.steps.saturating_sub(first_step - 1);
     println!(
         "done: {} steps, loss {:.4} → {:.4}, {:.0} tokens/s",
         a.steps,
-        first.unwrap_or(0.0),
+        first.unwrap_or(f64::NAN),
         last,
-        tokens_per_step * a.steps as f64 / secs
+        tokens_per_step * ran as f64 / secs
     );
+    if let Some(dir) = &a.checkpoint {
+        trainer.checkpoint().save(dir)?;
+        println!(
+            "checkpoint: {} (step {})",
+            dir.display(),
+            trainer.step_count()
+        );
+    }
+    if let Some(path) = &a.trace {
+        std::fs::write(path, trainer.trace_json().to_string())
+            .with_context(|| format!("writing trace {}", path.display()))?;
+        println!("trace: {}", path.display());
+    }
     for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
         println!(
             "  device {d}: peak {} measured, {} planned",
@@ -159,6 +203,46 @@ pub fn train(a: TrainArgs) -> Result<()> {
             human_bytes(*p)
         );
     }
+    Ok(())
+}
+
+/// The step-1 dump: `param.<gpt2 name>` (initial weights), `grad.<gpt2 name>`,
+/// `inputs` and `targets` (I32 `[B, T]`) and `loss` (F32 `[1]`).
+fn dump_step1(
+    path: &std::path::Path,
+    cfg: &ModelConfig,
+    init: &Tensors,
+    batch: &Batch,
+    loss: f64,
+    grads: &Tensors,
+) -> Result<()> {
+    let mut entries = gpt2_entries(cfg, init, "param.");
+    entries.extend(gpt2_entries(cfg, grads, "grad."));
+    let ints = |v: &[u32]| {
+        v.iter()
+            .flat_map(|x| (*x as i32).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    entries.push((
+        "inputs".into(),
+        vec![batch.b, batch.t],
+        ints(&batch.tokens),
+        Dtype::I32,
+    ));
+    entries.push((
+        "targets".into(),
+        vec![batch.b, batch.t],
+        ints(&batch.targets),
+        Dtype::I32,
+    ));
+    entries.push((
+        "loss".into(),
+        vec![1],
+        (loss as f32).to_le_bytes().to_vec(),
+        Dtype::F32,
+    ));
+    write_safetensors(path, entries, None)?;
+    println!("step-1 dump: {}", path.display());
     Ok(())
 }
 

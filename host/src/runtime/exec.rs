@@ -80,6 +80,17 @@ struct StepState {
     clip_scale: f32,
 }
 
+/// One op as it ran, for the trace.
+#[derive(Clone, Debug)]
+pub(crate) struct TraceEvent {
+    pub name: String,
+    pub cat: &'static str,
+    pub stream: usize,
+    pub start_us: f64,
+    pub dur_us: f64,
+    pub step: u32,
+}
+
 /// One virtual device: its model states and buffers.
 pub(crate) struct Device {
     id: u32,
@@ -97,6 +108,8 @@ pub(crate) struct Device {
     cap: Option<u64>,
     progress: Mutex<Vec<usize>>,
     cv: Condvar,
+    captured: Mutex<Tensors>,
+    events: Mutex<Vec<TraceEvent>>,
 }
 
 fn label(op: &Op) -> String {
@@ -183,6 +196,8 @@ impl Device {
             cap: opts.device_memory,
             progress: Mutex::new(vec![0; plan.streams.len()]),
             cv: Condvar::new(),
+            captured: Mutex::new(Tensors::new()),
+            events: Mutex::new(Vec::new()),
         })
     }
 
@@ -195,6 +210,37 @@ impl Device {
     }
     pub(crate) fn params(&self) -> Tensors {
         self.params.read().unwrap().clone()
+    }
+    pub(crate) fn captured(&self) -> Tensors {
+        self.captured.lock().unwrap().clone()
+    }
+    pub(crate) fn events(&self) -> Vec<TraceEvent> {
+        self.events.lock().unwrap().clone()
+    }
+    pub(crate) fn moments(&self) -> (Tensors, Tensors) {
+        self.moments.lock().unwrap().clone()
+    }
+    /// Take the tensors of this device's parameters from a checkpoint.
+    pub(crate) fn restore(&self, ck: &super::checkpoint::Checkpoint) {
+        let mut params = self.params.write().unwrap();
+        let mut mom = self.moments.lock().unwrap();
+        for (name, p) in params.iter_mut() {
+            if let Some(x) = ck.params.get(name) {
+                p.copy_from_slice(x);
+            }
+            if let Some(x) = ck.m.get(name) {
+                mom.0
+                    .get_mut(name)
+                    .expect("moments mirror params")
+                    .copy_from_slice(x);
+            }
+            if let Some(x) = ck.v.get(name) {
+                mom.1
+                    .get_mut(name)
+                    .expect("moments mirror params")
+                    .copy_from_slice(x);
+            }
+        }
     }
 
     fn reset(&self, plan: &DevicePlan) {
@@ -275,6 +321,7 @@ pub(crate) struct StepCtx<'a> {
     pub step: u32,
     pub opts: &'a TrainOptions,
     pub comm: &'a Comm,
+    pub epoch: std::time::Instant,
 }
 
 /// Run every stream of every device; the first real error wins.
@@ -347,11 +394,27 @@ fn run_stream(dev: &Device, dp: &DevicePlan, si: usize, ctx: &StepCtx) -> Result
                     .0;
             }
         }
+        let t0 = ctx.epoch.elapsed();
         if let Err(e) = exec_op(dev, op, ctx) {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
             dev.cv.notify_all();
             return Err(e);
+        }
+        if ctx.opts.trace {
+            let t1 = ctx.epoch.elapsed();
+            dev.events.lock().unwrap().push(TraceEvent {
+                name: op.label(),
+                cat: if op.op.is_compute() || op.op == OpKind::Update {
+                    "compute"
+                } else {
+                    "comm"
+                },
+                stream: si,
+                start_us: t0.as_secs_f64() * 1e6,
+                dur_us: (t1 - t0).as_secs_f64() * 1e6,
+                step: ctx.step,
+            });
         }
         let mut p = dev.progress.lock().unwrap();
         p[si] = i + 1;
@@ -546,6 +609,17 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                 set_clip(dev, local.sqrt(), ctx.opts.clip);
             }
             let scale = dev.state.lock().unwrap().clip_scale;
+            if ctx.opts.capture_grads {
+                let grads = dev.grads.lock().unwrap();
+                let mut cap = dev.captured.lock().unwrap();
+                for s in op.segments.iter() {
+                    for (n, _) in segment_params(ctx.cfg, &ctx.segments[*s as usize]) {
+                        if let Some(g) = grads.get(&n) {
+                            cap.insert(n, g.clone());
+                        }
+                    }
+                }
+            }
             let mut names: Vec<String> = op
                 .segments
                 .iter()

@@ -18,6 +18,7 @@
 //! the tied `wte` by the embedding's device).
 
 pub mod backend;
+pub mod checkpoint;
 pub mod comm;
 pub mod data;
 mod exec;
@@ -43,6 +44,10 @@ pub struct TrainOptions {
     pub device_memory: Option<u64>,
     /// Longest wait for a peer before a communication error.
     pub comm_timeout: Duration,
+    /// Keep each step's gradients (before clipping) for [`Trainer::last_grads`].
+    pub capture_grads: bool,
+    /// Record what every stream did, for [`Trainer::trace_json`].
+    pub trace: bool,
 }
 
 impl Default for TrainOptions {
@@ -53,6 +58,8 @@ impl Default for TrainOptions {
             clip: 1.0,
             device_memory: None,
             comm_timeout: Duration::from_secs(60),
+            capture_grads: false,
+            trace: false,
         }
     }
 }
@@ -75,6 +82,7 @@ pub struct Trainer {
     opts: TrainOptions,
     devices: Vec<Device>,
     step: u32,
+    epoch: Instant,
 }
 
 impl Trainer {
@@ -100,6 +108,7 @@ impl Trainer {
             opts,
             devices,
             step: 0,
+            epoch: Instant::now(),
         })
     }
 
@@ -124,6 +133,7 @@ impl Trainer {
             step: self.step,
             opts: &self.opts,
             comm: &comm,
+            epoch: self.epoch,
         };
         exec::run_step(&self.devices, &self.plan, &ctx)?;
         let mut loss = 0.0;
@@ -151,5 +161,75 @@ impl Trainer {
             }
         }
         out
+    }
+
+    /// The last step's full gradients (before clipping), when
+    /// `capture_grads` is on; each taken from the first device holding it.
+    pub fn last_grads(&self) -> Tensors {
+        let mut out = Tensors::new();
+        for d in &self.devices {
+            for (k, v) in d.captured() {
+                out.entry(k).or_insert(v);
+            }
+        }
+        out
+    }
+
+    /// Everything needed to resume: parameters, AdamW moments, step.
+    pub fn checkpoint(&self) -> checkpoint::Checkpoint {
+        let (mut m, mut v) = (Tensors::new(), Tensors::new());
+        for d in &self.devices {
+            let (dm, dv) = d.moments();
+            for (k, x) in dm {
+                m.entry(k).or_insert(x);
+            }
+            for (k, x) in dv {
+                v.entry(k).or_insert(x);
+            }
+        }
+        checkpoint::Checkpoint {
+            state: checkpoint::TrainState {
+                step: self.step,
+                seed: self.opts.seed,
+                model: self.cfg.clone(),
+            },
+            params: self.params(),
+            m,
+            v,
+        }
+    }
+
+    /// Continue from a checkpoint (any strategy: every device takes the
+    /// tensors of the segments it runs).
+    pub fn restore(&mut self, ck: &checkpoint::Checkpoint) -> Result<(), RuntimeError> {
+        if ck.state.model != self.cfg {
+            return Err(RuntimeError::Plan(format!(
+                "the checkpoint is of model `{}` ({} layers, d_model {}), this run trains `{}` ({} layers, d_model {})",
+                ck.state.model.name, ck.state.model.layers, ck.state.model.d_model, self.cfg.name, self.cfg.layers, self.cfg.d_model
+            )));
+        }
+        for d in &self.devices {
+            d.restore(ck);
+        }
+        self.step = ck.state.step;
+        Ok(())
+    }
+
+    /// Chrome-trace JSON (Perfetto) of what each device's streams did.
+    pub fn trace_json(&self) -> serde_json::Value {
+        let mut events = Vec::new();
+        for (dp, d) in self.plan.devices.iter().zip(&self.devices) {
+            events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": dp.device, "args": {"name": format!("device {}", dp.device)}}));
+            for (si, s) in dp.streams.iter().enumerate() {
+                events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": dp.device, "tid": si, "args": {"name": s.stream}}));
+            }
+            for e in d.events() {
+                events.push(serde_json::json!({
+                    "name": e.name, "cat": e.cat, "ph": "X", "pid": dp.device, "tid": e.stream,
+                    "ts": e.start_us, "dur": e.dur_us, "args": {"step": e.step},
+                }));
+            }
+        }
+        serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" })
     }
 }
