@@ -14,6 +14,7 @@ const BUNDLED: &[(&str, &str, &str)] = &[
     ("dp", "piper-plugin-dp", "piper_plugin_dp"),
     ("gpipe", "piper-plugin-gpipe", "piper_plugin_gpipe"),
     ("1f1b", "piper-plugin-1f1b", "piper_plugin_1f1b"),
+    ("zero", "piper-plugin-zero", "piper_plugin_zero"),
 ];
 /// Built for tests, not bundled.
 const TESTING: &[&str] = &[

@@ -249,6 +249,7 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         microbatch: 0,
         microbatches: 1,
         tensor: None,
+        zero: 0,
     }
 }
 

@@ -222,3 +222,42 @@ fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
     assert!(err.contains("`small`") && err.contains("`other`"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 6;
+    let mut base = None;
+    let mut peaks = Vec::new();
+    for stage in 0..=3 {
+        let st = stage.to_string();
+        let strategy: Strategy = &[
+            ("zero", &[("stage", &st), ("bucket-bytes", "0")]),
+            ("gpipe", &[("stages", "1"), ("microbatches", "2")]),
+        ];
+        let plan = plan_for(2, strategy);
+        let predicted = plan.devices[0].peak_bytes;
+        let cfg = small();
+        let mut trainer = Trainer::new(&cfg, plan, TrainOptions::default()).unwrap();
+        let corpus = Corpus::builtin();
+        let mut losses = Vec::new();
+        let mut peak = 0;
+        for s in 1..=steps {
+            let st = trainer.step(&corpus.batch(s, 32, 16)).unwrap();
+            losses.push(st.loss);
+            peak = peak.max(st.peak_bytes[0]);
+        }
+        let base = base.get_or_insert_with(|| losses.clone());
+        for (a, b) in losses.iter().zip(base.iter()) {
+            assert!((a - b).abs() / b < 1e-5, "ZeRO-{stage}: loss {a} vs DP {b}");
+        }
+        peaks.push((peak, predicted));
+    }
+    eprintln!("ZeRO-0..3 peak bytes on device 0 (measured, planned): {peaks:?}");
+    let measured: Vec<u64> = peaks.iter().map(|p| p.0).collect();
+    assert!(
+        measured[0] > measured[1] && measured[1] > measured[2] && measured[2] > measured[3],
+        "measured peaks {peaks:?}"
+    );
+    let _ = host;
+}

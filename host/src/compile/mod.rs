@@ -304,6 +304,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     let mut pos: Vec<(u16, u32)> =
         Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
     let no_segments: Arc<[u32]> = Arc::from(Vec::new());
+    let placement = dag.segment_placement();
     // Split dimensions and their sizes, outermost first.
     let extents = dag.tag_extents();
     let split_sizes: Vec<(crate::dag::TagKey, u32)> = dag
@@ -355,6 +356,21 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             NodeKind::Comm(c) => Some(c.tensor),
             _ => None,
         };
+        // ZeRO stage of the segments involved (from their replication spec).
+        let zero = {
+            let segs: &[u32] = match &n.kind {
+                NodeKind::Compute { segment, .. } => std::slice::from_ref(segment),
+                NodeKind::Update { segments } => segments,
+                NodeKind::Comm(c) => &c.segments,
+                NodeKind::Marker => &[],
+            };
+            segs.iter()
+                .filter_map(|s| placement[*s as usize].as_ref())
+                .filter(|(devs, _)| devs.len() > 1)
+                .filter_map(|(_, rep)| rep.map(|r| dag.specs[r as usize].zero))
+                .max()
+                .unwrap_or(0)
+        };
         let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
         pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
@@ -377,6 +393,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 microbatch,
                 microbatches,
                 tensor,
+                zero,
             };
             if let NodeKind::Comm(c) = &n.kind {
                 if c.op.is_p2p() {
@@ -443,7 +460,6 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
 
     // Memory per device, walking the global order. Buffers are per
     // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
-    let placement = dag.segment_placement();
     let mut devices = Vec::with_capacity(ndev);
     let mut transient_peak = vec![0u64; ndev];
     {

@@ -90,6 +90,10 @@ pub struct Op {
     /// Communication ops: what they move.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor: Option<TensorKind>,
+    /// The ZeRO stage of the segments this op computes or reduces (0: plain
+    /// DP or none), so the runtime knows how their states are sharded.
+    #[serde(default)]
+    pub zero: u8,
 }
 
 fn one() -> u32 {
@@ -289,6 +293,7 @@ impl Plan {
                     h.word(o.microbatch as u64);
                     h.word(o.microbatches as u64);
                     h.word(o.tensor.map_or(u64::MAX, |t| t as u64));
+                    h.word(o.zero as u64);
                 }
             }
         }

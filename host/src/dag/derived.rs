@@ -215,6 +215,18 @@ impl TrainingDag {
         let grad_bytes =
             |dag: &TrainingDag, seg: u32| dag.held_elems(seg, &placement) * DTYPE_BYTES;
 
+        // The tied `wte`: when the embedding and the head share a group, the
+        // head's backward also produces gradients of the embedding's bucket.
+        if let (Some(e), Some(h)) = (
+            self.segments().iter().position(|s| s.has_embedding()),
+            self.segments().iter().position(|s| s.has_head()),
+        ) {
+            if e != h && placement[e].is_some() && placement[e] == placement[h] {
+                let extra: Sources = sources[h].clone();
+                sources[e].extend(extra);
+            }
+        }
+
         // 3. Tied embedding / head gradients across groups.
         let emb = self.segments().iter().position(|s| s.has_embedding());
         let head = self.segments().iter().position(|s| s.has_head());
@@ -313,11 +325,12 @@ impl TrainingDag {
                 continue;
             };
             let groups = vec![devs.clone()];
-            // Buckets in backward order (last segment first).
+            // Buckets in backward order (last segment first). ZeRO-3 reduces
+            // and gathers per segment (the FSDP unit), whatever bucket-bytes says.
             let mut buckets: Vec<Vec<u32>> = Vec::new();
             let mut acc = u64::MAX;
             for &s in segs.iter().rev() {
-                if acc >= spec.bucket_bytes.max(1) || spec.bucket_bytes == 0 {
+                if acc >= spec.bucket_bytes.max(1) || spec.bucket_bytes == 0 || spec.zero == 3 {
                     buckets.push(Vec::new());
                     acc = 0;
                 }

@@ -53,12 +53,15 @@ enum Buf {
     Vec(Arc<Vec<f32>>),
     Saved(SegmentCache),
     Stash(SegmentStash),
+    /// ZeRO-3: a segment's gathered parameters.
+    Params(Tensors),
 }
 
 impl Buf {
     fn bytes(&self) -> u64 {
         match self {
             Buf::Vec(v) => v.len() as u64 * 4,
+            Buf::Params(t) => t.values().map(|v| v.len() as u64 * 4).sum(),
             Buf::Saved(c) => c.bytes(),
             Buf::Stash(s) => s.bytes(),
         }
@@ -97,6 +100,10 @@ pub(crate) struct Device {
     params: RwLock<Tensors>,
     grads: Mutex<Tensors>,
     moments: Mutex<(Tensors, Tensors)>,
+    /// ZeRO buckets (sharded states).
+    buckets: Mutex<Vec<Bucket>>,
+    /// Segments this device runs.
+    held: BTreeSet<u32>,
     bufs: Mutex<Buffers>,
     state: Mutex<StepState>,
     /// Gradients this device counts in the global norm.
@@ -116,6 +123,58 @@ fn label(op: &Op) -> String {
     format!("{}#{}", op.label(), op.node)
 }
 
+/// A ZeRO gradient bucket on this device: its parameters laid out flat (names
+/// sorted), of which this device owns the slice `shard`.
+pub(crate) struct Bucket {
+    segments: Vec<u32>,
+    names: Vec<(String, usize)>,
+    total: usize,
+    shard: std::ops::Range<usize>,
+    zero: u8,
+    /// AdamW moments of the shard.
+    m: Vec<f32>,
+    v: Vec<f32>,
+    /// ZeRO-2/3: the reduced gradient of the shard, accumulated over microbatches.
+    grad: Vec<f32>,
+    /// ZeRO-3: the parameter shard.
+    param: Vec<f32>,
+}
+
+impl Bucket {
+    /// `(name, offset in the flat layout)`.
+    fn offsets(&self) -> impl Iterator<Item = (&str, usize, usize)> {
+        let mut at = 0;
+        self.names.iter().map(move |(n, len)| {
+            let o = at;
+            at += len;
+            (n.as_str(), o, *len)
+        })
+    }
+    /// Scatter `shard_data` (this device's slice) into a full-length padded vector.
+    fn padded(&self, shard_data: &[f32]) -> Vec<f32> {
+        let mut v = vec![0.0; self.total];
+        v[self.shard.clone()].copy_from_slice(&shard_data[..self.shard.len()]);
+        v
+    }
+}
+
+/// Names of the parameters a segment owns on a device holding `held`: the
+/// tied `wte` belongs to the embedding when both ends are here.
+fn owned_names(
+    cfg: &ModelConfig,
+    segments: &[Segment],
+    held: &BTreeSet<u32>,
+    s: u32,
+) -> Vec<String> {
+    let seg = &segments[s as usize];
+    let emb_here = held.iter().any(|h| segments[*h as usize].has_embedding());
+    segment_params(cfg, seg)
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !(n == "wte" && !seg.has_embedding() && emb_here))
+        .collect()
+}
+
 impl Device {
     pub(crate) fn new(
         cfg: &ModelConfig,
@@ -132,17 +191,12 @@ impl Device {
                 replica.insert(*s, op.replica);
             }
         }
-        for op in ops() {
-            if matches!(
-                op.op,
-                OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll
-            ) {
-                return Err(RuntimeError::Unsupported(format!(
-                    "device {}: {}: ZeRO sharding (reduce-scatter / all-gather) and all-to-all are not yet supported by the CPU runtime",
-                    plan.device,
-                    label(op)
-                )));
-            }
+        if let Some(op) = ops().find(|o| o.op == OpKind::AllToAll) {
+            return Err(RuntimeError::Unsupported(format!(
+                "device {}: {}: all-to-all (expert parallelism) is not yet supported by the CPU runtime",
+                plan.device,
+                label(op)
+            )));
         }
         let has_embedding = held.iter().any(|s| segments[*s as usize].has_embedding());
         let mut params = Tensors::new();
@@ -167,8 +221,74 @@ impl Device {
                 .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
                 .collect()
         };
-        let elems: u64 = params.values().map(|v| v.len() as u64).sum();
-        let state_bytes = elems * 4 * 4; // params, grads, two moments
+        let mut grads = zeros(&params);
+        let (mut m, mut v) = (zeros(&params), zeros(&params));
+        // ZeRO buckets, from this device's gradient reductions.
+        let mut buckets: Vec<Bucket> = Vec::new();
+        for op in ops().filter(|o| o.purpose.as_deref() == Some("grad-sync") && o.zero >= 1) {
+            let segs: Vec<u32> = op.segments.to_vec();
+            if buckets.iter().any(|b| b.segments == segs) {
+                continue;
+            }
+            let group = op.group.as_deref().unwrap_or(&[]);
+            let n = group.len().max(1);
+            let rank = group.iter().position(|d| *d == plan.device).unwrap_or(0);
+            let mut names: Vec<String> = segs
+                .iter()
+                .flat_map(|s| owned_names(cfg, segments, &held, *s))
+                .collect();
+            names.sort();
+            names.dedup();
+            let names: Vec<(String, usize)> = names
+                .into_iter()
+                .map(|n| {
+                    let l = params[&n].len();
+                    (n, l)
+                })
+                .collect();
+            let total: usize = names.iter().map(|(_, l)| l).sum();
+            let per = total.div_ceil(n);
+            let shard = (rank * per).min(total)..((rank + 1) * per).min(total);
+            let mut b = Bucket {
+                segments: segs,
+                total,
+                zero: op.zero,
+                m: vec![0.0; shard.len()],
+                v: vec![0.0; shard.len()],
+                grad: if op.zero >= 2 {
+                    vec![0.0; shard.len()]
+                } else {
+                    Vec::new()
+                },
+                param: Vec::new(),
+                shard,
+                names,
+            };
+            // Sharded states replace the full ones.
+            for (name, _) in &b.names {
+                m.remove(name);
+                v.remove(name);
+                norm_names.retain(|x| x != name);
+                if b.zero >= 2 {
+                    grads.remove(name);
+                }
+            }
+            if b.zero >= 3 {
+                let mut flat = Vec::with_capacity(b.total);
+                for (name, _) in &b.names {
+                    flat.extend_from_slice(&params.remove(name).expect("held"));
+                }
+                b.param = flat[b.shard.clone()].to_vec();
+            }
+            buckets.push(b);
+        }
+        let elems = |t: &Tensors| t.values().map(|v| v.len() as u64).sum::<u64>();
+        let shard_elems: u64 = buckets
+            .iter()
+            .map(|b| (b.m.len() + b.v.len() + b.grad.len() + b.param.len()) as u64)
+            .sum();
+        let state_bytes =
+            4 * (elems(&params) + elems(&grads) + elems(&m) + elems(&v) + shard_elems);
         if let Some(cap) = opts.device_memory {
             if state_bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
@@ -184,9 +304,11 @@ impl Device {
         let has_norm_op = ops().any(|o| o.purpose.as_deref() == Some("grad-norm"));
         Ok(Device {
             id: plan.device,
-            grads: Mutex::new(zeros(&params)),
-            moments: Mutex::new((zeros(&params), zeros(&params))),
+            grads: Mutex::new(grads),
+            moments: Mutex::new((m, v)),
             params: RwLock::new(params),
+            buckets: Mutex::new(buckets),
+            held,
             bufs: Mutex::new(Buffers::default()),
             state: Mutex::new(StepState::default()),
             norm_names,
@@ -285,6 +407,31 @@ impl Device {
         b.peak = b.peak.max(b.live);
         b.map.insert((op.node, kind), (Arc::new(buf), readers));
         Ok(())
+    }
+
+    /// Read every input of `op` of one kind, in input order.
+    fn take_all(&self, op: &Op, kind: TensorKind) -> Result<Vec<Arc<Buf>>, RuntimeError> {
+        let mut out = Vec::new();
+        for input in op.inputs.iter().filter(|i| i.tensor == kind) {
+            let mut b = self.bufs.lock().unwrap();
+            let key = (input.node, kind);
+            let Some(entry) = b.map.get_mut(&key) else {
+                return Err(RuntimeError::MissingInput {
+                    device: self.id,
+                    op: label(op),
+                    input: format!("{kind:?} of #{}", input.node),
+                });
+            };
+            entry.1 -= 1;
+            let buf = entry.0.clone();
+            if entry.1 == 0 {
+                let bytes = buf.bytes();
+                b.map.remove(&key);
+                b.live -= bytes;
+            }
+            out.push(buf);
+        }
+        Ok(out)
     }
 
     /// Read an input of `op`; freed after its last reader.
@@ -430,89 +577,132 @@ fn vec_of(buf: Option<Arc<Buf>>) -> Option<Vec<f32>> {
     })
 }
 
+fn missing(dev: &Device, op: &Op, what: &str) -> RuntimeError {
+    RuntimeError::MissingInput {
+        device: dev.id,
+        op: label(op),
+        input: what.into(),
+    }
+}
+
+/// Accumulate a backward's weight gradients: into the device's gradient
+/// buffers, or (ZeRO-2/3) into a per-microbatch buffer its reduce-scatter reads.
+fn weight_grads(
+    dev: &Device,
+    op: &Op,
+    ctx: &StepCtx,
+    seg: &Segment,
+    cache: &SegmentCache,
+    stash: &SegmentStash,
+) -> Result<(), RuntimeError> {
+    if op.zero >= 2 {
+        let mut t: Tensors = segment_params(ctx.cfg, seg)
+            .into_iter()
+            .map(|(n, shape)| (n, vec![0.0; shape.iter().product()]))
+            .collect();
+        segment_backward_weight(&mut t, cache, stash);
+        dev.put(op, TensorKind::MicroGrad, Buf::Params(t))
+    } else {
+        segment_backward_weight(&mut dev.grads.lock().unwrap(), cache, stash);
+        Ok(())
+    }
+}
+
+/// Sorted, deduplicated names the given segments own on this device.
+fn owned(dev: &Device, ctx: &StepCtx, segs: &[u32]) -> Vec<String> {
+    let mut n: Vec<String> = segs
+        .iter()
+        .flat_map(|s| owned_names(ctx.cfg, &ctx.segments, &dev.held, *s))
+        .collect();
+    n.sort();
+    n.dedup();
+    n
+}
+
 fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
     let comm_err = |source| RuntimeError::Comm {
         device: dev.id,
         op: label(op),
         source,
     };
+    let group: Vec<u32> = op
+        .group
+        .as_deref()
+        .map(|g| g.to_vec())
+        .unwrap_or_else(|| vec![dev.id]);
     match op.op {
-        OpKind::F => {
+        OpKind::F | OpKind::B | OpKind::BI | OpKind::BW => {
             let seg = &ctx.segments[op.segments[0] as usize];
-            let div = op.batch_div as usize;
-            let b = ctx.batch.b / div;
-            let dp = div / op.microbatches.max(1) as usize;
-            let piece = op.microbatch as usize * dp + op.replica as usize;
-            let (tokens, targets) = ctx.batch.rows(piece * b, b);
-            let input = vec_of(dev.take(op, TensorKind::Activation)?);
-            let (out, cache, loss) = {
-                let params = dev.params.read().unwrap();
-                segment_forward(
-                    seg,
-                    &params,
-                    seg.has_embedding().then_some(tokens),
-                    input,
-                    seg.has_head().then_some(targets),
-                    Dims::new(ctx.cfg, b),
-                )
+            // ZeRO-3 computes with gathered parameters; otherwise the device's own.
+            let gathered = dev.take(op, TensorKind::Param)?;
+            let own = dev.params.read().unwrap();
+            let params: &Tensors = match gathered.as_deref() {
+                Some(Buf::Params(t)) => t,
+                _ => &own,
             };
-            if let Some(l) = loss {
-                dev.state.lock().unwrap().loss += l;
+            match op.op {
+                OpKind::F => {
+                    let div = op.batch_div as usize;
+                    let b = ctx.batch.b / div;
+                    let dp = div / op.microbatches.max(1) as usize;
+                    let piece = op.microbatch as usize * dp + op.replica as usize;
+                    let (tokens, targets) = ctx.batch.rows(piece * b, b);
+                    let input = vec_of(dev.take(op, TensorKind::Activation)?);
+                    let (out, cache, loss) = segment_forward(
+                        seg,
+                        params,
+                        seg.has_embedding().then_some(tokens),
+                        input,
+                        seg.has_head().then_some(targets),
+                        Dims::new(ctx.cfg, b),
+                    );
+                    drop(own);
+                    if let Some(l) = loss {
+                        dev.state.lock().unwrap().loss += l;
+                    }
+                    if let Some(out) = out {
+                        dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;
+                    }
+                    dev.put(op, TensorKind::Saved, Buf::Saved(cache))?;
+                }
+                OpKind::B | OpKind::BI => {
+                    let saved = dev
+                        .take(op, TensorKind::Saved)?
+                        .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
+                    let Buf::Saved(cache) = &*saved else {
+                        unreachable!()
+                    };
+                    let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
+                    let (dinp, stash) = segment_backward_input(params, cache, dout, ctx.loss_scale);
+                    drop(own);
+                    if op.op == OpKind::B {
+                        weight_grads(dev, op, ctx, seg, cache, &stash)?;
+                    } else {
+                        dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
+                    }
+                    if let Some(d) = dinp {
+                        dev.put(op, TensorKind::ActGrad, Buf::Vec(Arc::new(d)))?;
+                    }
+                }
+                _ => {
+                    drop(own);
+                    let saved = dev.take(op, TensorKind::Saved)?;
+                    let stash = dev.take(op, TensorKind::Stash)?;
+                    let (Some(saved), Some(stash)) = (saved, stash) else {
+                        return Err(missing(dev, op, "saved tensors and BI's stash"));
+                    };
+                    let (Buf::Saved(cache), Buf::Stash(stash)) = (&*saved, &*stash) else {
+                        unreachable!()
+                    };
+                    weight_grads(dev, op, ctx, seg, cache, stash)?;
+                }
             }
-            if let Some(out) = out {
-                dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;
-            }
-            dev.put(op, TensorKind::Saved, Buf::Saved(cache))?;
-        }
-        OpKind::B | OpKind::BI => {
-            let saved =
-                dev.take(op, TensorKind::Saved)?
-                    .ok_or_else(|| RuntimeError::MissingInput {
-                        device: dev.id,
-                        op: label(op),
-                        input: "the forward's saved tensors".into(),
-                    })?;
-            let Buf::Saved(cache) = &*saved else {
-                unreachable!()
-            };
-            let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
-            let (dinp, stash) = {
-                let params = dev.params.read().unwrap();
-                segment_backward_input(&params, cache, dout, ctx.loss_scale)
-            };
-            if op.op == OpKind::B {
-                segment_backward_weight(&mut dev.grads.lock().unwrap(), cache, &stash);
-            } else {
-                dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
-            }
-            if let Some(d) = dinp {
-                dev.put(op, TensorKind::ActGrad, Buf::Vec(Arc::new(d)))?;
-            }
-        }
-        OpKind::BW => {
-            let saved = dev.take(op, TensorKind::Saved)?;
-            let stash = dev.take(op, TensorKind::Stash)?;
-            let (Some(saved), Some(stash)) = (saved, stash) else {
-                return Err(RuntimeError::MissingInput {
-                    device: dev.id,
-                    op: label(op),
-                    input: "saved tensors and BI's stash".into(),
-                });
-            };
-            let (Buf::Saved(cache), Buf::Stash(stash)) = (&*saved, &*stash) else {
-                unreachable!()
-            };
-            segment_backward_weight(&mut dev.grads.lock().unwrap(), cache, stash);
         }
         OpKind::Send => {
             let kind = op.tensor.unwrap_or(TensorKind::Activation);
             let buf = dev
                 .take(op, kind)?
-                .ok_or_else(|| RuntimeError::MissingInput {
-                    device: dev.id,
-                    op: label(op),
-                    input: format!("{kind:?} to send"),
-                })?;
+                .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
             let Buf::Vec(v) = &*buf else {
                 unreachable!("only tensors cross devices")
             };
@@ -537,71 +727,188 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                 .map_err(comm_err)?;
             dev.put(op, kind, Buf::Vec(v))?;
         }
-        OpKind::AllReduce => {
-            let group: Vec<u32> = op
-                .group
-                .as_deref()
-                .map(|g| g.to_vec())
-                .unwrap_or_else(|| vec![dev.id]);
-            match op.purpose.as_deref() {
-                Some("grad-norm") => {
-                    let local = local_sq(dev);
-                    let total = ctx
-                        .comm
-                        .all_reduce(
-                            "grad-norm all-reduce",
-                            op.node,
-                            &group,
-                            dev.id,
-                            vec![local as f32],
-                        )
-                        .map_err(comm_err)?;
-                    set_clip(dev, (total[0] as f64).sqrt(), ctx.opts.clip);
-                }
-                Some("grad-sync") | Some("tied-grad") => {
-                    let names: Vec<String> = if op.purpose.as_deref() == Some("tied-grad") {
-                        vec!["wte".into()]
-                    } else {
-                        let mut n: Vec<String> = op
-                            .segments
-                            .iter()
-                            .flat_map(|s| {
-                                segment_params(ctx.cfg, &ctx.segments[*s as usize])
-                                    .into_iter()
-                                    .map(|(n, _)| n)
-                            })
-                            .collect();
-                        n.sort();
-                        n.dedup();
-                        n
-                    };
-                    let mut grads = dev.grads.lock().unwrap();
-                    let mut flat = Vec::new();
-                    for n in &names {
-                        flat.extend_from_slice(&grads[n]);
-                    }
-                    drop(grads);
-                    let sum = ctx
-                        .comm
-                        .all_reduce("gradient all-reduce", op.node, &group, dev.id, flat)
-                        .map_err(comm_err)?;
-                    grads = dev.grads.lock().unwrap();
-                    let mut at = 0;
-                    for n in &names {
-                        let g = grads.get_mut(n).expect("named above");
-                        let len = g.len();
-                        g.copy_from_slice(&sum[at..at + len]);
-                        at += len;
-                    }
-                }
-                other => {
-                    return Err(RuntimeError::Unsupported(format!(
-                    "device {}: {}: all-reduce for {other:?} is not supported by the CPU runtime",
+        OpKind::AllReduce if op.purpose.as_deref() == Some("grad-norm") => {
+            let local = local_sq(dev);
+            let total = ctx
+                .comm
+                .all_reduce(
+                    "grad-norm all-reduce",
+                    op.node,
+                    &group,
                     dev.id,
-                    label(op)
-                )))
+                    vec![local as f32],
+                )
+                .map_err(comm_err)?;
+            set_clip(dev, (total[0] as f64).sqrt(), ctx.opts.clip);
+        }
+        OpKind::AllReduce | OpKind::ReduceScatter
+            if matches!(op.purpose.as_deref(), Some("grad-sync") | Some("tied-grad")) =>
+        {
+            let names = if op.purpose.as_deref() == Some("tied-grad") {
+                vec!["wte".to_string()]
+            } else {
+                owned(dev, ctx, &op.segments)
+            };
+            // ZeRO-2/3 reduce every microbatch's gradients, which the
+            // backwards hand over as buffers (freed after this op).
+            let per_microbatch = op.op == OpKind::ReduceScatter && op.zero >= 2;
+            let mut flat = Vec::new();
+            if per_microbatch {
+                let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
+                for n in &names {
+                    let mut acc: Option<Vec<f32>> = None;
+                    for b in &bufs {
+                        if let Buf::Params(t) = &**b {
+                            if let Some(g) = t.get(n) {
+                                match acc.as_mut() {
+                                    None => acc = Some(g.clone()),
+                                    Some(a) => a.iter_mut().zip(g).for_each(|(x, y)| *x += y),
+                                }
+                            }
+                        }
+                    }
+                    flat.extend(acc.ok_or_else(|| {
+                        missing(dev, op, &format!("this microbatch's gradient of {n}"))
+                    })?);
+                }
+            } else {
+                let grads = dev.grads.lock().unwrap();
+                for n in &names {
+                    flat.extend_from_slice(
+                        grads
+                            .get(n)
+                            .ok_or_else(|| missing(dev, op, &format!("gradient {n}")))?,
+                    );
                 }
             }
+            let sum = ctx
+                .comm
+                .all_reduce(op.op.as_str(), op.node, &group, dev.id, flat)
+                .map_err(comm_err)?;
+            if per_microbatch {
+                // Keep this device's shard of the reduced gradients.
+                let mut buckets = dev.buckets.lock().unwrap();
+                let b = buckets
+                    .iter_mut()
+                    .find(|b| *b.segments == *op.segments)
+                    .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
+                for (acc, x) in b.grad.iter_mut().zip(&sum[b.shard.clone()]) {
+                    *acc += x;
+                }
+                drop(buckets);
+            } else {
+                let mut grads = dev.grads.lock().unwrap();
+                let mut at = 0;
+                for n in &names {
+                    let g = grads.get_mut(n).expect("read above");
+                    let len = g.len();
+                    g.copy_from_slice(&sum[at..at + len]);
+                    at += len;
+                }
+            }
+        }
+        OpKind::AllGather => {
+            let params_padded = |b: &Bucket, params: &Tensors| -> Vec<f32> {
+                if b.zero >= 3 {
+                    return b.padded(&b.param);
+                }
+                let mut flat = Vec::with_capacity(b.total);
+                for (n, _) in &b.names {
+                    flat.extend_from_slice(&params[n]);
+                }
+                let mut v = vec![0.0; b.total];
+                v[b.shard.clone()].copy_from_slice(&flat[b.shard.clone()]);
+                v
+            };
+            match op.purpose.as_deref() {
+                Some("param-refresh") => {
+                    let padded = {
+                        let buckets = dev.buckets.lock().unwrap();
+                        let b = buckets
+                            .iter()
+                            .find(|b| *b.segments == *op.segments)
+                            .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
+                        params_padded(b, &dev.params.read().unwrap())
+                    };
+                    let full = ctx
+                        .comm
+                        .all_reduce("all-gather", op.node, &group, dev.id, padded)
+                        .map_err(comm_err)?;
+                    let buckets = dev.buckets.lock().unwrap();
+                    let b = buckets
+                        .iter()
+                        .find(|b| *b.segments == *op.segments)
+                        .expect("found above");
+                    let mut params = dev.params.write().unwrap();
+                    for (n, at, len) in b.offsets() {
+                        params
+                            .get_mut(n)
+                            .expect("held")
+                            .copy_from_slice(&full[at..at + len]);
+                    }
+                }
+                Some("param-gather") => {
+                    // The buckets that own any parameter the segment reads.
+                    let seg = &ctx.segments[op.segments[0] as usize];
+                    let need: Vec<String> = segment_params(ctx.cfg, seg)
+                        .into_iter()
+                        .map(|(n, _)| n)
+                        .collect();
+                    let buckets = dev.buckets.lock().unwrap();
+                    let used: Vec<&Bucket> = buckets
+                        .iter()
+                        .filter(|b| b.names.iter().any(|(n, _)| need.contains(n)))
+                        .collect();
+                    let mut padded = Vec::new();
+                    {
+                        let params = dev.params.read().unwrap();
+                        for b in &used {
+                            padded.extend(params_padded(b, &params));
+                        }
+                    }
+                    let full = ctx
+                        .comm
+                        .all_reduce("all-gather", op.node, &group, dev.id, padded)
+                        .map_err(comm_err)?;
+                    let mut out = Tensors::new();
+                    let mut base = 0;
+                    for b in &used {
+                        for (n, at, len) in b.offsets() {
+                            if need.iter().any(|x| x == n) {
+                                out.insert(
+                                    n.to_string(),
+                                    full[base + at..base + at + len].to_vec(),
+                                );
+                            }
+                        }
+                        base += b.total;
+                    }
+                    drop(buckets);
+                    let own = dev.params.read().unwrap();
+                    for n in &need {
+                        if !out.contains_key(n) {
+                            if let Some(p) = own.get(n) {
+                                out.insert(n.clone(), p.clone());
+                            }
+                        }
+                    }
+                    drop(own);
+                    dev.put(op, TensorKind::Param, Buf::Params(out))?;
+                }
+                other => return Err(RuntimeError::Unsupported(format!(
+                    "device {}: {}: all-gather for {other:?} is not supported by the CPU runtime",
+                    dev.id,
+                    label(op)
+                ))),
+            }
+        }
+        OpKind::AllReduce | OpKind::ReduceScatter => {
+            return Err(RuntimeError::Unsupported(format!(
+                "device {}: {}: {:?} is not supported by the CPU runtime",
+                dev.id,
+                label(op),
+                op.purpose
+            )))
         }
         OpKind::Update => {
             if !dev.has_norm_op {
@@ -609,51 +916,117 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                 set_clip(dev, local.sqrt(), ctx.opts.clip);
             }
             let scale = dev.state.lock().unwrap().clip_scale;
+            let names = owned(dev, ctx, &op.segments);
             if ctx.opts.capture_grads {
                 let grads = dev.grads.lock().unwrap();
                 let mut cap = dev.captured.lock().unwrap();
-                for s in op.segments.iter() {
-                    for (n, _) in segment_params(ctx.cfg, &ctx.segments[*s as usize]) {
-                        if let Some(g) = grads.get(&n) {
-                            cap.insert(n, g.clone());
-                        }
+                for n in &names {
+                    if let Some(g) = grads.get(n) {
+                        cap.insert(n.clone(), g.clone());
                     }
                 }
             }
-            let mut names: Vec<String> = op
-                .segments
-                .iter()
-                .flat_map(|s| {
-                    segment_params(ctx.cfg, &ctx.segments[*s as usize])
-                        .into_iter()
-                        .map(|(n, _)| n)
-                })
-                .collect();
-            names.sort();
-            names.dedup();
             let mut params = dev.params.write().unwrap();
             let mut grads = dev.grads.lock().unwrap();
             let mut mom = dev.moments.lock().unwrap();
             let (m, v) = &mut *mom;
+            // Unsharded parameters: whole tensors.
             for n in &names {
-                let (Some(p), Some(g)) = (params.get_mut(n), grads.get_mut(n)) else {
+                let (Some(p), Some(g), Some(mm), Some(vv)) = (
+                    params.get_mut(n),
+                    grads.get_mut(n),
+                    m.get_mut(n),
+                    v.get_mut(n),
+                ) else {
                     continue;
                 };
-                let decay = dev.decay.contains(n);
                 adamw_update(
                     p,
                     g,
-                    m.get_mut(n).unwrap(),
-                    v.get_mut(n).unwrap(),
+                    mm,
+                    vv,
                     &ctx.opts.adamw,
                     ctx.step,
                     scale,
-                    decay,
+                    dev.decay.contains(n),
                 );
                 g.iter_mut().for_each(|x| *x = 0.0);
             }
+            // ZeRO buckets: this device's shard only.
+            let mut buckets = dev.buckets.lock().unwrap();
+            for b in buckets
+                .iter_mut()
+                .filter(|b| b.segments.iter().all(|s| op.segments.contains(s)))
+            {
+                let shard = b.shard.clone();
+                let mut flat_p: Vec<f32> = if b.zero >= 3 {
+                    std::mem::take(&mut b.param)
+                } else {
+                    b.names
+                        .iter()
+                        .flat_map(|(n, _)| params[n].iter().copied())
+                        .collect::<Vec<f32>>()[shard.clone()]
+                    .to_vec()
+                };
+                let flat_g: Vec<f32> = if b.zero >= 2 {
+                    std::mem::take(&mut b.grad)
+                } else {
+                    b.names
+                        .iter()
+                        .flat_map(|(n, _)| grads[n].iter().copied())
+                        .collect::<Vec<f32>>()[shard.clone()]
+                    .to_vec()
+                };
+                // Per tensor piece inside the shard, for weight decay.
+                let pieces: Vec<(String, usize, usize)> = b
+                    .offsets()
+                    .map(|(n, at, len)| (n.to_string(), at, len))
+                    .collect();
+                for (n, at, len) in pieces {
+                    let lo = at.max(shard.start);
+                    let hi = (at + len).min(shard.end);
+                    if lo >= hi {
+                        continue;
+                    }
+                    let r = lo - shard.start..hi - shard.start;
+                    adamw_update(
+                        &mut flat_p[r.clone()],
+                        &flat_g[r.clone()],
+                        &mut b.m[r.clone()],
+                        &mut b.v[r.clone()],
+                        &ctx.opts.adamw,
+                        ctx.step,
+                        scale,
+                        dev.decay.contains(&n),
+                    );
+                }
+                if b.zero >= 3 {
+                    b.param = flat_p;
+                } else {
+                    // Write the updated shard back; the refresh all-gather fills the rest.
+                    for (n, at, len) in b.offsets() {
+                        let lo = at.max(shard.start);
+                        let hi = (at + len).min(shard.end);
+                        if lo < hi {
+                            params.get_mut(n).expect("held")[lo - at..hi - at]
+                                .copy_from_slice(&flat_p[lo - shard.start..hi - shard.start]);
+                        }
+                    }
+                }
+                if b.zero >= 2 {
+                    b.grad = vec![0.0; shard.len()];
+                } else {
+                    for (n, _) in &b.names {
+                        grads
+                            .get_mut(n)
+                            .expect("held")
+                            .iter_mut()
+                            .for_each(|x| *x = 0.0);
+                    }
+                }
+            }
         }
-        OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
+        OpKind::AllToAll => {
             return Err(RuntimeError::Unsupported(format!(
                 "device {}: {} is not yet supported by the CPU runtime",
                 dev.id,
@@ -664,15 +1037,30 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
     Ok(())
 }
 
-/// Σ g² over the gradients this device counts.
+/// Σ g² over the gradients this device counts: unsharded ones on DP replica
+/// 0, and its own shard of every ZeRO bucket.
 fn local_sq(dev: &Device) -> f64 {
     let grads = dev.grads.lock().unwrap();
-    dev.norm_names
+    let sq = |g: &[f32]| g.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
+    let mut total: f64 = dev
+        .norm_names
         .iter()
         .filter_map(|n| grads.get(n))
-        .flat_map(|g| g.iter())
-        .map(|x| (*x as f64) * (*x as f64))
-        .sum()
+        .map(|g| sq(g))
+        .sum();
+    for b in dev.buckets.lock().unwrap().iter() {
+        if b.zero >= 2 {
+            total += sq(&b.grad);
+        } else {
+            let flat: Vec<f32> = b
+                .names
+                .iter()
+                .flat_map(|(n, _)| grads[n].iter().copied())
+                .collect();
+            total += sq(&flat[b.shard.clone()]);
+        }
+    }
+    total
 }
 
 fn set_clip(dev: &Device, norm: f64, clip: f32) {
