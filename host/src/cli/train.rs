@@ -8,7 +8,7 @@ use crate::model::ModelConfig;
 use crate::runtime::backend::cpu::adamw::AdamW;
 use crate::runtime::backend::cpu::gpt::Tensors;
 use crate::runtime::checkpoint::{gpt2_entries, write_safetensors, Checkpoint};
-use crate::runtime::{Batch, Corpus, TrainOptions, Trainer};
+use crate::runtime::{Batch, Corpus, Tokenizer, TrainOptions, Trainer};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -33,9 +33,12 @@ pub struct TrainArgs {
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
-    /// UTF-8 text to train on (byte-level tokens); default: the built-in corpus.
+    /// UTF-8 text to train on; default: the built-in corpus.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257, e.g. with `--model gpt2-small`).
+    #[arg(long, default_value = "byte")]
+    tokenizer: String,
     /// Memory cap per device: bytes, or with a unit (`512MiB`, `2GiB`).
     #[arg(long)]
     device_memory: Option<String>,
@@ -86,9 +89,10 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let p = prepare(&a.run)?;
     let cfg = p.config.model_config()?;
     let plan = compile(&p.dag).context("compiling the plan")?;
+    let tokenizer = Tokenizer::parse(&a.tokenizer)?;
     let corpus = match &a.data {
-        Some(path) => Corpus::from_file(path)?,
-        None => Corpus::builtin(),
+        Some(path) => Corpus::from_file_with(path, tokenizer)?,
+        None => Corpus::builtin_with(tokenizer)?,
     };
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
     let opts = TrainOptions {

@@ -895,11 +895,13 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                     drop(own);
                     dev.put(op, TensorKind::Param, Buf::Params(out))?;
                 }
-                other => return Err(RuntimeError::Unsupported(format!(
+                other => {
+                    return Err(RuntimeError::Unsupported(format!(
                     "device {}: {}: all-gather for {other:?} is not supported by the CPU runtime",
                     dev.id,
                     label(op)
-                ))),
+                )))
+                }
             }
         }
         OpKind::AllReduce | OpKind::ReduceScatter => {

@@ -23,7 +23,7 @@ pub mod comm;
 pub mod data;
 mod exec;
 
-pub use data::{Batch, Corpus, DataError};
+pub use data::{Batch, Corpus, DataError, Tokenizer};
 pub use exec::RuntimeError;
 
 use crate::compile::Plan;
