@@ -77,6 +77,29 @@ impl Pipeline {
         Ok(Pipeline { groups, regions })
     }
 
+    /// The usual prologue of a pipeline strategy: lay out the stages from the
+    /// `stages` option, read `microbatches` (default 2 × stages), split the
+    /// batch into them and place the stages with transfers on the `stream`
+    /// option (default `pp`). Returns the layout and the microbatch count.
+    pub fn split_and_place(
+        dag: &mut dyn Dag,
+        options: &crate::Options,
+        who: &str,
+    ) -> Result<(Self, u32), Error> {
+        let pipe = Pipeline::plan(dag, options.u32("stages")?, who)?;
+        let mbs = options.u32("microbatches")?.unwrap_or(2 * pipe.stages());
+        if mbs == 0 {
+            return Err(Error::msg(format!(
+                "{who} needs at least 1 microbatch, got 0"
+            )));
+        }
+        // Microbatches.
+        dag.split(&Filter::all(), "MB", mbs)?;
+        // One stage per device group.
+        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
+        Ok((pipe, mbs))
+    }
+
     pub fn stages(&self) -> u32 {
         self.groups.len() as u32
     }

@@ -409,11 +409,12 @@ impl Device {
         Ok(())
     }
 
-    /// Read every input of `op` of one kind, in input order.
+    /// Read every input of `op` of one kind, in input order; each buffer is
+    /// freed after its last reader.
     fn take_all(&self, op: &Op, kind: TensorKind) -> Result<Vec<Arc<Buf>>, RuntimeError> {
+        let mut b = self.bufs.lock().unwrap();
         let mut out = Vec::new();
         for input in op.inputs.iter().filter(|i| i.tensor == kind) {
-            let mut b = self.bufs.lock().unwrap();
             let key = (input.node, kind);
             let Some(entry) = b.map.get_mut(&key) else {
                 return Err(RuntimeError::MissingInput {
@@ -434,28 +435,9 @@ impl Device {
         Ok(out)
     }
 
-    /// Read an input of `op`; freed after its last reader.
+    /// Read the (first) input of `op` of one kind, if it has one.
     fn take(&self, op: &Op, kind: TensorKind) -> Result<Option<Arc<Buf>>, RuntimeError> {
-        let Some(input) = op.inputs.iter().find(|i| i.tensor == kind) else {
-            return Ok(None);
-        };
-        let mut b = self.bufs.lock().unwrap();
-        let key = (input.node, kind);
-        let Some(entry) = b.map.get_mut(&key) else {
-            return Err(RuntimeError::MissingInput {
-                device: self.id,
-                op: label(op),
-                input: format!("{kind:?} of #{}", input.node),
-            });
-        };
-        entry.1 -= 1;
-        let buf = entry.0.clone();
-        if entry.1 == 0 {
-            let bytes = buf.bytes();
-            b.map.remove(&key);
-            b.live -= bytes;
-        }
-        Ok(Some(buf))
+        Ok(self.take_all(op, kind)?.into_iter().next())
     }
 }
 

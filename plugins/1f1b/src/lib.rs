@@ -47,16 +47,9 @@ impl Strategy for OneFOneB {
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, "1f1b")?;
+        // 1–2. Stages on device groups, microbatches.
+        let (pipe, mbs) = Pipeline::split_and_place(dag, options, "1f1b")?;
         let p = pipe.stages();
-        let mbs = options.u32("microbatches")?.unwrap_or(2 * p);
-        if mbs == 0 {
-            return Err(Error::msg("1f1b needs at least 1 microbatch, got 0"));
-        }
-        // 1. Microbatches.
-        dag.split(&Filter::all(), "MB", mbs)?;
-        // 2. One stage per device group.
-        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
         // 3. Per stage: warm-up forwards, 1F1B steady state, cool-down backwards.
         for s in 0..p {
             let groups: Vec<Vec<Filter>> = schedule(p, s, mbs)

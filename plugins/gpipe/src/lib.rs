@@ -33,15 +33,8 @@ impl Strategy for GPipe {
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, "gpipe")?;
-        let mbs = options.u32("microbatches")?.unwrap_or(2 * pipe.stages());
-        if mbs == 0 {
-            return Err(Error::msg("gpipe needs at least 1 microbatch, got 0"));
-        }
-        // 1. Microbatches.
-        dag.split(&Filter::all(), "MB", mbs)?;
-        // 2. One stage per device group.
-        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
+        // 1–2. Stages on device groups, microbatches.
+        let (pipe, mbs) = Pipeline::split_and_place(dag, options, "gpipe")?;
         // 3. Per stage: F0 … F(m-1), then B0 … B(m-1).
         for s in 0..pipe.stages() {
             let mut groups: Vec<Vec<Filter>> = (0..mbs).map(|m| pipe.step(s, m, Pass::F)).collect();
