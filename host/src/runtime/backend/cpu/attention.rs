@@ -1,7 +1,11 @@
 //! Causal multi-head self-attention from a packed `qkv[B,T,3C]`: per head,
 //! `att = softmax(q·kᵀ/√hs)` masked to `t2 ≤ t`, `out = att·v`. The softmax
 //! probabilities are cached for backward. No weights: the whole backward is a
-//! backward-for-input.
+//! backward-for-input. Per (sequence, head) the products are GEMMs on strided
+//! views of `qkv` (the masked upper triangle is computed and zeroed: for the
+//! sizes here GEMM beats a triangular loop).
+
+use super::matmul::matmul_strided;
 
 /// Forward. `att[B,NH,T,T]` receives the probabilities (zero above the diagonal).
 pub fn attention_forward(
@@ -16,39 +20,59 @@ pub fn attention_forward(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
+    let mut tmp = vec![0.0f32; t * hs];
     for bi in 0..b {
         for h in 0..nh {
+            let qo = bi * t * c3 + h * hs;
+            let arow0 = (bi * nh + h) * t * t;
+            let a = &mut att[arow0..arow0 + t * t];
+            // pre = q·kᵀ
+            matmul_strided(
+                t,
+                t,
+                hs,
+                a,
+                false,
+                &qkv[qo..],
+                (c3, 1),
+                &qkv[qo + c..],
+                (1, c3),
+            );
             for ti in 0..t {
-                let q = &qkv[(bi * t + ti) * c3 + h * hs..][..hs];
-                let arow = &mut att[((bi * nh + h) * t + ti) * t..][..t];
+                let row = &mut a[ti * t..(ti + 1) * t];
                 let mut maxv = f32::NEG_INFINITY;
-                for t2 in 0..=ti {
-                    let k = &qkv[(bi * t + t2) * c3 + c + h * hs..][..hs];
-                    let v: f32 = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                    arow[t2] = v;
-                    maxv = maxv.max(v);
+                for v in row.iter_mut().take(ti + 1) {
+                    *v *= scale;
+                    maxv = maxv.max(*v);
                 }
                 let mut sum = 0.0f32;
-                for a in arow.iter_mut().take(ti + 1) {
-                    *a = (*a - maxv).exp();
-                    sum += *a;
+                for v in row.iter_mut().take(ti + 1) {
+                    *v = (*v - maxv).exp();
+                    sum += *v;
                 }
                 let inv = 1.0 / sum;
-                for a in arow.iter_mut().take(ti + 1) {
-                    *a *= inv;
+                for v in row.iter_mut().take(ti + 1) {
+                    *v *= inv;
                 }
-                for a in arow.iter_mut().skip(ti + 1) {
-                    *a = 0.0;
+                for v in row.iter_mut().skip(ti + 1) {
+                    *v = 0.0;
                 }
-                let o = &mut out[(bi * t + ti) * c + h * hs..][..hs];
-                o.fill(0.0);
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
-                    let a = arow[t2];
-                    for (oo, vv) in o.iter_mut().zip(v) {
-                        *oo += a * vv;
-                    }
-                }
+            }
+            // out = att·v
+            matmul_strided(
+                t,
+                hs,
+                t,
+                &mut tmp,
+                false,
+                a,
+                (t, 1),
+                &qkv[qo + 2 * c..],
+                (c3, 1),
+            );
+            for ti in 0..t {
+                out[(bi * t + ti) * c + h * hs..][..hs]
+                    .copy_from_slice(&tmp[ti * hs..(ti + 1) * hs]);
             }
         }
     }
@@ -68,38 +92,72 @@ pub fn attention_backward(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
-    let mut datt = vec![0.0f32; t];
-    let mut dpre = vec![0.0f32; t];
+    let mut datt = vec![0.0f32; t * t];
+    let mut tmp = vec![0.0f32; t * hs];
     for bi in 0..b {
         for h in 0..nh {
+            let qo = bi * t * c3 + h * hs;
+            let dof = bi * t * c + h * hs;
+            let a = &att[(bi * nh + h) * t * t..][..t * t];
+            let add = |dqkv: &mut [f32], off: usize, tmp: &[f32]| {
+                for ti in 0..t {
+                    let d = &mut dqkv[off + ti * c3..][..hs];
+                    for (x, y) in d.iter_mut().zip(&tmp[ti * hs..(ti + 1) * hs]) {
+                        *x += y;
+                    }
+                }
+            };
+            // datt = dout·vᵀ ; dv = attᵀ·dout
+            matmul_strided(
+                t,
+                t,
+                hs,
+                &mut datt,
+                false,
+                &dout[dof..],
+                (c, 1),
+                &qkv[qo + 2 * c..],
+                (1, c3),
+            );
+            matmul_strided(t, hs, t, &mut tmp, false, a, (1, t), &dout[dof..], (c, 1));
+            add(dqkv, qo + 2 * c, &tmp);
+            // softmax backward (scaled): dpre = att ⊙ (datt − Σ att·datt) / √hs
             for ti in 0..t {
-                let arow = &att[((bi * nh + h) * t + ti) * t..][..t];
-                let dout_h = &dout[(bi * t + ti) * c + h * hs..][..hs];
-                // out = Σ att·v  →  datt, dv
-                for t2 in 0..=ti {
-                    let v = &qkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
-                    datt[t2] = v.iter().zip(dout_h).map(|(a, b)| a * b).sum();
-                    let dv = &mut dqkv[(bi * t + t2) * c3 + 2 * c + h * hs..][..hs];
-                    for (d, g) in dv.iter_mut().zip(dout_h) {
-                        *d += arow[t2] * g;
-                    }
-                }
-                // softmax backward: dpre = att ⊙ (datt − Σ att·datt)
-                let dot: f32 = (0..=ti).map(|t2| arow[t2] * datt[t2]).sum();
-                for t2 in 0..=ti {
-                    dpre[t2] = arow[t2] * (datt[t2] - dot) * scale;
-                }
-                // pre = q·k  →  dq, dk
-                for t2 in 0..=ti {
-                    let g = dpre[t2];
-                    for i in 0..hs {
-                        let k = qkv[(bi * t + t2) * c3 + c + h * hs + i];
-                        let q = qkv[(bi * t + ti) * c3 + h * hs + i];
-                        dqkv[(bi * t + ti) * c3 + h * hs + i] += g * k;
-                        dqkv[(bi * t + t2) * c3 + c + h * hs + i] += g * q;
-                    }
+                let (ar, dr) = (&a[ti * t..(ti + 1) * t], &mut datt[ti * t..(ti + 1) * t]);
+                let dot: f32 = (0..=ti).map(|t2| ar[t2] * dr[t2]).sum();
+                for t2 in 0..t {
+                    dr[t2] = if t2 <= ti {
+                        ar[t2] * (dr[t2] - dot) * scale
+                    } else {
+                        0.0
+                    };
                 }
             }
+            // dq = dpre·k ; dk = dpreᵀ·q
+            matmul_strided(
+                t,
+                hs,
+                t,
+                &mut tmp,
+                false,
+                &datt,
+                (t, 1),
+                &qkv[qo + c..],
+                (c3, 1),
+            );
+            add(dqkv, qo, &tmp);
+            matmul_strided(
+                t,
+                hs,
+                t,
+                &mut tmp,
+                false,
+                &datt,
+                (1, t),
+                &qkv[qo..],
+                (c3, 1),
+            );
+            add(dqkv, qo + c, &tmp);
         }
     }
 }

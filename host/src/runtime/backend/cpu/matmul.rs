@@ -117,7 +117,33 @@ pub fn matmul_backward_weight(
     }
 }
 
-/// `out[m,n] = a[m,k] · b[k,n]` for plain row-major matrices (attention).
+/// `dst[m,n] (+)= a[m,k] · b[k,n]` with `a` and `b` given by row and column
+/// strides into their slices (attention reads heads out of the packed `qkv`).
+pub fn matmul_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    accumulate: bool,
+    a: &[f32],
+    (a_rs, a_cs): (usize, usize),
+    b: &[f32],
+    (b_rs, b_cs): (usize, usize),
+) {
+    if m > 0 && n > 0 && k > 0 {
+        assert!(
+            (m - 1) * a_rs + (k - 1) * a_cs < a.len(),
+            "lhs strides leave its slice"
+        );
+        assert!(
+            (k - 1) * b_rs + (n - 1) * b_cs < b.len(),
+            "rhs strides leave its slice"
+        );
+    }
+    mm(m, n, k, dst, accumulate, a, a_rs, a_cs, b, b_rs, b_cs);
+}
+
+/// `out[m,n] = a[m,k] · b[k,n]` for plain row-major matrices.
 pub fn matmul_plain(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
     mm(m, n, k, out, false, a, k, 1, b, n, 1);
 }
