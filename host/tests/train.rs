@@ -75,7 +75,7 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
         base[steps as usize - 1] < base[0] - 0.5,
         "one device learns: {base:?}"
     );
-    let cases: [(&str, u32, Strategy); 4] = [
+    let cases: [(&str, u32, Strategy); 5] = [
         ("dp", 2, &[("dp", &[])]),
         ("gpipe", 4, &[("gpipe", &[("microbatches", "8")])]),
         ("1f1b", 4, &[("1f1b", &[("microbatches", "8")])]),
@@ -84,6 +84,15 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
             8,
             &[
                 ("dp", &[("degree", "2")]),
+                ("1f1b", &[("microbatches", "8")]),
+            ],
+        ),
+        // ZeRO-1 inside a pipeline, the tied embedding and head on different stages.
+        (
+            "zero1+1f1b",
+            8,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
                 ("1f1b", &[("microbatches", "8")]),
             ],
         ),

@@ -104,6 +104,8 @@ pub(crate) struct Device {
     buckets: Mutex<Vec<Bucket>>,
     /// Segments this device runs.
     held: BTreeSet<u32>,
+    /// Does it run the embedding (which owns the tied `wte`)?
+    has_embedding: bool,
     bufs: Mutex<Buffers>,
     state: Mutex<StepState>,
     /// Gradients this device counts in the global norm.
@@ -190,6 +192,14 @@ impl Device {
                 held.insert(*s);
                 replica.insert(*s, op.replica);
             }
+        }
+        let tied = ops().any(|o| o.purpose.as_deref() == Some("tied-grad"));
+        if let Some(op) = ops().find(|o| tied && o.zero >= 2) {
+            return Err(RuntimeError::Unsupported(format!(
+                "device {}: {}: ZeRO-2/3 with the tied embedding and LM head on different pipeline stages is not yet supported by the CPU runtime (use ZeRO-1, or keep the first and last regions on one stage)",
+                plan.device,
+                label(op)
+            )));
         }
         if let Some(op) = ops().find(|o| o.op == OpKind::AllToAll) {
             return Err(RuntimeError::Unsupported(format!(
@@ -309,6 +319,7 @@ impl Device {
             params: RwLock::new(params),
             buckets: Mutex::new(buckets),
             held,
+            has_embedding,
             bufs: Mutex::new(Buffers::default()),
             state: Mutex::new(StepState::default()),
             norm_names,
@@ -1033,15 +1044,27 @@ fn local_sq(dev: &Device) -> f64 {
         .map(|g| sq(g))
         .sum();
     for b in dev.buckets.lock().unwrap().iter() {
-        if b.zero >= 2 {
-            total += sq(&b.grad);
+        let flat: Vec<f32> = if b.zero >= 2 {
+            b.grad.clone()
         } else {
-            let flat: Vec<f32> = b
+            let full: Vec<f32> = b
                 .names
                 .iter()
                 .flat_map(|(n, _)| grads[n].iter().copied())
                 .collect();
-            total += sq(&flat[b.shard.clone()]);
+            full[b.shard.clone()].to_vec()
+        };
+        // Each tensor piece of the shard; the head's copy of the tied `wte`
+        // is counted by the embedding's device only.
+        for (n, at, len) in b.offsets() {
+            if n == "wte" && !dev.has_embedding {
+                continue;
+            }
+            let lo = at.max(b.shard.start);
+            let hi = (at + len).min(b.shard.end);
+            if lo < hi {
+                total += sq(&flat[lo - b.shard.start..hi - b.shard.start]);
+            }
         }
     }
     total
