@@ -1,6 +1,8 @@
 //! Strategy plugins end to end: real components built from `plugins/` and
 //! `tests/plugins/`, loaded by the wasmtime host, applied to the DAG, compiled.
 
+mod common;
+
 use piper::compile::compile;
 use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
@@ -34,22 +36,7 @@ fn strict() -> SandboxLimits {
 }
 
 fn steps(plan: &piper::compile::Plan, device: usize) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut last = None;
-    for s in plan.devices[device]
-        .streams
-        .iter()
-        .filter(|s| s.stream == "compute")
-    {
-        for op in s.ops.iter().filter(|o| o.op.is_compute()) {
-            let key = (op.op.to_string(), op.tags["MB"]);
-            if last.as_ref() != Some(&key) {
-                out.push(format!("{}{}", key.0, key.1));
-                last = Some(key);
-            }
-        }
-    }
-    out.join(" ")
+    common::steps(plan, device as u32).join(" ")
 }
 
 #[test]

@@ -442,7 +442,7 @@ impl TrainingDag {
                 // Gather full parameters before every use.
                 for &s in &segs {
                     let bytes = grad_bytes(self, s);
-                    let gather = |_readers: &[NodeId]| {
+                    let gather = || {
                         NodeKind::Comm(Comm {
                             op: CommOp::AllGather,
                             purpose: CommPurpose::ParamGather,
@@ -462,7 +462,7 @@ impl TrainingDag {
                                 (rn.tags.clone(), rn.batch_div, rn.kind.label());
                             let ag = self.add_derived(
                                 key_of(("gather", s, label, self.split_key(&self.graph[r.ix()]))),
-                                gather(&[r]),
+                                gather(),
                                 tags,
                                 devs.clone(),
                                 spec.gather_stream,
@@ -474,7 +474,7 @@ impl TrainingDag {
                     } else {
                         let ag = self.add_derived(
                             key_of(("gather", s)),
-                            gather(&rs),
+                            gather(),
                             region_tags(self, s),
                             devs.clone(),
                             spec.gather_stream,

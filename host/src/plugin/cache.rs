@@ -158,11 +158,16 @@ impl CompileCache {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn hmac_matches_rfc4231_case_2_shape() {
-        // HMAC is keyed: different keys, different tags; same inputs, same tag.
-        let a = super::hmac(&[1; 32], b"component");
-        assert_eq!(a, super::hmac(&[1; 32], b"component"));
-        assert_ne!(a, super::hmac(&[2; 32], b"component"));
-        assert_ne!(a, super::hmac(&[1; 32], b"componenT"));
+    fn hmac_matches_rfc4231_test_case_2() {
+        // RFC 4231 §4.3: key "Jefe" (zero-padded, as HMAC pads short keys).
+        let mut key = [0u8; 32];
+        key[..4].copy_from_slice(b"Jefe");
+        let tag = super::hmac(&key, b"what do ya want for nothing?");
+        let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        assert_ne!(tag, super::hmac(&[2; 32], b"what do ya want for nothing?"));
     }
 }
