@@ -1,7 +1,7 @@
 //! Builds the bundled strategy plugins (and the test plugins) for
 //! `wasm32-wasip2` with a nested cargo in its own target directory, and embeds
-//! the bundled ones in the `piper` binary, so `piper` finds `dp`, `gpipe` and
-//! `1f1b` by name wherever it runs.
+//! the bundled ones in the `piper` binary, so `piper` finds every bundled strategy
+//! by name wherever it runs.
 //!
 //! Set `PIPER_PLUGINS_WASM_DIR` to a directory of prebuilt `*.wasm` files to
 //! skip the nested build (packaging, offline builds).
@@ -15,6 +15,18 @@ const BUNDLED: &[(&str, &str, &str)] = &[
     ("gpipe", "piper-plugin-gpipe", "piper_plugin_gpipe"),
     ("1f1b", "piper-plugin-1f1b", "piper_plugin_1f1b"),
     ("zero", "piper-plugin-zero", "piper_plugin_zero"),
+    (
+        "interleaved-1f1b",
+        "piper-plugin-interleaved-1f1b",
+        "piper_plugin_interleaved_1f1b",
+    ),
+    ("zb-h1", "piper-plugin-zb-h1", "piper_plugin_zb_h1"),
+    (
+        "dualpipev",
+        "piper-plugin-dualpipev",
+        "piper_plugin_dualpipev",
+    ),
+    ("dualpipe", "piper-plugin-dualpipe", "piper_plugin_dualpipe"),
 ];
 /// Built for tests, not bundled.
 const TESTING: &[&str] = &[

@@ -137,7 +137,16 @@ fn plugin_info_and_list() {
     );
     let (ok, out, err) = piper(&h, &["plugin", "list"]);
     assert!(ok, "{err}");
-    for name in ["dp", "gpipe", "1f1b"] {
+    for name in [
+        "dp",
+        "zero",
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "dualpipev",
+        "dualpipe",
+    ] {
         assert!(out.lines().any(|l| l.starts_with(name)), "{out}");
     }
     let _ = std::fs::remove_dir_all(&h);

@@ -3,77 +3,28 @@
 
 use piper::compile::compile;
 use piper::dag::{Cluster, TrainingDag};
-use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
-/// 8 single-layer PP regions (pipelines of 2, 4, 8 stages fit), small enough
-/// for debug-build tests.
-fn small() -> ModelConfig {
-    ModelConfig {
-        name: "small".into(),
-        layers: 8,
-        d_model: 32,
-        heads: 2,
-        seq_len: 16,
-        vocab: 256,
-        batch_size: 32,
-        layers_per_region: 1,
-        regions: None,
-        moe: None,
-    }
-}
+use common::{assert_same_training, small, train, Strategy};
 
-type Strategy<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
-
-/// Train `steps` steps under a strategy; losses and final parameters.
-fn train(
-    host: &PluginHost,
-    devices: u32,
-    strategy: Strategy,
-    steps: u32,
-) -> (Vec<f64>, piper::runtime::backend::cpu::gpt::Tensors) {
-    let cfg = small();
-    let mut dag = TrainingDag::build(&cfg, Cluster::new(devices)).unwrap();
-    for (name, opts) in strategy {
-        let p = host.load(name).unwrap();
-        let o: Vec<(String, String)> = opts
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        host.apply(&p, &mut dag, &o).unwrap();
-    }
-    let plan = compile(&dag).unwrap();
-    let opts = TrainOptions {
-        adamw: piper::runtime::backend::cpu::adamw::AdamW {
-            lr: 3e-3,
-            ..Default::default()
-        },
-        ..Default::default()
-    };
-    let mut trainer = Trainer::new(&cfg, plan, opts).unwrap();
-    let corpus = Corpus::builtin();
-    let mut losses = Vec::new();
-    for s in 1..=steps {
-        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
-        losses.push(trainer.step(&batch).unwrap().loss);
-    }
-    (losses, trainer.params())
-}
+mod common;
 
 #[test]
 fn every_strategy_trains_to_the_same_losses_as_one_device() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let steps = 20;
-    let (base, base_w) = train(
+    let base = train(
         &host,
+        &small(),
         1,
         &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
         steps,
     );
     assert!(
-        base[steps as usize - 1] < base[0] - 0.5,
-        "one device learns: {base:?}"
+        base.losses[steps as usize - 1] < base.losses[0] - 0.5,
+        "one device learns: {:?}",
+        base.losses
     );
     let cases: [(&str, u32, Strategy); 5] = [
         ("dp", 2, &[("dp", &[])]),
@@ -98,26 +49,8 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
         ),
     ];
     for (name, devices, strategy) in cases {
-        let (losses, w) = train(&host, devices, strategy, steps);
-        for (s, (a, b)) in losses.iter().zip(&base).enumerate() {
-            let rel = (a - b).abs() / b.abs();
-            assert!(
-                rel < 1e-5,
-                "{name}: step {} loss {a} vs one device {b} (relative {rel:.2e})",
-                s + 1
-            );
-        }
-        // Final weights: max |Δ| within 1e-3 of each tensor's scale (Adam normalises
-        // updates, so float-order differences in tiny gradients show up here first).
-        for (k, v) in &base_w {
-            let o = &w[k];
-            let scale = v.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
-            let diff = v.iter().zip(o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                diff / scale < 1e-3,
-                "{name}: {k} differs by {diff} (scale {scale})"
-            );
-        }
+        let run = train(&host, &small(), devices, strategy, steps);
+        assert_same_training(name, &run, &base);
     }
 }
 

@@ -1,10 +1,16 @@
 //! Pipeline layout shared by the pipeline strategies: which devices each stage
 //! runs on and which `PP` regions it holds.
 //!
+//! A pipeline has `positions` device groups (pipeline ranks) and `stages`
+//! model stages; each stage sits on one position. Plain schedules (GPipe,
+//! 1F1B, ZB-H1) put stage `s` on position `s`; Megatron's interleaved
+//! schedule puts stage `s` on position `s mod p`; DualPipeV folds the stages
+//! into a V (stage `s` and `2p − 1 − s` on position `s`).
+//!
 //! A pipeline composes with a data-parallel strategy applied before it: if
 //! every forward already sits on one device group `G` (e.g. `dp:degree=2` put
-//! the model on `[0, 4]` of 8 devices), stage `s` runs on `G + s`
-//! (`[s, 4 + s]`), so each stage keeps `|G|` data-parallel replicas. Otherwise
+//! the model on `[0, 4]` of 8 devices), position `q` runs on `G + q`
+//! (`[q, 4 + q]`), so each stage keeps `|G|` data-parallel replicas. Otherwise
 //! the pipeline starts from device 0.
 
 use crate::{Dag, Error, Filter, Pass};
@@ -12,16 +18,31 @@ use crate::{Dag, Error, Filter, Pass};
 /// Stages, their device groups and their regions.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pipeline {
-    /// Device group of each stage.
+    /// Device group of each stage (stages sharing a position share a group).
     pub groups: Vec<Vec<u32>>,
     /// `PP` regions of each stage, contiguous and in order.
     pub regions: Vec<Vec<u32>>,
+    /// Position (pipeline rank) of each stage.
+    pub position: Vec<u32>,
 }
 
 impl Pipeline {
-    /// Lay out `stages` stages (default: as many as the devices allow).
-    /// `who` names the strategy in error messages.
+    /// One stage per position: `stages` stages (default: as many as the
+    /// devices allow). `who` names the strategy in error messages.
     pub fn plan(dag: &mut dyn Dag, stages: Option<u32>, who: &str) -> Result<Self, Error> {
+        Self::layout(dag, stages, 1, &|s, _| s, who)
+    }
+
+    /// `positions` pipeline ranks (default: devices ÷ data-parallel degree),
+    /// each holding `per_position` stages; stage `s` of `positions ×
+    /// per_position` sits on position `position_of(s, positions)`.
+    pub fn layout(
+        dag: &mut dyn Dag,
+        positions: Option<u32>,
+        per_position: u32,
+        position_of: &dyn Fn(u32, u32) -> u32,
+        who: &str,
+    ) -> Result<Self, Error> {
         let devices = dag.cluster().devices;
         let n_regions = dag.tag_extents().get("PP").copied().unwrap_or(0);
         if n_regions == 0 {
@@ -40,31 +61,39 @@ impl Pipeline {
         }
         let base: Vec<u32> = if first.is_empty() { vec![0] } else { first };
         let dp = base.len() as u32;
-        let stages = stages.unwrap_or(devices / dp);
-        if stages == 0 {
-            return Err(Error::msg(format!("{who} needs at least 1 stage, got 0")));
+        let positions = positions.unwrap_or(devices / dp);
+        if positions == 0 {
+            return Err(Error::msg(format!(
+                "{who} needs at least 1 pipeline position, got 0"
+            )));
         }
+        let stages = positions * per_position;
         if stages > n_regions {
             return Err(Error::msg(format!(
                 "{who} needs stages ≤ PP regions: got {stages} stages for {n_regions} regions"
             )));
         }
-        if stages * dp > devices {
+        if positions * dp > devices {
             return Err(Error::msg(format!(
-                "{who} needs stages × data-parallel degree ≤ devices: {stages} × {dp} > {devices}"
+                "{who} needs pipeline devices × data-parallel degree ≤ devices: {positions} × {dp} > {devices}"
             )));
         }
-        let groups: Vec<Vec<u32>> = (0..stages)
-            .map(|s| base.iter().map(|g| g + s).collect())
+        let position_groups: Vec<Vec<u32>> = (0..positions)
+            .map(|q| base.iter().map(|g| g + q).collect())
             .collect();
         let mut seen = std::collections::BTreeSet::new();
-        for g in groups.iter().flatten() {
+        for g in position_groups.iter().flatten() {
             if *g >= devices || !seen.insert(*g) {
                 return Err(Error::msg(format!(
-                    "{who}: the data-parallel group {base:?} leaves no room for {stages} stages on {devices} devices (stage s runs on the group shifted by s)"
+                    "{who}: the data-parallel group {base:?} leaves no room for {positions} pipeline positions on {devices} devices (position q runs on the group shifted by q)"
                 )));
             }
         }
+        let position: Vec<u32> = (0..stages).map(|s| position_of(s, positions)).collect();
+        let groups = position
+            .iter()
+            .map(|q| position_groups[*q as usize].clone())
+            .collect();
         // Regions as evenly as possible, earlier stages taking the remainder.
         let (per, extra) = (n_regions / stages, n_regions % stages);
         let mut regions = Vec::new();
@@ -74,7 +103,11 @@ impl Pipeline {
             regions.push((next..next + take).collect());
             next += take;
         }
-        Ok(Pipeline { groups, regions })
+        Ok(Pipeline {
+            groups,
+            regions,
+            position,
+        })
     }
 
     /// The usual prologue of a pipeline strategy: lay out the stages from the
@@ -87,21 +120,30 @@ impl Pipeline {
         who: &str,
     ) -> Result<(Self, u32), Error> {
         let pipe = Pipeline::plan(dag, options.u32("stages")?, who)?;
-        let mbs = options.u32("microbatches")?.unwrap_or(2 * pipe.stages());
-        if mbs == 0 {
-            return Err(Error::msg(format!(
-                "{who} needs at least 1 microbatch, got 0"
-            )));
-        }
-        // Microbatches.
-        dag.split(&Filter::all(), "MB", mbs)?;
-        // One stage per device group.
-        pipe.place(dag, options.str("stream")?.unwrap_or("pp"))?;
+        let mbs = microbatches(options, 2 * pipe.stages(), who)?;
+        pipe.split_place(dag, options, mbs)?;
         Ok((pipe, mbs))
+    }
+
+    /// Split the batch into `mbs` microbatches and place every stage on its
+    /// group, transfers on the `stream` option (default `pp`).
+    pub fn split_place(
+        &self,
+        dag: &mut dyn Dag,
+        options: &crate::Options,
+        mbs: u32,
+    ) -> Result<(), Error> {
+        dag.split(&Filter::all(), "MB", mbs)?;
+        self.place(dag, options.str("stream")?.unwrap_or("pp"))
     }
 
     pub fn stages(&self) -> u32 {
         self.groups.len() as u32
+    }
+
+    /// Number of pipeline positions (device groups).
+    pub fn positions(&self) -> u32 {
+        self.position.iter().max().map_or(0, |m| m + 1)
     }
 
     /// Place every stage's regions on its group, transfers on `stream`.
@@ -123,4 +165,157 @@ impl Pipeline {
             .map(|r| Filter::tag("PP", *r).and("MB", mb).pass(pass))
             .collect()
     }
+}
+
+/// The `microbatches` option (default `default`), at least 1.
+pub fn microbatches(options: &crate::Options, default: u32, who: &str) -> Result<u32, Error> {
+    let mbs = options.u32("microbatches")?.unwrap_or(default);
+    if mbs == 0 {
+        return Err(Error::msg(format!(
+            "{who} needs at least 1 microbatch, got 0"
+        )));
+    }
+    Ok(mbs)
+}
+
+/// One step of DeepSeek's DualPipe / DualPipeV template, in terms of a rank's
+/// two *phases* (its two stages; phase 0 is the one its microbatches reach
+/// first). `W` runs the oldest deferred weight pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DualStep {
+    /// Forward of the next microbatch of a phase.
+    F(u8),
+    /// Backward of the next microbatch of a phase; `zb`: input part only, the
+    /// weight part deferred to a later `W`.
+    B { phase: u8, zb: bool },
+    /// The oldest deferred weight pass.
+    W,
+    /// A forward of one phase overlapped with a (full) backward of the other.
+    FB { f: u8, b: u8 },
+}
+
+/// The eight-part DualPipe schedule of one rank, as in DeepSeek's reference
+/// (`dualpipe.py`, `dualpipev.py`): `ranks` ranks per half (DualPipe: half the
+/// ranks; DualPipeV: all of them), `rank` this rank's index in its half, and
+/// `chunks` microbatches per phase. `last` marks the rank where the two
+/// phases meet (DualPipe's middle ranks, DualPipeV's last rank), whose first
+/// steady-state pair is not overlapped. Needs `chunks ≥ 2 · ranks`.
+pub fn dual_schedule(ranks: u32, rank: u32, chunks: u32, last: bool) -> Vec<DualStep> {
+    use DualStep::*;
+    let (n, r) = (ranks, rank);
+    let mut out = Vec::new();
+    // 1. nF0: warm-up forwards of phase 0.
+    out.extend((0..(n - r - 1) * 2).map(|_| F(0)));
+    // 2. nF0F1: forwards alternate between the phases.
+    for _ in 0..r + 1 {
+        out.extend([F(0), F(1)]);
+    }
+    // 3. nB1W1F1: first backwards, weight passes deferred and run at once.
+    for _ in 0..n - r - 1 {
+        out.extend([B { phase: 1, zb: true }, W, F(1)]);
+    }
+    // 4. nF0B1F1B0: the steady state of overlapped forward/backward pairs.
+    for i in 0..chunks - 2 * n + r + 1 {
+        if i == 0 && last {
+            // Not overlapped, to shrink the bubble where the phases meet.
+            out.extend([
+                F(0),
+                B {
+                    phase: 1,
+                    zb: false,
+                },
+            ]);
+        } else {
+            out.push(FB { f: 0, b: 1 });
+        }
+        out.push(FB { f: 1, b: 0 });
+    }
+    // 5. nB1F1B0: phase 0 runs out of forwards.
+    for _ in 0..n - r - 1 {
+        out.extend([
+            B {
+                phase: 1,
+                zb: false,
+            },
+            FB { f: 1, b: 0 },
+        ]);
+    }
+    // 6. nB1B0: backwards only; the second half defers its weight passes.
+    let mut zb = false;
+    let step6 = r + 1;
+    for i in 0..step6 {
+        if i == step6 / 2 && r % 2 == 1 {
+            zb = true;
+        }
+        out.push(B { phase: 1, zb });
+        if i == step6 / 2 && r % 2 == 0 {
+            zb = true;
+        }
+        out.push(B { phase: 0, zb });
+    }
+    // 7. nWB0: a deferred weight pass before each remaining backward.
+    for _ in 0..n - r - 1 {
+        out.extend([W, B { phase: 0, zb: true }]);
+    }
+    // 8. nW: flush the deferred weight passes.
+    out.extend((0..r + 1).map(|_| W));
+    out
+}
+
+/// A rank's dual schedule resolved to order groups: `stage_of[phase]` is the
+/// phase's stage and `mbs[phase]` its microbatches in feeding order.
+/// Overlapped pairs become one group (their members may interleave).
+pub fn dual_groups(
+    pipe: &Pipeline,
+    steps: &[DualStep],
+    stage_of: [u32; 2],
+    mbs: [&[u32]; 2],
+) -> Result<Vec<Vec<Filter>>, Error> {
+    let mut next_f = [0usize; 2];
+    let mut next_b = [0usize; 2];
+    let mut deferred: std::collections::VecDeque<(u32, u32)> = Default::default();
+    let mut groups = Vec::new();
+    let take = |next: &mut [usize; 2], p: u8| -> Result<u32, Error> {
+        let list = mbs[p as usize];
+        let m = *list.get(next[p as usize]).ok_or_else(|| {
+            Error::msg(format!(
+                "dual schedule ran past phase {p}'s {} microbatches",
+                list.len()
+            ))
+        })?;
+        next[p as usize] += 1;
+        Ok(m)
+    };
+    for step in steps {
+        match *step {
+            DualStep::F(p) => {
+                let m = take(&mut next_f, p)?;
+                groups.push(pipe.step(stage_of[p as usize], m, Pass::F));
+            }
+            DualStep::B { phase, zb } => {
+                let m = take(&mut next_b, phase)?;
+                let s = stage_of[phase as usize];
+                if zb {
+                    groups.push(pipe.step(s, m, Pass::BI));
+                    deferred.push_back((s, m));
+                } else {
+                    groups.push(pipe.step(s, m, Pass::B));
+                }
+            }
+            DualStep::W => {
+                let (s, m) = deferred
+                    .pop_front()
+                    .ok_or_else(|| Error::msg("dual schedule: a W with no deferred weight pass"))?;
+                groups.push(pipe.step(s, m, Pass::BW));
+            }
+            DualStep::FB { f, b } => {
+                let mf = take(&mut next_f, f)?;
+                let mb = take(&mut next_b, b)?;
+                let mut g = pipe.step(stage_of[f as usize], mf, Pass::F);
+                g.extend(pipe.step(stage_of[b as usize], mb, Pass::B));
+                groups.push(g);
+            }
+        }
+    }
+    Ok(groups)
 }

@@ -38,7 +38,7 @@ use std::sync::Arc;
 pub enum CompileError {
     #[error("{node} is not placed on any device: a strategy must place every compute node (e.g. `place({{}}, [0], \"pp\")`)")]
     Unplaced { node: String },
-    #[error("segment {segment} ({name}) is split over device groups: {a} on {a_devices:?}, {b} on {b_devices:?}; a segment's F and B nodes must share their devices")]
+    #[error("segment {segment} ({name}) is split over device groups: {a} on {a_devices:?}, {b} on {b_devices:?}; a segment's F and B nodes of one microbatch must share their devices, and different microbatches may use different groups only as parameter copies of equal size with no device in common")]
     SplitSegment {
         segment: u32,
         name: String,
@@ -142,25 +142,46 @@ fn validate(dag: &TrainingDag) -> Result<(), CompileError> {
     validate_edges(dag)
 }
 
-/// A segment's compute nodes share one group.
+/// A segment's compute nodes of one microbatch share one group; different
+/// microbatches may run on different groups only as paired parameter copies
+/// (equal sizes, no device in common).
 fn validate_segments(dag: &TrainingDag) -> Result<(), CompileError> {
     let g = &dag.graph;
-    let mut first: HashMap<u32, NodeId> = HashMap::new();
+    let split = |segment: u32, a: NodeId, b: NodeId| {
+        let (na, nb) = (&g[a.ix()], &g[b.ix()]);
+        CompileError::SplitSegment {
+            segment,
+            name: dag.segments()[segment as usize].name(),
+            a: dag.label(a),
+            a_devices: ids(&na.devices),
+            b: dag.label(b),
+            b_devices: ids(&nb.devices),
+        }
+    };
+    let mut first: HashMap<(u32, Vec<u32>), NodeId> = HashMap::new();
+    let mut any: std::collections::BTreeMap<u32, Vec<NodeId>> = Default::default();
     for ix in g.node_indices() {
         if let NodeKind::Compute { segment, .. } = g[ix].kind {
             let id = NodeId(ix.index() as u32);
-            let f = *first.entry(segment).or_insert(id);
+            let key = (segment, dag.split_key(&g[ix]));
+            let f = *first.entry(key).or_insert(id);
             let (a, b) = (&g[f.ix()], &g[ix]);
             if a.devices != b.devices || a.replica != b.replica {
-                return Err(CompileError::SplitSegment {
-                    segment,
-                    name: dag.segments()[segment as usize].name(),
-                    a: dag.label(f),
-                    a_devices: ids(&a.devices),
-                    b: dag.label(id),
-                    b_devices: ids(&b.devices),
-                });
+                return Err(split(segment, f, id));
             }
+            let seen = any.entry(segment).or_default();
+            if !seen
+                .iter()
+                .any(|x| g[x.ix()].devices == b.devices && g[x.ix()].replica == b.replica)
+            {
+                seen.push(id);
+            }
+        }
+    }
+    let copies = dag.segment_copies();
+    for (segment, nodes) in any {
+        if nodes.len() > 1 && TrainingDag::paired_copies(&copies[segment as usize]).is_none() {
+            return Err(split(segment, nodes[0], nodes[1]));
         }
     }
     Ok(())
@@ -229,6 +250,7 @@ fn purpose_name(p: CommPurpose) -> &'static str {
         CommPurpose::ParamGather => "param-gather",
         CommPurpose::ParamRefresh => "param-refresh",
         CommPurpose::TiedGrad => "tied-grad",
+        CommPurpose::CopyGrad => "copy-grad",
         CommPurpose::GradNorm => "grad-norm",
     }
 }
@@ -521,20 +543,28 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         }
     }
     let mut states = vec![0u64; ndev];
+    let copies = dag.segment_copies();
     for (s, p) in placement.iter().enumerate() {
-        let Some((devs, rep)) = p else { continue };
-        let held = dag.held_elems(s as u32, &placement);
-        let n = devs.len() as u64;
-        let zero = match rep {
-            Some(r) if n > 1 => dag.specs[*r as usize].zero,
-            _ => 0,
+        // A segment held once, or once per parameter copy.
+        let held_on: Vec<(Vec<crate::dag::DeviceId>, Option<u32>)> = match p {
+            Some(one) => vec![one.clone()],
+            None if TrainingDag::paired_copies(&copies[s]).is_some() => copies[s].clone(),
+            None => continue,
         };
-        let shard = held.div_ceil(n);
-        let params = if zero >= 3 { shard } else { held };
-        let grads = if zero >= 2 { shard } else { held };
-        let moments = 2 * if zero >= 1 { shard } else { held };
-        for d in devs {
-            states[d.0 as usize] += (params + grads + moments) * DTYPE_BYTES;
+        for (devs, rep) in &held_on {
+            let held = dag.held_elems(s as u32, &placement);
+            let n = devs.len() as u64;
+            let zero = match rep {
+                Some(r) if n > 1 => dag.specs[*r as usize].zero,
+                _ => 0,
+            };
+            let shard = held.div_ceil(n);
+            let params = if zero >= 3 { shard } else { held };
+            let grads = if zero >= 2 { shard } else { held };
+            let moments = 2 * if zero >= 1 { shard } else { held };
+            for d in devs {
+                states[d.0 as usize] += (params + grads + moments) * DTYPE_BYTES;
+            }
         }
     }
     for (d, list) in streams.into_iter().enumerate() {

@@ -15,6 +15,12 @@
 //! - 3: as 2, but no gather after the update: parameters stay sharded and are
 //!   all-gathered before every `F` and `B`/`BI` use instead.
 //!
+//! A segment whose nodes run on several groups (DualPipe's second model
+//! copy: the same stage on another device for half the microbatches) keeps a
+//! parameter copy on each group; the copies' gradients are all-reduced
+//! element-wise across the groups (`copy-grad`) and every copy applies the
+//! same update, so the copies stay identical.
+//!
 //! When the embedding and the LM head (which share `wte`) sit on different
 //! groups of equal size, each keeps a copy of `wte` and their gradients are
 //! all-reduced pairwise (device `i` of one group with device `i` of the
@@ -76,6 +82,52 @@ impl TrainingDag {
         out.into_iter().map(|s| s.flatten()).collect()
     }
 
+    /// Every distinct (group, replication) a segment's compute nodes run on,
+    /// sorted: one entry normally, one per parameter copy when duplicated.
+    pub(crate) fn segment_copies(&self) -> Vec<Vec<(Vec<DeviceId>, Option<u32>)>> {
+        let mut out: Vec<Vec<(Vec<DeviceId>, Option<u32>)>> =
+            vec![Vec::new(); self.segments().len()];
+        for n in self.graph.node_weights() {
+            if let NodeKind::Compute { segment, .. } = n.kind {
+                if n.devices.is_empty() {
+                    continue;
+                }
+                let this = (n.devices.clone(), n.replica);
+                let list = &mut out[segment as usize];
+                if !list.contains(&this) {
+                    list.push(this);
+                }
+            }
+        }
+        for l in &mut out {
+            l.sort();
+        }
+        out
+    }
+
+    /// Copies of a segment that can be paired element-wise (equal group
+    /// sizes, no device in common), or `None` when there is only one.
+    pub(crate) fn paired_copies(
+        copies: &[(Vec<DeviceId>, Option<u32>)],
+    ) -> Option<Vec<Vec<DeviceId>>> {
+        if copies.len() < 2 {
+            return None;
+        }
+        let n = copies[0].0.len();
+        let mut all: Vec<DeviceId> = copies.iter().flat_map(|c| c.0.clone()).collect();
+        let total = all.len();
+        all.sort_unstable();
+        all.dedup();
+        if copies.iter().any(|c| c.0.len() != n) || all.len() != total {
+            return None;
+        }
+        Some(
+            (0..n)
+                .map(|i| copies.iter().map(|c| c.0[i]).collect())
+                .collect(),
+        )
+    }
+
     /// Parameter elements a segment holds on its devices: its own, plus a copy
     /// of the tied `wte` when it has the head but not the embedding's group.
     pub(crate) fn held_elems(
@@ -103,7 +155,7 @@ impl TrainingDag {
         }
     }
 
-    fn split_key(&self, n: &Node) -> Vec<u32> {
+    pub(crate) fn split_key(&self, n: &Node) -> Vec<u32> {
         self.split_dims
             .iter()
             .map(|k| n.tags.get(*k).unwrap_or(0))
@@ -221,10 +273,45 @@ impl TrainingDag {
             self.segments().iter().position(|s| s.has_embedding()),
             self.segments().iter().position(|s| s.has_head()),
         ) {
-            if e != h && placement[e].is_some() && placement[e] == placement[h] {
+            let copies = self.segment_copies();
+            let same_copies = copies[e].len() > 1 && copies[e] == copies[h];
+            if e != h && ((placement[e].is_some() && placement[e] == placement[h]) || same_copies) {
                 let extra: Sources = sources[h].clone();
                 sources[e].extend(extra);
             }
+        }
+
+        // Parameter copies: all-reduce each duplicated segment's gradients
+        // across its groups; every copy's update reads the sum.
+        let copies = self.segment_copies();
+        for (seg, list) in copies.iter().enumerate() {
+            let Some(groups) = Self::paired_copies(list) else {
+                continue;
+            };
+            let devices: Vec<DeviceId> = list.iter().flat_map(|c| c.0.clone()).collect();
+            let bytes = grad_bytes(self, seg as u32);
+            let node = self.add_derived(
+                key_of(("copy", seg)),
+                NodeKind::Comm(Comm {
+                    op: CommOp::AllReduce,
+                    purpose: CommPurpose::CopyGrad,
+                    tensor: TensorKind::ParamGrad,
+                    bytes,
+                    segments: vec![seg as u32],
+                    peers: Vec::new(),
+                    groups,
+                    pair: None,
+                }),
+                region_tags(self, seg as u32),
+                devices,
+                self.tied_stream,
+                1,
+                &tweaks,
+            );
+            for (_, src) in sources[seg].clone() {
+                self.data(src, node, TensorKind::ParamGrad, bytes);
+            }
+            sources[seg] = vec![(None, node)];
         }
 
         // 3. Tied embedding / head gradients across groups.
@@ -296,14 +383,28 @@ impl TrainingDag {
         // 4. One update per (group, spec), gradient collectives per bucket.
         let mut keys: BTreeMap<(Vec<DeviceId>, Option<u32>), Vec<u32>> = BTreeMap::new();
         for (s, p) in placement.iter().enumerate() {
+            if Self::paired_copies(&copies[s]).is_some() {
+                for c in &copies[s] {
+                    keys.entry(c.clone()).or_default().push(s as u32);
+                }
+                continue;
+            }
             let k = p.clone().unwrap_or((Vec::new(), None));
             keys.entry(k).or_default().push(s as u32);
         }
         let mut keys: Vec<_> = keys.into_iter().collect();
         keys.sort_by_key(|(_, segs)| segs[0]);
         for ((devs, rep), segs) in keys {
+            // Parameter copies give several updates over the same segments:
+            // their keys add the group (others keep theirs across re-placing).
+            let copied = segs.iter().any(|s| copies[*s as usize].len() > 1);
+            let key = if copied {
+                key_of(("update", &segs, &devs))
+            } else {
+                key_of(("update", &segs))
+            };
             let update = self.add_derived(
-                key_of(("update", &segs)),
+                key,
                 NodeKind::Update {
                     segments: segs.clone(),
                 },

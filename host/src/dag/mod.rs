@@ -150,6 +150,10 @@ pub enum CommPurpose {
     ParamRefresh,
     /// Gradient all-reduce of the tied embedding / LM head across stages.
     TiedGrad,
+    /// Gradient all-reduce of a segment's parameter copies: a segment whose
+    /// nodes run on several device groups (DualPipe's two model copies)
+    /// holds a copy on each, reduced together before the update.
+    CopyGrad,
     /// All-reduce of the squared gradient norm over every device holding
     /// parameters, so clipping uses the global norm however the gradients are
     /// spread (stages) or sharded (ZeRO).

@@ -53,15 +53,20 @@ enum Buf {
     Vec(Arc<Vec<f32>>),
     Saved(SegmentCache),
     Stash(SegmentStash),
-    /// ZeRO-3: a segment's gathered parameters.
+    /// ZeRO-3: a segment's gathered parameters; ZeRO-2/3: one microbatch's
+    /// weight gradients.
     Params(Tensors),
+    /// ZeRO-2/3: one microbatch's tied `wte` gradient, already all-reduced
+    /// across the embedding's and the head's stages; it replaces the local
+    /// `wte` gradients of that microbatch.
+    Tied(Tensors),
 }
 
 impl Buf {
     fn bytes(&self) -> u64 {
         match self {
             Buf::Vec(v) => v.len() as u64 * 4,
-            Buf::Params(t) => t.values().map(|v| v.len() as u64 * 4).sum(),
+            Buf::Params(t) | Buf::Tied(t) => t.values().map(|v| v.len() as u64 * 4).sum(),
             Buf::Saved(c) => c.bytes(),
             Buf::Stash(s) => s.bytes(),
         }
@@ -193,14 +198,6 @@ impl Device {
                 replica.insert(*s, op.replica);
             }
         }
-        let tied = ops().any(|o| o.purpose.as_deref() == Some("tied-grad"));
-        if let Some(op) = ops().find(|o| tied && o.zero >= 2) {
-            return Err(RuntimeError::Unsupported(format!(
-                "device {}: {}: ZeRO-2/3 with the tied embedding and LM head on different pipeline stages is not yet supported by the CPU runtime (use ZeRO-1, or keep the first and last regions on one stage)",
-                plan.device,
-                label(op)
-            )));
-        }
         if let Some(op) = ops().find(|o| o.op == OpKind::AllToAll) {
             return Err(RuntimeError::Unsupported(format!(
                 "device {}: {}: all-to-all (expert parallelism) is not yet supported by the CPU runtime",
@@ -223,6 +220,25 @@ impl Device {
                 let counts = replica.get(&s) == Some(&0) && (name != "wte" || has_embedding);
                 if counts && !norm_names.contains(&name) {
                     norm_names.push(name);
+                }
+            }
+        }
+        // Parameter copies (DualPipe): the first device of each copy group
+        // counts the reduced gradient in the norm, the others do not.
+        for op in ops().filter(|o| o.purpose.as_deref() == Some("copy-grad")) {
+            if op.zero >= 2 {
+                return Err(RuntimeError::Unsupported(format!(
+                    "device {}: {}: ZeRO-2/3 over duplicated parameter copies is not supported by the CPU runtime",
+                    plan.device,
+                    label(op)
+                )));
+            }
+            let group = op.group.as_deref().unwrap_or(&[]);
+            if group.first() != Some(&plan.device) {
+                for s in op.segments.iter() {
+                    for n in owned_names(cfg, segments, &held, *s) {
+                        norm_names.retain(|x| *x != n);
+                    }
                 }
             }
         }
@@ -340,6 +356,28 @@ impl Device {
     }
     pub(crate) fn peak_bytes(&self) -> u64 {
         self.state_bytes + self.bufs.lock().unwrap().peak
+    }
+    /// ZeRO-3 parameter shards: (tensor names and lengths in the flat
+    /// layout, total length, this device's range, its values).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn param_shards(
+        &self,
+    ) -> Vec<(
+        Vec<(String, usize)>,
+        usize,
+        std::ops::Range<usize>,
+        Vec<f32>,
+    )> {
+        self.buckets
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|b| b.zero >= 3)
+            .map(|b| (b.names.clone(), b.total, b.shard.clone(), b.param.clone()))
+            .collect()
+    }
+    pub(crate) fn state_bytes(&self) -> u64 {
+        self.state_bytes
     }
     pub(crate) fn params(&self) -> Tensors {
         self.params.read().unwrap().clone()
@@ -735,7 +773,10 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
             set_clip(dev, (total[0] as f64).sqrt(), ctx.opts.clip);
         }
         OpKind::AllReduce | OpKind::ReduceScatter
-            if matches!(op.purpose.as_deref(), Some("grad-sync") | Some("tied-grad")) =>
+            if matches!(
+                op.purpose.as_deref(),
+                Some("grad-sync") | Some("tied-grad") | Some("copy-grad")
+            ) =>
         {
             let names = if op.purpose.as_deref() == Some("tied-grad") {
                 vec!["wte".to_string()]
@@ -744,19 +785,27 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
             };
             // ZeRO-2/3 reduce every microbatch's gradients, which the
             // backwards hand over as buffers (freed after this op).
-            let per_microbatch = op.op == OpKind::ReduceScatter && op.zero >= 2;
+            let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);
+            let tied = op.purpose.as_deref() == Some("tied-grad");
             let mut flat = Vec::new();
             if per_microbatch {
                 let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
                 for n in &names {
+                    // A tied all-reduce's result replaces the local pieces.
+                    let reduced = bufs
+                        .iter()
+                        .any(|b| matches!(&**b, Buf::Tied(t) if t.contains_key(n)));
                     let mut acc: Option<Vec<f32>> = None;
                     for b in &bufs {
-                        if let Buf::Params(t) = &**b {
-                            if let Some(g) = t.get(n) {
-                                match acc.as_mut() {
-                                    None => acc = Some(g.clone()),
-                                    Some(a) => a.iter_mut().zip(g).for_each(|(x, y)| *x += y),
-                                }
+                        let t = match &**b {
+                            Buf::Tied(t) => t,
+                            Buf::Params(t) if !reduced => t,
+                            _ => continue,
+                        };
+                        if let Some(g) = t.get(n) {
+                            match acc.as_mut() {
+                                None => acc = Some(g.clone()),
+                                Some(a) => a.iter_mut().zip(g).for_each(|(x, y)| *x += y),
                             }
                         }
                     }
@@ -778,7 +827,12 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                 .comm
                 .all_reduce(op.op.as_str(), op.node, &group, dev.id, flat)
                 .map_err(comm_err)?;
-            if per_microbatch {
+            if per_microbatch && tied {
+                // Hand the microbatch's reduced `wte` gradient to the
+                // gradient reduce-scatter of its bucket.
+                let t: Tensors = [("wte".to_string(), sum.to_vec())].into_iter().collect();
+                dev.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
+            } else if per_microbatch {
                 // Keep this device's shard of the reduced gradients.
                 let mut buckets = dev.buckets.lock().unwrap();
                 let b = buckets

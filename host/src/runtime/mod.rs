@@ -31,6 +31,7 @@ use crate::model::ModelConfig;
 use backend::cpu::adamw::AdamW;
 use backend::cpu::gpt::Tensors;
 use exec::Device;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// How to train.
@@ -73,6 +74,9 @@ pub struct StepStats {
     pub elapsed: Duration,
     /// Measured peak bytes per device (model states + transient buffers).
     pub peak_bytes: Vec<u64>,
+    /// Model states per device (parameters, gradients, optimizer moments,
+    /// sharded or not) as the runtime allocated them.
+    pub state_bytes: Vec<u64>,
 }
 
 /// Trains a model by running a compiled plan.
@@ -149,15 +153,29 @@ impl Trainer {
             grad_norm,
             elapsed: t.elapsed(),
             peak_bytes: self.devices.iter().map(|d| d.peak_bytes()).collect(),
+            state_bytes: self.devices.iter().map(|d| d.state_bytes()).collect(),
         })
     }
 
-    /// Every parameter of the model, taken from the first device holding it.
+    /// Every parameter of the model, taken from the first device holding it
+    /// (ZeRO-3 shards are put back together from their group).
     pub fn params(&self) -> Tensors {
         let mut out = Tensors::new();
+        let mut flat: HashMap<Vec<(String, usize)>, Vec<f32>> = HashMap::new();
         for d in &self.devices {
             for (k, v) in d.params() {
                 out.entry(k).or_insert(v);
+            }
+            for (names, total, range, vals) in d.param_shards() {
+                let full = flat.entry(names).or_insert_with(|| vec![0.0; total]);
+                full[range.clone()].copy_from_slice(&vals[..range.len()]);
+            }
+        }
+        for (names, full) in flat {
+            let mut at = 0;
+            for (n, len) in names {
+                out.entry(n).or_insert_with(|| full[at..at + len].to_vec());
+                at += len;
             }
         }
         out

@@ -2,7 +2,11 @@
 //! directive programs the bundled plugins run, called directly on the DAG.
 #![allow(dead_code)]
 
-use piper::dag::{DagError, Filter, ReplicateOptions, TrainingDag};
+use piper::compile::compile;
+use piper::dag::{Cluster, DagError, Filter, ReplicateOptions, TrainingDag};
+use piper::model::ModelConfig;
+use piper::plugin::PluginHost;
+use piper::runtime::{Corpus, TrainOptions, Trainer};
 
 /// Regions per stage when `regions` PP regions are spread over `stages` stages.
 pub fn stage_regions(regions: u32, stages: u32, stage: u32) -> Vec<u32> {
@@ -132,4 +136,106 @@ pub fn steps(plan: &piper::compile::Plan, device: u32) -> Vec<String> {
         }
     }
     out
+}
+
+/// 8 single-layer PP regions (pipelines of 2, 4, 8 stages fit), small enough
+/// for debug-build tests.
+pub fn small() -> ModelConfig {
+    ModelConfig {
+        name: "small".into(),
+        layers: 8,
+        d_model: 32,
+        heads: 2,
+        seq_len: 16,
+        vocab: 256,
+        batch_size: 32,
+        layers_per_region: 1,
+        regions: None,
+        moe: None,
+    }
+}
+
+pub type Strategy<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
+
+/// What a training run left behind.
+#[derive(Clone)]
+pub struct Run {
+    pub losses: Vec<f64>,
+    pub params: piper::runtime::backend::cpu::gpt::Tensors,
+    /// Measured peak bytes per device (runtime accounting), over the run.
+    pub peak_bytes: Vec<u64>,
+    /// Model-state bytes per device as the runtime allocated them.
+    pub state_bytes: Vec<u64>,
+}
+
+/// Train `steps` steps under a strategy.
+pub fn train(
+    host: &PluginHost,
+    cfg: &ModelConfig,
+    devices: u32,
+    strategy: Strategy,
+    steps: u32,
+) -> Run {
+    let mut dag = TrainingDag::build(cfg, Cluster::new(devices)).unwrap();
+    for (name, opts) in strategy {
+        let p = host.load(name).unwrap();
+        let o: Vec<(String, String)> = opts
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        host.apply(&p, &mut dag, &o).unwrap();
+    }
+    let plan = compile(&dag).unwrap();
+    let opts = TrainOptions {
+        adamw: piper::runtime::backend::cpu::adamw::AdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(cfg, plan, opts).unwrap();
+    let corpus = Corpus::builtin();
+    let mut losses = Vec::new();
+    let mut peak_bytes = vec![0; devices as usize];
+    let mut state_bytes = Vec::new();
+    for s in 1..=steps {
+        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+        let st = trainer.step(&batch).unwrap();
+        losses.push(st.loss);
+        for (p, x) in peak_bytes.iter_mut().zip(&st.peak_bytes) {
+            *p = (*p).max(*x);
+        }
+        state_bytes = st.state_bytes;
+    }
+    Run {
+        losses,
+        params: trainer.params(),
+        peak_bytes,
+        state_bytes,
+    }
+}
+
+/// Losses within 1e-5 relative of the baseline's at every step; final
+/// weights within 1e-2 of each tensor's scale (Adam normalises updates, so
+/// float-order differences in near-zero gradients — attention biases — move
+/// a weight by up to the learning rate per step; a wrong gradient moves
+/// whole tensors and the losses).
+pub fn assert_same_training(name: &str, run: &Run, base: &Run) {
+    for (s, (a, b)) in run.losses.iter().zip(&base.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        assert!(
+            rel < 1e-5,
+            "{name}: step {} loss {a} vs one device {b} (relative {rel:.2e})",
+            s + 1
+        );
+    }
+    for (k, v) in &base.params {
+        let o = &run.params[k];
+        let scale = v.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-3);
+        let diff = v.iter().zip(o).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            diff / scale < 1e-2,
+            "{name}: {k} differs by {diff} (scale {scale})"
+        );
+    }
 }

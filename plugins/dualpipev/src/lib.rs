@@ -1,0 +1,79 @@
+//! `dualpipev`: DeepSeek's DualPipeV ("cut-in-half" DualPipe, DeepSeek-V3
+//! report and the `dualpipev.py` reference). The model is cut into `2p`
+//! stages folded into a V: device `r` of `p` holds stage `r` (on the way
+//! down) and stage `2p − 1 − r` (on the way back), so the first device also
+//! computes the loss. Its schedule pairs a forward of one stage with a
+//! backward of the other (overlapped F&B pairs) in the steady state and
+//! defers weight passes into the warm-up and cool-down bubbles. One copy of
+//! the parameters, unlike DualPipe.
+
+use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, OptionSpec, Options, PluginInfo, Strategy};
+
+pub struct DualPipeV;
+
+impl Strategy for DualPipeV {
+    fn info() -> PluginInfo {
+        PluginInfo::new(
+            "dualpipev",
+            env!("CARGO_PKG_VERSION"),
+            "DeepSeek's DualPipeV: V-shaped placement, 2 stages per device, overlapped F&B pairs",
+        )
+        .option(OptionSpec::int(
+            "stages",
+            None,
+            "model stages, 2 per device (default: 2 × devices ÷ data-parallel degree)",
+        ))
+        .option(OptionSpec::int(
+            "microbatches",
+            None,
+            "microbatches per step, at least 2 × devices (default: 2 × stages)",
+        ))
+        .option(OptionSpec::str(
+            "stream",
+            Some("pp"),
+            "stream of the activation/gradient transfers",
+        ))
+    }
+
+    fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
+        let who = "dualpipev";
+        // 1. Preconditions, with the numbers: two stages per device.
+        let stages = options.u32("stages")?;
+        if let Some(s) = stages {
+            if s == 0 || s % 2 == 1 {
+                return Err(Error::msg(format!(
+                    "{who} needs an even number of stages (2 per device): got {s}"
+                )));
+            }
+        }
+        // 2. The V: stage s < p on device s, stage s ≥ p on device 2p − 1 − s.
+        let pipe = Pipeline::layout(
+            dag,
+            stages.map(|s| s / 2),
+            2,
+            &|s, p| if s < p { s } else { 2 * p - 1 - s },
+            who,
+        )?;
+        let p = pipe.positions();
+        let m = microbatches(options, 2 * pipe.stages(), who)?;
+        if m < 2 * p {
+            return Err(Error::msg(format!(
+                "{who} needs microbatches ≥ 2·devices: got {m} microbatches for {p} devices"
+            )));
+        }
+        // 3. Microbatches; both stages of each device placed on it.
+        pipe.split_place(dag, options, m)?;
+        // 4. Per device: DeepSeek's eight-part schedule; phase 0 is the stage
+        //    on the way down, phase 1 the one on the way back.
+        let all: Vec<u32> = (0..m).collect();
+        for r in 0..p {
+            let steps = dual_schedule(p, r, m, r == p - 1);
+            let groups = dual_groups(&pipe, &steps, [r, 2 * p - 1 - r], [&all, &all])?;
+            dag.order(&groups)?;
+        }
+        Ok(())
+    }
+}
+
+export_strategy!(DualPipeV);
