@@ -28,6 +28,9 @@ fn model() -> ModelConfig {
     }
 }
 
+/// (label, plugin, options)
+type Case<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
+
 struct Measured {
     step_s: f64,
     idle: Vec<f64>,
@@ -104,7 +107,7 @@ fn main() {
     );
     for m in [8u32, 16] {
         let ms = m.to_string();
-        let cases: Vec<(&str, &str, Vec<(&str, String)>)> = vec![
+        let cases: Vec<Case> = vec![
             ("gpipe", "gpipe", vec![("microbatches", ms.clone())]),
             ("1f1b", "1f1b", vec![("microbatches", ms.clone())]),
             (
