@@ -3,8 +3,8 @@
 //! hide bubbles: an idle device frees its core for another). For each of
 //! `gpipe`, `1f1b`, `interleaved-1f1b`, `zb-h1` (2 stages) and `dualpipev`
 //! (4 stages folded on the 2 devices), with 8 and 16 microbatches, on a
-//! model where compute dominates (8 layers, d_model 256): the best step
-//! time of the run, its ratio to `1f1b`, and each device's idle fraction
+//! model where compute dominates (8 layers, d_model 256): the median step
+//! time over interleaved rounds, its ratio to `1f1b`, and each device's idle fraction
 //! (share of the step its compute stream did not run), from the trace.
 
 use piper::compile::compile;
@@ -12,6 +12,9 @@ use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
+
+/// (label, plugin, options)
+type Case<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
 
 fn model() -> ModelConfig {
     ModelConfig {
@@ -28,15 +31,16 @@ fn model() -> ModelConfig {
     }
 }
 
-/// (label, plugin, options)
-type Case<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
-
-struct Measured {
-    step_s: f64,
-    idle: Vec<f64>,
+/// One schedule's trainer and what its steps measured.
+struct Bench {
+    label: String,
+    trainer: Trainer,
+    compute_tid: Vec<usize>,
+    times: Vec<f64>,
+    idle: Vec<[f64; 2]>,
 }
 
-fn measure(host: &PluginHost, name: &str, opts: &[(&str, String)], steps: u32) -> Measured {
+fn setup(host: &PluginHost, label: &str, name: &str, opts: &[(&str, String)]) -> Bench {
     let cfg = model();
     let mut dag = TrainingDag::build(&cfg, Cluster::new(2)).unwrap();
     let p = host.load(name).unwrap();
@@ -46,7 +50,7 @@ fn measure(host: &PluginHost, name: &str, opts: &[(&str, String)], steps: u32) -
         .collect();
     host.apply(&p, &mut dag, &o).unwrap();
     let plan = compile(&dag).unwrap();
-    let compute_tid: Vec<usize> = plan
+    let compute_tid = plan
         .devices
         .iter()
         .map(|d| {
@@ -60,50 +64,59 @@ fn measure(host: &PluginHost, name: &str, opts: &[(&str, String)], steps: u32) -
         trace: true,
         ..Default::default()
     };
-    let mut t = Trainer::new(&cfg, plan, opts).unwrap();
-    let corpus = Corpus::builtin();
-    let mut best = (f64::MAX, 0u32);
-    for s in 1..=steps {
-        let st = t.step(&corpus.batch(s, 32, 64)).unwrap();
-        // Step 1 warms caches and allocators; it never counts.
-        if s > 1 && st.elapsed.as_secs_f64() < best.0 {
-            best = (st.elapsed.as_secs_f64(), s);
-        }
-    }
-    // Busy compute time per device in the best step, from the trace.
-    let trace = t.trace_json();
-    let mut busy = [0.0f64; 2];
-    let mut span = [(f64::MAX, 0.0f64); 2];
-    for e in trace["traceEvents"].as_array().unwrap() {
-        if e["ph"] != "X" || e["args"]["step"].as_u64() != Some(best.1 as u64) {
-            continue;
-        }
-        let d = e["pid"].as_u64().unwrap() as usize;
-        let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
-        span[d] = (span[d].0.min(ts), span[d].1.max(ts + dur));
-        if e["tid"].as_u64() == Some(compute_tid[d] as u64) {
-            busy[d] += dur;
-        }
-    }
-    // The step's span: first op on any device to last op on any device.
-    let start = span.iter().map(|s| s.0).fold(f64::MAX, f64::min);
-    let end = span.iter().map(|s| s.1).fold(0.0, f64::max);
-    Measured {
-        step_s: best.0,
-        idle: busy.iter().map(|b| 1.0 - b / (end - start)).collect(),
+    Bench {
+        label: label.to_string(),
+        trainer: Trainer::new(&cfg, plan, opts).unwrap(),
+        compute_tid,
+        times: Vec::new(),
+        idle: Vec::new(),
     }
 }
 
+impl Bench {
+    /// Run step `s`; record its time and each device's idle fraction (the
+    /// share of the step's span its compute stream did not run).
+    fn step(&mut self, corpus: &Corpus, s: u32, record: bool) {
+        let st = self.trainer.step(&corpus.batch(s, 32, 64)).unwrap();
+        if !record {
+            return;
+        }
+        self.times.push(st.elapsed.as_secs_f64());
+        let trace = self.trainer.trace_json();
+        let mut busy = [0.0f64; 2];
+        let (mut start, mut end) = (f64::MAX, 0.0f64);
+        for e in trace["traceEvents"].as_array().unwrap() {
+            if e["ph"] != "X" || e["args"]["step"].as_u64() != Some(s as u64) {
+                continue;
+            }
+            let d = e["pid"].as_u64().unwrap() as usize;
+            let (ts, dur) = (e["ts"].as_f64().unwrap(), e["dur"].as_f64().unwrap());
+            start = start.min(ts);
+            end = end.max(ts + dur);
+            if e["tid"].as_u64() == Some(self.compute_tid[d] as u64) {
+                busy[d] += dur;
+            }
+        }
+        self.idle
+            .push([1.0 - busy[0] / (end - start), 1.0 - busy[1] / (end - start)]);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
 fn main() {
-    let steps: u32 = std::env::var("PIPER_BENCH_STEPS")
+    let rounds: u32 = std::env::var("PIPER_BENCH_ROUNDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(4);
+        .unwrap_or(7);
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     println!(
         "pipeline schedules on 2 virtual devices (one thread each), model 8 layers × d_model 256, \
-         batch 32 × 64 tokens; best of {} steps",
-        steps - 1
+         batch 32 × 64 tokens; median of {rounds} rounds, each round one step of every schedule \
+         in turn (so the machine's drift hits all alike), after a warm-up round"
     );
     for m in [8u32, 16] {
         let ms = m.to_string();
@@ -122,28 +135,40 @@ fn main() {
                 vec![("microbatches", ms.clone())],
             ),
         ];
-        let results: Vec<(&str, Measured)> = cases
+        let mut benches: Vec<Bench> = cases
             .iter()
-            .map(|(label, name, o)| (*label, measure(&host, name, o, steps)))
+            .map(|(label, name, o)| setup(&host, label, name, o))
             .collect();
-        let base = results
-            .iter()
-            .find(|(l, _)| *l == "1f1b")
-            .map(|(_, r)| r.step_s)
-            .unwrap();
+        let corpus = Corpus::builtin();
+        for round in 0..=rounds {
+            for b in benches.iter_mut() {
+                b.step(&corpus, round + 1, round > 0);
+            }
+        }
+        let base = median(
+            benches
+                .iter()
+                .find(|b| b.label == "1f1b")
+                .unwrap()
+                .times
+                .clone(),
+        );
         println!("\n{m} microbatches:");
         println!(
-            "  {:<24} {:>10} {:>9} {:>16}",
+            "  {:<24} {:>10} {:>9} {:>18}",
             "schedule", "step (ms)", "vs 1f1b", "idle dev0 / dev1"
         );
-        for (label, r) in &results {
+        for b in &benches {
+            let t = median(b.times.clone());
+            let idle0 = median(b.idle.iter().map(|i| i[0]).collect());
+            let idle1 = median(b.idle.iter().map(|i| i[1]).collect());
             println!(
-                "  {:<24} {:>10.1} {:>8.3}× {:>7.1}% / {:>5.1}%",
-                label,
-                r.step_s * 1e3,
-                r.step_s / base,
-                100.0 * r.idle[0],
-                100.0 * r.idle[1]
+                "  {:<24} {:>10.1} {:>8.3}× {:>8.1}% / {:>5.1}%",
+                b.label,
+                t * 1e3,
+                t / base,
+                100.0 * idle0,
+                100.0 * idle1
             );
         }
     }

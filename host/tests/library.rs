@@ -28,7 +28,10 @@ fn plan(devices: u32, strategy: Strategy) -> Result<Plan, String> {
         host.apply(&host.load(name).unwrap(), &mut dag, &o)
             .map_err(|e| format!("{e:#}"))?;
     }
-    compile(&dag).map_err(|e| e.to_string())
+    let plan = compile(&dag).map_err(|e| e.to_string())?;
+    // Schedules are checked on the plan as its JSON says it (what a runtime reads).
+    let json = serde_json::to_string(&plan).unwrap();
+    Ok(serde_json::from_str(&json).unwrap())
 }
 
 const STEPS: u32 = 10;
