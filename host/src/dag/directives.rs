@@ -612,25 +612,10 @@ impl TrainingDag {
         };
         self.index_label(b);
         let bw = self.add_node(bw);
-        // BW needs the saved activations and the output gradient, which BI hands on.
-        let saved: Vec<(NodeId, EdgeKind)> = self
-            .preds(b)
-            .filter(|(_, k)| {
-                matches!(
-                    k,
-                    EdgeKind::Data {
-                        tensor: TensorKind::Saved,
-                        ..
-                    }
-                )
-            })
-            .collect();
-        for (src, k) in saved {
-            self.graph.add_edge(src.ix(), bw, k);
-        }
-        // BI's stash: the output gradients of every layer (≈ the saved bytes).
+        // BW needs the inputs of the segment's matmuls and layernorms and the
+        // output gradients: BI (the saved tensors' last reader) hands both on.
         let seg = &self.segments()[segment as usize];
-        let stash_bytes = seg.cost.saved_bytes;
+        let stash_bytes = seg.cost.stash_bytes;
         self.graph.add_edge(
             b.ix(),
             bw,

@@ -23,6 +23,11 @@ pub struct PartCost {
     pub act_out_bytes: u64,
     /// Bytes kept from forward for backward.
     pub saved_bytes: u64,
+    /// Bytes a split backward's `BI` hands to its `BW`: the forward tensors
+    /// the weight gradients read (matmul and layernorm inputs) and the
+    /// output gradient of every weight.
+    #[serde(default)]
+    pub stash_bytes: u64,
 }
 
 impl PartCost {
@@ -36,6 +41,7 @@ impl PartCost {
         self.param_elems += o.param_elems;
         self.act_out_bytes = o.act_out_bytes;
         self.saved_bytes += o.saved_bytes;
+        self.stash_bytes += o.stash_bytes;
     }
 }
 
@@ -54,12 +60,13 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let b = DTYPE_BYTES as f64;
     let hidden = n * d * b; // one (tokens × d_model) fp32 tensor
     let attn_flops = 4.0 * n * t * d; // QKᵀ and AV
-    let (fwd, wgrad_share, params, saved, act_in, act_out) = match part {
+    let (fwd, wgrad_share, params, saved, stash, act_in, act_out) = match part {
         Part::Embedding => (
             n * d,
             1.0,
             v * d + t * d,
-            n * 4.0, // token ids
+            n * 4.0,          // token ids
+            n * 4.0 + hidden, // token ids + output gradient
             n * 4.0,
             hidden,
         ),
@@ -67,8 +74,13 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             2.0 * n * 12.0 * d * d + attn_flops,
             0.5,
             12.0 * d * d + 13.0 * d,
-            // ln1, qkv, probs, attention out, residual, ln2, fc, gelu, + mean/rstd ×2
+            // x, ln1, qkv, attention out, residual, ln2, fc, gelu (15 d),
+            // attention probabilities (h t), layernorm mean/rstd ×2
             (15.0 * d + h * t + 4.0) * n * b,
+            // weight pass: x, ln1, attention out, residual, ln2, gelu (9 d)
+            // + mean/rstd ×2, and the gradients of out, fc, ln2, residual,
+            // qkv, ln1 (11 d)
+            (20.0 * d + 4.0) * n * b,
             hidden,
             hidden,
         ),
@@ -77,6 +89,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             0.5,
             4.0 * d * d + 9.0 * d + d * e,
             (7.0 * d + h * t + 4.0 + e) * n * b,
+            (10.0 * d + 2.0 + e) * n * b,
             hidden,
             hidden,
         ),
@@ -85,6 +98,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             0.5,
             e * (8.0 * d * d + 5.0 * d),
             (9.0 * d * k + k) * n * b,
+            (12.0 * d * k + k) * n * b,
             hidden,
             hidden,
         ),
@@ -93,6 +107,9 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             0.5,
             2.0 * d, // ln_f; the head weight is the tied wte
             (d + 2.0 + v) * n * b,
+            // weight pass: x, ln_f out, mean/rstd, and the gradients of the
+            // logits and of ln_f's output
+            (3.0 * d + 2.0 + v) * n * b,
             hidden,
             b, // the loss
         ),
@@ -105,5 +122,6 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         act_in_bytes: act_in as u64,
         act_out_bytes: act_out as u64,
         saved_bytes: saved as u64,
+        stash_bytes: stash as u64,
     }
 }

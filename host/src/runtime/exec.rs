@@ -704,11 +704,23 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                         unreachable!()
                     };
                     let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
-                    let (dinp, stash) = segment_backward_input(params, cache, dout, ctx.loss_scale);
+                    let (dinp, mut stash) =
+                        segment_backward_input(params, cache, dout, ctx.loss_scale);
                     drop(own);
                     if op.op == OpKind::B {
                         weight_grads(dev, op, ctx, seg, cache, &stash)?;
                     } else {
+                        // BI is the saved tensors' last reader: hand what BW
+                        // needs on in the stash, free the rest now.
+                        let cache = match Arc::try_unwrap(saved) {
+                            Ok(Buf::Saved(c)) => c,
+                            Ok(_) => unreachable!(),
+                            Err(shared) => match &*shared {
+                                Buf::Saved(c) => c.clone(),
+                                _ => unreachable!(),
+                            },
+                        };
+                        stash.keep_for_weights(cache);
                         dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
                     }
                     if let Some(d) = dinp {
@@ -717,14 +729,16 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                 }
                 _ => {
                     drop(own);
-                    let saved = dev.take(op, TensorKind::Saved)?;
-                    let stash = dev.take(op, TensorKind::Stash)?;
-                    let (Some(saved), Some(stash)) = (saved, stash) else {
-                        return Err(missing(dev, op, "saved tensors and BI's stash"));
-                    };
-                    let (Buf::Saved(cache), Buf::Stash(stash)) = (&*saved, &*stash) else {
+                    let stash = dev
+                        .take(op, TensorKind::Stash)?
+                        .ok_or_else(|| missing(dev, op, "BI's stash"))?;
+                    let Buf::Stash(stash) = &*stash else {
                         unreachable!()
                     };
+                    let cache = stash
+                        .kept
+                        .as_ref()
+                        .ok_or_else(|| missing(dev, op, "the forward tensors in BI's stash"))?;
                     weight_grads(dev, op, ctx, seg, cache, stash)?;
                 }
             }

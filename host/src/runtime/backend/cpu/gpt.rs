@@ -259,6 +259,11 @@ pub enum PartStash {
 #[derive(Clone, Debug)]
 pub struct SegmentStash {
     pub parts: Vec<PartStash>,
+    /// The forward tensors the weight pass reads (inputs of the matmuls and
+    /// layernorms), kept by a split backward so the rest of the forward
+    /// cache (attention probabilities, qkv, the MLP pre-activation, the
+    /// head's probabilities) is freed at `BI` instead of living until `BW`.
+    pub kept: Option<SegmentCache>,
 }
 
 impl SegmentStash {
@@ -278,7 +283,39 @@ impl SegmentStash {
                 } => f(dout) + f(dfch) + f(dln2) + f(dx2) + f(dqkv) + f(dln1),
                 PartStash::Head { dlogits, dlnf } => f(dlogits) + f(dlnf),
             })
-            .sum()
+            .sum::<u64>()
+            + self.kept.as_ref().map_or(0, |c| c.bytes())
+    }
+
+    /// Keep from `cache` what [`segment_backward_weight`] reads.
+    pub fn keep_for_weights(&mut self, cache: SegmentCache) {
+        let parts = cache
+            .parts
+            .into_iter()
+            .map(|p| match p {
+                PartCache::Block(mut b) => {
+                    b.qkv = Vec::new();
+                    b.att = Vec::new();
+                    b.fch = Vec::new();
+                    PartCache::Block(b)
+                }
+                PartCache::Head {
+                    x, lnf, mean, rstd, ..
+                } => PartCache::Head {
+                    x,
+                    lnf,
+                    mean,
+                    rstd,
+                    probs: Vec::new(),
+                    targets: Vec::new(),
+                },
+                e => e,
+            })
+            .collect();
+        self.kept = Some(SegmentCache {
+            dims: cache.dims,
+            parts,
+        });
     }
 }
 
@@ -584,7 +621,13 @@ pub fn segment_backward_input(
         }
     }
     stash.reverse();
-    (has_input.then_some(d), SegmentStash { parts: stash })
+    (
+        has_input.then_some(d),
+        SegmentStash {
+            parts: stash,
+            kept: None,
+        },
+    )
 }
 
 /// Backward for weights: accumulate the segment's parameter gradients.
