@@ -103,7 +103,7 @@ fn compositions_train_tiny_to_the_losses_of_one_device() {
         zero_states[0] > zero_states[1] && zero_states[1] > zero_states[2],
         "model-state bytes on device 0 for ZeRO-1/2/3 + 1F1B: {zero_states:?}"
     );
-    let cases: [(&str, u32, Strategy); 3] = [
+    let cases: [(&str, u32, Strategy); 4] = [
         (
             "dp+interleaved-1f1b",
             4,
@@ -129,6 +129,15 @@ fn compositions_train_tiny_to_the_losses_of_one_device() {
             &[
                 ("dp", &[("degree", "2")]),
                 ("zb-h1", &[("microbatches", "4")]),
+            ],
+        ),
+        // Parameter copies and data parallelism: copy-grad pairs, then DP.
+        (
+            "dp+dualpipe",
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("dualpipe", &[("microbatches", "4")]),
             ],
         ),
     ];
