@@ -83,6 +83,7 @@ fn compositions_train_tiny_to_the_losses_of_one_device() {
     let host = host();
     let base = one_device(&host);
     let mut zero_states = Vec::new();
+    let mut zero_peaks = Vec::new();
     for stage in ["1", "2", "3"] {
         let name = format!("zero({stage})+1f1b");
         let run = train(
@@ -97,11 +98,38 @@ fn compositions_train_tiny_to_the_losses_of_one_device() {
         );
         assert_same_training(&name, &run, &base);
         zero_states.push(run.state_bytes[0]);
+        zero_peaks.push(run.peak_bytes[0]);
     }
     // Inside the pipeline too, each ZeRO stage shards one more kind of state.
     assert!(
         zero_states[0] > zero_states[1] && zero_states[1] > zero_states[2],
         "model-state bytes on device 0 for ZeRO-1/2/3 + 1F1B: {zero_states:?}"
+    );
+    // ZeRO-3 keeping gathered parameters from the first forward to the last
+    // backward (reshard-after-forward=false) trains the same, with more memory.
+    let kept = train(
+        &host,
+        &ModelConfig::tiny(),
+        4,
+        &[
+            (
+                "zero",
+                &[
+                    ("stage", "3"),
+                    ("dp", "2"),
+                    ("reshard-after-forward", "false"),
+                ],
+            ),
+            ("1f1b", &[("microbatches", "4")]),
+        ],
+        STEPS,
+    );
+    assert_same_training("zero(3, kept)+1f1b", &kept, &base);
+    assert!(
+        kept.peak_bytes[0] > zero_peaks[2],
+        "gathered parameters kept: peak {} vs resharded {}",
+        kept.peak_bytes[0],
+        zero_peaks[2]
     );
     let cases: [(&str, u32, Strategy); 4] = [
         (
