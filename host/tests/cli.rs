@@ -147,7 +147,11 @@ fn plugin_info_and_list() {
         "dualpipev",
         "dualpipe",
     ] {
-        assert!(out.lines().any(|l| l.starts_with(name)), "{out}");
+        assert!(
+            out.lines()
+                .any(|l| l.split_whitespace().next() == Some(name)),
+            "{name} missing: {out}"
+        );
     }
     let _ = std::fs::remove_dir_all(&h);
 }

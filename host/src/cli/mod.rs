@@ -220,10 +220,11 @@ fn plugin_info(spec: &str, json: bool) -> Result<()> {
 
 fn plugin_list() -> Result<()> {
     let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+    let width = bundled::names().iter().map(|n| n.len()).max().unwrap_or(0);
     for name in bundled::names() {
         let p = host.load(name)?;
         println!(
-            "{:<10} {:<8} {}",
+            "{:<width$}  {:<8} {}",
             p.info.name, p.info.version, p.info.description
         );
     }
