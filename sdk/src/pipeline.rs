@@ -199,9 +199,20 @@ pub enum DualStep {
 /// ranks; DualPipeV: all of them), `rank` this rank's index in its half, and
 /// `chunks` microbatches per phase. `last` marks the rank where the two
 /// phases meet (DualPipe's middle ranks, DualPipeV's last rank), whose first
-/// steady-state pair is not overlapped. Needs `chunks ≥ 2 · ranks`.
-pub fn dual_schedule(ranks: u32, rank: u32, chunks: u32, last: bool) -> Vec<DualStep> {
+/// steady-state pair is not overlapped. Needs `rank < ranks` and
+/// `chunks ≥ 2 · ranks`.
+pub fn dual_schedule(
+    ranks: u32,
+    rank: u32,
+    chunks: u32,
+    last: bool,
+) -> Result<Vec<DualStep>, Error> {
     use DualStep::*;
+    if rank >= ranks || chunks < 2 * ranks {
+        return Err(Error::msg(format!(
+            "the DualPipe schedule needs rank < ranks and chunks ≥ 2·ranks: got rank {rank}, {ranks} ranks, {chunks} chunks"
+        )));
+    }
     let (n, r) = (ranks, rank);
     let mut out = Vec::new();
     // 1. nF0: warm-up forwards of phase 0.
@@ -259,7 +270,7 @@ pub fn dual_schedule(ranks: u32, rank: u32, chunks: u32, last: bool) -> Vec<Dual
     }
     // 8. nW: flush the deferred weight passes.
     out.extend((0..r + 1).map(|_| W));
-    out
+    Ok(out)
 }
 
 /// A rank's dual schedule resolved to order groups: `stage_of[phase]` is the
@@ -318,4 +329,51 @@ pub fn dual_groups(
         }
     }
     Ok(groups)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dual_schedule_runs_every_pass_of_both_phases_once() {
+        for n in 1..=4 {
+            for r in 0..n {
+                for chunks in 2 * n..2 * n + 5 {
+                    for last in [false, true] {
+                        let steps = dual_schedule(n, r, chunks, last).unwrap();
+                        let (mut f, mut b, mut deferred) = ([0; 2], [0; 2], 0i64);
+                        for s in &steps {
+                            match *s {
+                                DualStep::F(p) => f[p as usize] += 1,
+                                DualStep::B { phase, zb } => {
+                                    b[phase as usize] += 1;
+                                    // A backward never overtakes its forward.
+                                    assert!(b[phase as usize] <= f[phase as usize]);
+                                    deferred += i64::from(zb);
+                                }
+                                DualStep::W => {
+                                    deferred -= 1;
+                                    assert!(deferred >= 0, "W with nothing deferred");
+                                }
+                                DualStep::FB { f: pf, b: pb } => {
+                                    f[pf as usize] += 1;
+                                    b[pb as usize] += 1;
+                                    assert!(b[pb as usize] <= f[pb as usize]);
+                                }
+                            }
+                        }
+                        let c = chunks as i32;
+                        assert_eq!(
+                            (f, b, deferred),
+                            ([c, c], [c, c], 0),
+                            "n {n} r {r} chunks {chunks}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(dual_schedule(4, 0, 7, false).is_err());
+        assert!(dual_schedule(2, 2, 8, false).is_err());
+    }
 }

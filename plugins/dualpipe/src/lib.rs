@@ -78,7 +78,7 @@ impl Strategy for DualPipe {
         for r in 0..p {
             let second = r >= n;
             let half_rank = r.min(p - 1 - r);
-            let steps = dual_schedule(n, half_rank, half, half_rank == n - 1);
+            let steps = dual_schedule(n, half_rank, half, half_rank == n - 1)?;
             let (stage_of, mbs) = if second {
                 ([p - 1 - r, r], [b.as_slice(), a.as_slice()])
             } else {

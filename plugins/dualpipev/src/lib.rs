@@ -68,7 +68,7 @@ impl Strategy for DualPipeV {
         //    on the way down, phase 1 the one on the way back.
         let all: Vec<u32> = (0..m).collect();
         for r in 0..p {
-            let steps = dual_schedule(p, r, m, r == p - 1);
+            let steps = dual_schedule(p, r, m, r == p - 1)?;
             let groups = dual_groups(&pipe, &steps, [r, 2 * p - 1 - r], [&all, &all])?;
             dag.order(&groups)?;
         }

@@ -99,3 +99,33 @@ impl Strategy for Interleaved {
 }
 
 export_strategy!(Interleaved);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_of_every_microbatch_runs_forward_then_backward_once() {
+        for p in 1..=4 {
+            for v in 1..=3 {
+                for m in [p, 2 * p, 3 * p] {
+                    for r in 0..p {
+                        let steps = schedule(p, v, r, m);
+                        assert_eq!(steps.len() as u32, 2 * m * v);
+                        let mut seen = std::collections::HashMap::new();
+                        for (i, (pass, chunk, mb)) in steps.iter().enumerate() {
+                            assert!(*chunk < v && *mb < m);
+                            seen.entry((*chunk, *mb, *pass == Pass::F)).or_insert(i);
+                        }
+                        assert_eq!(seen.len() as u32, 2 * m * v, "p {p} v {v} m {m} r {r}");
+                        for c in 0..v {
+                            for mb in 0..m {
+                                assert!(seen[&(c, mb, true)] < seen[&(c, mb, false)]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

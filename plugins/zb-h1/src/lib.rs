@@ -114,3 +114,51 @@ impl Strategy for ZbH1 {
 }
 
 export_strategy!(ZbH1);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_microbatch_runs_f_then_bi_then_bw_once_with_1f1b_activation_counts() {
+        for p in 1..=6 {
+            for s in 0..p {
+                for m in p..p + 6 {
+                    let steps = schedule(p, s, m);
+                    let mut state = vec![0u8; m as usize]; // 1 F, 2 BI (or B), 3 BW
+                    let mut in_flight = 0i32;
+                    let mut peak = 0;
+                    for (pass, mb) in steps {
+                        let st = &mut state[mb as usize];
+                        match pass {
+                            Pass::F => {
+                                assert_eq!(*st, 0);
+                                *st = 1;
+                                in_flight += 1;
+                                peak = peak.max(in_flight);
+                            }
+                            Pass::BI => {
+                                assert_eq!(*st, 1);
+                                *st = 2;
+                                in_flight -= 1;
+                            }
+                            Pass::B => {
+                                assert_eq!(*st, 1);
+                                *st = 3;
+                                in_flight -= 1;
+                            }
+                            Pass::BW => {
+                                assert_eq!(*st, 2);
+                                *st = 3;
+                            }
+                            _ => unreachable!(),
+                        }
+                    }
+                    assert!(state.iter().all(|x| *x == 3), "p {p} s {s} m {m}");
+                    // Forward activations in flight: 1F1B's p − s, no more.
+                    assert_eq!(peak, (p - s).min(m) as i32, "p {p} s {s} m {m}");
+                }
+            }
+        }
+    }
+}
