@@ -19,15 +19,8 @@ type Case<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
 fn model() -> ModelConfig {
     ModelConfig {
         name: "bench-8x256".into(),
-        layers: 8,
         d_model: 256,
-        heads: 4,
-        seq_len: 64,
-        vocab: 256,
-        batch_size: 32,
-        layers_per_region: 1,
-        regions: None,
-        moe: None,
+        ..ModelConfig::tiny()
     }
 }
 

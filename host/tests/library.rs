@@ -9,7 +9,7 @@ use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 
-use common::{assert_same_training, train, Run, Strategy};
+use common::{assert_same_training, one_device, train, Run, Strategy};
 
 mod common;
 
@@ -36,20 +36,10 @@ fn plan(devices: u32, strategy: Strategy) -> Result<Plan, String> {
 
 const STEPS: u32 = 10;
 
-fn one_device(host: &PluginHost) -> Run {
-    train(
-        host,
-        &ModelConfig::tiny(),
-        1,
-        &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
-        STEPS,
-    )
-}
-
 #[test]
 fn every_library_plugin_trains_tiny_to_the_losses_of_one_device() {
     let host = host();
-    let base = one_device(&host);
+    let base = one_device(&host, &ModelConfig::tiny(), STEPS);
     assert!(
         base.losses[STEPS as usize - 1] < base.losses[0] - 0.3,
         "one device learns: {:?}",
@@ -81,7 +71,7 @@ fn every_library_plugin_trains_tiny_to_the_losses_of_one_device() {
 #[test]
 fn compositions_train_tiny_to_the_losses_of_one_device() {
     let host = host();
-    let base = one_device(&host);
+    let base = one_device(&host, &ModelConfig::tiny(), STEPS);
     let mut zero_states = Vec::new();
     let mut zero_peaks = Vec::new();
     for stage in ["1", "2", "3"] {

@@ -6,7 +6,7 @@ use piper::dag::{Cluster, TrainingDag};
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
-use common::{assert_same_training, small, train, Strategy};
+use common::{assert_same_training, one_device, small, train, Strategy};
 
 mod common;
 
@@ -14,13 +14,7 @@ mod common;
 fn every_strategy_trains_to_the_same_losses_as_one_device() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let steps = 20;
-    let base = train(
-        &host,
-        &small(),
-        1,
-        &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
-        steps,
-    );
+    let base = one_device(&host, &small(), steps);
     assert!(
         base.losses[steps as usize - 1] < base.losses[0] - 0.5,
         "one device learns: {:?}",

@@ -167,6 +167,24 @@ impl Pipeline {
     }
 }
 
+/// The options every pipeline plugin takes: `stages` and `microbatches`
+/// (no default: the plugin derives them; `stages_help` and
+/// `microbatches_help` say how) and the transfer `stream` (default `pp`).
+pub fn pipeline_options(
+    info: crate::PluginInfo,
+    stages_help: &str,
+    microbatches_help: &str,
+) -> crate::PluginInfo {
+    use crate::OptionSpec;
+    info.option(OptionSpec::int("stages", None, stages_help))
+        .option(OptionSpec::int("microbatches", None, microbatches_help))
+        .option(OptionSpec::str(
+            "stream",
+            Some("pp"),
+            "stream of the activation/gradient transfers",
+        ))
+}
+
 /// The `microbatches` option (default `default`), at least 1.
 pub fn microbatches(options: &crate::Options, default: u32, who: &str) -> Result<u32, Error> {
     let mbs = options.u32("microbatches")?.unwrap_or(default);

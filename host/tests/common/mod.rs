@@ -215,6 +215,18 @@ pub fn train(
     }
 }
 
+/// The baseline every strategy is held to: the whole model on one device,
+/// one microbatch.
+pub fn one_device(host: &PluginHost, cfg: &ModelConfig, steps: u32) -> Run {
+    train(
+        host,
+        cfg,
+        1,
+        &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+        steps,
+    )
+}
+
 /// Losses within 1e-5 relative of the baseline's at every step; final
 /// weights within 1e-2 of each tensor's scale (Adam normalises updates, so
 /// float-order differences in near-zero gradients — attention biases — move

@@ -3,10 +3,8 @@
 //! forwards, then alternates one forward and one backward, then drains the
 //! remaining backwards: at most p − s microbatches of activations are alive.
 
-use piper_sdk::pipeline::Pipeline;
-use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
-};
+use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct OneFOneB;
 
@@ -24,26 +22,15 @@ pub fn schedule(p: u32, s: u32, m: u32) -> Vec<(Pass, u32)> {
 
 impl Strategy for OneFOneB {
     fn info() -> PluginInfo {
-        PluginInfo::new(
-            "1f1b",
-            env!("CARGO_PKG_VERSION"),
-            "1F1B pipeline schedule (PipeDream-Flush)",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        pipeline_options(
+            PluginInfo::new(
+                "1f1b",
+                env!("CARGO_PKG_VERSION"),
+                "1F1B pipeline schedule (PipeDream-Flush)",
+            ),
             "pipeline stages (default: devices ÷ data-parallel degree)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
             "microbatches per step (default: 2 × stages)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
-        ))
+        )
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {

@@ -9,33 +9,22 @@
 //! (the DAG adds that reduction for any segment placed on two groups), so
 //! both copies stay identical. Parameters: 2 copies per device.
 
-use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, Pipeline};
-use piper_sdk::{export_strategy, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy};
+use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, pipeline_options, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, Filter, Options, PluginInfo, Strategy};
 
 pub struct DualPipe;
 
 impl Strategy for DualPipe {
     fn info() -> PluginInfo {
-        PluginInfo::new(
-            "dualpipe",
-            env!("CARGO_PKG_VERSION"),
-            "DeepSeek's DualPipe: two model copies, microbatches fed from both ends",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        pipeline_options(
+            PluginInfo::new(
+                "dualpipe",
+                env!("CARGO_PKG_VERSION"),
+                "DeepSeek's DualPipe: two model copies, microbatches fed from both ends",
+            ),
             "pipeline stages = devices, even (default: devices ÷ data-parallel degree)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
             "microbatches per step, even and at least 2 × stages (default: 2 × stages)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
-        ))
+        )
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {

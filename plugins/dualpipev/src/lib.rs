@@ -7,33 +7,22 @@
 //! defers weight passes into the warm-up and cool-down bubbles. One copy of
 //! the parameters, unlike DualPipe.
 
-use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, Pipeline};
-use piper_sdk::{export_strategy, Dag, Error, OptionSpec, Options, PluginInfo, Strategy};
+use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, pipeline_options, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, Options, PluginInfo, Strategy};
 
 pub struct DualPipeV;
 
 impl Strategy for DualPipeV {
     fn info() -> PluginInfo {
-        PluginInfo::new(
+        pipeline_options(
+            PluginInfo::new(
             "dualpipev",
             env!("CARGO_PKG_VERSION"),
             "DeepSeek's DualPipeV: V-shaped placement, 2 stages per device, overlapped F&B pairs",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        ),
             "model stages, 2 per device (default: 2 × devices ÷ data-parallel degree)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
             "microbatches per step, at least 2 × devices (default: 2 × stages)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
-        ))
+        )
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {

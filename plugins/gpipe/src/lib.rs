@@ -1,35 +1,22 @@
 //! `gpipe`: pipeline parallelism with the GPipe schedule — every stage runs all
 //! its microbatches' forwards, then all their backwards.
 
-use piper_sdk::pipeline::Pipeline;
-use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
-};
+use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct GPipe;
 
 impl Strategy for GPipe {
     fn info() -> PluginInfo {
-        PluginInfo::new(
-            "gpipe",
-            env!("CARGO_PKG_VERSION"),
-            "GPipe: all forwards, then all backwards, per stage",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        pipeline_options(
+            PluginInfo::new(
+                "gpipe",
+                env!("CARGO_PKG_VERSION"),
+                "GPipe: all forwards, then all backwards, per stage",
+            ),
             "pipeline stages (default: devices ÷ data-parallel degree)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
             "microbatches per step (default: 2 × stages)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
-        ))
+        )
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {

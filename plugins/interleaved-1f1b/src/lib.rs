@@ -4,7 +4,7 @@
 //! microbatch visits every device `virtual` times and the pipeline bubble
 //! shrinks by that factor, at the price of `virtual ×` more transfers.
 
-use piper_sdk::pipeline::{microbatches, Pipeline};
+use piper_sdk::pipeline::{microbatches, pipeline_options, Pipeline};
 use piper_sdk::{
     export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
 };
@@ -40,30 +40,19 @@ pub fn schedule(p: u32, v: u32, r: u32, m: u32) -> Vec<(Pass, u32, u32)> {
 
 impl Strategy for Interleaved {
     fn info() -> PluginInfo {
-        PluginInfo::new(
-            "interleaved-1f1b",
-            env!("CARGO_PKG_VERSION"),
-            "Megatron's interleaved 1F1B: `virtual` model chunks per device",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        pipeline_options(
+            PluginInfo::new(
+                "interleaved-1f1b",
+                env!("CARGO_PKG_VERSION"),
+                "Megatron's interleaved 1F1B: `virtual` model chunks per device",
+            ),
             "pipeline devices p, Megatron's pipeline size (default: devices ÷ data-parallel degree)",
-        ))
+            "microbatches per step, a multiple of p (default: 2 × p)",
+        )
         .option(OptionSpec::int(
             "virtual",
             Some("2"),
             "model chunks per device v (the model is cut into p × v stages)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
-            "microbatches per step, a multiple of p (default: 2 × p)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
         ))
     }
 

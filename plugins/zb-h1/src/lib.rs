@@ -5,10 +5,8 @@
 //! cool-down bubble. Activation memory stays that of 1F1B (at most `p − s`
 //! microbatches in flight); the bubble shrinks to about a third.
 
-use piper_sdk::pipeline::Pipeline;
-use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
-};
+use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct ZbH1;
 
@@ -66,26 +64,15 @@ pub fn schedule(p: u32, s: u32, m: u32) -> Vec<(Pass, u32)> {
 
 impl Strategy for ZbH1 {
     fn info() -> PluginInfo {
-        PluginInfo::new(
+        pipeline_options(
+            PluginInfo::new(
             "zb-h1",
             env!("CARGO_PKG_VERSION"),
             "ZB-H1 zero-bubble pipeline: backward split into BI/BW, BW deferred into the bubble",
-        )
-        .option(OptionSpec::int(
-            "stages",
-            None,
+        ),
             "pipeline stages (default: devices ÷ data-parallel degree)",
-        ))
-        .option(OptionSpec::int(
-            "microbatches",
-            None,
             "microbatches per step, at least the stages (default: 2 × stages)",
-        ))
-        .option(OptionSpec::str(
-            "stream",
-            Some("pp"),
-            "stream of the activation/gradient transfers",
-        ))
+        )
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
