@@ -265,3 +265,22 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
     assert!((loss - (256f32).ln()).abs() < 0.1, "initial loss {loss}");
     let _ = std::fs::remove_dir_all(&h);
 }
+
+#[test]
+fn every_example_config_trains() {
+    let h = home("examples");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let path = e.unwrap().path();
+        if path.extension().and_then(|x| x.to_str()) != Some("toml") {
+            continue;
+        }
+        let cfg = path.to_str().unwrap();
+        let (ok, out, err) = piper(&h, &["train", "--config", cfg, "--steps", "2"]);
+        assert!(ok && out.contains("done: 2 steps"), "{cfg}: {out}{err}");
+        n += 1;
+    }
+    assert!(n >= 3, "examples found: {n}");
+    let _ = std::fs::remove_dir_all(&h);
+}
