@@ -91,6 +91,17 @@
 //! call leaves the DAG unchanged and returns a [`DagError`] whose message names
 //! the call and the offending nodes — propagate it with `?`.
 //!
+//! ## Pipeline helpers
+//! [`pipeline::Pipeline`] does the layout every pipeline strategy starts with:
+//! stages over pipeline positions (one per position, Megatron's interleaving,
+//! DualPipeV's V, or any fold you pass to [`pipeline::Pipeline::layout`]),
+//! regions spread over the stages, composition with a `dp`/`zero` group
+//! applied before. [`pipeline::dual_schedule`] is DeepSeek's eight-part
+//! DualPipe template and [`pipeline::dual_groups`] turns it into `order`
+//! groups. A segment placed on two device groups for different microbatches
+//! becomes two parameter copies whose gradients the host all-reduces (that is
+//! how `dualpipe` expresses its second model copy).
+//!
 //! ## The sandbox
 //! The host runs each `apply` in a fresh instance with a memory cap, a fuel and
 //! wall-clock budget, a stack cap and a cap on host calls. The plugin sees no
