@@ -417,3 +417,48 @@ fn unplaced_and_inconsistent_dags_do_not_compile() {
     let err = compile(&dag).unwrap_err().to_string();
     assert!(err.contains("global batch 32 is not divisible"), "{err}");
 }
+
+#[test]
+fn microbatches_of_a_segment_on_two_groups_are_parameter_copies_only_when_they_pair() {
+    // Microbatch 1 of every segment on device 1: two paired copies, one
+    // copy-grad all-reduce per segment, both copies' states counted.
+    let mut dag = tiny(2);
+    dag.split(&Filter::all(), "MB", 2).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.place(&Filter::all().and("MB", 1), &[1], "pp").unwrap();
+    let plan = compile(&dag).unwrap();
+    let copies = plan.devices[1]
+        .streams
+        .iter()
+        .flat_map(|s| s.ops.iter())
+        .filter(|o| o.purpose.as_deref() == Some("copy-grad"))
+        .count();
+    assert_eq!(copies, 8);
+    assert_eq!(
+        plan.devices[0].model_state_bytes,
+        plan.devices[1].model_state_bytes
+    );
+    // Copies on groups that overlap cannot pair: refused, naming the segment.
+    let mut dag = tiny(3);
+    dag.split(&Filter::all(), "MB", 2).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    dag.place(&Filter::all().and("MB", 1), &[1, 2], "pp")
+        .unwrap();
+    let err = compile(&dag).unwrap_err().to_string();
+    assert!(
+        err.contains("segment 0") && err.contains("parameter copies"),
+        "{err}"
+    );
+    // One microbatch's forward and backward on different devices: refused.
+    let mut dag = tiny(2);
+    dag.split(&Filter::all(), "MB", 2).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.place(&Filter::tag("PP", 2).and("MB", 1).pass("B"), &[1], "pp")
+        .unwrap();
+    let err = compile(&dag).unwrap_err().to_string();
+    assert!(
+        err.contains("segment 2") && err.contains("must share"),
+        "{err}"
+    );
+}
