@@ -90,6 +90,11 @@ impl Pipeline {
             }
         }
         let position: Vec<u32> = (0..stages).map(|s| position_of(s, positions)).collect();
+        if let Some((s, q)) = position.iter().enumerate().find(|(_, q)| **q >= positions) {
+            return Err(Error::msg(format!(
+                "{who}: stage {s} is laid out on pipeline position {q}, but there are only {positions} positions"
+            )));
+        }
         let groups = position
             .iter()
             .map(|q| position_groups[*q as usize].clone())
