@@ -4,12 +4,11 @@
 //! runtime, each schedule matches the published order written out by hand,
 //! memory follows the papers, and every precondition fails with its numbers.
 
-use piper::compile::{compile, Plan};
-use piper::dag::{Cluster, TrainingDag};
+use piper::compile::Plan;
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 
-use common::{assert_same_training, one_device, train, Run, Strategy};
+use common::{assert_same_training, one_device, plan_with, train, Run, Strategy};
 
 mod common;
 
@@ -18,17 +17,7 @@ fn host() -> PluginHost {
 }
 
 fn plan(devices: u32, strategy: Strategy) -> Result<Plan, String> {
-    let host = host();
-    let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(devices)).unwrap();
-    for (name, opts) in strategy {
-        let o: Vec<(String, String)> = opts
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        host.apply(&host.load(name).unwrap(), &mut dag, &o)
-            .map_err(|e| format!("{e:#}"))?;
-    }
-    let plan = compile(&dag).map_err(|e| e.to_string())?;
+    let plan = plan_with(&host(), &ModelConfig::tiny(), devices, strategy)?;
     // Schedules are checked on the plan as its JSON says it (what a runtime reads).
     let json = serde_json::to_string(&plan).unwrap();
     Ok(serde_json::from_str(&json).unwrap())
@@ -431,5 +420,21 @@ fn every_precondition_fails_with_the_numbers() {
     for (devices, strategy, want) in cases {
         let err = refused(devices, strategy);
         assert!(err.contains(want), "expected {want:?} in: {err}");
+    }
+    // Sharding over DualPipe's parameter copies is refused at compile, not
+    // left to fail mid-step.
+    for stage in ["1", "2", "3"] {
+        let err = refused(
+            4,
+            &[
+                ("zero", &[("stage", stage), ("dp", "2")]),
+                ("dualpipe", &[("microbatches", "4")]),
+            ],
+        );
+        assert!(
+            err.contains(&format!("sharded with ZeRO-{stage}"))
+                && err.contains("parameter copies on [[0, 2], [1, 3]]"),
+            "{err}"
+        );
     }
 }

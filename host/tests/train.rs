@@ -1,12 +1,10 @@
 //! Real training on the CPU runtime: every strategy trains to the same losses
 //! as one device (the strategies are the bundled Wasm plugins).
 
-use piper::compile::compile;
-use piper::dag::{Cluster, TrainingDag};
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
-use common::{assert_same_training, one_device, small, train, Strategy};
+use common::{assert_same_training, one_device, plan_with, small, train, Strategy};
 
 mod common;
 
@@ -50,15 +48,7 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
 
 fn plan_for(devices: u32, strategy: Strategy) -> piper::compile::Plan {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
-    let mut dag = TrainingDag::build(&small(), Cluster::new(devices)).unwrap();
-    for (name, opts) in strategy {
-        let o: Vec<(String, String)> = opts
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        host.apply(&host.load(name).unwrap(), &mut dag, &o).unwrap();
-    }
-    compile(&dag).unwrap()
+    plan_with(&host, &small(), devices, strategy).unwrap()
 }
 
 #[test]

@@ -47,6 +47,13 @@ pub enum CompileError {
         b: String,
         b_devices: Vec<u32>,
     },
+    #[error("segment {segment} ({name}) has parameter copies on {groups:?} and is sharded with ZeRO-{zero}: ZeRO-1/2/3 over parameter copies is not supported (plain data parallelism is)")]
+    ShardedCopies {
+        segment: u32,
+        name: String,
+        groups: Vec<Vec<u32>>,
+        zero: u8,
+    },
     #[error("{node} runs on devices {devices:?} but is not replicated: use `replicate` for data parallelism")]
     NotReplicated { node: String, devices: Vec<u32> },
     #[error("data edge {from} -> {to} crosses from devices {from_devices:?} to {to_devices:?} with no send/recv (place pairs groups of equal size only)")]
@@ -180,8 +187,27 @@ fn validate_segments(dag: &TrainingDag) -> Result<(), CompileError> {
     }
     let copies = dag.segment_copies();
     for (segment, nodes) in any {
-        if nodes.len() > 1 && TrainingDag::paired_copies(&copies[segment as usize]).is_none() {
+        let list = &copies[segment as usize];
+        if nodes.len() > 1 && TrainingDag::paired_copies(list).is_none() {
             return Err(split(segment, nodes[0], nodes[1]));
+        }
+        // Sharded states would need a bucket per copy group; not built.
+        let zero = |(devs, rep): &(Vec<DeviceId>, Option<u32>)| match rep {
+            Some(r) if devs.len() > 1 => dag.specs[*r as usize].zero,
+            _ => 0,
+        };
+        if let Some(z) = list
+            .iter()
+            .map(zero)
+            .max()
+            .filter(|z| nodes.len() > 1 && *z > 0)
+        {
+            return Err(CompileError::ShardedCopies {
+                segment,
+                name: dag.segments()[segment as usize].name(),
+                groups: list.iter().map(|c| ids(&c.0)).collect(),
+                zero: z,
+            });
         }
     }
     Ok(())

@@ -226,13 +226,6 @@ impl Device {
         // Parameter copies (DualPipe): the first device of each copy group
         // counts the reduced gradient in the norm, the others do not.
         for op in ops().filter(|o| o.purpose.as_deref() == Some("copy-grad")) {
-            if op.zero >= 2 {
-                return Err(RuntimeError::Unsupported(format!(
-                    "device {}: {}: ZeRO-2/3 over duplicated parameter copies is not supported by the CPU runtime",
-                    plan.device,
-                    label(op)
-                )));
-            }
             let group = op.group.as_deref().unwrap_or(&[]);
             if group.first() != Some(&plan.device) {
                 for s in op.segments.iter() {

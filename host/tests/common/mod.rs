@@ -157,6 +157,26 @@ pub fn small() -> ModelConfig {
 
 pub type Strategy<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
 
+/// Apply a list of bundled strategies, with their options, to `cfg` on
+/// `devices` devices and compile; the first error as text.
+pub fn plan_with(
+    host: &PluginHost,
+    cfg: &ModelConfig,
+    devices: u32,
+    strategy: Strategy,
+) -> Result<piper::compile::Plan, String> {
+    let mut dag = TrainingDag::build(cfg, Cluster::new(devices)).unwrap();
+    for (name, opts) in strategy {
+        let o: Vec<(String, String)> = opts
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let p = host.load(name).map_err(|e| format!("{e:#}"))?;
+        host.apply(&p, &mut dag, &o).map_err(|e| format!("{e:#}"))?;
+    }
+    compile(&dag).map_err(|e| e.to_string())
+}
+
 /// What a training run left behind.
 #[derive(Clone)]
 pub struct Run {
@@ -176,16 +196,7 @@ pub fn train(
     strategy: Strategy,
     steps: u32,
 ) -> Run {
-    let mut dag = TrainingDag::build(cfg, Cluster::new(devices)).unwrap();
-    for (name, opts) in strategy {
-        let p = host.load(name).unwrap();
-        let o: Vec<(String, String)> = opts
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        host.apply(&p, &mut dag, &o).unwrap();
-    }
-    let plan = compile(&dag).unwrap();
+    let plan = plan_with(host, cfg, devices, strategy).unwrap();
     let opts = TrainOptions {
         adamw: piper::runtime::backend::cpu::adamw::AdamW {
             lr: 3e-3,
