@@ -267,13 +267,14 @@ impl TrainingDag {
         let grad_bytes =
             |dag: &TrainingDag, seg: u32| dag.held_elems(seg, &placement) * DTYPE_BYTES;
 
-        // The tied `wte`: when the embedding and the head share a group, the
-        // head's backward also produces gradients of the embedding's bucket.
+        // The tied `wte`: when the embedding and the head share a group (or
+        // the same set of copy groups), the head's backward also produces
+        // gradients of the embedding's bucket.
+        let copies = self.segment_copies();
         if let (Some(e), Some(h)) = (
             self.segments().iter().position(|s| s.has_embedding()),
             self.segments().iter().position(|s| s.has_head()),
         ) {
-            let copies = self.segment_copies();
             let same_copies = copies[e].len() > 1 && copies[e] == copies[h];
             if e != h && ((placement[e].is_some() && placement[e] == placement[h]) || same_copies) {
                 let extra: Sources = sources[h].clone();
@@ -283,7 +284,6 @@ impl TrainingDag {
 
         // Parameter copies: all-reduce each duplicated segment's gradients
         // across its groups; every copy's update reads the sum.
-        let copies = self.segment_copies();
         for (seg, list) in copies.iter().enumerate() {
             let Some(groups) = Self::paired_copies(list) else {
                 continue;

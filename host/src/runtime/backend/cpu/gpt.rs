@@ -325,6 +325,52 @@ fn p<'a>(params: &'a Tensors, name: &str) -> &'a [f32] {
         .unwrap_or_else(|| panic!("parameter {name} is not on this device"))
 }
 
+/// The named linear layer on `inp[n, ic]`: `inp · Wᵀ + b`, `[n, oc]`.
+fn linear(
+    params: &Tensors,
+    w: &str,
+    bias: &str,
+    inp: &[f32],
+    n: usize,
+    ic: usize,
+    oc: usize,
+) -> Vec<f32> {
+    let mut out = vec![0.0; n * oc];
+    matmul_forward(
+        &mut out,
+        inp,
+        p(params, w),
+        Some(p(params, bias)),
+        n,
+        ic,
+        oc,
+    );
+    out
+}
+
+/// The named layernorm on `inp[n, c]`: (output, mean, rstd).
+fn layernorm(
+    params: &Tensors,
+    w: &str,
+    bias: &str,
+    inp: &[f32],
+    n: usize,
+    c: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (mut out, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+    layernorm_forward(
+        &mut out,
+        &mut mean,
+        &mut rstd,
+        inp,
+        p(params, w),
+        p(params, bias),
+        n,
+        c,
+    );
+    (out, mean, rstd)
+}
+
 fn g<'a>(grads: &'a mut Tensors, name: &str) -> &'a mut Vec<f32> {
     grads
         .get_mut(name)
@@ -361,102 +407,48 @@ pub fn segment_forward(
             }
             Part::Block(l) => {
                 let name = |s: &str| format!("h.{l}.{s}");
-                let mut k = BlockCache {
-                    layer: l,
-                    x: std::mem::take(&mut x),
-                    ..Default::default()
+                let lin = |w: &str, bias: &str, inp: &[f32], ic: usize, oc: usize| {
+                    linear(params, &name(w), &name(bias), inp, n, ic, oc)
                 };
-                k.ln1 = vec![0.0; n * c];
-                k.ln1_mean = vec![0.0; n];
-                k.ln1_rstd = vec![0.0; n];
-                layernorm_forward(
-                    &mut k.ln1,
-                    &mut k.ln1_mean,
-                    &mut k.ln1_rstd,
-                    &k.x,
-                    p(params, &name("ln_1.weight")),
-                    p(params, &name("ln_1.bias")),
-                    n,
-                    c,
-                );
-                k.qkv = vec![0.0; n * 3 * c];
-                matmul_forward(
-                    &mut k.qkv,
-                    &k.ln1,
-                    p(params, &name("attn.c_attn.weight")),
-                    Some(p(params, &name("attn.c_attn.bias"))),
-                    n,
-                    c,
-                    3 * c,
-                );
-                k.att = vec![0.0; b * nh * t * t];
-                k.atty = vec![0.0; n * c];
-                attention_forward(&mut k.atty, &mut k.att, &k.qkv, b, t, c, nh);
-                let mut attproj = vec![0.0; n * c];
-                matmul_forward(
-                    &mut attproj,
-                    &k.atty,
-                    p(params, &name("attn.c_proj.weight")),
-                    Some(p(params, &name("attn.c_proj.bias"))),
-                    n,
-                    c,
-                    c,
-                );
-                k.x2 = vec![0.0; n * c];
-                residual_forward(&mut k.x2, &k.x, &attproj);
-                k.ln2 = vec![0.0; n * c];
-                k.ln2_mean = vec![0.0; n];
-                k.ln2_rstd = vec![0.0; n];
-                layernorm_forward(
-                    &mut k.ln2,
-                    &mut k.ln2_mean,
-                    &mut k.ln2_rstd,
-                    &k.x2,
-                    p(params, &name("ln_2.weight")),
-                    p(params, &name("ln_2.bias")),
-                    n,
-                    c,
-                );
-                k.fch = vec![0.0; n * 4 * c];
-                matmul_forward(
-                    &mut k.fch,
-                    &k.ln2,
-                    p(params, &name("mlp.c_fc.weight")),
-                    Some(p(params, &name("mlp.c_fc.bias"))),
-                    n,
-                    c,
-                    4 * c,
-                );
-                k.fch_gelu = vec![0.0; n * 4 * c];
-                gelu_forward(&mut k.fch_gelu, &k.fch);
-                let mut fcproj = vec![0.0; n * c];
-                matmul_forward(
-                    &mut fcproj,
-                    &k.fch_gelu,
-                    p(params, &name("mlp.c_proj.weight")),
-                    Some(p(params, &name("mlp.c_proj.bias"))),
-                    n,
-                    4 * c,
-                    c,
-                );
-                x = vec![0.0; n * c];
-                residual_forward(&mut x, &k.x2, &fcproj);
-                caches.push(PartCache::Block(Box::new(k)));
+                // x2 = x + attproj(attention(qkv(ln1(x))))
+                let (ln1, ln1_mean, ln1_rstd) =
+                    layernorm(params, &name("ln_1.weight"), &name("ln_1.bias"), &x, n, c);
+                let qkv = lin("attn.c_attn.weight", "attn.c_attn.bias", &ln1, c, 3 * c);
+                let mut att = vec![0.0; b * nh * t * t];
+                let mut atty = vec![0.0; n * c];
+                attention_forward(&mut atty, &mut att, &qkv, b, t, c, nh);
+                let attproj = lin("attn.c_proj.weight", "attn.c_proj.bias", &atty, c, c);
+                let mut x2 = vec![0.0; n * c];
+                residual_forward(&mut x2, &x, &attproj);
+                // out = x2 + fcproj(gelu(fc(ln2(x2))))
+                let (ln2, ln2_mean, ln2_rstd) =
+                    layernorm(params, &name("ln_2.weight"), &name("ln_2.bias"), &x2, n, c);
+                let fch = lin("mlp.c_fc.weight", "mlp.c_fc.bias", &ln2, c, 4 * c);
+                let mut fch_gelu = vec![0.0; n * 4 * c];
+                gelu_forward(&mut fch_gelu, &fch);
+                let fcproj = lin("mlp.c_proj.weight", "mlp.c_proj.bias", &fch_gelu, 4 * c, c);
+                let mut out = vec![0.0; n * c];
+                residual_forward(&mut out, &x2, &fcproj);
+                caches.push(PartCache::Block(Box::new(BlockCache {
+                    layer: l,
+                    x: std::mem::replace(&mut x, out),
+                    ln1,
+                    ln1_mean,
+                    ln1_rstd,
+                    qkv,
+                    att,
+                    atty,
+                    x2,
+                    ln2,
+                    ln2_mean,
+                    ln2_rstd,
+                    fch,
+                    fch_gelu,
+                })));
             }
             Part::Head => {
                 let targets = targets.expect("the head segment gets targets");
-                let mut lnf = vec![0.0; n * c];
-                let (mut mean, mut rstd) = (vec![0.0; n], vec![0.0; n]);
-                layernorm_forward(
-                    &mut lnf,
-                    &mut mean,
-                    &mut rstd,
-                    &x,
-                    p(params, "ln_f.weight"),
-                    p(params, "ln_f.bias"),
-                    n,
-                    c,
-                );
+                let (lnf, mean, rstd) = layernorm(params, "ln_f.weight", "ln_f.bias", &x, n, c);
                 let mut logits = vec![0.0; n * v];
                 matmul_forward(&mut logits, &lnf, p(params, "wte"), None, n, c, v);
                 let mut probs = vec![0.0; n * v];
