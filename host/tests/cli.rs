@@ -104,19 +104,52 @@ fn dp_then_1f1b_from_a_run_config_and_a_table_by_default() {
 #[test]
 fn bad_input_gets_a_clear_error_not_a_panic() {
     let h = home("bad");
-    let (ok, _, err) = piper(&h, &["plan", "--strategy", "1f1b:microbatches=eight"]);
-    assert!(
-        !ok && err.contains("option `microbatches` expects an int, got `eight`"),
-        "{err}"
+    // Every input: refused, with the expected message, and no panic.
+    let check = |args: &[&str], expect: &str| {
+        let (ok, _, err) = piper(&h, args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(
+            err.contains(expect),
+            "{args:?}: `{err}` should contain `{expect}`"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    };
+    check(
+        &["plan", "--strategy", "1f1b:microbatches=eight"],
+        "option `microbatches` expects an int, got `eight`",
     );
-    let (ok, _, err) = piper(&h, &["plan", "--strategy", "nope"]);
-    assert!(
-        !ok && err.contains("no bundled strategy of that name"),
-        "{err}"
+    check(
+        &["plan", "--strategy", "nope"],
+        "no bundled strategy of that name",
     );
-    let (ok, _, err) = piper(&h, &["plan", "--model", "huge"]);
-    assert!(!ok && err.contains("unknown model `huge`"), "{err}");
-    assert!(!err.contains("panicked"), "{err}");
+    check(&["plan", "--model", "huge"], "unknown model `huge`");
+    // Numbers at their extremes, from the command line and from TOML.
+    check(
+        &[
+            "plan",
+            "--devices",
+            "4",
+            "--strategy",
+            "1f1b:microbatches=4000000000",
+        ],
+        "over the host budget `sandbox.max_nodes`",
+    );
+    let cfg = h.join("huge.toml");
+    std::fs::write(
+        &cfg,
+        "[model]\nname = \"big\"\nlayers = 4\nd_model = 4194304\nheads = 1\nseq_len = 4194304\nvocab = 4194304\nbatch_size = 4194304\n",
+    )
+    .unwrap();
+    check(
+        &["plan", "--config", cfg.to_str().unwrap()],
+        "the model is too large to describe",
+    );
+    let cfg = h.join("sandbox.toml");
+    std::fs::write(&cfg, "[sandbox]\nmemory_mib = 18446744073709551615\n").unwrap();
+    check(
+        &["plan", "--config", cfg.to_str().unwrap()],
+        "sandbox.memory_mib = 18446744073709551615: must be between",
+    );
     let _ = std::fs::remove_dir_all(&h);
 }
 
@@ -134,6 +167,22 @@ fn plugin_info_and_list() {
     assert!(
         out.contains("microbatches") && out.contains("stages"),
         "{out}"
+    );
+    // The sandbox limits and host budget in force: defaults, or a config's.
+    assert!(
+        out.contains("max_host_work        2000000000")
+            && out.contains("max_nodes            4000000"),
+        "{out}"
+    );
+    let cfg = h.join("limits.toml");
+    std::fs::write(&cfg, "[sandbox]\nmax_nodes = 12345\n").unwrap();
+    let (ok, out, err) = piper(
+        &h,
+        &["plugin", "info", "1f1b", "--config", cfg.to_str().unwrap()],
+    );
+    assert!(
+        ok && out.contains("max_nodes            12345"),
+        "{out}{err}"
     );
     let (ok, out, err) = piper(&h, &["plugin", "list"]);
     assert!(ok, "{err}");

@@ -31,7 +31,147 @@ fn strict() -> SandboxLimits {
         deadline_ms: 20_000,
         max_wasm_stack_kib: 256,
         max_host_calls: 100_000,
+        max_host_work: 200_000_000,
         ..SandboxLimits::default()
+    }
+}
+
+/// The process's resident memory, bytes (`VmRSS` in `/proc/self/status`).
+fn resident_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+#[test]
+fn hostile_arguments_at_the_host_boundary_are_refused_quickly_with_a_named_limit() {
+    let host = PluginHost::new(strict(), None).unwrap();
+    let hostile = host.load_file(&wasm("piper_testing_hostile")).unwrap();
+    let mut dag = tiny(1);
+    let before = dag.clone();
+    let cases = [
+        ("huge-split", "over the host budget `sandbox.max_nodes`"),
+        ("sleep", "tried to sleep for 3600000000000 ns"),
+        ("log-flood", "over the host budget `sandbox.max_host_work`"),
+        (
+            "print-flood",
+            "wrote more than 1048576 bytes to stdout/stderr (sandbox.max_log_bytes)",
+        ),
+        (
+            "long-string",
+            "over the host budget `sandbox.max_string_bytes` = 4096: a string of 10485760 bytes",
+        ),
+        (
+            "long-list",
+            "over the host budget `sandbox.max_list_len` = 1048576: a list of 4194304 devices",
+        ),
+        ("names", "over the host budget `sandbox.max_names` = 1024"),
+        ("path-flood", "over the host budget `sandbox.max_host_work`"),
+    ];
+    for (mode, expect) in cases {
+        let rss = resident_bytes();
+        let t = std::time::Instant::now();
+        let err = host
+            .apply(&hostile, &mut dag, &opts(&[("mode", mode)]))
+            .unwrap_err()
+            .to_string();
+        let took = t.elapsed();
+        let grew = resident_bytes().saturating_sub(rss);
+        assert!(
+            err.contains(expect),
+            "mode {mode}: `{err}` should contain `{expect}`"
+        );
+        assert!(err.starts_with("plugin `hostile@0.1.0` (sha256 "), "{err}");
+        assert!(took.as_secs_f64() < 5.0, "mode {mode} took {took:?}");
+        assert!(
+            grew < 1 << 30,
+            "mode {mode}: resident memory grew by {grew} bytes"
+        );
+        assert!(
+            err.len() < 8192,
+            "mode {mode}: a {} byte message",
+            err.len()
+        );
+        assert!(dag.same_state(&before), "mode {mode} changed the DAG");
+        // The next plugin runs normally.
+        host.apply(&hostile, &mut dag.clone(), &opts(&[("mode", "ok")]))
+            .unwrap();
+    }
+    // A 16 MiB error message reaches the user cut to sandbox.max_error_bytes.
+    let err = host
+        .apply(&hostile, &mut dag, &opts(&[("mode", "big-error")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.len() < 4096 + 200 && err.contains("bytes elided)"),
+        "{} bytes",
+        err.len()
+    );
+    // Extreme priorities are legal: the plan compiles, highest first.
+    let mut d = tiny(1);
+    host.apply(&hostile, &mut d, &opts(&[("mode", "priority")]))
+        .unwrap();
+    compile(&d).unwrap();
+}
+
+#[test]
+fn a_plugin_under_the_default_limits_is_also_stopped_quickly() {
+    // The classes above under the defaults, not only the strict test limits.
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let hostile = host.load_file(&wasm("piper_testing_hostile")).unwrap();
+    for (mode, expect) in [
+        ("huge-split", "sandbox.max_nodes"),
+        ("sleep", "tried to sleep"),
+        ("long-list", "sandbox.max_list_len"),
+    ] {
+        let t = std::time::Instant::now();
+        let err = host
+            .apply(&hostile, &mut tiny(1), &opts(&[("mode", mode)]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(expect), "mode {mode}: {err}");
+        assert!(t.elapsed().as_secs_f64() < 5.0, "mode {mode}");
+    }
+}
+
+#[test]
+fn out_of_range_sandbox_limits_are_refused_with_the_key() {
+    for (limits, key) in [
+        (
+            SandboxLimits {
+                memory_mib: 0,
+                ..SandboxLimits::default()
+            },
+            "sandbox.memory_mib = 0",
+        ),
+        (
+            SandboxLimits {
+                max_wasm_stack_kib: u64::MAX,
+                ..SandboxLimits::default()
+            },
+            "sandbox.max_wasm_stack_kib",
+        ),
+        (
+            SandboxLimits {
+                deadline_ms: u64::MAX,
+                ..SandboxLimits::default()
+            },
+            "sandbox.deadline_ms",
+        ),
+        (
+            SandboxLimits {
+                max_names: 1 << 40,
+                ..SandboxLimits::default()
+            },
+            "sandbox.max_names",
+        ),
+    ] {
+        let err = PluginHost::new(limits, None).err().unwrap().to_string();
+        assert!(
+            err.contains(key) && err.contains("must be between"),
+            "{err}"
+        );
     }
 }
 
@@ -154,7 +294,7 @@ fn hostile_plugins_are_stopped_with_specific_messages_and_the_host_carries_on() 
     let hostile = host.load_file(&wasm("piper_testing_hostile")).unwrap();
     assert_eq!(hostile.info.name, "hostile");
     let mut dag = tiny(1);
-    let before = dag.snapshot();
+    let before = dag.clone();
     let cases = [
         (
             "loop",
@@ -179,8 +319,8 @@ fn hostile_plugins_are_stopped_with_specific_messages_and_the_host_carries_on() 
         );
         assert!(msg.starts_with("plugin `hostile@0.1.0` (sha256 "), "{msg}");
         assert!(msg.contains(": apply: "), "{msg}");
-        // Transactional: the DAG is untouched.
-        assert_eq!(dag.snapshot(), before, "mode {mode} changed the DAG");
+        // Transactional: the DAG is untouched, in full state.
+        assert!(dag.same_state(&before), "mode {mode} changed the DAG");
         // The next plugin in the same process runs normally.
         host.apply(&hostile, &mut dag.clone(), &opts(&[("mode", "ok")]))
             .unwrap();
@@ -282,6 +422,23 @@ fn the_compile_cache_skips_compilation_and_ignores_tampered_files() {
     let third = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
     third.load("gpipe").unwrap();
     assert_eq!((third.compiles(), third.cache_hits()), (1, 0));
+    // A valid cached file renamed to another plugin's key is recompiled,
+    // never run as that plugin: the MAC covers the digest and the engine.
+    let one = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
+    let dp = one.load("dp").unwrap();
+    let gpipe = one.load("gpipe").unwrap();
+    let file_of = |sha: &str| {
+        std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .find(|p| p.file_name().unwrap().to_string_lossy().starts_with(sha))
+            .unwrap()
+    };
+    std::fs::copy(file_of(&gpipe.sha256), file_of(&dp.sha256)).unwrap();
+    let fourth = PluginHost::new(SandboxLimits::default(), Some(dir.clone())).unwrap();
+    let p = fourth.load("dp").unwrap();
+    assert_eq!(p.info.name, "dp");
+    assert_eq!((fourth.compiles(), fourth.cache_hits()), (1, 0));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

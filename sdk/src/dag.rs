@@ -365,6 +365,7 @@ mod native {
             K::UnknownNode { .. } => DagErrorKind::UnknownNode,
             K::InvalidArgument(_) => DagErrorKind::InvalidArgument,
             K::Unsupported { .. } => DagErrorKind::Unsupported,
+            K::Limit { .. } => DagErrorKind::Limit,
         };
         DagError {
             kind,

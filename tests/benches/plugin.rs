@@ -97,6 +97,51 @@ fn main() {
         limits.fuel as f64
     );
 
+    // The host budget: what every bundled pipeline uses at PP=16 × 256
+    // microbatches after ZeRO-3 over 8 (128 devices), against the defaults.
+    let d = SandboxLimits::default();
+    println!(
+        "host budget at PP=16 × 256 microbatches, ZeRO-3 × 8 (128 devices); defaults: {:.1e} work units, {} nodes, {} edges, {:.1e} fuel",
+        d.max_host_work as f64, d.max_nodes, d.max_edges, d.fuel as f64
+    );
+    let bhost = PluginHost::new(d.clone(), Some(cache.clone())).unwrap();
+    let zero = bhost.load("zero").unwrap();
+    for name in [
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "dualpipev",
+        "dualpipe",
+    ] {
+        let plugin = bhost.load(name).unwrap();
+        let mut dag = TrainingDag::build(&model(), Cluster::new(128)).unwrap();
+        let z = bhost
+            .apply(
+                &zero,
+                &mut dag,
+                &[("stage".into(), "3".into()), ("dp".into(), "8".into())],
+            )
+            .unwrap();
+        let t = Instant::now();
+        let r = bhost.apply(&plugin, &mut dag, &args).unwrap();
+        let el = t.elapsed();
+        let work = r.host_work + z.host_work;
+        println!(
+            "  zero+{name:<16} {:>7.1} ms  work {:.2e} ({:>5.0}× margin)  nodes {:>7} ({:>4.0}×)  edges {:>8} ({:>4.0}×)  fuel {:.1e} ({:.0}×)  calls {}",
+            ms(el),
+            work as f64,
+            d.max_host_work as f64 / work as f64,
+            dag.node_count(),
+            d.max_nodes as f64 / dag.node_count() as f64,
+            dag.edge_count(),
+            d.max_edges as f64 / dag.edge_count() as f64,
+            r.fuel_used as f64,
+            d.fuel as f64 / r.fuel_used as f64,
+            r.host_calls
+        );
+    }
+
     // Host-call throughput: a plugin calling `cluster()` in a loop.
     let hostile =
         std::path::PathBuf::from(env!("PIPER_E2E_WASM_DIR")).join("piper_testing_hostile.wasm");

@@ -72,12 +72,16 @@ struct PlanArgs {
 
 #[derive(Subcommand)]
 enum PluginCommand {
-    /// What a plugin's `info()` returns, its WIT version and sha256.
+    /// What a plugin's `info()` returns, its WIT version and sha256, and the
+    /// sandbox limits and host budget it runs under.
     Info {
         /// Bundled name or path to a .wasm component.
         plugin: String,
         #[arg(long)]
         json: bool,
+        /// Run config whose `[sandbox]` table sets the limits (default: the defaults).
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// The bundled strategies.
     List,
@@ -111,7 +115,11 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan(a) => plan(a),
         Command::Train(a) => train::train(a),
-        Command::Plugin(PluginCommand::Info { plugin, json }) => plugin_info(&plugin, json),
+        Command::Plugin(PluginCommand::Info {
+            plugin,
+            json,
+            config,
+        }) => plugin_info(&plugin, json, config),
         Command::Plugin(PluginCommand::List) => plugin_list(),
     }
 }
@@ -184,8 +192,18 @@ fn plan(a: PlanArgs) -> Result<()> {
     Ok(())
 }
 
-fn plugin_info(spec: &str, json: bool) -> Result<()> {
-    let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+fn plugin_info(spec: &str, json: bool, config: Option<PathBuf>) -> Result<()> {
+    let limits = match config {
+        Some(path) => {
+            RunConfig::resolve(&RunArgs {
+                config: Some(path),
+                ..Default::default()
+            })?
+            .sandbox
+        }
+        None => Default::default(),
+    };
+    let host = PluginHost::new(limits.clone(), Some(PluginHost::default_cache_dir()))?;
     let p = host.load(spec)?;
     if json {
         let v = serde_json::json!({
@@ -193,6 +211,7 @@ fn plugin_info(spec: &str, json: bool) -> Result<()> {
             "wit": format!("piper:strategy@{}", p.wit_version),
             "sha256": p.sha256,
             "origin": p.origin,
+            "sandbox": limits,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -214,6 +233,10 @@ fn plugin_info(spec: &str, json: bool) -> Result<()> {
                 .unwrap_or_default();
             println!("    {:<14} {:<5}{d:<12}  {}", o.name, o.ty, o.help);
         }
+    }
+    println!("  sandbox (the run config's [sandbox] table overrides):");
+    for (k, v) in limits.describe() {
+        println!("    {k:<20} {v}");
     }
     Ok(())
 }

@@ -512,6 +512,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     let mut transient_peak = vec![0u64; ndev];
     {
         let mut live = vec![0u64; ndev];
+        let mut in_flight: HashMap<NodeId, (Vec<DeviceId>, u64)> = HashMap::new();
         let mut bufs: Vec<(u64, u32)> = vec![(0, 0); pos.len()];
         for &id in &order {
             let n = &g[id.ix()];
@@ -536,9 +537,46 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 }
             }
             let out_bytes: u64 = by_kind.iter().sum();
+            // A collective stages this device's contribution and the result
+            // while it runs (the runtime accounts both against the cap).
+            let staging = match &n.kind {
+                NodeKind::Comm(c) if !c.op.is_p2p() && c.purpose != CommPurpose::GradNorm => {
+                    let b = if c.tensor.scales_with_batch() {
+                        c.bytes / dag.batch_share_div(id)
+                    } else {
+                        c.bytes
+                    };
+                    b.saturating_mul(2)
+                }
+                _ => 0,
+            };
+            // A message stays on its sender's account from the send until
+            // its receiver holds it (as the runtime counts it).
+            if let NodeKind::Comm(c) = &n.kind {
+                let b = if c.tensor.scales_with_batch() {
+                    c.bytes / dag.batch_share_div(id)
+                } else {
+                    c.bytes
+                };
+                match (c.op, c.pair) {
+                    (crate::dag::CommOp::Send, Some(pair)) => {
+                        // Added after the send's input is released, below.
+                        in_flight.insert(pair, (n.devices.clone(), b));
+                    }
+                    (crate::dag::CommOp::Recv, _) => {
+                        if let Some((senders, b)) = in_flight.remove(&id) {
+                            for dev in senders {
+                                live[dev.0 as usize] = live[dev.0 as usize].saturating_sub(b);
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
             let base = pos_base[id.ix().index()] as usize;
             for (i, dev) in n.devices.iter().enumerate() {
                 let d = dev.0 as usize;
+                transient_peak[d] = transient_peak[d].max(live[d] + staging);
                 let readers = readers_of.iter().filter(|r| r.contains(dev)).count() as u32;
                 if readers > 0 {
                     live[d] += out_bytes;
@@ -562,6 +600,17 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         entry.1 -= 1;
                         if entry.1 == 0 {
                             live[dev.0 as usize] -= entry.0;
+                        }
+                    }
+                }
+            }
+            if let NodeKind::Comm(c) = &n.kind {
+                if let (crate::dag::CommOp::Send, Some(pair)) = (c.op, c.pair) {
+                    if let Some((_, b)) = in_flight.get(&pair) {
+                        for dev in &n.devices {
+                            let d = dev.0 as usize;
+                            live[d] += b;
+                            transient_peak[d] = transient_peak[d].max(live[d]);
                         }
                     }
                 }
@@ -658,11 +707,13 @@ fn schedule(dag: &TrainingDag) -> Vec<NodeId> {
             }
         }
     }
-    let mut heap: BinaryHeap<Reverse<(u32, i32, u32)>> = BinaryHeap::new();
+    // Higher priority first: `Reverse` on the priority itself, never its
+    // negation (`-i32::MIN` overflows).
+    let mut heap: BinaryHeap<Reverse<(u32, Reverse<i32>, u32)>> = BinaryHeap::new();
     let push = |heap: &mut BinaryHeap<_>, ix: petgraph::stable_graph::NodeIndex| {
         heap.push(Reverse((
             key[ix.index()],
-            -g[ix].priority,
+            Reverse(g[ix].priority),
             ix.index() as u32,
         )));
     };

@@ -4,13 +4,13 @@
 //! leaves the DAG exactly as it was (`order`, the one directive whose failure
 //! is only known after the change — a cycle — rolls its edges back).
 
-use super::error::{DagError, DagErrorKind};
+use super::error::{list, quote, DagError, DagErrorKind};
 use super::filter::Filter;
 use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Pass, ReplicaSpec,
     StreamId, TensorKind, TrainingDag,
 };
-use petgraph::visit::{EdgeRef, IntoEdgeReferences};
+use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
 use std::collections::{HashMap, HashSet};
 
@@ -74,7 +74,7 @@ impl ReplicateOptions {
 }
 
 fn devices_str(d: &[u32]) -> String {
-    format!("{d:?}")
+    list(d)
 }
 
 impl TrainingDag {
@@ -86,7 +86,9 @@ impl TrainingDag {
         if devices.is_empty() {
             return Err(DagError::new(call, DagErrorKind::EmptyDevices));
         }
-        let mut seen = HashSet::new();
+        // Sorting a copy finds duplicates in O(n log n) with no hashing.
+        self.charge(call, devices.len() as u64)?;
+        let mut seen = HashSet::with_capacity(devices.len().min(1 << 16));
         for &d in devices {
             if d >= self.cluster_info().devices {
                 return Err(DagError::new(
@@ -105,6 +107,28 @@ impl TrainingDag {
             }
         }
         Ok(devices.iter().map(|d| DeviceId(*d)).collect())
+    }
+
+    /// Predict and charge re-placing `compute` on a group of `group` devices:
+    /// each node's edges are visited, and each crossing data edge may become
+    /// a send/recv pair (two nodes, three edges).
+    fn charge_rewire(&self, call: &str, compute: &[NodeId], group: usize) -> Result<(), DagError> {
+        let degree: u64 = compute
+            .iter()
+            .map(|id| {
+                self.graph
+                    .edges_directed(id.ix(), Direction::Incoming)
+                    .count()
+                    + self
+                        .graph
+                        .edges_directed(id.ix(), Direction::Outgoing)
+                        .count()
+            })
+            .sum::<usize>() as u64;
+        self.check_growth(call, degree.saturating_mul(2), degree.saturating_mul(3))?;
+        // Each node's device list is written once.
+        let writes = (compute.len() as u64).saturating_mul(group as u64);
+        self.charge(call, degree.saturating_mul(4).saturating_add(writes))
     }
 
     fn check_stream(stream: &str, what: &str, call: &str) -> Result<(), DagError> {
@@ -153,7 +177,7 @@ impl TrainingDag {
     /// accumulate before the update. The region must be closed: no data edge may
     /// leave it for a node it does not contain.
     pub fn split(&mut self, f: &Filter, dim: &str, n: u32) -> Result<(), DagError> {
-        let call = format!("split({f}, {dim:?}, {n})");
+        let call = format!("split({f}, {}, {n})", quote(dim));
         if n == 0 {
             return Err(DagError::new(
                 call,
@@ -164,16 +188,31 @@ impl TrainingDag {
             return Err(DagError::new(
                 call,
                 DagErrorKind::InvalidArgument(format!(
-                    "`{dim}` cannot be a split dimension (use a new name such as MB)"
+                    "{} cannot be a split dimension (use a new name such as MB)",
+                    quote(dim)
                 )),
             ));
         }
+        self.check_names(&call, &[dim], &[])?;
         let ids: Vec<NodeId> = self
             .select(f, &call)?
             .into_iter()
             .filter(|id| self.graph[id.ix()].derived.is_none())
             .collect();
         let ids = self.compute_only(f, ids.clone(), &call).map(|_| ids)?;
+        // Every node's batch share must stay representable.
+        for &id in &ids {
+            let div = self.graph[id.ix()].batch_div;
+            if div.checked_mul(n).is_none() {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::InvalidArgument(format!(
+                        "{} already runs 1/{div} of the batch; splitting it {n} ways more overflows",
+                        self.label(id)
+                    )),
+                ));
+            }
+        }
         let set: HashSet<NodeId> = ids.iter().copied().collect();
         if let Some(key) = self.find_tag(dim) {
             if ids
@@ -186,6 +225,8 @@ impl TrainingDag {
                 ));
             }
         }
+        // The closure scan and the edge scan below visit every edge.
+        self.charge(&call, (self.edge_count() as u64).saturating_mul(2))?;
         // Closure: data and peer edges between the region and other core nodes.
         for &id in &ids {
             for e in self.graph.edges_directed(id.ix(), Direction::Outgoing) {
@@ -219,8 +260,6 @@ impl TrainingDag {
                 }
             }
         }
-        // Validated: from here on nothing fails.
-        let key = self.tag_key(dim);
         let edges: Vec<(NodeId, NodeId, EdgeKind)> = self
             .graph
             .edge_references()
@@ -232,10 +271,19 @@ impl TrainingDag {
             })
             .map(|e| (NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
             .collect();
+        // n − 1 copies of the region; each copied core node may bring a
+        // derived node (a ZeRO gather or reduce-scatter) at the next rebuild.
+        let copies = u64::from(n - 1);
+        let add_nodes = copies.saturating_mul(ids.len() as u64).saturating_mul(2);
+        let add_edges = copies.saturating_mul(edges.len() as u64).saturating_mul(2);
+        self.check_growth(&call, add_nodes, add_edges)?;
+        self.charge(&call, add_nodes.saturating_add(add_edges))?;
+        // Validated: from here on nothing fails.
+        let key = self.tag_key(dim);
         for &id in &ids {
             let node = &mut self.graph[id.ix()];
             node.tags.set(key, 0);
-            node.batch_div *= n;
+            node.batch_div *= n; // checked above
             self.index_tag(id, key, 0);
         }
         for i in 1..n {
@@ -272,13 +320,16 @@ impl TrainingDag {
     /// gradients get an all-reduce (on the same stream) before the update.
     pub fn place(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
         let call = format!(
-            "place({f}, devices {}, stream {stream:?})",
-            devices_str(devices)
+            "place({f}, devices {}, stream {})",
+            devices_str(devices),
+            quote(stream)
         );
         let devs = self.check_devices(devices, &call)?;
         Self::check_stream(stream, "stream", &call)?;
+        self.check_names(&call, &[], &[stream])?;
         let ids = self.select(f, &call)?;
         let compute = self.compute_only(f, ids, &call)?;
+        self.charge_rewire(&call, &compute, devs.len())?;
         let s = self.stream_id(stream);
         for &id in &compute {
             self.graph[id.ix()].devices = devs.clone();
@@ -314,8 +365,10 @@ impl TrainingDag {
         let devs = self.check_devices(devices, &call)?;
         Self::check_stream(&opts.reduce_stream, "reduce-stream", &call)?;
         Self::check_stream(&opts.gather_stream, "gather-stream", &call)?;
+        self.check_names(&call, &[], &[&opts.reduce_stream, &opts.gather_stream])?;
         let ids = self.select(f, &call)?;
         let compute = self.compute_only(f, ids, &call)?;
+        self.charge_rewire(&call, &compute, devs.len())?;
         let set: HashSet<NodeId> = compute.iter().copied().collect();
         // Forward and backward of one segment and microbatch go together.
         for &id in &compute {
@@ -375,8 +428,9 @@ impl TrainingDag {
     /// **shard** (expert parallelism).
     pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
         let call = format!(
-            "shard({f}, devices {}, stream {stream:?})",
-            devices_str(devices)
+            "shard({f}, devices {}, stream {})",
+            devices_str(devices),
+            quote(stream)
         );
         Err(DagError::new(
             call,
@@ -394,8 +448,9 @@ impl TrainingDag {
         stream: &str,
     ) -> Result<(), DagError> {
         let call = format!(
-            "shard-tensor({f}, devices {}, stream {stream:?})",
-            devices_str(devices)
+            "shard-tensor({f}, devices {}, stream {})",
+            devices_str(devices),
+            quote(stream)
         );
         Err(DagError::new(
             call,
@@ -412,7 +467,6 @@ impl TrainingDag {
     /// filter on `PASS: BI` or `PASS: BW` splits the matching fused `B` nodes
     /// into backward-for-input and backward-for-weight first.
     pub fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
-        self.sync();
         let call = order_call(groups);
         if groups.len() < 2 {
             return Err(DagError::new(
@@ -429,6 +483,7 @@ impl TrainingDag {
                 DagErrorKind::InvalidArgument(format!("group {i} has no filter")),
             ));
         }
+        self.sync_for(&call)?;
         let mut resolved = Vec::new();
         for g in groups {
             let mut rg = Vec::new();
@@ -444,39 +499,66 @@ impl TrainingDag {
                 if matches!(f.pass.as_deref(), Some("BI") | Some("BW")) {
                     let fb = f.clone().pass("B");
                     let r = self.resolve(&fb, &call)?;
-                    to_split.extend(self.select_resolved(&r));
+                    to_split.extend(self.select_resolved(&r, &call)?);
                 }
             }
         }
         to_split.sort_unstable();
         to_split.dedup();
+        // A failure after the backward splits restores this copy (the
+        // clone visits every node and edge; each split adds a node and a
+        // few edges).
         let snapshot = if to_split.is_empty() {
             None
         } else {
+            let n = to_split.len() as u64;
+            self.check_growth(&call, n, n.saturating_mul(8))?;
+            self.charge(
+                &call,
+                (self.node_count() + self.edge_count()) as u64 + n.saturating_mul(8),
+            )?;
             Some(self.clone())
         };
-        let fail = |dag: &mut TrainingDag, kind: DagErrorKind, snapshot: Option<TrainingDag>| {
-            if let Some(s) = snapshot {
+        let restore = |dag: &mut TrainingDag, snapshot: Option<TrainingDag>| {
+            if let Some(mut s) = snapshot {
+                // Keep the work spent: the budget is not part of the DAG.
+                s.meter = std::mem::take(&mut dag.meter);
                 *dag = s;
             }
-            Err(DagError::new(call.clone(), kind))
         };
         for &b in &to_split {
             self.split_backward(b);
         }
+        match self.order_edges(&call, &resolved) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                restore(self, snapshot);
+                Err(e)
+            }
+        }
+    }
+
+    /// The second half of `order`: select the groups, check they share one
+    /// device group, plan the temporal edges (and markers), prove the result
+    /// acyclic with the planned edges as virtual ones, then add them. Nothing
+    /// is changed when this fails.
+    fn order_edges(
+        &mut self,
+        call: &str,
+        resolved: &[Vec<(&Filter, super::primitives::Resolved)>],
+    ) -> Result<(), DagError> {
         let mut sets: Vec<Vec<NodeId>> = Vec::new();
-        for rg in &resolved {
+        for rg in resolved {
             let mut set = Vec::new();
             for (f, r) in rg {
-                let m = self.select_resolved(r);
+                let m = self.select_resolved(r, call)?;
                 if m.is_empty() {
-                    return fail(
-                        self,
+                    return Err(DagError::new(
+                        call,
                         DagErrorKind::NoMatch {
                             filter: f.to_string(),
                         },
-                        snapshot,
-                    );
+                    ));
                 }
                 set.extend(m);
             }
@@ -491,88 +573,114 @@ impl TrainingDag {
             for &id in set {
                 let d = &self.graph[id.ix()].devices;
                 if d.is_empty() {
-                    return fail(
-                        self,
+                    return Err(DagError::new(
+                        call,
                         DagErrorKind::Unplaced {
                             node: self.label(id),
                         },
-                        snapshot,
-                    );
+                    ));
                 }
                 if *d != devs {
-                    let kind = DagErrorKind::CrossDevice {
-                        a: self.label(first),
-                        a_devices: devs.iter().map(|d| d.0).collect(),
-                        b: self.label(id),
-                        b_devices: d.iter().map(|d| d.0).collect(),
-                    };
-                    return fail(self, kind, snapshot);
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::CrossDevice {
+                            a: self.label(first),
+                            a_devices: devs.iter().map(|d| d.0).collect(),
+                            b: self.label(id),
+                            b_devices: d.iter().map(|d| d.0).collect(),
+                        },
+                    ));
                 }
             }
         }
-        let mut added_edges = Vec::new();
-        let mut added_nodes = Vec::new();
+        // Boundaries visit each member's edges.
+        let members: u64 = sets.iter().map(|s| s.len() as u64).sum();
+        let degree: u64 = sets
+            .iter()
+            .flatten()
+            .map(|id| {
+                (self
+                    .graph
+                    .edges_directed(id.ix(), Direction::Incoming)
+                    .count()
+                    + self
+                        .graph
+                        .edges_directed(id.ix(), Direction::Outgoing)
+                        .count()) as u64
+            })
+            .sum();
+        self.charge(call, members.saturating_add(degree.saturating_mul(2)))?;
+        // Plan: per window, direct edges or a marker (virtual node ids from
+        // the graph's node bound up).
+        let bound = self.graph.node_bound();
+        let mut markers = 0usize;
+        let mut planned: Vec<(usize, usize)> = Vec::new();
         for w in sets.windows(2) {
             let sinks = self.boundary(&w[0], Direction::Outgoing);
             let sources = self.boundary(&w[1], Direction::Incoming);
-            if sinks.iter().any(|s| sources.contains(s)) {
-                let n = *sinks.iter().find(|s| sources.contains(s)).unwrap();
+            if let Some(&n) = sinks.iter().find(|s| sources.contains(s)) {
                 let cycle = vec![self.label(n), self.label(n)];
-                self.rollback(&added_edges, &added_nodes);
-                return fail(self, DagErrorKind::Cycle { cycle }, snapshot);
+                return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
             }
             if sinks.len() * sources.len() > sinks.len() + sources.len() {
-                let marker = self.add_node(Node {
-                    kind: NodeKind::Marker,
-                    tags: Default::default(),
-                    devices: devs.clone(),
-                    stream: super::COMPUTE,
-                    priority: 0,
-                    batch_div: 1,
-                    replica: None,
-                    derived: None,
-                    tweaked: false,
-                });
-                added_nodes.push(marker);
-                for &s in &sinks {
-                    added_edges.push(self.graph.add_edge(s.ix(), marker, EdgeKind::Temporal));
-                }
-                for &t in &sources {
-                    added_edges.push(self.graph.add_edge(marker, t.ix(), EdgeKind::Temporal));
-                }
+                let m = bound + markers;
+                markers += 1;
+                planned.extend(sinks.iter().map(|s| (s.ix().index(), m)));
+                planned.extend(sources.iter().map(|t| (m, t.ix().index())));
             } else {
                 for &s in &sinks {
                     for &t in &sources {
                         if self.graph.find_edge(s.ix(), t.ix()).is_none() {
-                            added_edges.push(self.graph.add_edge(
-                                s.ix(),
-                                t.ix(),
-                                EdgeKind::Temporal,
-                            ));
+                            planned.push((s.ix().index(), t.ix().index()));
                         }
                     }
                 }
             }
         }
-        if let Err(cycle) = self.check_acyclic() {
-            let cycle = cycle.iter().map(|n| self.label(*n)).collect();
-            self.rollback(&added_edges, &added_nodes);
-            return fail(self, DagErrorKind::Cycle { cycle }, snapshot);
+        self.check_growth(call, markers as u64, planned.len() as u64)?;
+        self.charge(
+            call,
+            (self.node_count() + self.edge_count() + markers + planned.len()) as u64,
+        )?;
+        if let Err(cycle) = self.check_acyclic_with(&planned, markers) {
+            let cycle = cycle
+                .iter()
+                .map(|&n| {
+                    if n >= bound {
+                        "marker".to_string()
+                    } else {
+                        self.label(NodeId(n as u32))
+                    }
+                })
+                .collect();
+            return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
+        }
+        // Proven acyclic: add the markers and edges.
+        let mut ids = Vec::with_capacity(markers);
+        for _ in 0..markers {
+            ids.push(self.add_node(Node {
+                kind: NodeKind::Marker,
+                tags: Default::default(),
+                devices: devs.clone(),
+                stream: super::COMPUTE,
+                priority: 0,
+                batch_div: 1,
+                replica: None,
+                derived: None,
+                tweaked: false,
+            }));
+        }
+        let at = |i: usize| {
+            if i >= bound {
+                ids[i - bound]
+            } else {
+                petgraph::stable_graph::NodeIndex::new(i)
+            }
+        };
+        for &(a, b) in &planned {
+            self.graph.add_edge(at(a), at(b), EdgeKind::Temporal);
         }
         Ok(())
-    }
-
-    fn rollback(
-        &mut self,
-        edges: &[petgraph::stable_graph::EdgeIndex],
-        nodes: &[petgraph::stable_graph::NodeIndex],
-    ) {
-        for e in edges.iter().rev() {
-            self.graph.remove_edge(*e);
-        }
-        for n in nodes.iter().rev() {
-            self.graph.remove_node(*n);
-        }
     }
 
     /// Nodes of `set` with no successor (Outgoing) / predecessor (Incoming)

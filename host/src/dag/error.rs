@@ -46,6 +46,14 @@ pub enum DagErrorKind {
     InvalidArgument(String),
     #[error("{what} is not yet supported")]
     Unsupported { what: String },
+    /// A host budget (see [`super::DagBudget`]) would be exceeded: refused
+    /// before any work was done.
+    #[error("over the host budget `{budget}` = {limit}: {request}")]
+    Limit {
+        budget: &'static str,
+        limit: u64,
+        request: String,
+    },
 }
 
 /// A failed directive or primitive: the call and its cause. The DAG is
@@ -74,3 +82,37 @@ impl fmt::Display for DagError {
 }
 
 impl std::error::Error for DagError {}
+
+/// A name from the caller as it appears in a message: at most 64 bytes
+/// (longer ones are cut, with their length given).
+pub(crate) fn short(s: &str) -> String {
+    const MAX: usize = 64;
+    if s.len() <= MAX {
+        return s.to_string();
+    }
+    let mut cut = MAX;
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}… ({} bytes)", &s[..cut], s.len())
+}
+
+/// [`short`], quoted as a string literal.
+pub(crate) fn quote(s: &str) -> String {
+    if s.len() <= 64 {
+        format!("{s:?}")
+    } else {
+        format!("\"{}\"", short(s))
+    }
+}
+
+/// A list from the caller as it appears in a message: the first 16 items,
+/// then how many there are.
+pub(crate) fn list<T: fmt::Debug>(items: &[T]) -> String {
+    const MAX: usize = 16;
+    if items.len() <= MAX {
+        return format!("{items:?}");
+    }
+    let head: Vec<String> = items[..MAX].iter().map(|i| format!("{i:?}")).collect();
+    format!("[{}, … ({} in all)]", head.join(", "), items.len())
+}

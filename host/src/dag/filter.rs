@@ -79,16 +79,33 @@ impl Filter {
 
 impl fmt::Display for Filter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Filters come from plugins: long keys and long tag lists are elided.
+        const MAX_TAGS: usize = 16;
+        let short = |k: &str| {
+            if k.len() <= 32 {
+                k.to_string()
+            } else {
+                let mut cut = 32;
+                while !k.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                format!("{}…", &k[..cut])
+            }
+        };
         let mut parts: Vec<String> = self
             .tags
             .iter()
+            .take(MAX_TAGS)
             .map(|(k, m)| match m {
-                TagMatch::Any => format!("{k}:*"),
-                TagMatch::Index(i) => format!("{k}:{i}"),
+                TagMatch::Any => format!("{}:*", short(k)),
+                TagMatch::Index(i) => format!("{}:{i}", short(k)),
             })
             .collect();
+        if self.tags.len() > MAX_TAGS {
+            parts.push(format!("… ({} tags)", self.tags.len()));
+        }
         if let Some(p) = &self.pass {
-            parts.push(format!("PASS:{p}"));
+            parts.push(format!("PASS:{}", short(p)));
         }
         write!(f, "{{{}}}", parts.join(","))
     }

@@ -31,6 +31,7 @@
 //!
 //! A node on several devices runs SPMD: data-parallel replicas are one node.
 
+mod budget;
 mod derived;
 mod directives;
 pub mod error;
@@ -39,6 +40,7 @@ mod primitives;
 #[cfg(test)]
 mod tests;
 
+pub use budget::{DagBudget, MAX_NAMES_HARD};
 pub use directives::ReplicateOptions;
 pub use error::{DagError, DagErrorKind};
 pub use filter::{Filter, TagMatch, PASS_VALUES};
@@ -251,7 +253,7 @@ impl Tags {
 }
 
 /// A node of the global training DAG.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Node {
     pub kind: NodeKind,
     pub tags: Tags,
@@ -331,6 +333,8 @@ pub struct TrainingDag {
     pub(crate) dirty: bool,
     /// Filter index, built on first use after a structural change.
     pub(crate) index: std::cell::OnceCell<primitives::Index>,
+    /// The host budget in force (plugin calls) and the work spent.
+    pub(crate) meter: budget::Meter,
 }
 
 pub(crate) const COMPUTE: StreamId = StreamId(0);
@@ -355,6 +359,7 @@ impl TrainingDag {
             tied_stream: COMPUTE,
             dirty: true,
             index: std::cell::OnceCell::new(),
+            meter: Default::default(),
         }
     }
 
@@ -413,6 +418,12 @@ impl TrainingDag {
         if let Some(i) = self.tag_names.iter().position(|n| n == name) {
             return TagKey(i as u16);
         }
+        // Callers reachable from plugins check the name budget first
+        // (`check_names`); this is the last line of defence for the u16 id.
+        assert!(
+            self.tag_names.len() < budget::MAX_NAMES_HARD as usize,
+            "tag keys exceed their u16 ids"
+        );
         self.tag_names.push(name.to_string());
         TagKey((self.tag_names.len() - 1) as u16)
     }
@@ -438,6 +449,10 @@ impl TrainingDag {
         if let Some(i) = self.streams.iter().position(|n| n == name) {
             return StreamId(i as u16);
         }
+        assert!(
+            self.streams.len() < budget::MAX_NAMES_HARD as usize,
+            "streams exceed their u16 ids"
+        );
         self.streams.push(name.to_string());
         StreamId((self.streams.len() - 1) as u16)
     }
@@ -541,55 +556,130 @@ impl TrainingDag {
         })
     }
 
+    /// Full-state equality: every node and edge slot by index (so node ids
+    /// agree too), interned tag keys and streams, replication specs, split
+    /// dimensions, the tied-gradient stream, the staleness of derived nodes,
+    /// the model and the cluster. The filter index (a cache) and the host
+    /// budget (accounting) are not state. StableGraph's free lists are not
+    /// reachable; equal node and edge bounds with equal vacancies stand in.
+    pub fn same_state(&self, other: &Self) -> bool {
+        use petgraph::stable_graph::EdgeIndex;
+        use petgraph::visit::EdgeIndexable;
+        let (g, h) = (&self.graph, &other.graph);
+        if g.node_bound() != h.node_bound()
+            || EdgeIndexable::edge_bound(g) != EdgeIndexable::edge_bound(h)
+        {
+            return false;
+        }
+        let nodes_eq = (0..g.node_bound())
+            .all(|i| g.node_weight(NodeIndex::new(i)) == h.node_weight(NodeIndex::new(i)));
+        let edges_eq = (0..EdgeIndexable::edge_bound(g)).all(|i| {
+            let e = EdgeIndex::new(i);
+            g.edge_endpoints(e) == h.edge_endpoints(e) && g.edge_weight(e) == h.edge_weight(e)
+        });
+        nodes_eq
+            && edges_eq
+            && self.tag_names == other.tag_names
+            && self.streams == other.streams
+            && self.specs == other.specs
+            && self.split_dims == other.split_dims
+            && self.tied_stream == other.tied_stream
+            && self.dirty == other.dirty
+            && self.model == other.model
+            && self.cluster == other.cluster
+    }
+
     /// Kahn's algorithm over every edge. `Err` holds one cycle.
     pub(crate) fn check_acyclic(&self) -> Result<(), Vec<NodeId>> {
+        self.check_acyclic_with(&[], 0)
+            .map_err(|c| c.into_iter().map(|i| NodeId(i as u32)).collect())
+    }
+
+    /// Kahn's algorithm over every edge plus `extra` edges, which may name
+    /// `virtual_nodes` nodes numbered from the graph's node bound up (edges
+    /// planned but not added yet). `Err` holds one cycle, as node indices.
+    pub(crate) fn check_acyclic_with(
+        &self,
+        extra: &[(usize, usize)],
+        virtual_nodes: usize,
+    ) -> Result<(), Vec<usize>> {
         let bound = self.graph.node_bound();
-        let mut indeg = vec![0u32; bound];
+        let total = bound + virtual_nodes;
+        let mut indeg = vec![0u32; total];
+        // Extra edges sorted by source (out) and by target (in).
+        let mut out_sorted: Vec<(usize, usize)> = extra.to_vec();
+        out_sorted.sort_unstable();
+        let mut in_sorted: Vec<(usize, usize)> = extra.iter().map(|&(a, b)| (b, a)).collect();
+        in_sorted.sort_unstable();
+        let range = |v: &[(usize, usize)], i: usize| {
+            let lo = v.partition_point(|e| e.0 < i);
+            let hi = v.partition_point(|e| e.0 <= i);
+            lo..hi
+        };
+        for &(_, b) in extra {
+            indeg[b] += 1;
+        }
         for e in self.graph.edge_references() {
             indeg[e.target().index()] += 1;
         }
-        let mut stack: Vec<NodeIndex> = self
-            .graph
-            .node_indices()
-            .filter(|i| indeg[i.index()] == 0)
-            .collect();
+        let live = |i: usize| i >= bound || self.graph.contains_node(NodeIndex::new(i));
+        let mut stack: Vec<usize> = (0..total).filter(|&i| live(i) && indeg[i] == 0).collect();
         let mut seen = 0usize;
         while let Some(n) = stack.pop() {
             seen += 1;
-            for e in self.graph.edges_directed(n, Direction::Outgoing) {
-                let t = e.target().index();
+            let mut visit = |t: usize, stack: &mut Vec<usize>| {
                 indeg[t] -= 1;
                 if indeg[t] == 0 {
-                    stack.push(e.target());
+                    stack.push(t);
+                }
+            };
+            if !out_sorted.is_empty() {
+                for k in range(&out_sorted, n) {
+                    visit(out_sorted[k].1, &mut stack);
+                }
+            }
+            if n < bound {
+                for t in self
+                    .graph
+                    .neighbors_directed(NodeIndex::new(n), Direction::Outgoing)
+                {
+                    visit(t.index(), &mut stack);
                 }
             }
         }
-        if seen == self.graph.node_count() {
+        if seen == self.graph.node_count() + virtual_nodes {
             return Ok(());
         }
         // Walk predecessors among the blocked nodes until one repeats.
-        let start = self
-            .graph
-            .node_indices()
-            .find(|i| indeg[i.index()] > 0)
-            .expect("a blocked node exists");
+        let preds = |i: usize| -> Vec<usize> {
+            let mut v: Vec<usize> = range(&in_sorted, i).map(|k| in_sorted[k].1).collect();
+            if i < bound {
+                v.extend(
+                    self.graph
+                        .neighbors_directed(NodeIndex::new(i), Direction::Incoming)
+                        .map(|t| t.index()),
+                );
+            }
+            v
+        };
+        let Some(start) = (0..total).find(|&i| live(i) && indeg[i] > 0) else {
+            return Err(Vec::new());
+        };
         let mut path = vec![start];
-        let mut pos: BTreeMap<usize, usize> = BTreeMap::from([(start.index(), 0)]);
+        let mut pos: BTreeMap<usize, usize> = BTreeMap::from([(start, 0)]);
         let mut cur = start;
         loop {
-            let next = self
-                .graph
-                .edges_directed(cur, Direction::Incoming)
-                .map(|e| e.source())
-                .find(|s| indeg[s.index()] > 0)
-                .expect("a blocked node has a blocked predecessor");
-            if let Some(&p) = pos.get(&next.index()) {
-                let mut cycle: Vec<NodeId> = path[p..].iter().map(|i| NodeId::of(*i)).collect();
+            // A blocked node always has a blocked predecessor.
+            let Some(next) = preds(cur).into_iter().find(|&p| indeg[p] > 0) else {
+                return Err(path);
+            };
+            if let Some(&p) = pos.get(&next) {
+                let mut cycle: Vec<usize> = path[p..].to_vec();
                 cycle.reverse();
                 cycle.push(cycle[0]);
                 return Err(cycle);
             }
-            pos.insert(next.index(), path.len());
+            pos.insert(next, path.len());
             path.push(next);
             cur = next;
         }

@@ -116,6 +116,11 @@ pub(crate) struct Resolved {
 impl TrainingDag {
     /// Resolve a filter's names; unknown tags and passes are errors.
     pub(crate) fn resolve(&self, f: &Filter, call: &str) -> Result<Resolved, DagError> {
+        // Each key is looked up among the interned names.
+        self.charge(
+            call,
+            (f.tags.len() as u64).saturating_mul(self.tag_names.len() as u64 + 1),
+        )?;
         let mut tags = Vec::new();
         for (k, m) in &f.tags {
             let key = self.find_tag(k);
@@ -125,8 +130,8 @@ impl TrainingDag {
                     return Err(DagError::new(
                         call,
                         DagErrorKind::UnknownTag {
-                            tag: k.clone(),
-                            known: self.tag_names(),
+                            tag: super::error::short(k),
+                            known: self.tag_names().into_iter().take(32).collect(),
                         },
                     ))
                 }
@@ -137,7 +142,8 @@ impl TrainingDag {
                 return Err(DagError::new(
                     call,
                     DagErrorKind::InvalidArgument(format!(
-                        "PASS `{p}` is not one of {PASS_VALUES:?}"
+                        "PASS {} is not one of {PASS_VALUES:?}",
+                        super::error::quote(p)
                     )),
                 ));
             }
@@ -162,8 +168,13 @@ impl TrainingDag {
         })
     }
 
-    /// Ids of the nodes a resolved filter matches, in id order.
-    pub(crate) fn select_resolved(&self, r: &Resolved) -> Vec<NodeId> {
+    /// Ids of the nodes a resolved filter matches, in id order; the scan is
+    /// charged to the host budget before it runs.
+    pub(crate) fn select_resolved(
+        &self,
+        r: &Resolved,
+        call: &str,
+    ) -> Result<Vec<NodeId>, DagError> {
         let index = self.index.get_or_init(|| Index::build(self));
         // Scan the smallest candidate list among the exact constraints.
         let mut best: Option<&Vec<NodeId>> = None;
@@ -214,6 +225,8 @@ impl TrainingDag {
                 best = Some(list);
             }
         }
+        let scan = best.map_or(self.node_count(), |b| b.len()) as u64;
+        self.charge(call, scan.saturating_mul(r.tags.len() as u64 + 1))?;
         let mut ids: Vec<NodeId> = match best {
             Some(list) => list
                 .iter()
@@ -224,13 +237,13 @@ impl TrainingDag {
         };
         ids.sort_unstable();
         ids.dedup();
-        ids
+        Ok(ids)
     }
 
     /// Ids of the nodes a filter matches, in id order; an error if none.
     pub(crate) fn select(&self, f: &Filter, call: &str) -> Result<Vec<NodeId>, DagError> {
         let r = self.resolve(f, call)?;
-        let ids = self.select_resolved(&r);
+        let ids = self.select_resolved(&r, call)?;
         if ids.is_empty() {
             return Err(DagError::new(
                 call,
@@ -245,25 +258,28 @@ impl TrainingDag {
     /// Nodes matching a filter (an error if the filter names an unknown tag
     /// or matches nothing).
     pub fn query(&mut self, f: &Filter) -> Result<Vec<NodeInfo>, DagError> {
-        self.sync();
-        let call = format!("query({f})");
-        Ok(self
-            .select(f, &call)?
-            .into_iter()
-            .map(|id| self.info(id))
-            .collect())
+        let ids = self.query_ids(f)?;
+        Ok(self.infos(&ids))
     }
 
     /// Ids only (cheaper than [`query`](Self::query)).
     pub fn query_ids(&mut self, f: &Filter) -> Result<Vec<NodeId>, DagError> {
-        self.sync();
-        self.select(f, &format!("query({f})"))
+        let call = format!("query({f})");
+        self.sync_for(&call)?;
+        self.select(f, &call)
+    }
+
+    /// What a strategy reads about these nodes (ids from
+    /// [`query_ids`](Self::query_ids)).
+    pub fn infos(&self, ids: &[NodeId]) -> Vec<NodeInfo> {
+        ids.iter().map(|id| self.info(*id)).collect()
     }
 
     /// One node.
     pub fn node(&mut self, id: NodeId) -> Result<NodeInfo, DagError> {
-        self.sync();
-        self.check_id(id, &format!("node({})", id.0))?;
+        let call = format!("node({})", id.0);
+        self.sync_for(&call)?;
+        self.check_id(id, &call)?;
         Ok(self.info(id))
     }
 
@@ -276,8 +292,11 @@ impl TrainingDag {
 
     /// Predecessors and successors of a node.
     pub fn neighbours(&mut self, id: NodeId) -> Result<(Vec<Neighbour>, Vec<Neighbour>), DagError> {
-        self.sync();
-        self.check_id(id, &format!("neighbours({})", id.0))?;
+        let call = format!("neighbours({})", id.0);
+        self.sync_for(&call)?;
+        self.check_id(id, &call)?;
+        let degree = self.preds(id).count() + self.succs(id).count();
+        self.charge(&call, degree as u64)?;
         let name = |k: EdgeKind| match k {
             EdgeKind::Data { .. } => "data",
             EdgeKind::Temporal => "temporal",
@@ -304,21 +323,35 @@ impl TrainingDag {
 
     /// For each tag, how many indices it spans (max index + 1).
     pub fn tag_extents(&self) -> BTreeMap<String, u32> {
-        let mut out: BTreeMap<String, u32> = BTreeMap::new();
+        let mut max: Vec<Option<u32>> = vec![None; self.tag_names.len()];
         for n in self.graph.node_weights() {
             for (k, v) in &n.tags.0 {
-                let e = out.entry(self.tag_name(*k).to_string()).or_insert(0);
-                *e = (*e).max(v + 1);
+                let e = &mut max[k.0 as usize];
+                *e = Some(e.map_or(*v, |m| m.max(*v)));
             }
         }
-        out
+        max.iter()
+            .enumerate()
+            .filter_map(|(k, m)| {
+                m.map(|m| {
+                    let key = self.tag_name(super::TagKey(k as u16)).to_string();
+                    (key, m.saturating_add(1))
+                })
+            })
+            .collect()
+    }
+
+    /// [`tag_extents`](Self::tag_extents), charged to the host budget.
+    pub fn tag_extents_charged(&self) -> Result<BTreeMap<String, u32>, DagError> {
+        self.charge("tag-extents()", self.node_count() as u64)?;
+        Ok(self.tag_extents())
     }
 
     /// Add an ordering edge `from` → `to`. Both must share a device (or both
     /// be unplaced) and the edge must not close a cycle.
     pub fn add_temporal_edge(&mut self, from: NodeId, to: NodeId) -> Result<(), DagError> {
-        self.sync();
         let call = format!("add-temporal-edge({}, {})", from.0, to.0);
+        self.sync_for(&call)?;
         self.check_id(from, &call)?;
         self.check_id(to, &call)?;
         let (a, b) = (self.devices_of(from), self.devices_of(to));
@@ -334,6 +367,9 @@ impl TrainingDag {
                 },
             ));
         }
+        // A path search may visit every node and edge; one more edge.
+        self.charge(&call, (self.node_count() + self.edge_count()) as u64)?;
+        self.check_growth(&call, 0, 1)?;
         if from == to || petgraph::algo::has_path_connecting(&self.graph, to.ix(), from.ix(), None)
         {
             return Err(DagError::new(
@@ -353,14 +389,15 @@ impl TrainingDag {
 
     /// Put the matched nodes on a logical stream. Returns how many changed.
     pub fn set_stream(&mut self, f: &Filter, stream: &str) -> Result<usize, DagError> {
-        let call = format!("set-stream({f}, {stream:?})");
-        if stream.is_empty() {
+        let call = format!("set-stream({f}, {})", super::error::quote(stream));
+        if stream.trim().is_empty() {
             return Err(DagError::new(
                 call,
                 DagErrorKind::InvalidArgument("the stream name is empty".into()),
             ));
         }
-        self.sync();
+        self.check_names(&call, &[], &[stream])?;
+        self.sync_for(&call)?;
         let ids = self.select(f, &call)?;
         let s = self.stream_id(stream);
         for id in &ids {
@@ -375,7 +412,7 @@ impl TrainingDag {
     /// among nodes ready together). Returns how many changed.
     pub fn set_priority(&mut self, f: &Filter, priority: i32) -> Result<usize, DagError> {
         let call = format!("set-priority({f}, {priority})");
-        self.sync();
+        self.sync_for(&call)?;
         let ids = self.select(f, &call)?;
         for id in &ids {
             let n = &mut self.graph[id.ix()];

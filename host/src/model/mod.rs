@@ -197,9 +197,48 @@ impl ModelConfig {
                 self.d_model, self.heads
             )));
         }
+        // Sizes come from TOML: bound them so every byte and FLOP count the
+        // host derives (products of these) fits a u64 with room to spare.
+        let limit = 1u64 << 60;
+        let (b, t, c, v, l) = (
+            self.batch_size as u64,
+            self.seq_len as u64,
+            self.d_model as u64,
+            self.vocab as u64,
+            self.layers as u64,
+        );
+        let experts = self.moe.as_ref().map_or(1, |m| m.experts.max(1) as u64);
+        for (what, product) in [
+            (
+                "batch_size × seq_len × vocab",
+                b.checked_mul(t).and_then(|x| x.checked_mul(v)),
+            ),
+            (
+                "batch_size × seq_len × 4·d_model",
+                b.checked_mul(t)
+                    .and_then(|x| x.checked_mul(c.saturating_mul(4))),
+            ),
+            (
+                "layers × experts × 12·d_model²",
+                l.checked_mul(experts)
+                    .and_then(|x| x.checked_mul(c.checked_mul(c)?.checked_mul(12)?)),
+            ),
+            ("vocab × d_model", v.checked_mul(c)),
+            (
+                "batch_size × heads × seq_len²",
+                b.checked_mul(self.heads as u64)
+                    .and_then(|x| x.checked_mul(t.checked_mul(t)?)),
+            ),
+        ] {
+            if product.is_none_or(|p| p > limit) {
+                return Err(self.invalid(format!(
+                    "the model is too large to describe: {what} exceeds 2^60 (batch_size {b}, seq_len {t}, d_model {c}, vocab {v}, layers {l})"
+                )));
+            }
+        }
         if let Some(regions) = &self.regions {
-            let sum: u32 = regions.iter().sum();
-            if regions.contains(&0) || sum != self.layers {
+            let sum = regions.iter().try_fold(0u32, |a, r| a.checked_add(*r));
+            if regions.contains(&0) || sum != Some(self.layers) {
                 return Err(self.invalid(format!(
                     "regions {regions:?} must be non-zero layer counts summing to layers = {}",
                     self.layers

@@ -38,37 +38,24 @@ pub(crate) fn engine_hash(engine: &Engine) -> String {
         .collect()
 }
 
-fn hmac(key: &[u8; 32], msg: &[u8]) -> [u8; 32] {
-    let mut k = [0u8; 64];
-    k[..32].copy_from_slice(key);
-    let ipad: Vec<u8> = k.iter().map(|b| b ^ 0x36).collect();
-    let opad: Vec<u8> = k.iter().map(|b| b ^ 0x5c).collect();
-    let inner = Sha256::new()
-        .chain_update(&ipad)
-        .chain_update(msg)
-        .finalize();
-    Sha256::new()
-        .chain_update(&opad)
-        .chain_update(inner)
-        .finalize()
-        .into()
+/// HMAC-SHA256 over the cache entry's identity (component digest and engine
+/// hash) and its body, so a valid file renamed to another plugin's key does
+/// not verify.
+fn tag(key: &[u8; 32], sha256: &str, engine_hash: &str, body: &[u8]) -> [u8; 32] {
+    use hmac::Mac;
+    let mut mac = hmac::Hmac::<Sha256>::new_from_slice(key).expect("HMAC takes any key length");
+    for part in [sha256.as_bytes(), engine_hash.as_bytes()] {
+        mac.update(&(part.len() as u64).to_le_bytes());
+        mac.update(part);
+    }
+    mac.update(body);
+    mac.finalize().into_bytes().into()
 }
 
 fn random_key() -> std::io::Result<[u8; 32]> {
     let mut key = [0u8; 32];
-    match std::fs::File::open("/dev/urandom") {
-        Ok(mut f) => std::io::Read::read_exact(&mut f, &mut key)?,
-        Err(_) => {
-            // No /dev/urandom: derive from time, pid and addresses.
-            let seed = format!(
-                "{:?}{}{:p}",
-                std::time::SystemTime::now(),
-                std::process::id(),
-                &key
-            );
-            key.copy_from_slice(&Sha256::digest(seed.as_bytes()));
-        }
-    }
+    getrandom::fill(&mut key)
+        .map_err(|e| std::io::Error::other(format!("no OS randomness: {e}")))?;
     Ok(key)
 }
 
@@ -121,8 +108,8 @@ impl CompileCache {
         if bytes.len() < 32 {
             return None;
         }
-        let (body, tag) = bytes.split_at(bytes.len() - 32);
-        if hmac(&self.key, body) != tag {
+        let (body, mac) = bytes.split_at(bytes.len() - 32);
+        if tag(&self.key, sha256, engine_hash, body) != mac {
             tracing::warn!("compile cache: {sha256} fails its integrity check; recompiling");
             return None;
         }
@@ -142,8 +129,8 @@ impl CompileCache {
         let mut body = component
             .serialize()
             .map_err(|e| std::io::Error::other(format!("{e:#}")))?;
-        let tag = hmac(&self.key, &body);
-        body.extend_from_slice(&tag);
+        let mac = tag(&self.key, sha256, engine_hash, &body);
+        body.extend_from_slice(&mac);
         let path = self.path(sha256, engine_hash);
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         std::fs::write(&tmp, &body)?;
@@ -158,16 +145,14 @@ impl CompileCache {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn hmac_matches_rfc4231_test_case_2() {
-        // RFC 4231 §4.3: key "Jefe" (zero-padded, as HMAC pads short keys).
-        let mut key = [0u8; 32];
-        key[..4].copy_from_slice(b"Jefe");
-        let tag = super::hmac(&key, b"what do ya want for nothing?");
-        let hex: String = tag.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
-        assert_ne!(tag, super::hmac(&[2; 32], b"what do ya want for nothing?"));
+    fn the_tag_binds_the_body_to_its_digest_and_engine() {
+        let key = [7u8; 32];
+        let t = super::tag(&key, "aa", "e1", b"body");
+        assert_ne!(t, super::tag(&key, "bb", "e1", b"body"));
+        assert_ne!(t, super::tag(&key, "aa", "e2", b"body"));
+        assert_ne!(t, super::tag(&key, "aa", "e1", b"bodz"));
+        assert_ne!(t, super::tag(&[8u8; 32], "aa", "e1", b"body"));
+        // Length prefixes: moving a byte between the parts changes the tag.
+        assert_ne!(t, super::tag(&key, "a", "ae1", b"body"));
     }
 }

@@ -28,8 +28,7 @@ fn filter(f: wit::Filter) -> Filter {
     }
 }
 
-fn wit_error(e: &DagError) -> wit::DagError {
-    let m = e.to_string();
+fn wit_error(e: &DagError, m: String) -> wit::DagError {
     match e.kind {
         DagErrorKind::UnknownTag { .. } => wit::DagError::UnknownTag(m),
         DagErrorKind::NoMatch { .. } => wit::DagError::NoMatch(m),
@@ -46,6 +45,7 @@ fn wit_error(e: &DagError) -> wit::DagError {
         DagErrorKind::UnknownNode { .. } => wit::DagError::UnknownNode(m),
         DagErrorKind::InvalidArgument(_) => wit::DagError::InvalidArgument(m),
         DagErrorKind::Unsupported { .. } => wit::DagError::Unsupported(m),
+        DagErrorKind::Limit { .. } => wit::DagError::Limit(m),
     }
 }
 
@@ -84,29 +84,139 @@ fn neighbour(n: dag::Neighbour) -> wit::Neighbour {
     }
 }
 
+/// Bytes of arguments copied into the host that cost one unit of host work.
+const BYTES_PER_UNIT: usize = 16;
+
+/// What a call's arguments weigh: strings and list lengths, checked against
+/// the host budget before anything else is done with them.
+#[derive(Default)]
+struct Args<'a> {
+    strings: Vec<&'a str>,
+    lists: Vec<(&'static str, usize)>,
+}
+
+impl<'a> Args<'a> {
+    fn filter(mut self, f: &'a wit::Filter) -> Self {
+        self.lists.push(("filter tags", f.tags.len()));
+        self.strings.extend(f.tags.iter().map(|t| t.key.as_str()));
+        self.strings.extend(f.pass.as_deref());
+        self
+    }
+    fn string(mut self, s: &'a str) -> Self {
+        self.strings.push(s);
+        self
+    }
+    fn list(mut self, what: &'static str, len: usize) -> Self {
+        self.lists.push((what, len));
+        self
+    }
+}
+
 impl PluginState {
     /// Count a host call; stop the plugin (trap) past the budget.
-    fn enter(&mut self, handle: &Resource<DagHandle>) -> wasmtime::Result<&mut dag::TrainingDag> {
+    fn count_call(&mut self) -> wasmtime::Result<()> {
         self.calls += 1;
         if self.calls > self.max_calls {
             self.stop = Some(Cause::HostCalls(self.max_calls));
             wasmtime::bail!("host-call budget of {} spent", self.max_calls);
         }
-        if self.table.iter_mut().count() > self.max_table_entries {
-            self.stop = Some(Cause::Resources(self.max_table_entries));
-            wasmtime::bail!("resource-table cap of {} reached", self.max_table_entries);
-        }
-        self.table.get(handle)?;
-        Ok(self.dag.as_mut().expect("apply has a DAG"))
+        Ok(())
     }
 
-    /// Convert a directive result, remembering errors for the final report.
-    fn done<T>(&mut self, r: Result<T, DagError>) -> R<T> {
-        Ok(r.map_err(|e| {
-            self.last_directive_error = Some(e.to_string());
-            wit_error(&e)
+    /// Count the call, check the handle and the arguments' sizes. The outer
+    /// error traps (call budget, a forged handle); the inner one is a
+    /// `limit` error returned to the plugin.
+    fn enter(&mut self, handle: &Resource<DagHandle>, args: Args) -> R<()> {
+        self.count_call()?;
+        self.table.get(handle)?;
+        let l = &self.limits;
+        let refuse = |what: String| {
+            let m = format!("over the host budget {what}");
+            Ok(Err(m))
+        };
+        let r: wasmtime::Result<Result<(), String>> = (|| {
+            for (what, len) in &args.lists {
+                if *len > l.max_list_len {
+                    return refuse(format!(
+                        "`sandbox.max_list_len` = {}: a list of {len} {what}",
+                        l.max_list_len
+                    ));
+                }
+            }
+            if args.strings.len() > l.max_list_len {
+                return refuse(format!(
+                    "`sandbox.max_list_len` = {}: {} names in one call",
+                    l.max_list_len,
+                    args.strings.len()
+                ));
+            }
+            if let Some(s) = args.strings.iter().find(|s| s.len() > l.max_string_bytes) {
+                return refuse(format!(
+                    "`sandbox.max_string_bytes` = {}: a string of {} bytes",
+                    l.max_string_bytes,
+                    s.len()
+                ));
+            }
+            Ok(Ok(()))
+        })();
+        let r = match r? {
+            // Lifting the arguments copied them: charge their bytes.
+            Ok(()) => {
+                let bytes: usize = args.strings.iter().map(|s| s.len()).sum::<usize>()
+                    + args.lists.iter().map(|(_, n)| n * 4).sum::<usize>();
+                self.dag()
+                    .charge_public("reading the arguments", (bytes / BYTES_PER_UNIT) as u64)
+                    .map_err(|e| e.to_string())
+            }
+            Err(m) => Err(m),
+        };
+        Ok(r.map_err(|m| {
+            self.last_directive_error = Some((m.clone(), true));
+            wit::DagError::Limit(super::clip(m, self.limits.max_error_bytes))
         }))
     }
+
+    fn dag(&mut self) -> &mut dag::TrainingDag {
+        self.dag.as_mut().expect("apply has a DAG")
+    }
+
+    /// Convert a directive result, remembering errors for the final report;
+    /// messages are cut to `sandbox.max_error_bytes`.
+    fn done<T>(&mut self, r: Result<T, DagError>) -> R<T> {
+        let max = self.limits.max_error_bytes;
+        Ok(r.map_err(|e| {
+            let limit = matches!(e.kind, DagErrorKind::Limit { .. });
+            let m = super::clip(e.to_string(), max);
+            self.last_directive_error = Some((m.clone(), limit));
+            wit_error(&e, m)
+        }))
+    }
+
+    /// Refuse a result list longer than `sandbox.max_list_len`.
+    fn bound_result(&mut self, call: &str, len: usize) -> R<()> {
+        let max = self.limits.max_list_len;
+        if len <= max {
+            return Ok(Ok(()));
+        }
+        self.done(Err(DagError::new(
+            call,
+            DagErrorKind::Limit {
+                budget: "sandbox.max_list_len",
+                limit: max as u64,
+                request: format!("the result would list {len} items"),
+            },
+        )))
+    }
+}
+
+/// `?` for the nested result: return the inner error to the plugin.
+macro_rules! check {
+    ($e:expr) => {
+        match $e? {
+            Ok(v) => v,
+            Err(err) => return Ok(Err(err)),
+        }
+    };
 }
 
 impl wit::Host for PluginState {}
@@ -114,7 +224,8 @@ impl wdag::Host for PluginState {}
 
 impl wdag::HostTrainingDag for PluginState {
     fn split(&mut self, h: Resource<DagHandle>, f: wit::Filter, dim: String, n: u32) -> R<()> {
-        let r = self.enter(&h)?.split(&filter(f), &dim, n);
+        check!(self.enter(&h, Args::default().filter(&f).string(&dim)));
+        let r = self.dag().split(&filter(f), &dim, n);
         self.done(r)
     }
     fn place(
@@ -124,7 +235,12 @@ impl wdag::HostTrainingDag for PluginState {
         devices: Vec<u32>,
         stream: String,
     ) -> R<()> {
-        let r = self.enter(&h)?.place(&filter(f), &devices, &stream);
+        let args = Args::default()
+            .filter(&f)
+            .string(&stream)
+            .list("devices", devices.len());
+        check!(self.enter(&h, args));
+        let r = self.dag().place(&filter(f), &devices, &stream);
         self.done(r)
     }
     fn replicate(
@@ -134,6 +250,12 @@ impl wdag::HostTrainingDag for PluginState {
         devices: Vec<u32>,
         o: wit::ReplicateOptions,
     ) -> R<()> {
+        let args = Args::default()
+            .filter(&f)
+            .string(&o.reduce_stream)
+            .string(&o.gather_stream)
+            .list("devices", devices.len());
+        check!(self.enter(&h, args));
         let o = ReplicateOptions {
             shard_optimizer: o.shard_optimizer,
             shard_grads: o.shard_grads,
@@ -143,7 +265,7 @@ impl wdag::HostTrainingDag for PluginState {
             gather_stream: o.gather_stream,
             reshard_after_forward: o.reshard_after_forward,
         };
-        let r = self.enter(&h)?.replicate(&filter(f), &devices, &o);
+        let r = self.dag().replicate(&filter(f), &devices, &o);
         self.done(r)
     }
     fn shard(
@@ -153,7 +275,12 @@ impl wdag::HostTrainingDag for PluginState {
         devices: Vec<u32>,
         stream: String,
     ) -> R<()> {
-        let r = self.enter(&h)?.shard(&filter(f), &devices, &stream);
+        let args = Args::default()
+            .filter(&f)
+            .string(&stream)
+            .list("devices", devices.len());
+        check!(self.enter(&h, args));
+        let r = self.dag().shard(&filter(f), &devices, &stream);
         self.done(r)
     }
     fn shard_tensor(
@@ -163,45 +290,81 @@ impl wdag::HostTrainingDag for PluginState {
         devices: Vec<u32>,
         stream: String,
     ) -> R<()> {
-        let r = self.enter(&h)?.shard_tensor(&filter(f), &devices, &stream);
+        let args = Args::default()
+            .filter(&f)
+            .string(&stream)
+            .list("devices", devices.len());
+        check!(self.enter(&h, args));
+        let r = self.dag().shard_tensor(&filter(f), &devices, &stream);
         self.done(r)
     }
     fn order(&mut self, h: Resource<DagHandle>, groups: Vec<Vec<wit::Filter>>) -> R<()> {
+        let filters: usize = groups.iter().map(|g| g.len()).sum();
+        let mut args = Args::default()
+            .list("order groups", groups.len())
+            .list("filters in an order", filters);
+        if filters <= self.limits.max_list_len {
+            for f in groups.iter().flatten() {
+                args = args.filter(f);
+            }
+        }
+        check!(self.enter(&h, args));
         let groups: Vec<Vec<Filter>> = groups
             .into_iter()
             .map(|g| g.into_iter().map(filter).collect())
             .collect();
-        let r = self.enter(&h)?.order(&groups);
+        let r = self.dag().order(&groups);
         self.done(r)
     }
     fn query(&mut self, h: Resource<DagHandle>, f: wit::Filter) -> R<Vec<wit::NodeInfo>> {
-        let r = self.enter(&h)?.query(&filter(f));
-        self.done(r.map(|v| v.into_iter().map(info).collect()))
+        check!(self.enter(&h, Args::default().filter(&f)));
+        let f = filter(f);
+        let ids = check!(self.query_bounded(&f));
+        // Building each record reads the node's tags and cost.
+        let infos = self.dag().infos(&ids);
+        Ok(Ok(infos.into_iter().map(info).collect()))
     }
     fn query_ids(&mut self, h: Resource<DagHandle>, f: wit::Filter) -> R<Vec<u32>> {
-        let r = self.enter(&h)?.query_ids(&filter(f));
-        self.done(r.map(|v| v.into_iter().map(|i| i.0).collect()))
+        check!(self.enter(&h, Args::default().filter(&f)));
+        let ids = check!(self.query_bounded(&filter(f)));
+        Ok(Ok(ids.into_iter().map(|i| i.0).collect()))
     }
     fn node(&mut self, h: Resource<DagHandle>, id: u32) -> R<wit::NodeInfo> {
-        let r = self.enter(&h)?.node(NodeId(id));
+        check!(self.enter(&h, Args::default()));
+        let r = self.dag().node(NodeId(id));
         self.done(r.map(info))
     }
     fn neighbours(&mut self, h: Resource<DagHandle>, id: u32) -> R<wit::Neighbours> {
-        let r = self.enter(&h)?.neighbours(NodeId(id));
-        self.done(r.map(|(p, s)| wit::Neighbours {
+        check!(self.enter(&h, Args::default()));
+        let r = self.dag().neighbours(NodeId(id));
+        let (p, s) = check!(self.done(r));
+        check!(self.bound_result(&format!("neighbours({id})"), p.len() + s.len()));
+        Ok(Ok(wit::Neighbours {
             preds: p.into_iter().map(neighbour).collect(),
             succs: s.into_iter().map(neighbour).collect(),
         }))
     }
     fn tag_extents(&mut self, h: Resource<DagHandle>) -> wasmtime::Result<Vec<wit::Tag>> {
-        let ext = self.enter(&h)?.tag_extents();
+        self.count_call()?;
+        self.table.get(&h)?;
+        // No error channel in the WIT: a refused charge stops the plugin.
+        let ext = match self.dag().tag_extents_charged() {
+            Ok(e) => e,
+            Err(e) => {
+                let m = super::clip(e.to_string(), self.limits.max_error_bytes);
+                self.stop = Some(Cause::Limit(m.clone()));
+                wasmtime::bail!("{m}");
+            }
+        };
         Ok(ext
             .into_iter()
             .map(|(key, index)| wit::Tag { key, index })
             .collect())
     }
     fn cluster(&mut self, h: Resource<DagHandle>) -> wasmtime::Result<wit::ClusterInfo> {
-        let c = self.enter(&h)?.cluster_info().clone();
+        self.count_call()?;
+        self.table.get(&h)?;
+        let c = self.dag().cluster_info().clone();
         Ok(wit::ClusterInfo {
             devices: c.devices,
             memory_bytes: c.memory_bytes,
@@ -209,15 +372,18 @@ impl wdag::HostTrainingDag for PluginState {
         })
     }
     fn add_temporal_edge(&mut self, h: Resource<DagHandle>, from: u32, to: u32) -> R<()> {
-        let r = self.enter(&h)?.add_temporal_edge(NodeId(from), NodeId(to));
+        check!(self.enter(&h, Args::default()));
+        let r = self.dag().add_temporal_edge(NodeId(from), NodeId(to));
         self.done(r)
     }
     fn set_stream(&mut self, h: Resource<DagHandle>, f: wit::Filter, stream: String) -> R<u32> {
-        let r = self.enter(&h)?.set_stream(&filter(f), &stream);
+        check!(self.enter(&h, Args::default().filter(&f).string(&stream)));
+        let r = self.dag().set_stream(&filter(f), &stream);
         self.done(r.map(|n| n as u32))
     }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {
-        let r = self.enter(&h)?.set_priority(&filter(f), priority);
+        check!(self.enter(&h, Args::default().filter(&f)));
+        let r = self.dag().set_priority(&filter(f), priority);
         self.done(r.map(|n| n as u32))
     }
     fn drop(&mut self, h: Resource<DagHandle>) -> wasmtime::Result<()> {
@@ -226,13 +392,24 @@ impl wdag::HostTrainingDag for PluginState {
     }
 }
 
+impl PluginState {
+    /// `query-ids` with its result bounded by `sandbox.max_list_len`.
+    fn query_bounded(&mut self, f: &Filter) -> R<Vec<NodeId>> {
+        let r = self.dag().query_ids(f);
+        let ids = check!(self.done(r));
+        check!(self.bound_result(&format!("query({f})"), ids.len()));
+        // Reading the result back costs a unit per node.
+        let charge = self
+            .dag()
+            .charge_public(&format!("query({f})"), ids.len() as u64);
+        check!(self.done(charge));
+        Ok(Ok(ids))
+    }
+}
+
 impl wlog::Host for PluginState {
     fn log(&mut self, level: wlog::Level, message: String) -> wasmtime::Result<()> {
-        self.calls += 1;
-        if self.calls > self.max_calls {
-            self.stop = Some(Cause::HostCalls(self.max_calls));
-            wasmtime::bail!("host-call budget of {} spent", self.max_calls);
-        }
+        self.count_call()?;
         let level = match level {
             wlog::Level::Trace => "trace",
             wlog::Level::Debug => "debug",
@@ -240,9 +417,27 @@ impl wlog::Host for PluginState {
             wlog::Level::Warn => "warn",
             wlog::Level::Error => "error",
         };
-        if self.logs.len() < 10_000 {
+        // The message was copied into the host: charge it, and stop a
+        // plugin that floods the log past its host work.
+        if let Some(dag) = self.dag.as_ref() {
+            if let Err(e) = dag.charge_public("log", (message.len() / BYTES_PER_UNIT) as u64) {
+                let m = super::clip(e.to_string(), self.limits.max_error_bytes);
+                self.stop = Some(Cause::Limit(m.clone()));
+                wasmtime::bail!("{m}");
+            }
+        }
+        // Keep lines while they fit `sandbox.max_log_bytes`; count the rest.
+        let fits = self
+            .log_bytes
+            .checked_add(message.len())
+            .is_some_and(|b| b <= self.limits.max_log_bytes);
+        if fits {
+            self.log_bytes += message.len();
             self.logs
                 .push(format!("plugin {} [{level}]: {message}", self.plugin));
+        } else {
+            self.dropped_lines += 1;
+            self.dropped_bytes = self.dropped_bytes.saturating_add(message.len() as u64);
         }
         Ok(())
     }

@@ -27,9 +27,10 @@
 mod cache;
 mod host_impl;
 mod limits;
+mod no_sleep;
 
 pub use cache::CompileCache;
-pub use limits::SandboxLimits;
+pub use limits::{LimitsError, SandboxLimits};
 
 use crate::dag::TrainingDag;
 use limits::{FixedClock, Limiter};
@@ -84,13 +85,19 @@ pub(crate) struct PluginState {
     limiter: Limiter,
     pub(crate) calls: u64,
     pub(crate) max_calls: u64,
-    pub(crate) max_table_entries: usize,
     /// Why the host stopped the plugin, when it did so from a host call.
     pub(crate) stop: Option<Cause>,
-    /// The last directive error returned to the plugin.
-    pub(crate) last_directive_error: Option<String>,
+    /// The last directive error returned to the plugin, and whether it was
+    /// a host-budget refusal.
+    pub(crate) last_directive_error: Option<(String, bool)>,
     pub(crate) logs: Vec<String>,
+    /// Bytes of `logs`; lines past `max_log_bytes` are dropped and counted.
+    pub(crate) log_bytes: usize,
+    pub(crate) dropped_lines: u64,
+    pub(crate) dropped_bytes: u64,
     pub(crate) plugin: String,
+    /// The host budget's argument and message bounds.
+    pub(crate) limits: SandboxLimits,
 }
 
 impl WasiView for PluginState {
@@ -168,6 +175,14 @@ pub enum Cause {
     HostCalls(u64),
     #[error("holds more than {0} resources (sandbox.max_table_entries)")]
     Resources(usize),
+    #[error("tried to sleep for {0} ns: plugins run on a stopped clock and may not block (sleeps and timers are refused)")]
+    Sleep(u64),
+    #[error("wrote more than {0} bytes to stdout/stderr (sandbox.max_log_bytes)")]
+    Output(usize),
+    #[error("{0}")]
+    Limit(String),
+    #[error("{0}")]
+    Limits(#[from] LimitsError),
     #[error("panicked: {0}")]
     Panic(String),
     #[error("trapped: {0}")]
@@ -198,6 +213,11 @@ pub struct ApplyReport {
     pub fuel_used: u64,
     pub elapsed: Duration,
     pub logs: Vec<String>,
+    /// Log lines dropped past `sandbox.max_log_bytes`, and their bytes.
+    pub dropped_log_lines: u64,
+    pub dropped_log_bytes: u64,
+    /// Host work units the plugin's calls cost (`sandbox.max_host_work`).
+    pub host_work: u64,
 }
 
 /// Loads and runs strategy plugins.
@@ -229,6 +249,11 @@ impl PluginHost {
             call: "start".into(),
             cause: Cause::Load(m),
         };
+        limits.validate().map_err(|e| PluginError {
+            plugin: "host".into(),
+            call: "start".into(),
+            cause: Cause::Limits(e),
+        })?;
         let mut config = Config::new();
         config.wasm_component_model(true);
         config.consume_fuel(true);
@@ -239,6 +264,7 @@ impl PluginHost {
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
         bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
+        no_sleep::shadow_clock_subscriptions(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
         let ticker_stop = Arc::new(AtomicBool::new(false));
         {
             let engine = engine.clone();
@@ -436,19 +462,30 @@ impl PluginHost {
             .insecure_random(wasmtime_wasi::Deterministic::new(vec![
                 0x5e, 0xed, 0x00, 0x02,
             ]))
-            .insecure_random_seed(0x5eed);
+            .insecure_random_seed(0x5eed)
+            .max_random_size(64 << 10);
+        let mut table = ResourceTable::new();
+        // WASI resources (streams, pollables) count against the same cap.
+        table.set_max_capacity(l.max_table_entries);
+        let dag = dag.map(|mut d| {
+            d.set_budget(Some(l.dag_budget()));
+            d
+        });
         let state = PluginState {
             wasi: wasi.build(),
-            table: ResourceTable::new(),
+            table,
             dag,
             limiter: Limiter::new(l.memory_mib as usize * 1024 * 1024),
             calls: 0,
             max_calls: l.max_host_calls,
-            max_table_entries: l.max_table_entries,
             stop: None,
             last_directive_error: None,
             logs: Vec::new(),
+            log_bytes: 0,
+            dropped_lines: 0,
+            dropped_bytes: 0,
             plugin: plugin.to_string(),
+            limits: l.clone(),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
@@ -471,6 +508,18 @@ impl PluginHost {
         if store.data().limiter.refused {
             return Cause::Memory(l.memory_mib);
         }
+        let table_full = e.chain().any(|c| {
+            matches!(
+                c.downcast_ref::<wasmtime::component::ResourceTableError>(),
+                Some(wasmtime::component::ResourceTableError::Full)
+            )
+        });
+        if table_full {
+            return Cause::Resources(l.max_table_entries);
+        }
+        if format!("{e:#}").contains("write beyond capacity of MemoryOutputPipe") {
+            return Cause::Output(l.max_log_bytes);
+        }
         let err_text = String::from_utf8_lossy(&stderr.contents()).into_owned();
         match e.downcast_ref::<Trap>() {
             Some(Trap::OutOfFuel) => return Cause::Fuel(l.fuel),
@@ -479,13 +528,17 @@ impl PluginHost {
             _ => {}
         }
         if let Some(msg) = panic_message(&err_text) {
-            return Cause::Panic(msg);
+            // Rust's std panics when the capped stdout/stderr pipe refuses a write.
+            if msg.starts_with("failed printing to std") {
+                return Cause::Output(l.max_log_bytes);
+            }
+            return Cause::Panic(clip(msg, l.max_error_bytes));
         }
         let mut text = format!("{e:#}");
         if !err_text.trim().is_empty() {
             text.push_str(&format!("; stderr: {}", err_text.trim()));
         }
-        Cause::Trap(text)
+        Cause::Trap(clip(text, l.max_error_bytes))
     }
 
     fn call_info(&self, plugin: &Plugin) -> Result<PluginInfo, Cause> {
@@ -622,11 +675,18 @@ impl PluginHost {
             .map_err(|e| fail(Cause::Load(e.to_string())))?;
         let result = inst.call_apply(&mut store, handle, &entries);
         let fuel_used = self.limits.fuel - store.get_fuel().unwrap_or(0);
+        let max_err = self.limits.max_error_bytes;
         let outcome = match result {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(msg)) => Err(match store.data().last_directive_error.as_deref() {
-                Some(d) if msg.contains(d) || d.contains(&msg) => Cause::Directive(msg),
-                _ => Cause::Returned(msg),
+            Ok(Err(msg)) => Err(match store.data().last_directive_error.as_ref() {
+                Some((d, limit)) if msg.contains(d.as_str()) || d.contains(&msg) => {
+                    if *limit {
+                        Cause::Limit(clip(msg, max_err))
+                    } else {
+                        Cause::Directive(clip(msg, max_err))
+                    }
+                }
+                _ => Cause::Returned(clip(msg, max_err)),
             }),
             Err(e) => Err(self.cause(&mut store, &stderr, e)),
         };
@@ -634,15 +694,46 @@ impl PluginHost {
         for line in &state.logs {
             tracing::info!("{line}");
         }
+        if state.dropped_lines > 0 {
+            tracing::warn!(
+                "plugin {}: {} log lines ({} bytes) dropped past sandbox.max_log_bytes = {}",
+                plugin.ident(),
+                state.dropped_lines,
+                state.dropped_bytes,
+                self.limits.max_log_bytes
+            );
+        }
         outcome.map_err(fail)?;
-        *dag = state.dag.expect("the DAG stays in the store");
+        let mut new_dag = state.dag.expect("the DAG stays in the store");
+        let host_work = new_dag.work_used();
+        new_dag.set_budget(None);
+        *dag = new_dag;
         Ok(ApplyReport {
             host_calls: state.calls,
             fuel_used,
             elapsed: t.elapsed(),
             logs: state.logs,
+            dropped_log_lines: state.dropped_lines,
+            dropped_log_bytes: state.dropped_bytes,
+            host_work,
         })
     }
+}
+
+/// A message cut to `max` bytes (on a character boundary), saying how much
+/// was elided.
+pub(crate) fn clip(mut s: String, max: usize) -> String {
+    if s.len() <= max {
+        return s;
+    }
+    let total = s.len();
+    let mut cut = max.saturating_sub(40);
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    s.truncate(cut);
+    s.push_str(&format!("… ({} bytes elided)", total - cut));
+    s
 }
 
 /// The message of a Rust panic from a guest's stderr.

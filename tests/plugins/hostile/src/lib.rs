@@ -3,7 +3,8 @@
 //! the host survives, and that the next plugin runs normally.
 
 use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
+    export_strategy, log, Dag, Error, Filter, LogLevel, OptionSpec, Options, Pass, PluginInfo,
+    Strategy,
 };
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -39,7 +40,9 @@ impl Strategy for Hostile {
         .option(OptionSpec::str(
             "mode",
             Some("ok"),
-            "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global",
+            "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global \
+             | sleep | huge-split | log-flood | print-flood | priority | long-string \
+             | long-list | names | path-flood | big-error",
         ))
         .option(OptionSpec::int(
             "calls",
@@ -96,6 +99,68 @@ impl Strategy for Hostile {
                     return Err(Error::msg(format!("saw state from {seen} earlier run(s)")));
                 }
                 place_all(dag)
+            }
+            // --- the host boundary: legal calls with hostile arguments ---
+            "sleep" => {
+                // WASI poll on the monotonic clock: must not block the host.
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+                place_all(dag)
+            }
+            "huge-split" => {
+                dag.split(&Filter::all(), "MB", 4_000_000_000)?;
+                place_all(dag)
+            }
+            "log-flood" => {
+                let line = "x".repeat(16 << 20);
+                for _ in 0..2000 {
+                    log(LogLevel::Info, black_box(&line));
+                }
+                place_all(dag)
+            }
+            "print-flood" => {
+                let line = "y".repeat(1 << 16);
+                for _ in 0..100_000 {
+                    println!("{}", black_box(&line));
+                }
+                place_all(dag)
+            }
+            "priority" => {
+                // Extremes are legal priorities: the plan must still compile.
+                place_all(dag)?;
+                dag.set_priority(&Filter::all(), i32::MIN)?;
+                dag.set_priority(&Filter::all().pass(Pass::B), i32::MAX)?;
+                Ok(())
+            }
+            "long-string" => {
+                let name = "s".repeat(10 << 20);
+                dag.place(&Filter::all(), &[0], &name)?;
+                Ok(())
+            }
+            "long-list" => {
+                let devices = vec![0u32; 4 << 20];
+                dag.place(&Filter::all(), &devices, "pp")?;
+                Ok(())
+            }
+            "names" => {
+                place_all(dag)?;
+                for i in 0..1_000_000u32 {
+                    dag.set_stream(&Filter::all().pass(Pass::F), &format!("stream-{i}"))?;
+                }
+                Ok(())
+            }
+            "path-flood" => {
+                // Each temporal edge costs the host a path search.
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 64)?;
+                let ids = dag.query_ids(&Filter::all().pass(Pass::F))?;
+                for _ in 0..10_000_000u64 {
+                    dag.add_temporal_edge(black_box(ids[0]), ids[1])?;
+                }
+                Ok(())
+            }
+            "big-error" => {
+                // A 16 MiB error message: the host shows a bounded part.
+                Err(Error::msg("e".repeat(16 << 20)))
             }
             other => Err(Error::msg(format!("unknown mode `{other}`"))),
         }
