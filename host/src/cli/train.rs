@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// the step-1 loss and every parameter gradient.
     #[arg(long)]
     dump_step1: Option<PathBuf>,
+    /// Longest wait for a peer device, seconds (default: derived from the
+    /// plan's predicted step time, at least 10 s).
+    #[arg(long, value_name = "SECONDS")]
+    comm_timeout: Option<f64>,
 }
 
 /// `512MiB`, `2GiB`, `1000000`.
@@ -103,9 +107,16 @@ pub fn train(a: TrainArgs) -> Result<()> {
         },
         clip: a.clip,
         device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
-        comm_timeout: Duration::from_secs(120),
+        comm_timeout: match a.comm_timeout {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
+                Some(Duration::from_secs_f64(s))
+            }
+            Some(s) => bail!("--comm-timeout must be between 0 and 604800 seconds, got {s}"),
+        },
         capture_grads: a.dump_step1.is_some(),
         trace: a.trace.is_some(),
+        inject_panic: None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let devices = plan.devices.len();

@@ -47,6 +47,13 @@ pub enum RuntimeError {
     },
     #[error("{0}")]
     Unsupported(String),
+    #[error("device {device}, stream `{stream}`: {op}: panicked: {message}")]
+    Panic {
+        device: u32,
+        stream: String,
+        op: String,
+        message: String,
+    },
 }
 
 enum Buf {
@@ -123,6 +130,8 @@ pub(crate) struct Device {
     progress: Mutex<Vec<usize>>,
     cv: Condvar,
     captured: Mutex<Tensors>,
+    /// ZeRO-2/3: the last step's reduced gradient shard per bucket index.
+    captured_shards: Mutex<HashMap<usize, Vec<f32>>>,
     events: Mutex<Vec<TraceEvent>>,
 }
 
@@ -162,6 +171,63 @@ impl Bucket {
         let mut v = vec![0.0; self.total];
         v[self.shard.clone()].copy_from_slice(&shard_data[..self.shard.len()]);
         v
+    }
+}
+
+/// Bytes reserved on a device until dropped.
+pub(crate) struct Reserved<'a> {
+    dev: &'a Device,
+    bytes: u64,
+}
+
+impl Reserved<'_> {
+    /// Keep the bytes reserved past this guard (a message in flight, which
+    /// its receiver releases).
+    fn keep(self) {
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Reserved<'_> {
+    fn drop(&mut self) {
+        self.dev.release(self.bytes);
+    }
+}
+
+/// What [`Device::shards`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ShardPart {
+    Param,
+    M,
+    V,
+    Grad,
+}
+
+/// A device's slice of a ZeRO bucket's flat layout.
+pub(crate) struct Shard {
+    /// Tensor names and lengths in the flat layout.
+    pub names: Vec<(String, usize)>,
+    pub total: usize,
+    /// This device's range of the layout.
+    pub range: std::ops::Range<usize>,
+    pub values: Vec<f32>,
+}
+
+/// Put full tensors back together from the shards of every device (the
+/// first device holding a range wins; the union of a group's ranges is the
+/// whole layout).
+pub(crate) fn assemble(shards: impl IntoIterator<Item = Shard>, out: &mut Tensors) {
+    let mut flat: HashMap<Vec<(String, usize)>, Vec<f32>> = HashMap::new();
+    for s in shards {
+        let full = flat.entry(s.names).or_insert_with(|| vec![0.0; s.total]);
+        full[s.range.clone()].copy_from_slice(&s.values[..s.range.len()]);
+    }
+    for (names, full) in flat {
+        let mut at = 0;
+        for (n, len) in names {
+            out.entry(n).or_insert_with(|| full[at..at + len].to_vec());
+            at += len;
+        }
     }
 }
 
@@ -339,6 +405,7 @@ impl Device {
             progress: Mutex::new(vec![0; plan.streams.len()]),
             cv: Condvar::new(),
             captured: Mutex::new(Tensors::new()),
+            captured_shards: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
         })
     }
@@ -350,23 +417,30 @@ impl Device {
     pub(crate) fn peak_bytes(&self) -> u64 {
         self.state_bytes + self.bufs.lock().unwrap().peak
     }
-    /// ZeRO-3 parameter shards: (tensor names and lengths in the flat
-    /// layout, total length, this device's range, its values).
-    #[allow(clippy::type_complexity)]
-    pub(crate) fn param_shards(
-        &self,
-    ) -> Vec<(
-        Vec<(String, usize)>,
-        usize,
-        std::ops::Range<usize>,
-        Vec<f32>,
-    )> {
-        self.buckets
-            .lock()
-            .unwrap()
+    /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
+    /// AdamW moments (ZeRO-1/2/3) or the last step's reduced gradients
+    /// (ZeRO-2/3, when captured).
+    pub(crate) fn shards(&self, part: ShardPart) -> Vec<Shard> {
+        let buckets = self.buckets.lock().unwrap();
+        let captured = self.captured_shards.lock().unwrap();
+        buckets
             .iter()
-            .filter(|b| b.zero >= 3)
-            .map(|b| (b.names.clone(), b.total, b.shard.clone(), b.param.clone()))
+            .enumerate()
+            .filter_map(|(i, b)| {
+                let values = match part {
+                    ShardPart::Param if b.zero >= 3 => b.param.clone(),
+                    ShardPart::M => b.m.clone(),
+                    ShardPart::V => b.v.clone(),
+                    ShardPart::Grad => captured.get(&i)?.clone(),
+                    _ => return None,
+                };
+                Some(Shard {
+                    names: b.names.clone(),
+                    total: b.total,
+                    range: b.shard.clone(),
+                    values,
+                })
+            })
             .collect()
     }
     pub(crate) fn state_bytes(&self) -> u64 {
@@ -384,27 +458,52 @@ impl Device {
     pub(crate) fn moments(&self) -> (Tensors, Tensors) {
         self.moments.lock().unwrap().clone()
     }
-    /// Take the tensors of this device's parameters from a checkpoint.
-    pub(crate) fn restore(&self, ck: &super::checkpoint::Checkpoint) {
+    /// Take the tensors of this device's parameters from a checkpoint:
+    /// whole tensors, and this device's slice of each ZeRO bucket
+    /// (parameters for ZeRO-3, AdamW moments for every stage).
+    pub(crate) fn restore(&self, ck: &super::checkpoint::Checkpoint) -> Result<(), RuntimeError> {
+        {
+            let mut buckets = self.buckets.lock().unwrap();
+            for b in buckets.iter_mut() {
+                let flat = |t: &Tensors, what: &str| -> Result<Vec<f32>, RuntimeError> {
+                    let mut v = Vec::with_capacity(b.total);
+                    for (n, len) in &b.names {
+                        let x = t.get(n).filter(|x| x.len() == *len).ok_or_else(|| {
+                            RuntimeError::Plan(format!(
+                                "the checkpoint has no {what} `{n}` of {len} values for device {}",
+                                self.id
+                            ))
+                        })?;
+                        v.extend_from_slice(x);
+                    }
+                    Ok(v[b.shard.clone()].to_vec())
+                };
+                b.m = flat(&ck.m, "first moment")?;
+                b.v = flat(&ck.v, "second moment")?;
+                if b.zero >= 3 {
+                    b.param = flat(&ck.params, "parameter")?;
+                }
+            }
+        }
         let mut params = self.params.write().unwrap();
         let mut mom = self.moments.lock().unwrap();
         for (name, p) in params.iter_mut() {
             if let Some(x) = ck.params.get(name) {
                 p.copy_from_slice(x);
             }
+            // Sharded parameters keep their moments in their bucket.
             if let Some(x) = ck.m.get(name) {
-                mom.0
-                    .get_mut(name)
-                    .expect("moments mirror params")
-                    .copy_from_slice(x);
+                if let Some(mm) = mom.0.get_mut(name) {
+                    mm.copy_from_slice(x);
+                }
             }
             if let Some(x) = ck.v.get(name) {
-                mom.1
-                    .get_mut(name)
-                    .expect("moments mirror params")
-                    .copy_from_slice(x);
+                if let Some(vv) = mom.1.get_mut(name) {
+                    vv.copy_from_slice(x);
+                }
             }
         }
+        Ok(())
     }
 
     fn reset(&self, plan: &DevicePlan) {
@@ -424,6 +523,34 @@ impl Device {
         };
         let mut p = self.progress.lock().unwrap();
         p.iter_mut().for_each(|x| *x = 0);
+    }
+
+    /// Account `bytes` of communication staging or an in-flight message
+    /// against this device's cap before they are allocated; released when
+    /// the guard drops (or by the receiver, for a message: [`Device::release`]).
+    fn reserve(&self, op: &Op, bytes: u64) -> Result<Reserved<'_>, RuntimeError> {
+        let mut b = self.bufs.lock().unwrap();
+        if let Some(cap) = self.cap {
+            if self.state_bytes + b.live + bytes > cap {
+                return Err(RuntimeError::OutOfMemory {
+                    device: self.id,
+                    op: label(op),
+                    need: human_bytes(bytes),
+                    live: human_bytes(b.live),
+                    cap: human_bytes(cap),
+                    states: human_bytes(self.state_bytes),
+                });
+            }
+        }
+        b.live += bytes;
+        b.peak = b.peak.max(b.live);
+        Ok(Reserved { dev: self, bytes })
+    }
+
+    /// Give back bytes reserved for a message once its receiver holds it.
+    fn release(&self, bytes: u64) {
+        let mut b = self.bufs.lock().unwrap();
+        b.live = b.live.saturating_sub(bytes);
     }
 
     /// Store an op's output if anyone on this device reads it.
@@ -492,7 +619,13 @@ pub(crate) struct StepCtx<'a> {
     pub step: u32,
     pub opts: &'a TrainOptions,
     pub comm: &'a Comm,
+    /// Every device of this process (a receiver releases its sender's
+    /// in-flight bytes).
+    pub devices: &'a [Device],
     pub epoch: std::time::Instant,
+    /// Failures in the order they happened: the first is the cause, later
+    /// ones (aborted waits, locks a panic left poisoned) are consequences.
+    pub failures: Mutex<Vec<RuntimeError>>,
 }
 
 /// Run every stream of every device; the first real error wins.
@@ -500,46 +633,76 @@ pub(crate) fn run_step(devices: &[Device], plan: &Plan, ctx: &StepCtx) -> Result
     for (d, dp) in devices.iter().zip(&plan.devices) {
         d.reset(dp);
     }
-    let results: Vec<Result<(), RuntimeError>> = std::thread::scope(|s| {
-        let handles: Vec<_> = devices
-            .iter()
-            .zip(&plan.devices)
-            .flat_map(|(dev, dp)| (0..dp.streams.len()).map(move |si| (dev, dp, si)))
-            .map(|(dev, dp, si)| s.spawn(move || run_stream(dev, dp, si, ctx)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("stream threads do not panic"))
-            .collect()
-    });
-    let mut first = None;
-    for r in results {
-        if let Err(e) = r {
-            let aborted = matches!(
-                e,
-                RuntimeError::Comm {
-                    source: CommError::Aborted,
-                    ..
-                }
-            );
-            if first.is_none()
-                || (!aborted
-                    && matches!(
-                        first,
-                        Some(RuntimeError::Comm {
-                            source: CommError::Aborted,
-                            ..
-                        })
-                    ))
-            {
-                first = Some(e);
+    std::thread::scope(|s| {
+        for (dev, dp) in devices.iter().zip(&plan.devices) {
+            for si in 0..dp.streams.len() {
+                s.spawn(move || {
+                    // A panic in a kernel (or anywhere in the op) is caught
+                    // here: the step aborts on every device and the error
+                    // names where it happened.
+                    let current = std::cell::Cell::new(None::<usize>);
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_stream(dev, dp, si, ctx, &current)
+                    }));
+                    let err = match r {
+                        Ok(Ok(())) => return,
+                        Ok(Err(e)) => e,
+                        Err(payload) => RuntimeError::Panic {
+                            device: dev.id,
+                            stream: dp.streams[si].stream.to_string(),
+                            op: current
+                                .get()
+                                .map(|i| label(&dp.streams[si].ops[i]))
+                                .unwrap_or_else(|| "waiting".into()),
+                            message: panic_text(payload.as_ref()),
+                        },
+                    };
+                    ctx.comm.abort();
+                    dev.cv.notify_all();
+                    ctx.failures
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(err);
+                });
             }
         }
+    });
+    let failures = std::mem::take(&mut *ctx.failures.lock().unwrap_or_else(|p| p.into_inner()));
+    let aborted = |e: &RuntimeError| {
+        matches!(
+            e,
+            RuntimeError::Comm {
+                source: CommError::Aborted,
+                ..
+            }
+        )
+    };
+    let first = failures
+        .iter()
+        .position(|e| !aborted(e))
+        .or(if failures.is_empty() { None } else { Some(0) });
+    match first {
+        Some(i) => Err(failures.into_iter().nth(i).expect("index in range")),
+        None => Ok(()),
     }
-    first.map_or(Ok(()), Err)
 }
 
-fn run_stream(dev: &Device, dp: &DevicePlan, si: usize, ctx: &StepCtx) -> Result<(), RuntimeError> {
+/// The message of a panic payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a non-text panic payload)".into())
+}
+
+fn run_stream(
+    dev: &Device,
+    dp: &DevicePlan,
+    si: usize,
+    ctx: &StepCtx,
+    current: &std::cell::Cell<Option<usize>>,
+) -> Result<(), RuntimeError> {
     let stream = &dp.streams[si];
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
@@ -566,6 +729,12 @@ fn run_stream(dev: &Device, dp: &DevicePlan, si: usize, ctx: &StepCtx) -> Result
             }
         }
         let t0 = ctx.epoch.elapsed();
+        current.set(Some(i));
+        if let Some((d, what)) = &ctx.opts.inject_panic {
+            if *d == dev.id && op.label().starts_with(what.as_str()) {
+                panic!("injected kernel panic (TrainOptions::inject_panic)");
+            }
+        }
         if let Err(e) = exec_op(dev, op, ctx) {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
@@ -744,12 +913,17 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
             let Buf::Vec(v) = &*buf else {
                 unreachable!("only tensors cross devices")
             };
-            ctx.comm.send(
-                op.pair.unwrap_or(op.node),
-                dev.id,
-                op.peer.unwrap_or(dev.id),
-                v.clone(),
-            );
+            // The message stays on this device's account until its receiver
+            // holds it.
+            dev.reserve(op, v.len() as u64 * 4)?.keep();
+            ctx.comm
+                .send(
+                    op.pair.unwrap_or(op.node),
+                    dev.id,
+                    op.peer.unwrap_or(dev.id),
+                    v.clone(),
+                )
+                .map_err(comm_err)?;
         }
         OpKind::Recv => {
             let kind = op.tensor.unwrap_or(TensorKind::Activation);
@@ -763,7 +937,11 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                     &what,
                 )
                 .map_err(comm_err)?;
+            let bytes = v.len() as u64 * 4;
             dev.put(op, kind, Buf::Vec(v))?;
+            if let Some(sender) = ctx.devices.iter().find(|d| Some(d.id) == op.peer) {
+                sender.release(bytes);
+            }
         }
         OpKind::AllReduce if op.purpose.as_deref() == Some("grad-norm") => {
             let local = local_sq(dev);
@@ -830,6 +1008,8 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                     );
                 }
             }
+            // Staging: this device's contribution and the reduced result.
+            let _staging = dev.reserve(op, flat.len() as u64 * 8)?;
             let sum = ctx
                 .comm
                 .all_reduce(op.op.as_str(), op.node, &group, dev.id, flat)
@@ -884,6 +1064,7 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                             .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
                         params_padded(b, &dev.params.read().unwrap())
                     };
+                    let _staging = dev.reserve(op, padded.len() as u64 * 8)?;
                     let full = ctx
                         .comm
                         .all_reduce("all-gather", op.node, &group, dev.id, padded)
@@ -920,10 +1101,12 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
                             padded.extend(params_padded(b, &params));
                         }
                     }
+                    let staging = dev.reserve(op, padded.len() as u64 * 8)?;
                     let full = ctx
                         .comm
                         .all_reduce("all-gather", op.node, &group, dev.id, padded)
                         .map_err(comm_err)?;
+                    drop(staging);
                     let mut out = Tensors::new();
                     let mut base = 0;
                     for b in &used {
@@ -1010,6 +1193,14 @@ fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
             }
             // ZeRO buckets: this device's shard only.
             let mut buckets = dev.buckets.lock().unwrap();
+            if ctx.opts.capture_grads {
+                let mut cap = dev.captured_shards.lock().unwrap();
+                for (i, b) in buckets.iter().enumerate() {
+                    if b.zero >= 2 && b.segments.iter().all(|s| op.segments.contains(s)) {
+                        cap.insert(i, b.grad.clone());
+                    }
+                }
+            }
             for b in buckets
                 .iter_mut()
                 .filter(|b| b.segments.iter().all(|s| op.segments.contains(s)))

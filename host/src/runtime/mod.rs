@@ -31,7 +31,6 @@ use crate::model::ModelConfig;
 use backend::cpu::adamw::AdamW;
 use backend::cpu::gpt::Tensors;
 use exec::Device;
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// How to train.
@@ -43,12 +42,42 @@ pub struct TrainOptions {
     pub clip: f32,
     /// Memory cap per device, bytes (`None`: no cap).
     pub device_memory: Option<u64>,
-    /// Longest wait for a peer before a communication error.
-    pub comm_timeout: Duration,
+    /// Longest wait for a peer before a communication error; `None`:
+    /// derived from the plan ([`derived_comm_timeout`]).
+    pub comm_timeout: Option<Duration>,
     /// Keep each step's gradients (before clipping) for [`Trainer::last_grads`].
     pub capture_grads: bool,
     /// Record what every stream did, for [`Trainer::trace_json`].
     pub trace: bool,
+    /// Fault injection for tests: panic on `device` when an op whose label
+    /// starts with the text is about to run.
+    #[doc(hidden)]
+    pub inject_panic: Option<(u32, String)>,
+}
+
+/// The slowest rate a CPU device is assumed to compute at when the plan's
+/// waits are bounded (well below any real core).
+const SLOWEST_FLOPS: f64 = 0.2e9;
+/// No wait is bounded below this.
+const TIMEOUT_FLOOR: Duration = Duration::from_secs(10);
+
+/// How long a device may wait for a peer in `plan`: every op of the busiest
+/// device at [`SLOWEST_FLOPS`] (a wait can never be longer than the whole
+/// step of the device it waits for), doubled, and at least 10 s.
+pub fn derived_comm_timeout(plan: &Plan) -> Duration {
+    let busiest = plan
+        .devices
+        .iter()
+        .map(|d| {
+            d.streams
+                .iter()
+                .flat_map(|s| s.ops.iter())
+                .map(|o| o.flops + o.bytes as f64)
+                .sum::<f64>()
+        })
+        .fold(0.0f64, f64::max);
+    let secs = 2.0 * busiest / SLOWEST_FLOPS;
+    TIMEOUT_FLOOR.max(Duration::from_secs_f64(secs.min(24.0 * 3600.0)))
 }
 
 impl Default for TrainOptions {
@@ -58,9 +87,10 @@ impl Default for TrainOptions {
             adamw: AdamW::default(),
             clip: 1.0,
             device_memory: None,
-            comm_timeout: Duration::from_secs(60),
+            comm_timeout: None,
             capture_grads: false,
             trace: false,
+            inject_panic: None,
         }
     }
 }
@@ -128,7 +158,11 @@ impl Trainer {
         let t = Instant::now();
         self.step += 1;
         let scale = 1.0 / (batch.b * batch.t) as f32;
-        let comm = comm::Comm::new(self.opts.comm_timeout);
+        let timeout = self
+            .opts
+            .comm_timeout
+            .unwrap_or_else(|| derived_comm_timeout(&self.plan));
+        let comm = comm::Comm::new(timeout);
         let ctx = exec::StepCtx {
             cfg: &self.cfg,
             segments: self.cfg.segments(),
@@ -137,7 +171,9 @@ impl Trainer {
             step: self.step,
             opts: &self.opts,
             comm: &comm,
+            devices: &self.devices,
             epoch: self.epoch,
+            failures: std::sync::Mutex::new(Vec::new()),
         };
         exec::run_step(&self.devices, &self.plan, &ctx)?;
         let mut loss = 0.0;
@@ -161,28 +197,22 @@ impl Trainer {
     /// (ZeRO-3 shards are put back together from their group).
     pub fn params(&self) -> Tensors {
         let mut out = Tensors::new();
-        let mut flat: HashMap<Vec<(String, usize)>, Vec<f32>> = HashMap::new();
         for d in &self.devices {
             for (k, v) in d.params() {
                 out.entry(k).or_insert(v);
             }
-            for (names, total, range, vals) in d.param_shards() {
-                let full = flat.entry(names).or_insert_with(|| vec![0.0; total]);
-                full[range.clone()].copy_from_slice(&vals[..range.len()]);
-            }
         }
-        for (names, full) in flat {
-            let mut at = 0;
-            for (n, len) in names {
-                out.entry(n).or_insert_with(|| full[at..at + len].to_vec());
-                at += len;
-            }
-        }
+        exec::assemble(self.shards(exec::ShardPart::Param), &mut out);
         out
     }
 
+    fn shards(&self, part: exec::ShardPart) -> Vec<exec::Shard> {
+        self.devices.iter().flat_map(|d| d.shards(part)).collect()
+    }
+
     /// The last step's full gradients (before clipping), when
-    /// `capture_grads` is on; each taken from the first device holding it.
+    /// `capture_grads` is on; each taken from the first device holding it,
+    /// ZeRO-2/3 gradients put back together from their reduced shards.
     pub fn last_grads(&self) -> Tensors {
         let mut out = Tensors::new();
         for d in &self.devices {
@@ -190,6 +220,7 @@ impl Trainer {
                 out.entry(k).or_insert(v);
             }
         }
+        exec::assemble(self.shards(exec::ShardPart::Grad), &mut out);
         out
     }
 
@@ -205,6 +236,9 @@ impl Trainer {
                 v.entry(k).or_insert(x);
             }
         }
+        // ZeRO: the moments live in bucket shards.
+        exec::assemble(self.shards(exec::ShardPart::M), &mut m);
+        exec::assemble(self.shards(exec::ShardPart::V), &mut v);
         checkpoint::Checkpoint {
             state: checkpoint::TrainState {
                 step: self.step,
@@ -227,7 +261,7 @@ impl Trainer {
             )));
         }
         for d in &self.devices {
-            d.restore(ck);
+            d.restore(ck)?;
         }
         self.step = ck.state.step;
         Ok(())

@@ -39,6 +39,10 @@ pub enum CommError {
         group: Vec<u32>,
         sizes: String,
     },
+    #[error(
+        "device {from} sent #{node} to device {to} twice; the first message was not received yet"
+    )]
+    Duplicate { node: u32, from: u32, to: u32 },
     #[error("aborted: another device failed")]
     Aborted,
 }
@@ -85,11 +89,35 @@ impl Comm {
         self.abort.load(Ordering::SeqCst)
     }
 
-    /// Buffered send: never blocks.
-    pub fn send(&self, pair: u32, from: u32, to: u32, data: Arc<Vec<f32>>) {
+    /// Buffered send: never blocks. A second message to a mailbox whose
+    /// first was not received yet is an error, never an overwrite.
+    pub fn send(
+        &self,
+        pair: u32,
+        from: u32,
+        to: u32,
+        data: Arc<Vec<f32>>,
+    ) -> Result<(), CommError> {
         let mut s = self.state.lock().unwrap();
-        s.mail.insert((pair, from, to), data);
+        match s.mail.entry((pair, from, to)) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                return Err(CommError::Duplicate {
+                    node: pair,
+                    from,
+                    to,
+                })
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(data);
+            }
+        }
         self.cv.notify_all();
+        Ok(())
+    }
+
+    /// The wait limit of every receive and collective.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
     }
 
     /// Receive the matching send, waiting at most the timeout.
@@ -252,5 +280,19 @@ mod tests {
         let err = comm.recv(5, 1, 0, "activation").unwrap_err().to_string();
         assert!(err.contains("from device 1; it never came"), "{err}");
         assert!(t.elapsed() < Duration::from_secs(3));
+    }
+
+    #[test]
+    fn a_second_send_to_a_full_mailbox_is_an_error_not_an_overwrite() {
+        let comm = Comm::new(Duration::from_secs(1));
+        comm.send(9, 0, 1, Arc::new(vec![1.0])).unwrap();
+        let err = comm.send(9, 0, 1, Arc::new(vec![2.0])).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "device 0 sent #9 to device 1 twice; the first message was not received yet"
+        );
+        // The first message is intact, and the mailbox is free again after it.
+        assert_eq!(*comm.recv(9, 0, 1, "activation").unwrap(), vec![1.0]);
+        comm.send(9, 0, 1, Arc::new(vec![3.0])).unwrap();
     }
 }
