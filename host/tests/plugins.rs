@@ -68,6 +68,10 @@ fn hostile_arguments_at_the_host_boundary_are_refused_quickly_with_a_named_limit
         ),
         ("names", "over the host budget `sandbox.max_names` = 1024"),
         ("path-flood", "over the host budget `sandbox.max_host_work`"),
+        (
+            "wasi-resources",
+            "holds more than 4096 resources (sandbox.max_table_entries)",
+        ),
     ];
     for (mode, expect) in cases {
         let rss = resident_bytes();

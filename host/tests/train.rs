@@ -46,6 +46,15 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
     }
 }
 
+/// The error of the first step of `plan` on the small model.
+fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
+    let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
+    trainer
+        .step(&Corpus::builtin().batch(1, 32, 16))
+        .unwrap_err()
+        .to_string()
+}
+
 fn plan_for(devices: u32, strategy: Strategy) -> piper::compile::Plan {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     plan_with(&host, &small(), devices, strategy).unwrap()
@@ -98,12 +107,8 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
         comm_timeout: Some(std::time::Duration::from_secs(5)),
         ..Default::default()
     };
-    let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
     let t = std::time::Instant::now();
-    let err = trainer
-        .step(&Corpus::builtin().batch(1, 32, 16))
-        .unwrap_err()
-        .to_string();
+    let err = failed_step(plan, opts);
     assert!(
         err.contains("members disagree about its size")
             && err.contains("device 0:")
@@ -205,12 +210,8 @@ fn a_kernel_panic_on_one_device_ends_the_step_on_all_with_the_place_named() {
         inject_panic: Some((2, "B".into())),
         ..Default::default()
     };
-    let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
     let t = std::time::Instant::now();
-    let err = trainer
-        .step(&Corpus::builtin().batch(1, 32, 16))
-        .unwrap_err()
-        .to_string();
+    let err = failed_step(plan, opts);
     assert!(
         t.elapsed() < std::time::Duration::from_secs(5),
         "took {:?}",

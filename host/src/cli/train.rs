@@ -83,10 +83,11 @@ pub fn parse_size(s: &str) -> Result<u64> {
     let v: f64 = num
         .parse()
         .with_context(|| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)"))?;
-    if v <= 0.0 {
-        bail!("memory size `{s}` must be positive");
+    let bytes = v * mult as f64;
+    if !(bytes >= 1.0 && bytes <= (1u64 << 60) as f64) {
+        bail!("memory size `{s}` must be between 1 byte and 1 EiB");
     }
-    Ok((v * mult as f64) as u64)
+    Ok(bytes as u64)
 }
 
 pub fn train(a: TrainArgs) -> Result<()> {
@@ -112,7 +113,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
             Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
                 Some(Duration::from_secs_f64(s))
             }
-            Some(s) => bail!("--comm-timeout must be between 0 and 604800 seconds, got {s}"),
+            Some(s) => {
+                bail!("--comm-timeout must be more than 0 and at most 604800 seconds, got {s}")
+            }
         },
         capture_grads: a.dump_step1.is_some(),
         trace: a.trace.is_some(),
@@ -272,5 +275,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not a size"));
+        // Extremes: never a silent 0 or a saturated cap.
+        for bad in ["NaN", "inf", "-1GiB", "0", "99999999999TiB", "0.1B"] {
+            let e = super::parse_size(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("between 1 byte and 1 EiB") || e.contains("not a size"),
+                "{bad}: {e}"
+            );
+        }
     }
 }

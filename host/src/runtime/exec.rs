@@ -529,7 +529,13 @@ impl Device {
     /// against this device's cap before they are allocated; released when
     /// the guard drops (or by the receiver, for a message: [`Device::release`]).
     fn reserve(&self, op: &Op, bytes: u64) -> Result<Reserved<'_>, RuntimeError> {
-        let mut b = self.bufs.lock().unwrap();
+        self.admit(&mut self.bufs.lock().unwrap(), op, bytes)?;
+        Ok(Reserved { dev: self, bytes })
+    }
+
+    /// The one accounting path: add `bytes` to the live total, or refuse them
+    /// over the cap with the device, op and sizes named.
+    fn admit(&self, b: &mut Buffers, op: &Op, bytes: u64) -> Result<(), RuntimeError> {
         if let Some(cap) = self.cap {
             if self.state_bytes + b.live + bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
@@ -544,7 +550,7 @@ impl Device {
         }
         b.live += bytes;
         b.peak = b.peak.max(b.live);
-        Ok(Reserved { dev: self, bytes })
+        Ok(())
     }
 
     /// Give back bytes reserved for a message once its receiver holds it.
@@ -559,21 +565,7 @@ impl Device {
         let Some(&readers) = b.readers.get(&(op.node, kind)) else {
             return Ok(());
         };
-        let bytes = buf.bytes();
-        if let Some(cap) = self.cap {
-            if self.state_bytes + b.live + bytes > cap {
-                return Err(RuntimeError::OutOfMemory {
-                    device: self.id,
-                    op: label(op),
-                    need: human_bytes(bytes),
-                    live: human_bytes(b.live),
-                    cap: human_bytes(cap),
-                    states: human_bytes(self.state_bytes),
-                });
-            }
-        }
-        b.live += bytes;
-        b.peak = b.peak.max(b.live);
+        self.admit(&mut b, op, buf.bytes())?;
         b.map.insert((op.node, kind), (Arc::new(buf), readers));
         Ok(())
     }

@@ -42,7 +42,7 @@ impl Strategy for Hostile {
             Some("ok"),
             "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global \
              | sleep | huge-split | log-flood | print-flood | priority | long-string \
-             | long-list | names | path-flood | big-error",
+             | long-list | names | path-flood | big-error | wasi-resources",
         ))
         .option(OptionSpec::int(
             "calls",
@@ -157,6 +157,16 @@ impl Strategy for Hostile {
                     dag.add_temporal_edge(black_box(ids[0]), ids[1])?;
                 }
                 Ok(())
+            }
+            "wasi-resources" => {
+                // Hold WASI resources (zero-length clock pollables) until the
+                // resource table is full: they count against the same cap.
+                let mut held = Vec::new();
+                for _ in 0..10_000_000u64 {
+                    held.push(wasip2::clocks::monotonic_clock::subscribe_duration(0));
+                }
+                black_box(&held);
+                place_all(dag)
             }
             "big-error" => {
                 // A 16 MiB error message: the host shows a bounded part.
