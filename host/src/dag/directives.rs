@@ -593,23 +593,9 @@ impl TrainingDag {
                 }
             }
         }
-        // Boundaries visit each member's edges.
+        // Boundaries visit each member's edges: at most every edge twice.
         let members: u64 = sets.iter().map(|s| s.len() as u64).sum();
-        let degree: u64 = sets
-            .iter()
-            .flatten()
-            .map(|id| {
-                (self
-                    .graph
-                    .edges_directed(id.ix(), Direction::Incoming)
-                    .count()
-                    + self
-                        .graph
-                        .edges_directed(id.ix(), Direction::Outgoing)
-                        .count()) as u64
-            })
-            .sum();
-        self.charge(call, members.saturating_add(degree.saturating_mul(2)))?;
+        self.charge(call, members.saturating_add(2 * self.edge_count() as u64))?;
         // Plan: per window, direct edges or a marker (virtual node ids from
         // the graph's node bound up).
         let bound = self.graph.node_bound();

@@ -606,18 +606,20 @@ impl TrainingDag {
         let bound = self.graph.node_bound();
         let total = bound + virtual_nodes;
         let mut indeg = vec![0u32; total];
-        // Extra edges sorted by source (out) and by target (in).
-        let mut out_sorted: Vec<(usize, usize)> = extra.to_vec();
-        out_sorted.sort_unstable();
-        let mut in_sorted: Vec<(usize, usize)> = extra.iter().map(|&(a, b)| (b, a)).collect();
-        in_sorted.sort_unstable();
-        let range = |v: &[(usize, usize)], i: usize| {
-            let lo = v.partition_point(|e| e.0 < i);
-            let hi = v.partition_point(|e| e.0 <= i);
-            lo..hi
-        };
-        for &(_, b) in extra {
+        // Extra edges as a compressed adjacency list (counting sort by source).
+        let mut head = vec![0u32; total + 1];
+        for &(a, b) in extra {
+            head[a + 1] += 1;
             indeg[b] += 1;
+        }
+        for i in 0..total {
+            head[i + 1] += head[i];
+        }
+        let mut fill = head.clone();
+        let mut targets = vec![0usize; extra.len()];
+        for &(a, b) in extra {
+            targets[fill[a] as usize] = b;
+            fill[a] += 1;
         }
         for e in self.graph.edge_references() {
             indeg[e.target().index()] += 1;
@@ -627,15 +629,10 @@ impl TrainingDag {
         let mut seen = 0usize;
         while let Some(n) = stack.pop() {
             seen += 1;
-            let mut visit = |t: usize, stack: &mut Vec<usize>| {
+            for &t in &targets[head[n] as usize..head[n + 1] as usize] {
                 indeg[t] -= 1;
                 if indeg[t] == 0 {
                     stack.push(t);
-                }
-            };
-            if !out_sorted.is_empty() {
-                for k in range(&out_sorted, n) {
-                    visit(out_sorted[k].1, &mut stack);
                 }
             }
             if n < bound {
@@ -643,7 +640,11 @@ impl TrainingDag {
                     .graph
                     .neighbors_directed(NodeIndex::new(n), Direction::Outgoing)
                 {
-                    visit(t.index(), &mut stack);
+                    let t = t.index();
+                    indeg[t] -= 1;
+                    if indeg[t] == 0 {
+                        stack.push(t);
+                    }
                 }
             }
         }
@@ -651,8 +652,13 @@ impl TrainingDag {
             return Ok(());
         }
         // Walk predecessors among the blocked nodes until one repeats.
+        // Failure path only: extra edges by target, for the walk back.
         let preds = |i: usize| -> Vec<usize> {
-            let mut v: Vec<usize> = range(&in_sorted, i).map(|k| in_sorted[k].1).collect();
+            let mut v: Vec<usize> = extra
+                .iter()
+                .filter(|(_, b)| *b == i)
+                .map(|(a, _)| *a)
+                .collect();
             if i < bound {
                 v.extend(
                     self.graph
