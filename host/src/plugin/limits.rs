@@ -132,12 +132,25 @@ impl SandboxLimits {
         }
     }
 
-    /// `key = value` lines, for `piper plugin info`.
-    pub fn describe(&self) -> Vec<(String, String)> {
-        let v = serde_json::to_value(self).unwrap_or_default();
-        v.as_object()
-            .map(|o| o.iter().map(|(k, v)| (k.clone(), v.to_string())).collect())
-            .unwrap_or_default()
+    /// `(key, value)` pairs in the order of the `[sandbox]` table, for
+    /// `piper plugin info`.
+    pub fn describe(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("memory_mib", self.memory_mib.to_string()),
+            ("fuel", self.fuel.to_string()),
+            ("deadline_ms", self.deadline_ms.to_string()),
+            ("max_wasm_stack_kib", self.max_wasm_stack_kib.to_string()),
+            ("max_host_calls", self.max_host_calls.to_string()),
+            ("max_table_entries", self.max_table_entries.to_string()),
+            ("max_log_bytes", self.max_log_bytes.to_string()),
+            ("max_nodes", self.max_nodes.to_string()),
+            ("max_edges", self.max_edges.to_string()),
+            ("max_names", self.max_names.to_string()),
+            ("max_string_bytes", self.max_string_bytes.to_string()),
+            ("max_list_len", self.max_list_len.to_string()),
+            ("max_error_bytes", self.max_error_bytes.to_string()),
+            ("max_host_work", self.max_host_work.to_string()),
+        ]
     }
 }
 
@@ -229,5 +242,26 @@ impl wasmtime_wasi::HostMonotonicClock for FixedClock {
     }
     fn now(&self) -> u64 {
         0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn describe_lists_every_sandbox_key_with_its_value() {
+        let l = super::SandboxLimits::default();
+        let json = serde_json::to_value(&l).unwrap();
+        let keys: Vec<&str> = json
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(|k| k.as_str())
+            .collect();
+        let mut described: Vec<&str> = l.describe().iter().map(|(k, _)| *k).collect();
+        described.sort();
+        assert_eq!(described, keys);
+        for (k, v) in l.describe() {
+            assert_eq!(json[k].to_string(), v, "{k}");
+        }
     }
 }
