@@ -3,11 +3,18 @@
 //! the bundled ones in the `piper` binary, so `piper` finds every bundled strategy
 //! by name wherever it runs.
 //!
+//! A missing `wasm32-wasip2` target is installed with rustup (as
+//! cargo-component does), with a cargo warning saying so; without rustup the
+//! build stops with one message naming what is missing and the fix.
+//!
 //! Set `PIPER_PLUGINS_WASM_DIR` to a directory of prebuilt `*.wasm` files to
 //! skip the nested build (packaging, offline builds).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode};
+
+/// The target strategy plugins build for.
+const WASM_TARGET: &str = "wasm32-wasip2";
 
 /// (bundled name, package, wasm file stem)
 const BUNDLED: &[(&str, &str, &str)] = &[
@@ -35,18 +42,38 @@ const TESTING: &[&str] = &[
     "piper-testing-extra-import",
 ];
 
-fn main() {
-    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
-    let root = manifest.parent().unwrap().to_path_buf();
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            // One clean error line per message (cargo prints it as
+            // `error: piper@…: …`), no panic, no backtrace.
+            for line in message.lines() {
+                println!("cargo::error={line}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), String> {
+    let manifest = PathBuf::from(env("CARGO_MANIFEST_DIR")?);
+    let root = manifest
+        .parent()
+        .ok_or("the host crate has no parent directory")?
+        .to_path_buf();
     for dir in ["wit", "sdk", "plugins", "tests/plugins"] {
         println!("cargo:rerun-if-changed={}", root.join(dir).display());
     }
     println!("cargo:rerun-if-env-changed=PIPER_PLUGINS_WASM_DIR");
-    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let out = PathBuf::from(env("OUT_DIR")?);
 
     let wasm_dir = match std::env::var_os("PIPER_PLUGINS_WASM_DIR") {
         Some(d) => PathBuf::from(d),
-        None => build_plugins(&root),
+        None => {
+            ensure_wasm_target()?;
+            build_plugins(&root)?
+        }
     };
     println!(
         "cargo:rustc-env=PIPER_PLUGINS_WASM_DIR={}",
@@ -57,10 +84,10 @@ fn main() {
     for (name, _, stem) in BUNDLED {
         let file = wasm_dir.join(format!("{stem}.wasm"));
         if !file.exists() {
-            panic!(
+            return Err(format!(
                 "bundled plugin `{name}` was not built: {} is missing",
                 file.display()
-            );
+            ));
         }
         src.push_str(&format!(
             "    ({name:?}, include_bytes!({:?})),\n",
@@ -68,10 +95,96 @@ fn main() {
         ));
     }
     src.push_str("];\n");
-    std::fs::write(out.join("bundled.rs"), src).unwrap();
+    std::fs::write(out.join("bundled.rs"), src)
+        .map_err(|e| format!("writing {}: {e}", out.join("bundled.rs").display()))
 }
 
-fn build_plugins(root: &Path) -> PathBuf {
+fn env(key: &str) -> Result<String, String> {
+    std::env::var(key).map_err(|_| format!("cargo did not set {key} for the build script"))
+}
+
+/// The toolchain's sysroot, from the rustc cargo builds with.
+fn sysroot() -> Result<PathBuf, String> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let out = Command::new(&rustc)
+        .args(["--print", "sysroot"])
+        .output()
+        .map_err(|e| format!("running `{rustc} --print sysroot`: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`{rustc} --print sysroot` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(PathBuf::from(
+        String::from_utf8_lossy(&out.stdout).trim().to_string(),
+    ))
+}
+
+fn has_target(sysroot: &Path) -> bool {
+    sysroot
+        .join("lib/rustlib")
+        .join(WASM_TARGET)
+        .join("lib")
+        .is_dir()
+}
+
+/// `rustup` on `PATH`, if any.
+fn find_rustup() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join("rustup"))
+        .find(|p| p.is_file())
+}
+
+/// Make sure the toolchain can build for `wasm32-wasip2`: present, or
+/// installed now with rustup, or one clear error.
+fn ensure_wasm_target() -> Result<(), String> {
+    let sysroot = sysroot()?;
+    if has_target(&sysroot) {
+        return Ok(());
+    }
+    let fix = format!(
+        "the bundled strategy plugins build for the WebAssembly target `{WASM_TARGET}`, which the Rust toolchain at {} does not have",
+        sysroot.display()
+    );
+    let Some(rustup) = find_rustup() else {
+        return Err(format!(
+            "{fix}, and rustup is not on PATH to add it: run `rustup target add {WASM_TARGET}` (or install the target's standard library for this toolchain), or set PIPER_PLUGINS_WASM_DIR to a directory of prebuilt plugins"
+        ));
+    };
+    // Install into the toolchain cargo runs with: rustup keeps toolchains
+    // in `…/toolchains/<name>`; elsewhere RUSTUP_TOOLCHAIN (inherited) decides.
+    let toolchain = sysroot
+        .parent()
+        .filter(|p| p.file_name().is_some_and(|n| n == "toolchains"))
+        .and(sysroot.file_name())
+        .map(|n| n.to_string_lossy().into_owned());
+    println!(
+        "cargo::warning=installing the WebAssembly target `{WASM_TARGET}` for the strategy plugins (rustup target add {WASM_TARGET}{})",
+        toolchain
+            .as_deref()
+            .map(|t| format!(" --toolchain {t}"))
+            .unwrap_or_default()
+    );
+    let mut cmd = Command::new(&rustup);
+    cmd.args(["target", "add", WASM_TARGET]);
+    if let Some(t) = &toolchain {
+        cmd.args(["--toolchain", t]);
+    }
+    let out = cmd
+        .output()
+        .map_err(|e| format!("{fix}; running {} failed: {e}", rustup.display()))?;
+    if !out.status.success() || !has_target(&sysroot) {
+        return Err(format!(
+            "{fix}; `rustup target add {WASM_TARGET}` did not install it:\n{}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+fn build_plugins(root: &Path) -> Result<PathBuf, String> {
     let target_dir = root.join("target").join("plugins");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(cargo);
@@ -80,7 +193,7 @@ fn build_plugins(root: &Path) -> PathBuf {
             "build",
             "--release",
             "--target",
-            "wasm32-wasip2",
+            WASM_TARGET,
             "--target-dir",
         ])
         .arg(&target_dir);
@@ -119,15 +232,20 @@ fn build_plugins(root: &Path) -> PathBuf {
             cmd.env_remove(k);
         }
     }
-    let output = cmd.output().expect("run cargo to build the plugins");
+    let output = cmd
+        .output()
+        .map_err(|e| format!("running cargo to build the plugins: {e}"))?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
-        let hint = if stderr.contains("wasm32-wasip2") && stderr.contains("target") {
-            "\nhint: install the plugin target with `rustup target add wasm32-wasip2`"
-        } else {
-            ""
-        };
-        panic!("building the bundled strategy plugins failed:\n{stderr}{hint}");
+        // The compiler's own errors, without cargo's progress lines.
+        let errors: Vec<&str> = stderr
+            .lines()
+            .filter(|l| !l.trim_start().starts_with("Compiling "))
+            .collect();
+        return Err(format!(
+            "building the bundled strategy plugins failed:\n{}",
+            errors.join("\n")
+        ));
     }
-    target_dir.join("wasm32-wasip2").join("release")
+    Ok(target_dir.join(WASM_TARGET).join("release"))
 }

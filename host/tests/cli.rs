@@ -153,6 +153,102 @@ fn bad_input_gets_a_clear_error_not_a_panic() {
     let _ = std::fs::remove_dir_all(&h);
 }
 
+/// A first run's typos: each refused in milliseconds, before any work, with
+/// one message that names the flag and the value, an OS error printed once,
+/// and no clap "unexpected argument" for a negative number.
+#[test]
+fn a_first_runs_rough_edges_read_cleanly() {
+    let h = home("rough");
+    std::fs::create_dir_all(&h).unwrap();
+    let check = |args: &[&str], expect: &str| {
+        let start = std::time::Instant::now();
+        let (ok, out, err) = piper(&h, args);
+        assert!(!ok, "{args:?} should fail: {out}");
+        assert!(
+            err.contains(expect),
+            "{args:?}: `{err}` should contain `{expect}`"
+        );
+        for bad in ["panicked", "unexpected argument", "backtrace"] {
+            assert!(!err.contains(bad), "{args:?}: {err}");
+        }
+        assert!(err.matches("(os error").count() <= 1, "{args:?}: {err}");
+        // No segment of the error chain printed twice in a row.
+        let segs: Vec<&str> = err.trim().split(": ").collect();
+        assert!(
+            segs.windows(2).all(|w| w[0] != w[1]),
+            "{args:?}: repeated: {err}"
+        );
+        assert!(!out.contains("peak"), "{args:?}: nothing ran: {out}");
+        // Refused before building, loading or training anything.
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "{args:?} took {:?}",
+            start.elapsed()
+        );
+        err
+    };
+    check(
+        &["train", "--lr", "-1"],
+        "--lr must be a positive number, got -1",
+    );
+    check(
+        &["train", "--lr", "NaN"],
+        "--lr must be a positive number, got NaN",
+    );
+    check(
+        &["train", "--lr", "0"],
+        "--lr must be a positive number, got 0",
+    );
+    check(
+        &["train", "--clip", "-0.5"],
+        "--clip must be 0 (off) or a positive number, got -0.5",
+    );
+    check(
+        &["train", "--steps", "0"],
+        "invalid value '0' for '--steps <STEPS>': 0 is not in 1..",
+    );
+    check(
+        &["train", "--steps", "-3"],
+        "invalid value '-3' for '--steps <STEPS>': -3 is not in 1..",
+    );
+    check(
+        &["plan", "--devices", "-2"],
+        "invalid value '-2' for '--devices <DEVICES>': -2 is not in 1..",
+    );
+    check(
+        &["train", "--comm-timeout", "-5"],
+        "--comm-timeout must be more than 0",
+    );
+    let missing = h.join("no-such-corpus.txt");
+    let err = check(
+        &["train", "--data", missing.to_str().unwrap()],
+        &format!("cannot read training data {}: ", missing.display()),
+    );
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    let err = check(
+        &["plan", "--model", h.join("nope.toml").to_str().unwrap()],
+        "cannot read model file",
+    );
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    check(
+        &["train", "--resume", h.join("no-ck").to_str().unwrap()],
+        "no such checkpoint directory",
+    );
+    // Outputs that could not be written are refused before the run, not after.
+    let nowhere = h.join("no-such-dir").join("trace.json");
+    check(&["train", "--trace", nowhere.to_str().unwrap()], "--trace");
+    std::fs::write(h.join("a-file"), "x").unwrap();
+    check(
+        &[
+            "train",
+            "--checkpoint",
+            h.join("a-file").join("ck").to_str().unwrap(),
+        ],
+        "creating checkpoint directory",
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}
+
 #[test]
 fn plugin_info_and_list() {
     let h = home("info");
@@ -293,6 +389,18 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
             .collect()
     };
     assert_eq!(losses("resumed.jsonl"), losses("full.jsonl")[3..].to_vec());
+    // Resuming at or past `--steps` says so instead of a summary of nothing.
+    let out = run(args(&[
+        "--steps".into(),
+        "3".into(),
+        "--resume".into(),
+        p("ck"),
+    ]));
+    assert!(
+        out.contains("nothing ran: the checkpoint is at step 3 and --steps 3 is the total"),
+        "{out}"
+    );
+    assert!(!out.contains("measured") && !out.contains("done:"), "{out}");
     // The trace opens as Chrome-trace JSON with complete events per stream.
     let trace: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(h.join("trace.json")).unwrap()).unwrap();

@@ -50,7 +50,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Number of (virtual) devices.
-    #[arg(long)]
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..))]
     pub devices: Option<u32>,
     /// A strategy: bundled name or path to a .wasm component, with options:
     /// `1f1b:microbatches=8,stages=4`. Repeat to compose (`--strategy dp:degree=2 --strategy 1f1b`).

@@ -21,17 +21,17 @@ use std::time::{Duration, Instant};
 pub struct TrainArgs {
     #[command(flatten)]
     run: RunArgs,
-    /// Optimizer steps.
-    #[arg(long, default_value_t = 150)]
+    /// Optimizer steps (with `--resume`: the total to reach).
+    #[arg(long, default_value_t = 150, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..))]
     steps: u32,
-    /// Peak learning rate (AdamW).
-    #[arg(long, default_value_t = 3e-3)]
+    /// Peak learning rate (AdamW), more than 0.
+    #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
     lr: f32,
     /// Seed of the initial weights.
-    #[arg(long, default_value_t = 1337)]
+    #[arg(long, default_value_t = 1337, allow_negative_numbers = true)]
     seed: u64,
     /// Clip the global gradient norm to this (0: off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     clip: f32,
     /// UTF-8 text to train on; default: the built-in corpus.
     #[arg(long)]
@@ -60,7 +60,7 @@ pub struct TrainArgs {
     dump_step1: Option<PathBuf>,
     /// Longest wait for a peer device, seconds (default: derived from the
     /// plan's predicted step time, at least 10 s).
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     comm_timeout: Option<f64>,
 }
 
@@ -90,7 +90,47 @@ pub fn parse_size(s: &str) -> Result<u64> {
     Ok(bytes as u64)
 }
 
+/// Numbers and output paths checked before any work, so a typo costs
+/// milliseconds and a finished run is never lost to an unwritable path.
+fn check_args(a: &TrainArgs) -> Result<()> {
+    if !(a.lr.is_finite() && a.lr > 0.0) {
+        bail!("--lr must be a positive number, got {}", a.lr);
+    }
+    if !(a.clip.is_finite() && a.clip >= 0.0) {
+        bail!(
+            "--clip must be 0 (off) or a positive number, got {}",
+            a.clip
+        );
+    }
+    if let Some(dir) = a.resume.as_ref().filter(|d| !d.is_dir()) {
+        bail!("--resume {}: no such checkpoint directory", dir.display());
+    }
+    if let Some(dir) = &a.checkpoint {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("creating checkpoint directory {}", dir.display()))?;
+    }
+    for (flag, path) in [
+        ("--trace", &a.trace),
+        ("--dump-step1", &a.dump_step1),
+        ("--metrics", &a.metrics),
+    ] {
+        if let Some(parent) = path.as_ref().and_then(|p| p.parent()) {
+            if !parent.as_os_str().is_empty() && !parent.is_dir() {
+                bail!(
+                    "{flag} {}: directory {} does not exist",
+                    path.as_ref()
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_default(),
+                    parent.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn train(a: TrainArgs) -> Result<()> {
+    check_args(&a)?;
     let p = prepare(&a.run)?;
     let cfg = p.config.model_config()?;
     let plan = compile(&p.dag).context("compiling the plan")?;
@@ -131,6 +171,14 @@ pub fn train(a: TrainArgs) -> Result<()> {
         eprintln!("resumed from {} at step {}", dir.display(), ck.state.step);
     }
     let first_step = trainer.step_count() + 1;
+    if first_step > a.steps {
+        println!(
+            "nothing ran: the checkpoint is at step {} and --steps {} is the total to reach",
+            first_step - 1,
+            a.steps
+        );
+        return Ok(());
+    }
     let initial = a.dump_step1.as_ref().map(|_| trainer.params());
     eprintln!(
         "training {} ({} parameters) on {devices} CPU device(s), plan {hash}, data: {}",

@@ -32,7 +32,7 @@ pub enum ModelError {
         name: String,
         known: Vec<&'static str>,
     },
-    #[error("cannot read model file {path}: {source}")]
+    #[error("cannot read model file {path}")]
     Io {
         path: String,
         #[source]

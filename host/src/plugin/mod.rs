@@ -181,7 +181,7 @@ pub enum Cause {
     Output(usize),
     #[error("{0}")]
     Limit(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Limits(#[from] LimitsError),
     #[error("panicked: {0}")]
     Panic(String),

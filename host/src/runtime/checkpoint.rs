@@ -17,7 +17,7 @@ use std::path::Path;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("checkpoint {path}: {source}")]
+    #[error("checkpoint {path}")]
     Io {
         path: String,
         #[source]

@@ -37,7 +37,7 @@ pub struct Corpus {
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
-    #[error("cannot read training data {path}: {source}")]
+    #[error("cannot read training data {path}")]
     Io {
         path: String,
         #[source]

@@ -32,12 +32,13 @@ pub enum RuntimeError {
         cap: String,
         states: String,
     },
-    #[error("device {device}: {op}: {source}")]
+    /// The comm error is part of the message (not a `source`), so a
+    /// `{:#}` chain prints it once.
+    #[error("device {device}: {op}: {cause}")]
     Comm {
         device: u32,
         op: String,
-        #[source]
-        source: CommError,
+        cause: CommError,
     },
     #[error("device {device}: {op}: input {input} is missing (the plan does not produce it on this device)")]
     MissingInput {
@@ -664,7 +665,7 @@ pub(crate) fn run_step(devices: &[Device], plan: &Plan, ctx: &StepCtx) -> Result
         matches!(
             e,
             RuntimeError::Comm {
-                source: CommError::Aborted,
+                cause: CommError::Aborted,
                 ..
             }
         )
@@ -710,7 +711,7 @@ fn run_stream(
                     return Err(RuntimeError::Comm {
                         device: dev.id,
                         op: label(op),
-                        source: CommError::Aborted,
+                        cause: CommError::Aborted,
                     });
                 }
                 p = dev
@@ -805,10 +806,10 @@ fn owned(dev: &Device, ctx: &StepCtx, segs: &[u32]) -> Vec<String> {
 }
 
 fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
-    let comm_err = |source| RuntimeError::Comm {
+    let comm_err = |cause| RuntimeError::Comm {
         device: dev.id,
         op: label(op),
-        source,
+        cause,
     };
     let group: Vec<u32> = op
         .group
