@@ -358,7 +358,7 @@ fn dualpipe_feeds_both_ends_with_deepseeks_schedule() {
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.purpose.as_deref() == Some("copy-grad"))
+        .filter(|o| o.purpose == Some(piper::compile::plan::CommPurpose::CopyGrad))
         .collect();
     assert_eq!(copy.len(), 8, "one copy-grad all-reduce per region");
     assert!(copy.iter().all(|o| o.group.as_deref() == Some(&[0, 1][..])));

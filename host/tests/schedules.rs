@@ -93,7 +93,9 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.op == "all-reduce" && o.purpose.as_deref() == Some("tied-grad"))
+        .filter(|o| {
+            o.op == "all-reduce" && o.purpose == Some(piper::compile::plan::CommPurpose::TiedGrad)
+        })
         .collect();
     assert_eq!(tied.len(), 1);
     assert_eq!(tied[0].group.as_deref(), Some(&[0, 3][..]));
@@ -431,7 +433,7 @@ fn microbatches_of_a_segment_on_two_groups_are_parameter_copies_only_when_they_p
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.purpose.as_deref() == Some("copy-grad"))
+        .filter(|o| o.purpose == Some(piper::compile::plan::CommPurpose::CopyGrad))
         .count();
     assert_eq!(copies, 8);
     assert_eq!(

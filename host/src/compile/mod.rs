@@ -269,18 +269,6 @@ fn validate_edges(dag: &TrainingDag) -> Result<(), CompileError> {
         .map_err(|c| CompileError::Cycle(c.iter().map(|n| dag.label(*n)).collect()))
 }
 
-fn purpose_name(p: CommPurpose) -> &'static str {
-    match p {
-        CommPurpose::Pipeline => "pipeline",
-        CommPurpose::GradSync => "grad-sync",
-        CommPurpose::ParamGather => "param-gather",
-        CommPurpose::ParamRefresh => "param-refresh",
-        CommPurpose::TiedGrad => "tied-grad",
-        CommPurpose::CopyGrad => "copy-grad",
-        CommPurpose::GradNorm => "grad-norm",
-    }
-}
-
 /// Is the tensor on this edge a transient buffer (vs. a resident model state)?
 fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
     match tensor {
@@ -370,13 +358,10 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         let div = dag.batch_share_div(id);
         // Shared by all devices of the node.
         let tags = Arc::new(dag.tag_map(&n.tags));
-        let (segments, purpose): (Arc<[u32]>, Option<Arc<str>>) = match &n.kind {
+        let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
             NodeKind::Compute { segment, .. } => (Arc::from(vec![*segment]), None),
             NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
-            NodeKind::Comm(c) => (
-                Arc::from(c.segments.clone()),
-                Some(Arc::from(purpose_name(c.purpose))),
-            ),
+            NodeKind::Comm(c) => (Arc::from(c.segments.clone()), Some(c.purpose)),
             NodeKind::Marker => (no_segments.clone(), None),
         };
         let groups: Vec<Arc<[u32]>> = match &n.kind {
@@ -431,7 +416,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 peer: None,
                 pair: None,
                 group: None,
-                purpose: purpose.clone(),
+                purpose,
                 batch_div: div,
                 flops: cost.flops,
                 bytes: cost.comm_bytes,

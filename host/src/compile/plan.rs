@@ -7,7 +7,8 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 
-use crate::dag::TensorKind;
+/// The IR vocabulary a plan is written in; the runtime reads it from here.
+pub use crate::dag::{CommPurpose, TensorKind};
 
 /// The compiled plan of every device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,7 +63,7 @@ pub struct Op {
     pub group: Option<Arc<[u32]>>,
     /// Why a communication op exists (`pipeline`, `grad-sync`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub purpose: Option<Arc<str>>,
+    pub purpose: Option<CommPurpose>,
     /// Microbatch split factor × data-parallel degree: the op runs
     /// `1/batch_div` of the global batch.
     pub batch_div: u64,
@@ -272,7 +273,7 @@ impl Plan {
                             h.word(*v as u64);
                         }
                         h.words(&o.segments);
-                        h.bytes(o.purpose.as_deref().unwrap_or("").as_bytes());
+                        h.bytes(o.purpose.map_or("", |p| p.as_str()).as_bytes());
                         h.word(o.batch_div);
                         h.word(o.flops.to_bits());
                         h.word(o.bytes);

@@ -1,6 +1,6 @@
 //! The global training DAG: Piper's one intermediate representation. It holds
 //! every computation and communication of a training step across all devices.
-//! The model builder (`model/`) creates it; strategies rewrite it only through
+//! Its builder (`dag/builder.rs`) creates it from a model config (`model/`); strategies rewrite it only through
 //! the directives (`split`, `place`, `replicate`, `order`, …) and primitives
 //! (`query`, `node`, `neighbours`, …) defined as methods here; `compile/` turns
 //! it into per-device plans.
@@ -32,6 +32,7 @@
 //! A node on several devices runs SPMD: data-parallel replicas are one node.
 
 mod budget;
+mod builder;
 mod derived;
 mod directives;
 pub mod error;
@@ -160,6 +161,21 @@ pub enum CommPurpose {
     /// parameters, so clipping uses the global norm however the gradients are
     /// spread (stages) or sharded (ZeRO).
     GradNorm,
+}
+
+impl CommPurpose {
+    /// The name in plans and tables (`grad-sync`, …; as serialized).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommPurpose::Pipeline => "pipeline",
+            CommPurpose::GradSync => "grad-sync",
+            CommPurpose::ParamGather => "param-gather",
+            CommPurpose::ParamRefresh => "param-refresh",
+            CommPurpose::TiedGrad => "tied-grad",
+            CommPurpose::CopyGrad => "copy-grad",
+            CommPurpose::GradNorm => "grad-norm",
+        }
+    }
 }
 
 /// What a data edge carries.
@@ -340,9 +356,9 @@ pub struct TrainingDag {
 pub(crate) const COMPUTE: StreamId = StreamId(0);
 
 impl TrainingDag {
-    /// Build the initial DAG of a model on a cluster (see `model::builder`).
+    /// Build the initial DAG of a model on a cluster (see `dag/builder.rs`).
     pub fn build(model: &ModelConfig, cluster: Cluster) -> Result<Self, ModelError> {
-        crate::model::builder::build(model, cluster)
+        builder::build(model, cluster)
     }
 
     /// An empty DAG for `model` (used by the builder).

@@ -64,7 +64,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         Part::Embedding => (
             n * d,
             1.0,
-            v * d + t * d,
+            0.0,              // from the parameter table, below
             n * 4.0,          // token ids
             n * 4.0 + hidden, // token ids + output gradient
             n * 4.0,
@@ -73,7 +73,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         Part::Block(_) => (
             2.0 * n * 12.0 * d * d + attn_flops,
             0.5,
-            12.0 * d * d + 13.0 * d,
+            0.0, // from the parameter table
             // x, ln1, qkv, attention out, residual, ln2, fc, gelu (15 d),
             // attention probabilities (h t), layernorm mean/rstd ×2
             (15.0 * d + h * t + 4.0) * n * b,
@@ -105,7 +105,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         Part::Head => (
             2.0 * n * d * v + 5.0 * n * v,
             0.5,
-            2.0 * d, // ln_f; the head weight is the tied wte
+            0.0, // from the parameter table (ln_f; the head weight is the tied wte)
             (d + 2.0 + v) * n * b,
             // weight pass: x, ln_f out, mean/rstd, and the gradients of the
             // logits and of ln_f's output
@@ -113,6 +113,16 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             hidden,
             b, // the loss
         ),
+    };
+    // Dense parts count their entries of the parameter table; the head's
+    // `wte` is the embedding's (tied).
+    let params = match part {
+        Part::Embedding | Part::Block(_) | Part::Head => super::params::part_params(cfg, part)
+            .iter()
+            .filter(|(n, _)| !(part == Part::Head && n == "wte"))
+            .map(|(_, shape)| shape.iter().map(|x| *x as f64).product::<f64>())
+            .sum(),
+        Part::Attention(_) | Part::Experts(_) => params,
     };
     PartCost {
         fwd_flops: fwd,

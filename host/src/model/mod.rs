@@ -1,7 +1,8 @@
 //! Model: the first stage of the flow. A GPT-2-style decoder described by a
 //! [`ModelConfig`] (preset, TOML file or Rust), cut into annotated
-//! [`Segment`]s, each carrying cost hints. The [`builder`] turns a config into
-//! the initial global training DAG (`dag/`).
+//! [`Segment`]s, each carrying cost hints. A leaf of the crate: it depends on
+//! nothing else here; `dag/`'s builder turns a config into the initial global
+//! training DAG.
 //!
 //! Decisions recorded here (see also `docs/design-notes.md`):
 //! - `batch_size` is the *global* batch in sequences. The micro-batch size a
@@ -13,8 +14,8 @@
 //! - A MoE layer is two segments: the attention half (with the router) and the
 //!   expert half, which is tagged `EP` with the index of the MoE block.
 
-pub mod builder;
 mod cost;
+pub mod params;
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;

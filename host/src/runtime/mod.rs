@@ -4,7 +4,7 @@
 //!
 //! Per training step, every (device, stream) of the plan is a thread that runs
 //! its ops in plan order, waiting on the plan's cross-stream events; devices
-//! talk through the in-process [`comm::Comm`]. Each device owns its
+//! talk through a [`comm::Comm`] (in process: [`comm::LocalComm`]). Each device owns its
 //! parameters, gradients and AdamW moments (for the segments it runs) and its
 //! transient buffers, which are reference-counted by the plan's readers and
 //! freed at their last use. Every byte is accounted against the device's
@@ -17,20 +17,33 @@
 //! `grad-norm` all-reduce; each parameter counted once: by DP replica 0, and
 //! the tied `wte` by the embedding's device).
 
+//!
+//! Rooms: `device` (states, setup, restore), `buffers` (transient buffers,
+//! one accounting path), `zero` (bucket layout, shards, sharded step,
+//! gathers), `ops/` (one file per op family, dispatched on the plan's
+//! enums), `step` (threads, aborts, bounded waits), `comm/` (the [`Comm`]
+//! trait and its implementations), `backend/` (kernels).
+
 pub mod backend;
+mod buffers;
 pub mod checkpoint;
 pub mod comm;
 pub mod data;
-mod exec;
+mod device;
+mod error;
+mod ops;
+mod step;
+mod zero;
 
+pub use comm::Comm;
 pub use data::{Batch, Corpus, DataError, Tokenizer};
-pub use exec::RuntimeError;
+pub use error::RuntimeError;
 
 use crate::compile::Plan;
 use crate::model::ModelConfig;
 use backend::cpu::adamw::AdamW;
 use backend::cpu::gpt::Tensors;
-use exec::Device;
+use device::Device;
 use std::time::{Duration, Instant};
 
 /// How to train.
@@ -162,8 +175,8 @@ impl Trainer {
             .opts
             .comm_timeout
             .unwrap_or_else(|| derived_comm_timeout(&self.plan));
-        let comm = comm::Comm::new(timeout);
-        let ctx = exec::StepCtx {
+        let comm = comm::LocalComm::new(timeout);
+        let ctx = step::StepCtx {
             cfg: &self.cfg,
             segments: self.cfg.segments(),
             batch,
@@ -175,7 +188,7 @@ impl Trainer {
             epoch: self.epoch,
             failures: std::sync::Mutex::new(Vec::new()),
         };
-        exec::run_step(&self.devices, &self.plan, &ctx)?;
+        step::run_step(&self.devices, &self.plan, &ctx)?;
         let mut loss = 0.0;
         let mut grad_norm = 0.0;
         for d in &self.devices {
@@ -202,11 +215,11 @@ impl Trainer {
                 out.entry(k).or_insert(v);
             }
         }
-        exec::assemble(self.shards(exec::ShardPart::Param), &mut out);
+        zero::assemble(self.shards(zero::ShardPart::Param), &mut out);
         out
     }
 
-    fn shards(&self, part: exec::ShardPart) -> Vec<exec::Shard> {
+    fn shards(&self, part: zero::ShardPart) -> Vec<zero::Shard> {
         self.devices.iter().flat_map(|d| d.shards(part)).collect()
     }
 
@@ -220,7 +233,7 @@ impl Trainer {
                 out.entry(k).or_insert(v);
             }
         }
-        exec::assemble(self.shards(exec::ShardPart::Grad), &mut out);
+        zero::assemble(self.shards(zero::ShardPart::Grad), &mut out);
         out
     }
 
@@ -237,8 +250,8 @@ impl Trainer {
             }
         }
         // ZeRO: the moments live in bucket shards.
-        exec::assemble(self.shards(exec::ShardPart::M), &mut m);
-        exec::assemble(self.shards(exec::ShardPart::V), &mut v);
+        zero::assemble(self.shards(zero::ShardPart::M), &mut m);
+        zero::assemble(self.shards(zero::ShardPart::V), &mut v);
         checkpoint::Checkpoint {
             state: checkpoint::TrainState {
                 step: self.step,

@@ -1,14 +1,26 @@
-//! In-process communication between virtual devices: point-to-point mailboxes
-//! matched by (send node, source, destination) and collectives matched by
-//! (node, group), with real data movement and reductions. Reductions add the
-//! members' contributions in device order, so results are bit-identical from
-//! run to run. Every wait is bounded: a peer that never arrives, or members
-//! that disagree about a collective's size, is an error naming the devices.
+//! Communication between devices, as the runtime sees it: buffered
+//! point-to-point messages matched by (send node, source, destination) and
+//! sum collectives matched by (node, group). The runtime talks only to the
+//! [`Comm`] trait; an implementation decides how bytes move:
+//!
+//! - [`local::LocalComm`]: devices that are threads of this process
+//!   (mailboxes and shared reductions in memory);
+//! - an MPI implementation (devices on other ranks: point-to-point and
+//!   collectives over sub-communicators), and a NCCL one on the CUDA backend,
+//!   implement the same calls.
+//!
+//! Contract every implementation keeps: reductions add the members'
+//! contributions in device order (results bit-identical from run to run and
+//! across implementations); every wait is bounded by [`Comm::timeout`] and
+//! ends early with [`CommError::Aborted`] once any device fails; errors name
+//! the devices involved.
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+pub mod local;
+
+pub use local::LocalComm;
+
+use std::sync::Arc;
+use std::time::Duration;
 
 /// A communication failure.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -47,252 +59,28 @@ pub enum CommError {
     Aborted,
 }
 
-#[derive(Default)]
-struct Collective {
-    contrib: BTreeMap<u32, Vec<f32>>,
-    result: Option<Result<Arc<Vec<f32>>, CommError>>,
-    taken: usize,
-}
-
-#[derive(Default)]
-struct State {
-    mail: HashMap<(u32, u32, u32), Arc<Vec<f32>>>,
-    colls: HashMap<(u32, Vec<u32>), Collective>,
-}
-
-/// The shared fabric of one training step.
-pub struct Comm {
-    state: Mutex<State>,
-    cv: Condvar,
-    timeout: Duration,
-    abort: AtomicBool,
-}
-
-impl Comm {
-    pub fn new(timeout: Duration) -> Self {
-        Comm {
-            state: Mutex::new(State::default()),
-            cv: Condvar::new(),
-            timeout,
-            abort: AtomicBool::new(false),
-        }
-    }
-
-    /// Wake every waiter with [`CommError::Aborted`].
-    pub fn abort(&self) {
-        self.abort.store(true, Ordering::SeqCst);
-        let _g = self.state.lock().unwrap();
-        self.cv.notify_all();
-    }
-
-    pub fn aborted(&self) -> bool {
-        self.abort.load(Ordering::SeqCst)
-    }
-
+/// How devices exchange tensors during a step (one instance per step).
+pub trait Comm: Send + Sync {
     /// Buffered send: never blocks. A second message to a mailbox whose
     /// first was not received yet is an error, never an overwrite.
-    pub fn send(
-        &self,
-        pair: u32,
-        from: u32,
-        to: u32,
-        data: Arc<Vec<f32>>,
-    ) -> Result<(), CommError> {
-        let mut s = self.state.lock().unwrap();
-        match s.mail.entry((pair, from, to)) {
-            std::collections::hash_map::Entry::Occupied(_) => {
-                return Err(CommError::Duplicate {
-                    node: pair,
-                    from,
-                    to,
-                })
-            }
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(data);
-            }
-        }
-        self.cv.notify_all();
-        Ok(())
-    }
-
-    /// The wait limit of every receive and collective.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
-    }
-
-    /// Receive the matching send, waiting at most the timeout.
-    pub fn recv(
-        &self,
-        pair: u32,
-        from: u32,
-        to: u32,
-        what: &str,
-    ) -> Result<Arc<Vec<f32>>, CommError> {
-        let start = Instant::now();
-        let mut s = self.state.lock().unwrap();
-        loop {
-            if let Some(d) = s.mail.remove(&(pair, from, to)) {
-                return Ok(d);
-            }
-            if self.aborted() {
-                return Err(CommError::Aborted);
-            }
-            let left = self.timeout.checked_sub(start.elapsed());
-            let Some(left) = left else {
-                return Err(CommError::RecvTimeout {
-                    me: to,
-                    peer: from,
-                    node: pair,
-                    what: what.into(),
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            };
-            s = self
-                .cv
-                .wait_timeout(s, left.min(Duration::from_millis(200)))
-                .unwrap()
-                .0;
-        }
-    }
-
-    /// Sum `data` over `group` (every member gets the sum).
-    pub fn all_reduce(
+    fn send(&self, pair: u32, from: u32, to: u32, data: Arc<Vec<f32>>) -> Result<(), CommError>;
+    /// Receive the matching send (`what` names the tensor in errors),
+    /// waiting at most the timeout.
+    fn recv(&self, pair: u32, from: u32, to: u32, what: &str) -> Result<Arc<Vec<f32>>, CommError>;
+    /// Sum `data` over `group` in device order; every member gets the sum.
+    /// `op` names the collective in errors.
+    fn all_reduce(
         &self,
         op: &str,
         node: u32,
         group: &[u32],
         me: u32,
         data: Vec<f32>,
-    ) -> Result<Arc<Vec<f32>>, CommError> {
-        let start = Instant::now();
-        let key = (node, group.to_vec());
-        let mut s = self.state.lock().unwrap();
-        {
-            let c = s.colls.entry(key.clone()).or_default();
-            c.contrib.insert(me, data);
-            if c.contrib.len() == group.len() && c.result.is_none() {
-                let sizes: Vec<(u32, usize)> =
-                    c.contrib.iter().map(|(d, v)| (*d, v.len())).collect();
-                c.result = Some(if sizes.iter().any(|(_, n)| *n != sizes[0].1) {
-                    Err(CommError::Mismatch {
-                        op: op.into(),
-                        node,
-                        group: group.to_vec(),
-                        sizes: sizes
-                            .iter()
-                            .map(|(d, n)| format!("device {d}: {n} floats"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    })
-                } else {
-                    let mut sum = vec![0.0f32; sizes[0].1];
-                    for v in c.contrib.values() {
-                        for (a, b) in sum.iter_mut().zip(v) {
-                            *a += b;
-                        }
-                    }
-                    Ok(Arc::new(sum))
-                });
-                self.cv.notify_all();
-            }
-        }
-        loop {
-            let c = s
-                .colls
-                .get_mut(&key)
-                .expect("collective entry exists until all took it");
-            if let Some(r) = &c.result {
-                let r = r.clone();
-                c.taken += 1;
-                if c.taken == group.len() {
-                    s.colls.remove(&key);
-                }
-                return r;
-            }
-            if self.aborted() {
-                return Err(CommError::Aborted);
-            }
-            let Some(left) = self.timeout.checked_sub(start.elapsed()) else {
-                let missing = group
-                    .iter()
-                    .copied()
-                    .filter(|d| !c.contrib.contains_key(d))
-                    .collect();
-                return Err(CommError::CollectiveTimeout {
-                    op: op.into(),
-                    node,
-                    group: group.to_vec(),
-                    me,
-                    missing,
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            };
-            s = self
-                .cv
-                .wait_timeout(s, left.min(Duration::from_millis(200)))
-                .unwrap()
-                .0;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn all_reduce_sums_in_device_order_and_checks_sizes() {
-        let comm = Arc::new(Comm::new(Duration::from_secs(5)));
-        let r: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..3u32)
-                .map(|d| {
-                    let comm = comm.clone();
-                    s.spawn(move || {
-                        comm.all_reduce("all-reduce", 7, &[0, 1, 2], d, vec![d as f32 + 1.0; 4])
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
-        });
-        assert!(r.iter().all(|v| **v == vec![6.0; 4]));
-        let err = std::thread::scope(|s| {
-            let a = s.spawn(|| comm.all_reduce("all-reduce", 8, &[0, 1], 0, vec![1.0; 3]));
-            let b = s.spawn(|| comm.all_reduce("all-reduce", 8, &[0, 1], 1, vec![1.0; 2]));
-            (a.join().unwrap(), b.join().unwrap())
-        });
-        let msg = err.0.unwrap_err().to_string();
-        assert!(
-            msg.contains("device 0: 3 floats, device 1: 2 floats"),
-            "{msg}"
-        );
-        assert!(err.1.is_err());
-    }
-
-    #[test]
-    fn a_missing_peer_is_an_error_within_the_timeout() {
-        let comm = Comm::new(Duration::from_millis(300));
-        let t = Instant::now();
-        let err = comm
-            .all_reduce("all-reduce", 3, &[0, 1], 0, vec![1.0])
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("devices [1] never joined"), "{err}");
-        let err = comm.recv(5, 1, 0, "activation").unwrap_err().to_string();
-        assert!(err.contains("from device 1; it never came"), "{err}");
-        assert!(t.elapsed() < Duration::from_secs(3));
-    }
-
-    #[test]
-    fn a_second_send_to_a_full_mailbox_is_an_error_not_an_overwrite() {
-        let comm = Comm::new(Duration::from_secs(1));
-        comm.send(9, 0, 1, Arc::new(vec![1.0])).unwrap();
-        let err = comm.send(9, 0, 1, Arc::new(vec![2.0])).unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "device 0 sent #9 to device 1 twice; the first message was not received yet"
-        );
-        // The first message is intact, and the mailbox is free again after it.
-        assert_eq!(*comm.recv(9, 0, 1, "activation").unwrap(), vec![1.0]);
-        comm.send(9, 0, 1, Arc::new(vec![3.0])).unwrap();
-    }
+    ) -> Result<Arc<Vec<f32>>, CommError>;
+    /// Wake every waiter (here and, for a distributed implementation, on
+    /// every peer) with [`CommError::Aborted`].
+    fn abort(&self);
+    fn aborted(&self) -> bool;
+    /// The wait limit of every receive and collective.
+    fn timeout(&self) -> Duration;
 }

@@ -10,6 +10,7 @@ use super::embedding::{embedding_backward_weight, embedding_forward};
 use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, layernorm_forward};
 use super::loss::{crossentropy_backward, crossentropy_forward};
 use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
+pub use crate::model::params::{decays, model_params, part_params, segment_params};
 use crate::model::{ModelConfig, Part, Segment};
 use std::collections::BTreeMap;
 
@@ -39,72 +40,6 @@ impl Dims {
     fn n(&self) -> usize {
         self.b * self.t
     }
-}
-
-/// Parameter names and shapes of one part (the head lists `wte` too: it uses it).
-pub fn part_params(cfg: &ModelConfig, part: Part) -> Vec<(String, Vec<usize>)> {
-    let (c, v, t) = (
-        cfg.d_model as usize,
-        cfg.vocab as usize,
-        cfg.seq_len as usize,
-    );
-    match part {
-        Part::Embedding => vec![("wte".into(), vec![v, c]), ("wpe".into(), vec![t, c])],
-        Part::Block(l) => {
-            let p = |s: &str| format!("h.{l}.{s}");
-            vec![
-                (p("ln_1.weight"), vec![c]),
-                (p("ln_1.bias"), vec![c]),
-                (p("attn.c_attn.weight"), vec![3 * c, c]),
-                (p("attn.c_attn.bias"), vec![3 * c]),
-                (p("attn.c_proj.weight"), vec![c, c]),
-                (p("attn.c_proj.bias"), vec![c]),
-                (p("ln_2.weight"), vec![c]),
-                (p("ln_2.bias"), vec![c]),
-                (p("mlp.c_fc.weight"), vec![4 * c, c]),
-                (p("mlp.c_fc.bias"), vec![4 * c]),
-                (p("mlp.c_proj.weight"), vec![c, 4 * c]),
-                (p("mlp.c_proj.bias"), vec![c]),
-            ]
-        }
-        Part::Head => vec![
-            ("ln_f.weight".into(), vec![c]),
-            ("ln_f.bias".into(), vec![c]),
-            ("wte".into(), vec![v, c]),
-        ],
-        Part::Attention(_) | Part::Experts(_) => Vec::new(),
-    }
-}
-
-/// Names and shapes of the parameters a segment reads (deduplicated, in order).
-pub fn segment_params(cfg: &ModelConfig, seg: &Segment) -> Vec<(String, Vec<usize>)> {
-    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-    for p in &seg.parts {
-        for (n, s) in part_params(cfg, *p) {
-            if !out.iter().any(|(m, _)| *m == n) {
-                out.push((n, s));
-            }
-        }
-    }
-    out
-}
-
-/// Every parameter of the model, GPT-2 names, each once.
-pub fn model_params(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-    for seg in cfg.segments() {
-        for (n, s) in segment_params(cfg, &seg) {
-            if !out.iter().any(|(m, _)| *m == n) {
-                out.push((n, s));
-            }
-        }
-    }
-    out
-}
-
-/// Does weight decay apply (matrices and embeddings, not biases or norms)?
-pub fn decays(shape: &[usize]) -> bool {
-    shape.len() >= 2
 }
 
 /// SplitMix64: a small, well-mixed generator for reproducible initialisation.

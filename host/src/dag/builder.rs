@@ -1,11 +1,11 @@
-//! Model builder: config → initial global training DAG. One `F` and one `B`
+//! The DAG builder: model config → initial global training DAG. One `F` and one `B`
 //! node per segment, tagged with the segment's annotations (`PP`, and `EP` for
 //! expert segments); data edges in segment order for forward and reversed for
 //! backward; an `F`→`B` edge per segment for the tensors saved for backward;
 //! one `update` node that every `B` feeds its parameter gradients into.
 
-use super::{ModelConfig, ModelError, DTYPE_BYTES};
-use crate::dag::{Cluster, EdgeKind, Node, NodeId, NodeKind, Pass, Tags, TensorKind, TrainingDag};
+use super::{Cluster, EdgeKind, Node, NodeId, NodeKind, Pass, Tags, TensorKind, TrainingDag};
+use crate::model::{ModelConfig, ModelError, DTYPE_BYTES};
 
 /// Build the initial DAG. Nodes are unplaced; strategies place them.
 pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelError> {

@@ -1,0 +1,49 @@
+//! Why a step could not run: the runtime's typed errors, each naming the
+//! device and the op (as `label#node`).
+
+use super::comm::CommError;
+use crate::compile::plan::Op;
+
+/// Why a step could not run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("the plan cannot run: {0}")]
+    Plan(String),
+    #[error("device {device}: {op}: out of memory: it needs {need} more with {live} in use, over its cap of {cap} (model states take {states})")]
+    OutOfMemory {
+        device: u32,
+        op: String,
+        need: String,
+        live: String,
+        cap: String,
+        states: String,
+    },
+    /// The comm error is part of the message (not a `source`), so a
+    /// `{:#}` chain prints it once.
+    #[error("device {device}: {op}: {cause}")]
+    Comm {
+        device: u32,
+        op: String,
+        cause: CommError,
+    },
+    #[error("device {device}: {op}: input {input} is missing (the plan does not produce it on this device)")]
+    MissingInput {
+        device: u32,
+        op: String,
+        input: String,
+    },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("device {device}, stream `{stream}`: {op}: panicked: {message}")]
+    Panic {
+        device: u32,
+        stream: String,
+        op: String,
+        message: String,
+    },
+}
+
+/// An op as errors and traces name it: `F[MB=0,PP=1]#12`.
+pub(crate) fn label(op: &Op) -> String {
+    format!("{}#{}", op.label(), op.node)
+}

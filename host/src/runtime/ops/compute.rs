@@ -1,0 +1,139 @@
+//! Compute ops through the CPU backend: a segment's forward (`F`), its
+//! backward (`B`, or split into `BI` for the input gradient and `BW` for the
+//! weight gradients), with ZeRO-3's gathered parameters when the plan
+//! gathers them.
+
+use super::missing;
+use crate::compile::plan::{Op, OpKind, TensorKind};
+use crate::model::Segment;
+use crate::runtime::backend::cpu::gpt::{
+    segment_backward_input, segment_backward_weight, segment_forward, segment_params, Dims,
+    SegmentCache, SegmentStash, Tensors,
+};
+use crate::runtime::buffers::{vec_of, Buf};
+use crate::runtime::device::Device;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::step::StepCtx;
+use std::sync::Arc;
+
+/// Run `f` with the parameters the op computes with: ZeRO-3's gathered
+/// buffer when the plan gathers them, otherwise the device's own.
+fn with_params<R>(
+    dev: &Device,
+    op: &Op,
+    f: impl FnOnce(&Tensors) -> Result<R, RuntimeError>,
+) -> Result<R, RuntimeError> {
+    let gathered = dev.take(op, TensorKind::Param)?;
+    if let Some(Buf::Params(t)) = gathered.as_deref() {
+        return f(t);
+    }
+    let own = dev.params.read().unwrap();
+    f(&own)
+}
+
+pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let seg = &ctx.segments[op.segments[0] as usize];
+    let div = op.batch_div as usize;
+    let b = ctx.batch.b / div;
+    let dp = div / op.microbatches.max(1) as usize;
+    let piece = op.microbatch as usize * dp + op.replica as usize;
+    let (tokens, targets) = ctx.batch.rows(piece * b, b);
+    let input = vec_of(dev.take(op, TensorKind::Activation)?);
+    let (out, cache, loss) = with_params(dev, op, |params| {
+        Ok(segment_forward(
+            seg,
+            params,
+            seg.has_embedding().then_some(tokens),
+            input,
+            seg.has_head().then_some(targets),
+            Dims::new(ctx.cfg, b),
+        ))
+    })?;
+    if let Some(l) = loss {
+        dev.state.lock().unwrap().loss += l;
+    }
+    if let Some(out) = out {
+        dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;
+    }
+    dev.put(op, TensorKind::Saved, Buf::Saved(cache))
+}
+
+/// `B` (input and weight gradients) or `BI` (input gradient; hands the
+/// weight pass its stash).
+pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let seg = &ctx.segments[op.segments[0] as usize];
+    // Parameters first: the gathered buffer is an input like the others.
+    let gathered = dev.take(op, TensorKind::Param)?;
+    let saved = dev
+        .take(op, TensorKind::Saved)?
+        .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
+    let Buf::Saved(cache) = &*saved else {
+        unreachable!()
+    };
+    let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
+    let (dinp, mut stash) = match gathered.as_deref() {
+        Some(Buf::Params(t)) => segment_backward_input(t, cache, dout, ctx.loss_scale),
+        _ => segment_backward_input(&dev.params.read().unwrap(), cache, dout, ctx.loss_scale),
+    };
+    if op.op == OpKind::B {
+        weight_grads(dev, op, ctx, seg, cache, &stash)?;
+    } else {
+        // BI is the saved tensors' last reader: hand what BW needs on in
+        // the stash, free the rest now.
+        let cache = match Arc::try_unwrap(saved) {
+            Ok(Buf::Saved(c)) => c,
+            Ok(_) => unreachable!(),
+            Err(shared) => match &*shared {
+                Buf::Saved(c) => c.clone(),
+                _ => unreachable!(),
+            },
+        };
+        stash.keep_for_weights(cache);
+        dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
+    }
+    if let Some(d) = dinp {
+        dev.put(op, TensorKind::ActGrad, Buf::Vec(Arc::new(d)))?;
+    }
+    Ok(())
+}
+
+/// `BW`: the weight gradients from `BI`'s stash.
+pub(super) fn backward_weight(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let seg = &ctx.segments[op.segments[0] as usize];
+    // A gathered parameter buffer, if the plan feeds one, is consumed.
+    drop(dev.take(op, TensorKind::Param)?);
+    let stash = dev
+        .take(op, TensorKind::Stash)?
+        .ok_or_else(|| missing(dev, op, "BI's stash"))?;
+    let Buf::Stash(stash) = &*stash else {
+        unreachable!()
+    };
+    let cache = stash
+        .kept
+        .as_ref()
+        .ok_or_else(|| missing(dev, op, "the forward tensors in BI's stash"))?;
+    weight_grads(dev, op, ctx, seg, cache, stash)
+}
+
+/// Accumulate a backward's weight gradients: into the device's gradient
+/// buffers, or (ZeRO-2/3) into a per-microbatch buffer its reduce-scatter reads.
+fn weight_grads(
+    dev: &Device,
+    op: &Op,
+    ctx: &StepCtx,
+    seg: &Segment,
+    cache: &SegmentCache,
+    stash: &SegmentStash,
+) -> Result<(), RuntimeError> {
+    if op.zero >= 2 {
+        let mut t: Tensors = segment_params(ctx.cfg, seg)
+            .into_iter()
+            .map(|(n, shape)| (n, vec![0.0; shape.iter().product()]))
+            .collect();
+        segment_backward_weight(&mut t, cache, stash);
+        dev.put(op, TensorKind::MicroGrad, Buf::Params(t))
+    } else {
+        segment_backward_weight(&mut dev.grads.lock().unwrap(), cache, stash);
+        Ok(())
+    }
+}

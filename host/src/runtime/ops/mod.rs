@@ -1,0 +1,77 @@
+//! The ops of a plan, one file per family, dispatched on the plan's enums
+//! (op kind and comm purpose): compute (`F`, `B`, `BI`, `BW`), point-to-point
+//! (`send`, `recv`), gradient collectives (norm, DP / tied / copy
+//! reductions), ZeRO gathers (in `zero`), and the optimizer `update`.
+
+mod collective;
+mod compute;
+mod p2p;
+mod update;
+
+use super::comm::CommError;
+use super::device::{owned_names, Device};
+use super::error::{label, RuntimeError};
+use super::step::StepCtx;
+use super::zero;
+use crate::compile::plan::{CommPurpose, Op, OpKind};
+
+/// Run one op of `dev`'s plan.
+pub(super) fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let group: Vec<u32> = op
+        .group
+        .as_deref()
+        .map(|g| g.to_vec())
+        .unwrap_or_else(|| vec![dev.id]);
+    use CommPurpose as P;
+    match (op.op, op.purpose) {
+        (OpKind::F, _) => compute::forward(dev, op, ctx),
+        (OpKind::B | OpKind::BI, _) => compute::backward_input(dev, op, ctx),
+        (OpKind::BW, _) => compute::backward_weight(dev, op, ctx),
+        (OpKind::Send, _) => p2p::send(dev, op, ctx),
+        (OpKind::Recv, _) => p2p::recv(dev, op, ctx),
+        (OpKind::AllReduce, Some(P::GradNorm)) => collective::grad_norm(dev, op, ctx, &group),
+        (
+            OpKind::AllReduce | OpKind::ReduceScatter,
+            Some(purpose @ (P::GradSync | P::TiedGrad | P::CopyGrad)),
+        ) => collective::reduce_grads(dev, op, ctx, &group, purpose),
+        (OpKind::AllGather, Some(P::ParamRefresh)) => zero::param_refresh(dev, op, ctx, &group),
+        (OpKind::AllGather, Some(P::ParamGather)) => zero::param_gather(dev, op, ctx, &group),
+        (OpKind::Update, _) => update::update(dev, op, ctx),
+        (kind, purpose) => Err(RuntimeError::Unsupported(format!(
+            "device {}: {}: {} for {} is not supported by the CPU runtime",
+            dev.id,
+            label(op),
+            kind.as_str(),
+            purpose.map_or("no purpose", |p| p.as_str())
+        ))),
+    }
+}
+
+/// An input the plan promised is not there.
+pub(super) fn missing(dev: &Device, op: &Op, what: &str) -> RuntimeError {
+    RuntimeError::MissingInput {
+        device: dev.id,
+        op: label(op),
+        input: what.into(),
+    }
+}
+
+/// A comm failure of `op` on `dev`.
+pub(super) fn comm_error(dev: &Device, op: &Op, cause: CommError) -> RuntimeError {
+    RuntimeError::Comm {
+        device: dev.id,
+        op: label(op),
+        cause,
+    }
+}
+
+/// Sorted, deduplicated names the given segments own on this device.
+fn owned(dev: &Device, ctx: &StepCtx, segs: &[u32]) -> Vec<String> {
+    let mut n: Vec<String> = segs
+        .iter()
+        .flat_map(|s| owned_names(ctx.cfg, &ctx.segments, &dev.held, *s))
+        .collect();
+    n.sort();
+    n.dedup();
+    n
+}

@@ -1,0 +1,50 @@
+//! Point-to-point ops: a `send` hands a tensor to the comm (it stays on the
+//! sender's memory account until the receiver holds it); a `recv` takes the
+//! matching message and releases the sender's account.
+
+use super::{comm_error, missing};
+use crate::compile::plan::{Op, TensorKind};
+use crate::runtime::buffers::Buf;
+use crate::runtime::device::Device;
+use crate::runtime::error::RuntimeError;
+use crate::runtime::step::StepCtx;
+
+pub(super) fn send(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let kind = op.tensor.unwrap_or(TensorKind::Activation);
+    let buf = dev
+        .take(op, kind)?
+        .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
+    let Buf::Vec(v) = &*buf else {
+        unreachable!("only tensors cross devices")
+    };
+    // The message stays on this device's account until its receiver holds it.
+    dev.reserve(op, v.len() as u64 * 4)?.keep();
+    ctx.comm
+        .send(
+            op.pair.unwrap_or(op.node),
+            dev.id,
+            op.peer.unwrap_or(dev.id),
+            v.clone(),
+        )
+        .map_err(|e| comm_error(dev, op, e))
+}
+
+pub(super) fn recv(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    let kind = op.tensor.unwrap_or(TensorKind::Activation);
+    let what = format!("{kind:?}");
+    let v = ctx
+        .comm
+        .recv(
+            op.pair.unwrap_or(u32::MAX),
+            op.peer.unwrap_or(u32::MAX),
+            dev.id,
+            &what,
+        )
+        .map_err(|e| comm_error(dev, op, e))?;
+    let bytes = v.len() as u64 * 4;
+    dev.put(op, kind, Buf::Vec(v))?;
+    if let Some(sender) = ctx.devices.iter().find(|d| Some(d.id) == op.peer) {
+        sender.release(bytes);
+    }
+    Ok(())
+}

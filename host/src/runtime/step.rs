@@ -1,0 +1,179 @@
+//! One training step: a thread per (device, stream) running its ops in plan
+//! order, waiting on the plan's cross-stream events; a panic or error on any
+//! stream aborts the step everywhere (every wait is bounded), and the first
+//! real failure, named by device, stream and op, is the step's error.
+
+use super::comm::{Comm, CommError};
+use super::data::Batch;
+use super::device::Device;
+use super::error::{label, RuntimeError};
+use super::ops::exec_op;
+use super::TrainOptions;
+use crate::compile::plan::{DevicePlan, OpKind, Plan};
+use crate::model::{ModelConfig, Segment};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// One op as it ran, for the trace.
+#[derive(Clone, Debug)]
+pub(crate) struct TraceEvent {
+    pub name: String,
+    pub cat: &'static str,
+    pub stream: usize,
+    pub start_us: f64,
+    pub dur_us: f64,
+    pub step: u32,
+}
+
+/// Everything an op needs besides its device.
+pub(crate) struct StepCtx<'a> {
+    pub cfg: &'a ModelConfig,
+    pub segments: Vec<Segment>,
+    pub batch: &'a Batch,
+    pub loss_scale: f32,
+    pub step: u32,
+    pub opts: &'a TrainOptions,
+    pub comm: &'a dyn Comm,
+    /// Every device of this process (a receiver releases its sender's
+    /// in-flight bytes).
+    pub devices: &'a [Device],
+    pub epoch: std::time::Instant,
+    /// Failures in the order they happened: the first is the cause, later
+    /// ones (aborted waits, locks a panic left poisoned) are consequences.
+    pub failures: Mutex<Vec<RuntimeError>>,
+}
+
+/// Run every stream of every device; the first real error wins.
+pub(crate) fn run_step(devices: &[Device], plan: &Plan, ctx: &StepCtx) -> Result<(), RuntimeError> {
+    for (d, dp) in devices.iter().zip(&plan.devices) {
+        d.reset(dp);
+    }
+    std::thread::scope(|s| {
+        for (dev, dp) in devices.iter().zip(&plan.devices) {
+            for si in 0..dp.streams.len() {
+                s.spawn(move || {
+                    // A panic in a kernel (or anywhere in the op) is caught
+                    // here: the step aborts on every device and the error
+                    // names where it happened.
+                    let current = std::cell::Cell::new(None::<usize>);
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run_stream(dev, dp, si, ctx, &current)
+                    }));
+                    let err = match r {
+                        Ok(Ok(())) => return,
+                        Ok(Err(e)) => e,
+                        Err(payload) => RuntimeError::Panic {
+                            device: dev.id,
+                            stream: dp.streams[si].stream.to_string(),
+                            op: current
+                                .get()
+                                .map(|i| label(&dp.streams[si].ops[i]))
+                                .unwrap_or_else(|| "waiting".into()),
+                            message: panic_text(payload.as_ref()),
+                        },
+                    };
+                    ctx.comm.abort();
+                    dev.cv.notify_all();
+                    ctx.failures
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(err);
+                });
+            }
+        }
+    });
+    let failures = std::mem::take(&mut *ctx.failures.lock().unwrap_or_else(|p| p.into_inner()));
+    let aborted = |e: &RuntimeError| {
+        matches!(
+            e,
+            RuntimeError::Comm {
+                cause: CommError::Aborted,
+                ..
+            }
+        )
+    };
+    let first = failures
+        .iter()
+        .position(|e| !aborted(e))
+        .or(if failures.is_empty() { None } else { Some(0) });
+    match first {
+        Some(i) => Err(failures.into_iter().nth(i).expect("index in range")),
+        None => Ok(()),
+    }
+}
+
+/// The message of a panic payload.
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(a non-text panic payload)".into())
+}
+
+fn run_stream(
+    dev: &Device,
+    dp: &DevicePlan,
+    si: usize,
+    ctx: &StepCtx,
+    current: &std::cell::Cell<Option<usize>>,
+) -> Result<(), RuntimeError> {
+    let stream = &dp.streams[si];
+    for (i, op) in stream.ops.iter().enumerate() {
+        // Cross-stream events.
+        for w in &op.waits {
+            let ws = dp
+                .streams
+                .iter()
+                .position(|s| *s.stream == *w.stream)
+                .expect("waits name streams of the device");
+            let mut p = dev.progress.lock().unwrap();
+            while p[ws] <= w.op {
+                if ctx.comm.aborted() {
+                    return Err(RuntimeError::Comm {
+                        device: dev.id,
+                        op: label(op),
+                        cause: CommError::Aborted,
+                    });
+                }
+                p = dev
+                    .cv
+                    .wait_timeout(p, Duration::from_millis(100))
+                    .unwrap()
+                    .0;
+            }
+        }
+        let t0 = ctx.epoch.elapsed();
+        current.set(Some(i));
+        if let Some((d, what)) = &ctx.opts.inject_panic {
+            if *d == dev.id && op.label().starts_with(what.as_str()) {
+                panic!("injected kernel panic (TrainOptions::inject_panic)");
+            }
+        }
+        if let Err(e) = exec_op(dev, op, ctx) {
+            ctx.comm.abort();
+            // Wake this device's other streams so they notice.
+            dev.cv.notify_all();
+            return Err(e);
+        }
+        if ctx.opts.trace {
+            let t1 = ctx.epoch.elapsed();
+            dev.events.lock().unwrap().push(TraceEvent {
+                name: op.label(),
+                cat: if op.op.is_compute() || op.op == OpKind::Update {
+                    "compute"
+                } else {
+                    "comm"
+                },
+                stream: si,
+                start_us: t0.as_secs_f64() * 1e6,
+                dur_us: (t1 - t0).as_secs_f64() * 1e6,
+                step: ctx.step,
+            });
+        }
+        let mut p = dev.progress.lock().unwrap();
+        p[si] = i + 1;
+        dev.cv.notify_all();
+    }
+    Ok(())
+}
