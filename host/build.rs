@@ -160,13 +160,6 @@ fn ensure_wasm_target() -> Result<(), String> {
         .filter(|p| p.file_name().is_some_and(|n| n == "toolchains"))
         .and(sysroot.file_name())
         .map(|n| n.to_string_lossy().into_owned());
-    println!(
-        "cargo::warning=installing the WebAssembly target `{WASM_TARGET}` for the strategy plugins (rustup target add {WASM_TARGET}{})",
-        toolchain
-            .as_deref()
-            .map(|t| format!(" --toolchain {t}"))
-            .unwrap_or_default()
-    );
     let mut cmd = Command::new(&rustup);
     cmd.args(["target", "add", WASM_TARGET]);
     if let Some(t) = &toolchain {
@@ -181,6 +174,14 @@ fn ensure_wasm_target() -> Result<(), String> {
             String::from_utf8_lossy(&out.stderr).trim()
         ));
     }
+    // Past tense: cargo replays a build script's warnings on later builds.
+    println!(
+        "cargo::warning=the WebAssembly target `{WASM_TARGET}` the strategy plugins build for was missing; installed it (rustup target add {WASM_TARGET}{})",
+        toolchain
+            .as_deref()
+            .map(|t| format!(" --toolchain {t}"))
+            .unwrap_or_default()
+    );
     Ok(())
 }
 

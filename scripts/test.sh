@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
 # Runs every test of the workspace (unit, integration and doc tests). The README's second command.
+# With Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), also the
+# multi-process tests: real `mpirun` jobs of `piper train --features mpi`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
+if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
+  cargo test -p piper --features mpi --test mpi
+else
+  echo "NOT RUN: the MPI tests need Open MPI (apt install openmpi-bin libopenmpi-dev libclang-dev); .ci/run installs it"
+fi

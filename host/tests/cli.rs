@@ -441,3 +441,23 @@ fn every_example_config_trains() {
     assert!(n >= 3, "examples found: {n}");
     let _ = std::fs::remove_dir_all(&h);
 }
+
+/// Under `mpirun`, a `piper` built without the `mpi` feature would train the
+/// whole job once per rank: it refuses, naming the fix.
+#[test]
+#[cfg(not(feature = "mpi"))]
+fn a_build_without_mpi_refuses_to_run_as_one_of_several_ranks() {
+    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(["train", "--steps", "1"])
+        .env("PIPER_HOME", home("nompi"))
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("started as one of 2 MPI ranks, but this piper was built without MPI")
+            && err.contains("--features mpi"),
+        "{err}"
+    );
+}

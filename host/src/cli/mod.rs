@@ -3,6 +3,8 @@
 //! of the typed errors of each stage.
 
 mod config;
+#[cfg(feature = "mpi")]
+mod job;
 mod train;
 
 pub use config::{RunConfig, StrategySpec};
@@ -134,9 +136,15 @@ pub struct Prepared {
 
 /// Resolve config + flags, build the DAG, load and apply the strategies.
 pub fn prepare(args: &RunArgs) -> Result<Prepared> {
+    prepare_with(args, 4)
+}
+
+/// [`prepare`] with the device count used when neither flags nor config
+/// give one (an MPI job: the world size).
+pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
     let config = RunConfig::resolve(args)?;
     let model = config.model_config()?;
-    let devices = config.devices.unwrap_or(4);
+    let devices = config.devices.unwrap_or(default_devices);
     if devices == 0 {
         bail!("--devices must be at least 1");
     }

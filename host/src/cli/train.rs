@@ -2,7 +2,7 @@
 //! compiled and executed on the CPU runtime, with a progress bar, a summary,
 //! and per-step metrics as JSON lines.
 
-use super::{prepare, RunArgs};
+use super::RunArgs;
 use crate::compile::{compile, human_bytes};
 use crate::model::ModelConfig;
 use crate::runtime::backend::cpu::adamw::AdamW;
@@ -129,9 +129,49 @@ fn check_args(a: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Where this process stands in a job: alone, or one rank of an MPI job.
+struct Job {
+    /// This process prints the progress bar, metrics and summary.
+    leader: bool,
+    #[cfg(feature = "mpi")]
+    ranks: Option<super::job::Mpi>,
+}
+
 pub fn train(a: TrainArgs) -> Result<()> {
     check_args(&a)?;
-    let p = prepare(&a.run)?;
+    #[cfg(not(feature = "mpi"))]
+    if let Some(n) = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok())
+        .filter(|n| n.trim() != "1")
+    {
+        bail!("started as one of {n} MPI ranks, but this piper was built without MPI: build it with `cargo build --release -p piper --features mpi` (each rank would otherwise train the whole job alone)");
+    }
+    #[cfg(feature = "mpi")]
+    if let Some(mpi) = super::job::Mpi::launched()? {
+        let rank = mpi.rank();
+        let job = Job {
+            leader: rank == 0,
+            ranks: Some(mpi),
+        };
+        return super::job::finish(rank, train_in(a, job));
+    }
+    train_in(
+        a,
+        Job {
+            leader: true,
+            #[cfg(feature = "mpi")]
+            ranks: None,
+        },
+    )
+}
+
+fn train_in(a: TrainArgs, job: Job) -> Result<()> {
+    #[cfg(feature = "mpi")]
+    let default_devices = job.ranks.as_ref().map_or(4, |m| m.size());
+    #[cfg(not(feature = "mpi"))]
+    let default_devices = 4;
+    let p = super::prepare_with(&a.run, default_devices)?;
     let cfg = p.config.model_config()?;
     let plan = compile(&p.dag).context("compiling the plan")?;
     let tokenizer = Tokenizer::parse(&a.tokenizer)?;
@@ -164,6 +204,26 @@ pub fn train(a: TrainArgs) -> Result<()> {
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let devices = plan.devices.len();
     let hash = plan.hash.clone();
+    #[cfg(feature = "mpi")]
+    let mut trainer = match &job.ranks {
+        Some(mpi) => {
+            mpi.agree(&plan.hash, &corpus.fingerprint())?;
+            if [&a.checkpoint, &a.resume, &a.trace, &a.dump_step1]
+                .iter()
+                .any(|x| x.is_some())
+                && mpi.size() > 1
+            {
+                bail!("--checkpoint, --resume, --trace and --dump-step1 are not yet supported on several MPI ranks");
+            }
+            let timeout = opts
+                .comm_timeout
+                .unwrap_or_else(|| crate::runtime::derived_comm_timeout(&plan));
+            let fabric = mpi.fabric(plan.devices.len() as u32, timeout)?;
+            Trainer::on_ranks(&cfg, plan, opts, fabric)?
+        }
+        None => Trainer::new(&cfg, plan, opts)?,
+    };
+    #[cfg(not(feature = "mpi"))]
     let mut trainer = Trainer::new(&cfg, plan, opts)?;
     if let Some(dir) = &a.resume {
         let ck = Checkpoint::load(dir)?;
@@ -180,16 +240,19 @@ pub fn train(a: TrainArgs) -> Result<()> {
         return Ok(());
     }
     let initial = a.dump_step1.as_ref().map(|_| trainer.params());
-    eprintln!(
-        "training {} ({} parameters) on {devices} CPU device(s), plan {hash}, data: {}",
-        cfg.name,
-        cfg.param_count(),
-        corpus.name
-    );
-    for line in &p.applied {
-        eprintln!("  strategy {line}");
+    if job.leader {
+        eprintln!(
+            "training {} ({} parameters) on {devices} CPU device(s){}, plan {hash}, data: {}",
+            cfg.name,
+            cfg.param_count(),
+            job_ranks(&job),
+            corpus.name
+        );
+        for line in &p.applied {
+            eprintln!("  strategy {line}");
+        }
     }
-    let mut metrics = match &a.metrics {
+    let mut metrics = match a.metrics.as_ref().filter(|_| job.leader) {
         Some(path) => Some(
             std::fs::OpenOptions::new()
                 .create(true)
@@ -199,7 +262,11 @@ pub fn train(a: TrainArgs) -> Result<()> {
         ),
         None => None,
     };
-    let bar = ProgressBar::new(a.steps as u64);
+    let bar = if job.leader {
+        ProgressBar::new(a.steps as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_position(first_step as u64 - 1);
     bar.set_style(
         ProgressStyle::with_template(
@@ -240,6 +307,9 @@ pub fn train(a: TrainArgs) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    if !job.leader {
+        return Ok(());
+    }
     let secs = start.elapsed().as_secs_f64();
     let ran = a.steps.saturating_sub(first_step - 1);
     println!(
@@ -270,6 +340,16 @@ pub fn train(a: TrainArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// ` on 2 MPI ranks` when this is a job of several processes.
+fn job_ranks(job: &Job) -> String {
+    #[cfg(feature = "mpi")]
+    if let Some(m) = &job.ranks {
+        return format!(" on {} MPI rank(s)", m.size());
+    }
+    let _ = job;
+    String::new()
 }
 
 /// The step-1 dump: `param.<gpt2 name>` (initial weights), `grad.<gpt2 name>`,

@@ -188,6 +188,21 @@ impl Corpus {
         })
     }
 
+    /// A short hash of the token stream (hex): equal data, equal
+    /// fingerprint, on every machine.
+    pub fn fingerprint(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let mut h = Sha256::new();
+        h.update(self.tokenizer.name().as_bytes());
+        for t in &self.tokens {
+            h.update(t.to_le_bytes());
+        }
+        h.finalize()[..8]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
     /// Check the corpus fits the model.
     pub fn check(&self, vocab: u32, seq_len: usize) -> Result<(), DataError> {
         if vocab < self.tokenizer.vocab() {

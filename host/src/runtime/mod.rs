@@ -39,7 +39,7 @@ pub use comm::Comm;
 pub use data::{Batch, Corpus, DataError, Tokenizer};
 pub use error::RuntimeError;
 
-use crate::compile::Plan;
+use crate::compile::{self, Plan};
 use crate::model::ModelConfig;
 use backend::cpu::adamw::AdamW;
 use backend::cpu::gpt::Tensors;
@@ -127,7 +127,12 @@ pub struct Trainer {
     cfg: ModelConfig,
     plan: Plan,
     opts: TrainOptions,
+    /// The devices this process runs (all of them, or a rank's block).
     devices: Vec<Device>,
+    /// Their indices in `plan.devices`.
+    local: Vec<usize>,
+    #[cfg(feature = "mpi")]
+    fabric: Option<std::sync::Arc<comm::mpi::MpiFabric>>,
     step: u32,
     epoch: Instant,
 }
@@ -136,6 +141,37 @@ impl Trainer {
     /// Set up every device of the plan: parameters (initialised from `seed`),
     /// gradients and optimizer state for the segments it runs.
     pub fn new(cfg: &ModelConfig, plan: Plan, opts: TrainOptions) -> Result<Self, RuntimeError> {
+        let all: Vec<usize> = (0..plan.devices.len()).collect();
+        Self::with_devices(cfg, plan, opts, all)
+    }
+
+    /// One rank of an MPI job: set up the rank's block of the plan's
+    /// devices; traffic to the others goes through `fabric`.
+    #[cfg(feature = "mpi")]
+    pub fn on_ranks(
+        cfg: &ModelConfig,
+        plan: Plan,
+        opts: TrainOptions,
+        fabric: std::sync::Arc<comm::mpi::MpiFabric>,
+    ) -> Result<Self, RuntimeError> {
+        let local: Vec<usize> = plan
+            .devices
+            .iter()
+            .enumerate()
+            .filter(|(_, d)| fabric.ranks.is_local(d.device))
+            .map(|(i, _)| i)
+            .collect();
+        let mut t = Self::with_devices(cfg, plan, opts, local)?;
+        t.fabric = Some(fabric);
+        Ok(t)
+    }
+
+    fn with_devices(
+        cfg: &ModelConfig,
+        plan: Plan,
+        opts: TrainOptions,
+        local: Vec<usize>,
+    ) -> Result<Self, RuntimeError> {
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
         if cfg.moe.is_some() {
@@ -144,19 +180,30 @@ impl Trainer {
             ));
         }
         let segments = cfg.segments();
-        let devices = plan
-            .devices
+        let devices = local
             .iter()
-            .map(|d| Device::new(cfg, &segments, d, &opts))
+            .map(|&i| Device::new(cfg, &segments, &plan.devices[i], &opts))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Trainer {
             cfg: cfg.clone(),
             plan,
             opts,
             devices,
+            local,
+            #[cfg(feature = "mpi")]
+            fabric: None,
             step: 0,
             epoch: Instant::now(),
         })
+    }
+
+    #[cfg(feature = "mpi")]
+    fn fabric(&self) -> Option<&std::sync::Arc<comm::mpi::MpiFabric>> {
+        self.fabric.as_ref()
+    }
+    #[cfg(not(feature = "mpi"))]
+    fn fabric(&self) -> Option<&()> {
+        None
     }
 
     pub fn plan(&self) -> &Plan {
@@ -175,7 +222,11 @@ impl Trainer {
             .opts
             .comm_timeout
             .unwrap_or_else(|| derived_comm_timeout(&self.plan));
-        let comm = comm::LocalComm::new(timeout);
+        let comm: Box<dyn Comm> = match self.fabric() {
+            #[cfg(feature = "mpi")]
+            Some(f) => Box::new(f.step(self.step)),
+            _ => Box::new(comm::LocalComm::new(timeout)),
+        };
         let ctx = step::StepCtx {
             cfg: &self.cfg,
             segments: self.cfg.segments(),
@@ -183,26 +234,43 @@ impl Trainer {
             loss_scale: scale,
             step: self.step,
             opts: &self.opts,
-            comm: &comm,
+            comm: comm.as_ref(),
             devices: &self.devices,
             epoch: self.epoch,
             failures: std::sync::Mutex::new(Vec::new()),
         };
-        step::run_step(&self.devices, &self.plan, &ctx)?;
-        let mut loss = 0.0;
-        let mut grad_norm = 0.0;
-        for d in &self.devices {
+        let plans: Vec<&compile::plan::DevicePlan> =
+            self.local.iter().map(|&i| &self.plan.devices[i]).collect();
+        let ran = step::run_step(&self.devices, &plans, &ctx);
+        drop(ctx);
+        drop(comm);
+        ran?;
+        // Per plan device (zeros for another rank's, filled in by the
+        // reduction), then summed in device order: the same additions
+        // whichever process ran which device.
+        let n = self.plan.devices.len();
+        let (mut losses, mut grad_norm) = (vec![0.0f64; n], 0.0f64);
+        let (mut peak_bytes, mut state_bytes) = (vec![0u64; n], vec![0u64; n]);
+        for (d, &i) in self.devices.iter().zip(&self.local) {
             let s = d.stats();
-            loss += s.0;
+            losses[i] = s.0;
             grad_norm = f64::max(grad_norm, s.1);
+            peak_bytes[i] = d.peak_bytes();
+            state_bytes[i] = d.state_bytes();
         }
+        #[cfg(feature = "mpi")]
+        if let Some(f) = self.fabric() {
+            f.finish(self.step);
+            grad_norm = f.reduce_stats(&mut losses, grad_norm, &mut peak_bytes, &mut state_bytes);
+        }
+        let loss: f64 = losses.iter().fold(0.0, |a, x| a + x);
         Ok(StepStats {
             step: self.step,
             loss: loss * scale as f64,
             grad_norm,
             elapsed: t.elapsed(),
-            peak_bytes: self.devices.iter().map(|d| d.peak_bytes()).collect(),
-            state_bytes: self.devices.iter().map(|d| d.state_bytes()).collect(),
+            peak_bytes,
+            state_bytes,
         })
     }
 
@@ -283,7 +351,8 @@ impl Trainer {
     /// Chrome-trace JSON (Perfetto) of what each device's streams did.
     pub fn trace_json(&self) -> serde_json::Value {
         let mut events = Vec::new();
-        for (dp, d) in self.plan.devices.iter().zip(&self.devices) {
+        for (&i, d) in self.local.iter().zip(&self.devices) {
+            let dp = &self.plan.devices[i];
             events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": dp.device, "args": {"name": format!("device {}", dp.device)}}));
             for (si, s) in dp.streams.iter().enumerate() {
                 events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": dp.device, "tid": si, "args": {"name": s.stream}}));

@@ -9,7 +9,7 @@ use super::device::Device;
 use super::error::{label, RuntimeError};
 use super::ops::exec_op;
 use super::TrainOptions;
-use crate::compile::plan::{DevicePlan, OpKind, Plan};
+use crate::compile::plan::{DevicePlan, OpKind};
 use crate::model::{ModelConfig, Segment};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -43,13 +43,18 @@ pub(crate) struct StepCtx<'a> {
     pub failures: Mutex<Vec<RuntimeError>>,
 }
 
-/// Run every stream of every device; the first real error wins.
-pub(crate) fn run_step(devices: &[Device], plan: &Plan, ctx: &StepCtx) -> Result<(), RuntimeError> {
-    for (d, dp) in devices.iter().zip(&plan.devices) {
+/// Run every stream of every device of this process (`plans[i]` is
+/// `devices[i]`'s); the first real error wins.
+pub(crate) fn run_step(
+    devices: &[Device],
+    plans: &[&DevicePlan],
+    ctx: &StepCtx,
+) -> Result<(), RuntimeError> {
+    for (d, dp) in devices.iter().zip(plans) {
         d.reset(dp);
     }
     std::thread::scope(|s| {
-        for (dev, dp) in devices.iter().zip(&plan.devices) {
+        for (dev, &dp) in devices.iter().zip(plans) {
             for si in 0..dp.streams.len() {
                 s.spawn(move || {
                     // A panic in a kernel (or anywhere in the op) is caught

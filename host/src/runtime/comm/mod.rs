@@ -16,6 +16,8 @@
 //! the devices involved.
 
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 
 pub use local::LocalComm;
 
@@ -83,4 +85,10 @@ pub trait Comm: Send + Sync {
     fn aborted(&self) -> bool;
     /// The wait limit of every receive and collective.
     fn timeout(&self) -> Duration;
+    /// Does `device` run in this process? (A receiver releases a local
+    /// sender's in-flight bytes; a remote sender's leave its account when
+    /// the transport has them.)
+    fn is_local(&self, _device: u32) -> bool {
+        true
+    }
 }

@@ -17,15 +17,15 @@ pub(super) fn send(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeEr
     let Buf::Vec(v) = &*buf else {
         unreachable!("only tensors cross devices")
     };
-    // The message stays on this device's account until its receiver holds it.
-    dev.reserve(op, v.len() as u64 * 4)?.keep();
+    // The message stays on this device's account until its receiver holds
+    // it (in this process), or until the transport has it (another rank).
+    let peer = op.peer.unwrap_or(dev.id);
+    let in_flight = dev.reserve(op, v.len() as u64 * 4)?;
+    if ctx.comm.is_local(peer) {
+        in_flight.keep();
+    }
     ctx.comm
-        .send(
-            op.pair.unwrap_or(op.node),
-            dev.id,
-            op.peer.unwrap_or(dev.id),
-            v.clone(),
-        )
+        .send(op.pair.unwrap_or(op.node), dev.id, peer, v.clone())
         .map_err(|e| comm_error(dev, op, e))
 }
 

@@ -1,0 +1,321 @@
+//! Real `mpirun` jobs of the `piper` binary (feature `mpi`; Open MPI on
+//! loopback): the same losses as one process, agreement before the first
+//! step, and a killed rank ending the job.
+#![cfg(feature = "mpi")]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn home(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("piper-mpi-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn mpirun(ranks: u32) -> Command {
+    let mut c = Command::new("mpirun");
+    c.args(["--oversubscribe", "-n", &ranks.to_string()]);
+    // CI runs as root; Open MPI refuses that without the flag.
+    if is_root() {
+        c.arg("--allow-run-as-root");
+    }
+    c
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("run the command");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// (loss, grad norm) per step of a metrics file.
+fn losses(path: &Path) -> Vec<(f64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .map(|v| {
+            (
+                v["loss"].as_f64().unwrap(),
+                v["grad_norm"].as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Train `args` for 10 steps in one process and on `ranks` MPI ranks; the
+/// losses and norms agree to 1e-5 relative (in fact bit for bit: the
+/// reductions add in device order either way).
+fn same_as_one_process(tag: &str, ranks: u32, args: &[&str]) {
+    same_runs(tag, ranks, args, &[]);
+}
+
+/// [`same_as_one_process`], with flags only the one-process run gets.
+fn same_runs(tag: &str, ranks: u32, args: &[&str], one_only: &[&str]) {
+    let h = home(tag);
+    let bin = env!("CARGO_BIN_EXE_piper");
+    let common: Vec<&str> = ["train", "--steps", "10"]
+        .iter()
+        .chain(args)
+        .copied()
+        .collect();
+    let one = h.join("one.jsonl");
+    run(Command::new(bin)
+        .args(&common)
+        .args(one_only)
+        .args(["--metrics", one.to_str().unwrap()])
+        .env("PIPER_HOME", &h));
+    let many = h.join("many.jsonl");
+    let out = run(mpirun(ranks)
+        .args(["-x", &format!("PIPER_HOME={}", h.display())])
+        .arg(bin)
+        .args(&common)
+        .args(["--metrics", many.to_str().unwrap()]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // One job, one summary: rank 0 prints it.
+    assert_eq!(stdout.matches("done: 10 steps").count(), 1, "{stdout}");
+    let (a, b) = (losses(&one), losses(&many));
+    assert_eq!(a.len(), 10, "{tag}");
+    assert_eq!(
+        b.len(),
+        10,
+        "{tag}: one metrics line per step, from rank 0 only"
+    );
+    for (step, (x, y)) in a.iter().zip(&b).enumerate() {
+        let rel = |p: f64, q: f64| (p - q).abs() / p.abs().max(1e-12);
+        assert!(
+            rel(x.0, y.0) <= 1e-5 && rel(x.1, y.1) <= 1e-5,
+            "{tag}, step {}: one process {x:?}, {ranks} ranks {y:?}",
+            step + 1
+        );
+    }
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+#[test]
+fn dp_on_2_ranks_trains_like_one_process() {
+    // Under mpirun, `--devices` defaults to the world size.
+    same_runs("dp", 2, &["--strategy", "dp"], &["--devices", "2"]);
+    same_as_one_process("dp4", 4, &["--devices", "4", "--strategy", "dp"]);
+}
+
+#[test]
+fn one_f_one_b_on_2_and_4_ranks() {
+    same_as_one_process(
+        "1f1b",
+        2,
+        &["--devices", "4", "--strategy", "1f1b:microbatches=4"],
+    );
+    same_as_one_process(
+        "1f1b-4",
+        4,
+        &["--devices", "4", "--strategy", "1f1b:microbatches=4"],
+    );
+}
+
+#[test]
+fn zero3_inside_1f1b_on_2_and_4_ranks() {
+    same_as_one_process(
+        "zero3-2",
+        2,
+        &[
+            "--devices",
+            "4",
+            "--strategy",
+            "zero:stage=3,dp=2",
+            "--strategy",
+            "1f1b:microbatches=2",
+        ],
+    );
+    same_as_one_process(
+        "zero3",
+        4,
+        &[
+            "--devices",
+            "4",
+            "--strategy",
+            "zero:stage=3,dp=2",
+            "--strategy",
+            "1f1b:microbatches=2",
+        ],
+    );
+}
+
+#[test]
+fn dualpipev_on_2_and_4_ranks() {
+    same_as_one_process(
+        "dualpipev",
+        2,
+        &["--devices", "2", "--strategy", "dualpipev:microbatches=4"],
+    );
+    same_as_one_process(
+        "dualpipev-4",
+        4,
+        &["--devices", "4", "--strategy", "dualpipev:microbatches=8"],
+    );
+}
+
+#[test]
+fn devices_split_unevenly_across_ranks() {
+    // 3 pipeline stages on 2 ranks: rank 0 runs devices 0 and 1, rank 1 device 2.
+    same_as_one_process(
+        "uneven",
+        2,
+        &["--devices", "3", "--strategy", "1f1b:microbatches=4"],
+    );
+}
+
+#[test]
+fn ranks_with_different_plans_stop_before_the_first_step_naming_both_hashes() {
+    let h = home("mismatch");
+    let bin = env!("CARGO_BIN_EXE_piper");
+    let plan_hash = |mb: &str| {
+        let out = run(Command::new(bin)
+            .args(["plan", "--devices", "2", "--json", "--strategy"])
+            .arg(format!("1f1b:microbatches={mb}"))
+            .env("PIPER_HOME", &h));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["hash"].as_str().unwrap().to_string()
+    };
+    let (h4, h2) = (plan_hash("4"), plan_hash("2"));
+    assert_ne!(h4, h2);
+    // MPMD: rank 0 and rank 1 get different strategy options.
+    let mut cmd = mpirun(1);
+    let env = format!("PIPER_HOME={}", h.display());
+    cmd.args(["-x", &env, bin, "train", "--devices", "2", "--steps", "3"])
+        .args([
+            "--strategy",
+            "1f1b:microbatches=4",
+            ":",
+            "-n",
+            "1",
+            "-x",
+            &env,
+            bin,
+        ])
+        .args(["train", "--devices", "2", "--steps", "3"])
+        .args(["--strategy", "1f1b:microbatches=2"]);
+    let start = Instant::now();
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains(&format!(
+            "rank 1 compiled plan {h2} but rank 0 compiled plan {h4}"
+        )),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("done:"));
+    assert!(start.elapsed() < Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+/// The pid of the process of `rank` among mpirun's children.
+fn rank_pid(mpirun: u32, rank: u32) -> Option<u32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Field 4 (after the parenthesised name) is the parent pid.
+        let ppid = stat
+            .rsplit(')')
+            .next()
+            .and_then(|s| s.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<u32>().ok());
+        if ppid != Some(mpirun) {
+            continue;
+        }
+        let env = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+        if env.split(|b| *b == 0).any(|kv| kv == want.as_bytes()) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_rank_killed_mid_run_ends_the_job_on_every_rank_naming_it() {
+    let h = home("kill");
+    let bin = env!("CARGO_BIN_EXE_piper");
+    let mut child = mpirun(2)
+        .args(["-x", &format!("PIPER_HOME={}", h.display())])
+        .arg(bin)
+        .args([
+            "train",
+            "--devices",
+            "2",
+            "--strategy",
+            "1f1b:microbatches=4",
+        ])
+        .args(["--steps", "100000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until rank 1 runs, let it train a moment, then kill it.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let pid = loop {
+        if let Some(p) = rank_pid(child.id(), 1) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "rank 1 never started");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let rank0 = rank_pid(child.id(), 0).expect("rank 0 runs");
+    std::thread::sleep(Duration::from_secs(3));
+    let killed = Instant::now();
+    Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .unwrap();
+    // The job ends on every rank within 30 s.
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            panic!("the job still ran 30 s after rank 1 was killed");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!status.success(), "{text}");
+    assert!(
+        text.contains("rank 1") && text.to_lowercase().contains("signal 9"),
+        "the message names the killed rank: {text}"
+    );
+    // Rank 0 does not outlive the job (give the kernel a moment to reap it).
+    let gone = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{rank0}/exe")).exists() && Instant::now() < gone {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        !Path::new(&format!("/proc/{rank0}/exe")).exists(),
+        "rank 0 still runs"
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}
