@@ -107,43 +107,31 @@ fn same_runs(tag: &str, ranks: u32, args: &[&str], one_only: &[&str]) {
 }
 
 #[test]
-fn dp_on_2_ranks_trains_like_one_process() {
+fn dp_on_2_and_4_ranks() {
     // Under mpirun, `--devices` defaults to the world size.
     same_runs("dp", 2, &["--strategy", "dp"], &["--devices", "2"]);
     same_as_one_process("dp4", 4, &["--devices", "4", "--strategy", "dp"]);
 }
 
+/// The same run on 2 and on 4 ranks.
+fn on_2_and_4_ranks(tag: &str, args: &[&str]) {
+    for ranks in [2, 4] {
+        same_as_one_process(&format!("{tag}-{ranks}"), ranks, args);
+    }
+}
+
 #[test]
 fn one_f_one_b_on_2_and_4_ranks() {
-    same_as_one_process(
+    on_2_and_4_ranks(
         "1f1b",
-        2,
-        &["--devices", "4", "--strategy", "1f1b:microbatches=4"],
-    );
-    same_as_one_process(
-        "1f1b-4",
-        4,
         &["--devices", "4", "--strategy", "1f1b:microbatches=4"],
     );
 }
 
 #[test]
 fn zero3_inside_1f1b_on_2_and_4_ranks() {
-    same_as_one_process(
-        "zero3-2",
-        2,
-        &[
-            "--devices",
-            "4",
-            "--strategy",
-            "zero:stage=3,dp=2",
-            "--strategy",
-            "1f1b:microbatches=2",
-        ],
-    );
-    same_as_one_process(
+    on_2_and_4_ranks(
         "zero3",
-        4,
         &[
             "--devices",
             "4",
@@ -157,14 +145,9 @@ fn zero3_inside_1f1b_on_2_and_4_ranks() {
 
 #[test]
 fn dualpipev_on_2_and_4_ranks() {
-    same_as_one_process(
+    // DualPipeV needs microbatches ≥ 2 × devices.
+    on_2_and_4_ranks(
         "dualpipev",
-        2,
-        &["--devices", "2", "--strategy", "dualpipev:microbatches=4"],
-    );
-    same_as_one_process(
-        "dualpipev-4",
-        4,
         &["--devices", "4", "--strategy", "dualpipev:microbatches=8"],
     );
 }
