@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo test --workspace
 if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
-  cargo test -p piper --features mpi --test mpi
+  cargo test -p piper --features mpi --lib --test mpi
 else
   echo "NOT RUN: the MPI tests need Open MPI (apt install openmpi-bin libopenmpi-dev libclang-dev); .ci/run installs it"
 fi

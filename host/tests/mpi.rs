@@ -162,6 +162,73 @@ fn devices_split_unevenly_across_ranks() {
     );
 }
 
+/// Checkpoint on 4 ranks, resume on 2: the losses of an uninterrupted
+/// one-process run, bit for bit; the checkpoint, the step-1 dump and the
+/// trace are written once, by rank 0, and hold every device's part.
+#[test]
+fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
+    let h = home("ckpt");
+    let bin = env!("CARGO_BIN_EXE_piper");
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    let plan = [
+        "--devices",
+        "4",
+        "--strategy",
+        "zero:stage=3,dp=2",
+        "--strategy",
+        "1f1b:microbatches=2",
+    ];
+    let env = format!("PIPER_HOME={}", h.display());
+    run(Command::new(bin)
+        .args(["train", "--steps", "6"])
+        .args(plan)
+        .args(["--metrics", &p("full.jsonl"), "--dump-step1", &p("one.st")])
+        .env("PIPER_HOME", &h));
+    run(mpirun(4)
+        .args(["-x", &env, bin, "train", "--steps", "3"])
+        .args(plan)
+        .args([
+            "--checkpoint",
+            &p("ck"),
+            "--dump-step1",
+            &p("four.st"),
+            "--trace",
+            &p("trace.json"),
+        ]));
+    run(mpirun(2)
+        .args(["-x", &env, bin, "train", "--steps", "6"])
+        .args(plan)
+        .args(["--resume", &p("ck"), "--metrics", &p("resumed.jsonl")]));
+    let full = losses(&h.join("full.jsonl"));
+    let resumed = losses(&h.join("resumed.jsonl"));
+    assert_eq!(resumed, full[3..].to_vec(), "bit for bit");
+    // The step-1 dump of 4 ranks is the one-process dump, byte for byte.
+    assert_eq!(
+        std::fs::read(h.join("four.st")).unwrap(),
+        std::fs::read(h.join("one.st")).unwrap()
+    );
+    // One trace with every device, each named with its rank.
+    let trace: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(h.join("trace.json")).unwrap()).unwrap();
+    let names: Vec<String> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["name"] == "process_name")
+        .map(|e| e["args"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "device 0 (rank 0)",
+            "device 1 (rank 1)",
+            "device 2 (rank 2)",
+            "device 3 (rank 3)"
+        ]
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}
+
 #[test]
 fn ranks_with_different_plans_stop_before_the_first_step_naming_both_hashes() {
     let h = home("mismatch");
@@ -204,6 +271,45 @@ fn ranks_with_different_plans_stop_before_the_first_step_naming_both_hashes() {
     );
     assert!(!String::from_utf8_lossy(&out.stdout).contains("done:"));
     assert!(start.elapsed() < Duration::from_secs(60));
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+/// A rank whose run fails (here: its memory cap is too small for its
+/// devices' states) prints the error with its rank and ends the job on
+/// every rank; nobody waits for it.
+#[test]
+fn a_rank_that_fails_ends_the_job_with_its_error_and_rank() {
+    let h = home("fail");
+    let bin = env!("CARGO_BIN_EXE_piper");
+    let env = format!("PIPER_HOME={}", h.display());
+    let common = [
+        "train",
+        "--devices",
+        "2",
+        "--strategy",
+        "1f1b:microbatches=4",
+    ];
+    let start = Instant::now();
+    let out = mpirun(1)
+        .args(["-x", &env, bin])
+        .args(common)
+        .args([":", "-n", "1", "-x", &env, bin])
+        .args(common)
+        .args(["--device-memory", "64KiB"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("error: rank 1: device 1: setup: out of memory"),
+        "{err}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(30),
+        "{:?}",
+        start.elapsed()
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("done:"));
     let _ = std::fs::remove_dir_all(&h);
 }
 

@@ -118,7 +118,11 @@ pub fn finish(rank: u32, result: Result<()>) -> Result<()> {
     match result {
         Ok(()) => Ok(()),
         Err(e) => {
-            eprintln!("error: rank {rank}: {e:#}");
+            // One write: mpirun forwards each rank's stderr as it comes, so
+            // a line written in pieces could interleave with another rank's.
+            use std::io::Write;
+            let line = format!("error: rank {rank}: {e:#}\n");
+            let _ = std::io::stderr().write_all(line.as_bytes());
             SimpleCommunicator::world().abort(1)
         }
     }

@@ -154,11 +154,14 @@ pub fn train(a: TrainArgs) -> Result<()> {
             leader: rank == 0,
             ranks: Some(mpi),
         };
-        return super::job::finish(rank, train_in(a, job));
+        // MPI_Abort on failure must come before the job (and MPI) is
+        // finalised: finalising waits for the other ranks.
+        let result = train_in(a, &job);
+        return super::job::finish(rank, result);
     }
     train_in(
         a,
-        Job {
+        &Job {
             leader: true,
             #[cfg(feature = "mpi")]
             ranks: None,
@@ -166,7 +169,7 @@ pub fn train(a: TrainArgs) -> Result<()> {
     )
 }
 
-fn train_in(a: TrainArgs, job: Job) -> Result<()> {
+fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     #[cfg(feature = "mpi")]
     let default_devices = job.ranks.as_ref().map_or(4, |m| m.size());
     #[cfg(not(feature = "mpi"))]
@@ -208,13 +211,6 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
     let mut trainer = match &job.ranks {
         Some(mpi) => {
             mpi.agree(&plan.hash, &corpus.fingerprint())?;
-            if [&a.checkpoint, &a.resume, &a.trace, &a.dump_step1]
-                .iter()
-                .any(|x| x.is_some())
-                && mpi.size() > 1
-            {
-                bail!("--checkpoint, --resume, --trace and --dump-step1 are not yet supported on several MPI ranks");
-            }
             let timeout = opts
                 .comm_timeout
                 .unwrap_or_else(|| crate::runtime::derived_comm_timeout(&plan));
@@ -228,7 +224,9 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
     if let Some(dir) = &a.resume {
         let ck = Checkpoint::load(dir)?;
         trainer.restore(&ck)?;
-        eprintln!("resumed from {} at step {}", dir.display(), ck.state.step);
+        if job.leader {
+            eprintln!("resumed from {} at step {}", dir.display(), ck.state.step);
+        }
     }
     let first_step = trainer.step_count() + 1;
     if first_step > a.steps {
@@ -239,13 +237,17 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
         );
         return Ok(());
     }
-    let initial = a.dump_step1.as_ref().map(|_| trainer.params());
+    // Collective in an MPI job: every rank takes part, the first gets them.
+    let initial = match &a.dump_step1 {
+        Some(_) => trainer.gather_params()?,
+        None => None,
+    };
     if job.leader {
         eprintln!(
             "training {} ({} parameters) on {devices} CPU device(s){}, plan {hash}, data: {}",
             cfg.name,
             cfg.param_count(),
-            job_ranks(&job),
+            job_ranks(job),
             corpus.name
         );
         for line in &p.applied {
@@ -283,8 +285,11 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
         let s = trainer
             .step(&batch)
             .with_context(|| format!("step {step}"))?;
-        if let (Some(path), Some(init), 1) = (&a.dump_step1, &initial, step) {
-            dump_step1(path, &cfg, init, &batch, s.loss, &trainer.last_grads())?;
+        if let (Some(path), 1) = (&a.dump_step1, step) {
+            // Every rank gathers; the first (holding `initial`) writes.
+            if let (Some(init), Some(grads)) = (&initial, trainer.gather_grads()?) {
+                dump_step1(path, &cfg, init, &batch, s.loss, &grads)?;
+            }
         }
         let tps = tokens_per_step / s.elapsed.as_secs_f64();
         first.get_or_insert(s.loss);
@@ -307,6 +312,15 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
         }
     }
     bar.finish_and_clear();
+    // Collective in an MPI job: every rank gathers, the first writes.
+    let checkpoint = match &a.checkpoint {
+        Some(_) => trainer.gather_checkpoint()?,
+        None => None,
+    };
+    let trace = match &a.trace {
+        Some(_) => trainer.gather_trace()?,
+        None => None,
+    };
     if !job.leader {
         return Ok(());
     }
@@ -319,16 +333,16 @@ fn train_in(a: TrainArgs, job: Job) -> Result<()> {
         last,
         tokens_per_step * ran as f64 / secs
     );
-    if let Some(dir) = &a.checkpoint {
-        trainer.checkpoint().save(dir)?;
+    if let (Some(dir), Some(ck)) = (&a.checkpoint, checkpoint) {
+        ck.save(dir)?;
         println!(
             "checkpoint: {} (step {})",
             dir.display(),
             trainer.step_count()
         );
     }
-    if let Some(path) = &a.trace {
-        std::fs::write(path, trainer.trace_json().to_string())
+    if let (Some(path), Some(trace)) = (&a.trace, trace) {
+        std::fs::write(path, trace.to_string())
             .with_context(|| format!("writing trace {}", path.display()))?;
         println!("trace: {}", path.display());
     }

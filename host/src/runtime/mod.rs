@@ -33,6 +33,8 @@ mod device;
 mod error;
 mod ops;
 mod step;
+#[cfg(feature = "mpi")]
+mod wire;
 mod zero;
 
 pub use comm::Comm;
@@ -45,6 +47,7 @@ use backend::cpu::adamw::AdamW;
 use backend::cpu::gpt::Tensors;
 use device::Device;
 use std::time::{Duration, Instant};
+use zero::ShardPart;
 
 /// How to train.
 #[derive(Clone, Debug)]
@@ -120,6 +123,24 @@ pub struct StepStats {
     /// Model states per device (parameters, gradients, optimizer moments,
     /// sharded or not) as the runtime allocated them.
     pub state_bytes: Vec<u64>,
+}
+
+/// One device's share of a kind of state: whole tensors and ZeRO shards.
+type Part = (Tensors, Vec<zero::Shard>);
+
+/// Full tensors from per-device parts in device order: each whole tensor
+/// from the first device holding it, then ZeRO shards put back together.
+fn merge(parts: Vec<Part>) -> Tensors {
+    let mut out = Tensors::new();
+    let mut shards = Vec::new();
+    for (whole, s) in parts {
+        for (k, v) in whole {
+            out.entry(k).or_insert(v);
+        }
+        shards.extend(s);
+    }
+    zero::assemble(shards, &mut out);
+    out
 }
 
 /// Trains a model by running a compiled plan.
@@ -275,61 +296,98 @@ impl Trainer {
     }
 
     /// Every parameter of the model, taken from the first device holding it
-    /// (ZeRO-3 shards are put back together from their group).
+    /// (ZeRO-3 shards are put back together from their group). Of this
+    /// process's devices: on one rank of an MPI job use [`Trainer::gather_params`].
     pub fn params(&self) -> Tensors {
-        let mut out = Tensors::new();
-        for d in &self.devices {
-            for (k, v) in d.params() {
-                out.entry(k).or_insert(v);
-            }
-        }
-        zero::assemble(self.shards(zero::ShardPart::Param), &mut out);
-        out
-    }
-
-    fn shards(&self, part: zero::ShardPart) -> Vec<zero::Shard> {
-        self.devices.iter().flat_map(|d| d.shards(part)).collect()
+        merge(self.parts(ShardPart::Param, Device::params))
     }
 
     /// The last step's full gradients (before clipping), when
     /// `capture_grads` is on; each taken from the first device holding it,
     /// ZeRO-2/3 gradients put back together from their reduced shards.
     pub fn last_grads(&self) -> Tensors {
-        let mut out = Tensors::new();
-        for d in &self.devices {
-            for (k, v) in d.captured() {
-                out.entry(k).or_insert(v);
-            }
-        }
-        zero::assemble(self.shards(zero::ShardPart::Grad), &mut out);
-        out
+        merge(self.parts(ShardPart::Grad, Device::captured))
     }
 
     /// Everything needed to resume: parameters, AdamW moments, step.
     pub fn checkpoint(&self) -> checkpoint::Checkpoint {
-        let (mut m, mut v) = (Tensors::new(), Tensors::new());
-        for d in &self.devices {
-            let (dm, dv) = d.moments();
-            for (k, x) in dm {
-                m.entry(k).or_insert(x);
-            }
-            for (k, x) in dv {
-                v.entry(k).or_insert(x);
-            }
-        }
-        // ZeRO: the moments live in bucket shards.
-        zero::assemble(self.shards(zero::ShardPart::M), &mut m);
-        zero::assemble(self.shards(zero::ShardPart::V), &mut v);
+        let m = merge(self.parts(ShardPart::M, |d| d.moments().0));
+        let v = merge(self.parts(ShardPart::V, |d| d.moments().1));
+        self.checkpoint_of(self.params(), m, v)
+    }
+
+    fn checkpoint_of(&self, params: Tensors, m: Tensors, v: Tensors) -> checkpoint::Checkpoint {
         checkpoint::Checkpoint {
             state: checkpoint::TrainState {
                 step: self.step,
                 seed: self.opts.seed,
                 model: self.cfg.clone(),
             },
-            params: self.params(),
+            params,
             m,
             v,
         }
+    }
+
+    /// What each of this process's devices holds of one kind of state, in
+    /// device order: whole tensors and ZeRO shards.
+    fn parts(&self, part: ShardPart, whole: impl Fn(&Device) -> Tensors) -> Vec<Part> {
+        self.devices
+            .iter()
+            .map(|d| (whole(d), d.shards(part)))
+            .collect()
+    }
+
+    /// [`Trainer::parts`] of every process, on the first rank (`None` on
+    /// the others); this process's alone when it is the whole job. Every
+    /// rank of a job calls it at the same point.
+    fn gather_parts(
+        &self,
+        part: ShardPart,
+        whole: impl Fn(&Device) -> Tensors,
+    ) -> Result<Option<Vec<Part>>, RuntimeError> {
+        let mine = self.parts(part, whole);
+        #[cfg(feature = "mpi")]
+        if let Some(f) = self.fabric() {
+            let Some(all) = f.gather_to_root(&wire::encode(&mine)) else {
+                return Ok(None);
+            };
+            let mut parts = Vec::new();
+            for (rank, bytes) in all.iter().enumerate() {
+                parts.extend(wire::decode(bytes).map_err(|e| {
+                    RuntimeError::Plan(format!("rank {rank} sent unreadable states: {e}"))
+                })?);
+            }
+            return Ok(Some(parts));
+        }
+        Ok(Some(mine))
+    }
+
+    /// [`Trainer::params`] over every rank of the job: `Some` on the first
+    /// rank, `None` on the others. Collective.
+    pub fn gather_params(&self) -> Result<Option<Tensors>, RuntimeError> {
+        Ok(self
+            .gather_parts(ShardPart::Param, Device::params)?
+            .map(merge))
+    }
+
+    /// [`Trainer::last_grads`] over every rank of the job. Collective.
+    pub fn gather_grads(&self) -> Result<Option<Tensors>, RuntimeError> {
+        Ok(self
+            .gather_parts(ShardPart::Grad, Device::captured)?
+            .map(merge))
+    }
+
+    /// [`Trainer::checkpoint`] over every rank of the job: written once, by
+    /// the first rank, whatever the number of ranks. Collective.
+    pub fn gather_checkpoint(&self) -> Result<Option<checkpoint::Checkpoint>, RuntimeError> {
+        let params = self.gather_params()?;
+        let m = self.gather_parts(ShardPart::M, |d| d.moments().0)?;
+        let v = self.gather_parts(ShardPart::V, |d| d.moments().1)?;
+        Ok(match (params, m, v) {
+            (Some(p), Some(m), Some(v)) => Some(self.checkpoint_of(p, merge(m), merge(v))),
+            _ => None,
+        })
     }
 
     /// Continue from a checkpoint (any strategy: every device takes the
@@ -348,12 +406,46 @@ impl Trainer {
         Ok(())
     }
 
-    /// Chrome-trace JSON (Perfetto) of what each device's streams did.
+    /// [`Trainer::trace_json`] over every rank of the job, one file's
+    /// worth on the first rank (`None` on the others). Collective.
+    pub fn gather_trace(&self) -> Result<Option<serde_json::Value>, RuntimeError> {
+        let mine = self.trace_json();
+        #[cfg(feature = "mpi")]
+        if let Some(f) = self.fabric() {
+            let Some(all) = f.gather_to_root(mine.to_string().as_bytes()) else {
+                return Ok(None);
+            };
+            let mut events = Vec::new();
+            for (rank, bytes) in all.iter().enumerate() {
+                let v: serde_json::Value = serde_json::from_slice(bytes).map_err(|e| {
+                    RuntimeError::Plan(format!("rank {rank} sent an unreadable trace: {e}"))
+                })?;
+                if let Some(e) = v["traceEvents"].as_array() {
+                    events.extend(e.iter().cloned());
+                }
+            }
+            return Ok(Some(
+                serde_json::json!({ "traceEvents": events, "displayTimeUnit": "ms" }),
+            ));
+        }
+        Ok(Some(mine))
+    }
+
+    /// Chrome-trace JSON (Perfetto) of what each of this process's devices'
+    /// streams did (a process per device, named with its rank in an MPI job).
     pub fn trace_json(&self) -> serde_json::Value {
+        #[cfg(feature = "mpi")]
+        let rank = self.fabric().map(|f| f.ranks.rank);
+        #[cfg(not(feature = "mpi"))]
+        let rank: Option<u32> = None;
         let mut events = Vec::new();
         for (&i, d) in self.local.iter().zip(&self.devices) {
             let dp = &self.plan.devices[i];
-            events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": dp.device, "args": {"name": format!("device {}", dp.device)}}));
+            let name = match rank {
+                Some(r) => format!("device {} (rank {r})", dp.device),
+                None => format!("device {}", dp.device),
+            };
+            events.push(serde_json::json!({"name": "process_name", "ph": "M", "pid": dp.device, "args": {"name": name}}));
             for (si, s) in dp.streams.iter().enumerate() {
                 events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": dp.device, "tid": si, "args": {"name": s.stream}}));
             }

@@ -163,6 +163,7 @@ pub(crate) enum ShardPart {
 }
 
 /// A device's slice of a ZeRO bucket's flat layout.
+#[derive(Debug)]
 pub(crate) struct Shard {
     /// Tensor names and lengths in the flat layout.
     pub names: Vec<(String, usize)>,

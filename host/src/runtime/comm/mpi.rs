@@ -217,6 +217,30 @@ impl MpiFabric {
         g
     }
 
+    /// Every rank's `bytes`, in rank order, on the first rank (`None` on
+    /// the others). Collective: every rank calls it at the same point.
+    pub fn gather_to_root(&self, bytes: &[u8]) -> Option<Vec<Vec<u8>>> {
+        let w = world();
+        let size = self.ranks.size as usize;
+        let mut lens = vec![0u64; size];
+        w.all_gather_into(&(bytes.len() as u64), &mut lens[..]);
+        let max = lens.iter().copied().max().unwrap_or(0) as usize;
+        let mut padded = bytes.to_vec();
+        padded.resize(max, 0);
+        let root = w.process_at_rank(0);
+        if self.ranks.rank != 0 {
+            root.gather_into(&padded[..]);
+            return None;
+        }
+        let mut all = vec![0u8; max * size];
+        root.gather_into_root(&padded[..], &mut all[..]);
+        Some(
+            (0..size)
+                .map(|r| all[r * max..r * max + lens[r] as usize].to_vec())
+                .collect(),
+        )
+    }
+
     /// Stop the dispatcher (every rank, at the end of the run).
     pub fn stop(&self) {
         let handle = self.dispatcher.lock().unwrap().take();
