@@ -128,19 +128,19 @@ fn one_f_one_b_on_2_and_4_ranks() {
     );
 }
 
+/// ZeRO-3 over 2 replicas of a 2-stage 1F1B pipeline on 4 devices.
+const ZERO3_1F1B: [&str; 6] = [
+    "--devices",
+    "4",
+    "--strategy",
+    "zero:stage=3,dp=2",
+    "--strategy",
+    "1f1b:microbatches=2",
+];
+
 #[test]
 fn zero3_inside_1f1b_on_2_and_4_ranks() {
-    on_2_and_4_ranks(
-        "zero3",
-        &[
-            "--devices",
-            "4",
-            "--strategy",
-            "zero:stage=3,dp=2",
-            "--strategy",
-            "1f1b:microbatches=2",
-        ],
-    );
+    on_2_and_4_ranks("zero3", &ZERO3_1F1B);
 }
 
 #[test]
@@ -170,14 +170,7 @@ fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
     let h = home("ckpt");
     let bin = env!("CARGO_BIN_EXE_piper");
     let p = |n: &str| h.join(n).to_str().unwrap().to_string();
-    let plan = [
-        "--devices",
-        "4",
-        "--strategy",
-        "zero:stage=3,dp=2",
-        "--strategy",
-        "1f1b:microbatches=2",
-    ];
+    let plan = ZERO3_1F1B;
     let env = format!("PIPER_HOME={}", h.display());
     run(Command::new(bin)
         .args(["train", "--steps", "6"])
