@@ -129,8 +129,18 @@ impl MpiFabric {
 
     fn dispatch(&self) {
         let w = world();
+        let mut idle = Duration::ZERO;
         loop {
-            let (msg, status) = w.any_process().receive_vec::<u8>();
+            // Probe, and sleep a little (backing off to 1 ms) while nothing
+            // came: a blocking receive would busy-poll a whole core, which
+            // the devices' compute threads need.
+            let Some(probed) = w.any_process().immediate_matched_probe() else {
+                idle = (idle * 2).clamp(Duration::from_micros(20), Duration::from_millis(1));
+                std::thread::sleep(idle);
+                continue;
+            };
+            idle = Duration::ZERO;
+            let (msg, status) = probed.matched_receive_vec::<u8>();
             match status.tag() {
                 TAG_STOP => return,
                 TAG_ABORT => {
