@@ -3,7 +3,7 @@
 //! members' contributions in device order (a `BTreeMap` by device), so
 //! results are bit-identical from run to run.
 
-use super::{Comm, CommError};
+use super::{sum_in_device_order, Comm, CommError};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -123,28 +123,8 @@ impl Comm for LocalComm {
             let c = s.colls.entry(key.clone()).or_default();
             c.contrib.insert(me, data);
             if c.contrib.len() == group.len() && c.result.is_none() {
-                let sizes: Vec<(u32, usize)> =
-                    c.contrib.iter().map(|(d, v)| (*d, v.len())).collect();
-                c.result = Some(if sizes.iter().any(|(_, n)| *n != sizes[0].1) {
-                    Err(CommError::Mismatch {
-                        op: op.into(),
-                        node,
-                        group: group.to_vec(),
-                        sizes: sizes
-                            .iter()
-                            .map(|(d, n)| format!("device {d}: {n} floats"))
-                            .collect::<Vec<_>>()
-                            .join(", "),
-                    })
-                } else {
-                    let mut sum = vec![0.0f32; sizes[0].1];
-                    for v in c.contrib.values() {
-                        for (a, b) in sum.iter_mut().zip(v) {
-                            *a += b;
-                        }
-                    }
-                    Ok(Arc::new(sum))
-                });
+                let contrib = c.contrib.iter().map(|(d, v)| (*d, v.as_slice()));
+                c.result = Some(sum_in_device_order(op, node, group, contrib).map(Arc::new));
                 self.cv.notify_all();
             }
         }

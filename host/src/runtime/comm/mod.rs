@@ -61,6 +61,37 @@ pub enum CommError {
     Aborted,
 }
 
+/// The sum every implementation computes: members' contributions
+/// (`(device, values)`, ascending device order) added in that order from
+/// zero, or a `Mismatch` naming each member's size. One function, so every
+/// transport does the same additions and results are bit-identical.
+pub fn sum_in_device_order<'a>(
+    op: &str,
+    node: u32,
+    group: &[u32],
+    contrib: impl Iterator<Item = (u32, &'a [f32])> + Clone,
+) -> Result<Vec<f32>, CommError> {
+    let n = contrib.clone().next().map_or(0, |(_, v)| v.len());
+    if contrib.clone().any(|(_, v)| v.len() != n) {
+        return Err(CommError::Mismatch {
+            op: op.into(),
+            node,
+            group: group.to_vec(),
+            sizes: contrib
+                .map(|(d, v)| format!("device {d}: {} floats", v.len()))
+                .collect::<Vec<_>>()
+                .join(", "),
+        });
+    }
+    let mut sum = vec![0.0f32; n];
+    for (_, v) in contrib {
+        for (a, b) in sum.iter_mut().zip(v) {
+            *a += b;
+        }
+    }
+    Ok(sum)
+}
+
 /// How devices exchange tensors during a step (one instance per step).
 pub trait Comm: Send + Sync {
     /// Buffered send: never blocks. A second message to a mailbox whose

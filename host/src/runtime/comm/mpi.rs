@@ -13,7 +13,7 @@
 //! reaches every rank. MPI itself starts the ranks, says who is who, moves
 //! the bytes and tears the job down; this needs `MPI_THREAD_MULTIPLE`.
 
-use super::{Comm, CommError, LocalComm};
+use super::{sum_in_device_order, Comm, CommError, LocalComm};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use std::collections::BTreeMap;
@@ -313,27 +313,13 @@ impl Comm for MpiComm {
         for &m in group.iter().filter(|m| **m != me) {
             contrib.insert(m, self.recv(key, m, me, op)?);
         }
-        let n = contrib[&me].len();
-        if contrib.values().any(|v| v.len() != n) {
-            let err = CommError::Mismatch {
-                op: op.into(),
-                node,
-                group: group.to_vec(),
-                sizes: contrib
-                    .iter()
-                    .map(|(d, v)| format!("device {d}: {} floats", v.len()))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-            };
-            self.abort();
-            return Err(err);
-        }
-        let mut sum = vec![0.0f32; n];
-        for v in contrib.values() {
-            for (a, b) in sum.iter_mut().zip(v.iter()) {
-                *a += b;
-            }
-        }
+        let sum = sum_in_device_order(
+            op,
+            node,
+            group,
+            contrib.iter().map(|(d, v)| (*d, v.as_slice())),
+        )
+        .inspect_err(|_| self.abort())?;
         let sum = Arc::new(sum);
         for &m in group.iter().filter(|m| **m != me) {
             self.send(key, me, m, sum.clone())?;
