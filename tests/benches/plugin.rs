@@ -10,18 +10,7 @@ use piper_sdk::{OptionValue, Options, Strategy};
 use std::time::{Duration, Instant};
 
 fn model() -> ModelConfig {
-    ModelConfig {
-        name: "bench-128".into(),
-        layers: 128,
-        d_model: 256,
-        heads: 8,
-        seq_len: 128,
-        vocab: 1024,
-        batch_size: 2048,
-        layers_per_region: 1,
-        regions: None,
-        moe: None,
-    }
+    ModelConfig::bench_128()
 }
 
 fn ms(d: Duration) -> f64 {

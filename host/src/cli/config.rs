@@ -14,8 +14,8 @@
 //!
 //! [sandbox]                   # limits for every plugin call
 //! memory_mib = 512
-//! fuel = 20_000_000_000
-//! deadline_ms = 60_000
+//! fuel = 60_000_000_000
+//! deadline_ms = 20_000
 //! ```
 //! Flags: `--model` and `--devices` replace the file's; `--strategy` flags,
 //! when given, replace the file's whole strategy list. No strategy at all

@@ -1,4 +1,4 @@
-//! The `piper` command line (clap): `plan`, `plugin info`, `plugin list`.
+//! The `piper` command line (clap): `plan`, `train`, `plugin info|list|new|build|check`.
 //! The last stage of the flow for a user; errors here are `anyhow` chains
 //! of the typed errors of each stage.
 
@@ -11,6 +11,7 @@ pub use config::{RunConfig, StrategySpec};
 
 use crate::compile::compile;
 use crate::dag::{Cluster, TrainingDag};
+use crate::plugin::author::{self, Lang};
 use crate::plugin::{bundled, PluginHost};
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -87,6 +88,33 @@ enum PluginCommand {
     },
     /// The bundled strategies.
     List,
+    /// Write a working skeleton of a new strategy in a new folder NAME.
+    New {
+        /// Folder and plugin name: lowercase letters, digits and '-'.
+        name: String,
+        /// The language to write it in.
+        #[arg(long, value_enum)]
+        lang: Lang,
+        /// Where to create the folder (default: the current one).
+        #[arg(long, default_value = ".")]
+        dir: PathBuf,
+    },
+    /// Build the plugin in DIR (language detected from its files) into
+    /// DIR/build/NAME.wasm.
+    Build {
+        #[arg(default_value = ".")]
+        dir: PathBuf,
+        /// Write the component here instead.
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// What the host sees in a component: WIT version, imports, exports,
+    /// `info()`, and whether this host accepts it (never runs `apply`).
+    Check {
+        file: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Entry point of the binary.
@@ -123,6 +151,18 @@ fn run(cli: Cli) -> Result<()> {
             config,
         }) => plugin_info(&plugin, json, config),
         Command::Plugin(PluginCommand::List) => plugin_list(),
+        Command::Plugin(PluginCommand::New { name, lang, dir }) => {
+            let made = author::new_plugin(&name, lang, &dir)?;
+            println!("created {} ({} strategy)", made.display(), lang.title());
+            println!("next: piper plugin build {}", made.display());
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Build { dir, out }) => {
+            let built = author::build(&dir, out.as_deref())?;
+            println!("{}", built.component.display());
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Check { file, json }) => plugin_check(&file, json),
     }
 }
 
@@ -159,7 +199,7 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
         let plugin = host.load(&s.name)?;
         let report = host.apply(&plugin, &mut dag, &s.options)?;
         applied.push(format!(
-            "{}@{} ({}): {} host calls, {:.1} ms",
+            "{}@{} ({}): {} host calls, {:.2e} fuel, {:.1} ms",
             plugin.info.name,
             plugin.info.version,
             s.options
@@ -168,6 +208,7 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
                 .collect::<Vec<_>>()
                 .join(","),
             report.host_calls,
+            report.fuel_used as f64,
             report.elapsed.as_secs_f64() * 1e3
         ));
     }
@@ -233,14 +274,7 @@ fn plugin_info(spec: &str, json: bool, config: Option<PathBuf>) -> Result<()> {
         println!("  options: none");
     } else {
         println!("  options:");
-        for o in &p.info.options {
-            let d = o
-                .default
-                .as_deref()
-                .map(|d| format!(" = {d}"))
-                .unwrap_or_default();
-            println!("    {:<14} {:<5}{d:<12}  {}", o.name, o.ty, o.help);
-        }
+        print_options(&p.info.options);
     }
     println!("  sandbox (the run config's [sandbox] table overrides):");
     for (k, v) in limits.describe() {
@@ -260,4 +294,69 @@ fn plugin_list() -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn plugin_check(file: &std::path::Path, json: bool) -> Result<()> {
+    let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+    let i = author::check(&host, file)?;
+    let accepted = i.verdict.is_ok();
+    if json {
+        let v = serde_json::json!({
+            "file": file.display().to_string(),
+            "sha256": i.sha256,
+            "bytes": i.bytes,
+            "wit": i.wit_version.as_ref().map(|v| format!("piper:strategy@{v}")),
+            "host_accepts": format!("piper:strategy@{}", crate::plugin::WIT_ACCEPTED),
+            "imports": i.imports,
+            "exports": i.exports,
+            "accepted": accepted,
+            "info": i.verdict.as_ref().ok().map(|p| &p.info),
+            "refused": i.verdict.as_ref().err().map(|e| e.to_string()),
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        println!("{}", file.display());
+        println!("  sha256:  {}", i.sha256);
+        println!("  size:    {} bytes", i.bytes);
+        println!(
+            "  wit:     {} (this host accepts piper:strategy@{})",
+            i.wit_version
+                .as_ref()
+                .map(|v| format!("piper:strategy@{v}"))
+                .unwrap_or_else(|| "no piper:strategy import".into()),
+            crate::plugin::WIT_ACCEPTED
+        );
+        println!("  imports:");
+        for n in &i.imports {
+            println!("    {n}");
+        }
+        println!("  exports: {}", i.exports.join(", "));
+        match &i.verdict {
+            Ok(p) => {
+                println!(
+                    "  info:    {} {} — {}",
+                    p.info.name, p.info.version, p.info.description
+                );
+                print_options(&p.info.options);
+                println!("  accepted: yes");
+            }
+            Err(e) => println!("  accepted: no: {e}"),
+        }
+    }
+    if !accepted {
+        bail!("this host refuses {}", file.display());
+    }
+    Ok(())
+}
+
+/// One line per option: name, type, default, help.
+fn print_options(options: &[crate::plugin::OptionInfo]) {
+    for o in options {
+        let d = o
+            .default
+            .as_deref()
+            .map(|d| format!(" = {d}"))
+            .unwrap_or_default();
+        println!("    {:<14} {:<5}{d:<12}  {}", o.name, o.ty, o.help);
+    }
 }

@@ -106,6 +106,24 @@ impl ModelConfig {
         }
     }
 
+    /// `bench-128`: 128 one-layer regions of a narrow GPT, the model the
+    /// benchmarks plan at PP=16 × 256 microbatches (planning only: never
+    /// trained).
+    pub fn bench_128() -> Self {
+        ModelConfig {
+            name: "bench-128".into(),
+            layers: 128,
+            d_model: 256,
+            heads: 8,
+            seq_len: 128,
+            vocab: 1024,
+            batch_size: 2048,
+            layers_per_region: 1,
+            regions: None,
+            moe: None,
+        }
+    }
+
     /// `gpt2-small`: the 124M GPT-2 configuration.
     pub fn gpt2_small() -> Self {
         ModelConfig {

@@ -52,8 +52,8 @@ impl Default for SandboxLimits {
     fn default() -> Self {
         SandboxLimits {
             memory_mib: 512,
-            fuel: 20_000_000_000,
-            deadline_ms: 60_000,
+            fuel: 60_000_000_000,
+            deadline_ms: 20_000,
             max_wasm_stack_kib: 1024,
             max_host_calls: 1_000_000,
             max_table_entries: 4096,

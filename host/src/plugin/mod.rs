@@ -24,6 +24,7 @@
 //! carries an HMAC under a per-installation key, so only files this host wrote
 //! are ever deserialized.
 
+pub mod author;
 mod cache;
 mod host_impl;
 mod limits;
@@ -31,6 +32,9 @@ mod no_sleep;
 
 pub use cache::CompileCache;
 pub use limits::{LimitsError, SandboxLimits};
+
+/// The `piper:strategy` versions this host accepts, as shown to users.
+pub const WIT_ACCEPTED: &str = WIT_ACCEPTS;
 
 use crate::dag::TrainingDag;
 use limits::{FixedClock, Limiter};
@@ -220,6 +224,29 @@ pub struct ApplyReport {
     pub host_work: u64,
 }
 
+/// Hex sha256 of a component's bytes: its identity in errors and the cache.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// What [`PluginHost::inspect`] found in a component.
+pub struct Inspection {
+    /// Hex sha256 of the bytes.
+    pub sha256: String,
+    pub bytes: usize,
+    /// Import names as the component declares them (`wasi:io/streams@0.2.6`, ...).
+    pub imports: Vec<String>,
+    /// Export names (`info`, `apply`).
+    pub exports: Vec<String>,
+    /// The `piper:strategy` version it imports, if it imports one.
+    pub wit_version: Option<String>,
+    /// The plugin with its `info()`, or why this host refuses it.
+    pub verdict: Result<Plugin, PluginError>,
+}
+
 /// Loads and runs strategy plugins.
 pub struct PluginHost {
     engine: Engine,
@@ -347,10 +374,7 @@ impl PluginHost {
 
     /// Compile (or fetch from the cache), check imports and read `info()`.
     pub fn load_bytes(&self, bytes: &[u8], origin: &str) -> Result<Plugin, PluginError> {
-        let sha256: String = Sha256::digest(bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let sha256 = sha256_hex(bytes);
         let who = format!("`{origin}` (sha256 {})", &sha256[..12]);
         let fail = |call: &str, cause: Cause| PluginError {
             plugin: who.clone(),
@@ -360,6 +384,22 @@ impl PluginHost {
         let component = self
             .compile(bytes, &sha256)
             .map_err(|e| fail("load", Cause::Load(e)))?;
+        self.load_compiled(component, sha256, origin)
+    }
+
+    /// Check the imports of a compiled component and read its `info()`.
+    fn load_compiled(
+        &self,
+        component: Component,
+        sha256: String,
+        origin: &str,
+    ) -> Result<Plugin, PluginError> {
+        let who = format!("`{origin}` (sha256 {})", &sha256[..12]);
+        let fail = |call: &str, cause: Cause| PluginError {
+            plugin: who.clone(),
+            call: call.into(),
+            cause,
+        };
         let wit_version = self
             .check_imports(&component)
             .map_err(|c| fail("load", c))?;
@@ -377,6 +417,42 @@ impl PluginHost {
         };
         plugin.info = self.call_info(&plugin).map_err(|c| fail("info", c))?;
         Ok(plugin)
+    }
+
+    /// What `piper plugin check` reports: the component's imports and
+    /// exports, the `piper:strategy` version it imports, and whether this
+    /// host accepts it (with `info()` if so). Never runs `apply`. An error
+    /// only when the bytes are not a component at all.
+    pub fn inspect(&self, bytes: &[u8], origin: &str) -> Result<Inspection, PluginError> {
+        let sha256 = sha256_hex(bytes);
+        let component = self.compile(bytes, &sha256).map_err(|e| PluginError {
+            plugin: format!("`{origin}` (sha256 {})", &sha256[..12]),
+            call: "load".into(),
+            cause: Cause::Load(e),
+        })?;
+        let ty = component.component_type();
+        let imports: Vec<String> = ty
+            .imports(&self.engine)
+            .map(|(n, _)| n.to_string())
+            .collect();
+        let exports: Vec<String> = ty
+            .exports(&self.engine)
+            .map(|(n, _)| n.to_string())
+            .collect();
+        let wit_version = imports.iter().find_map(|n| {
+            n.strip_prefix("piper:strategy/")
+                .and_then(|rest| rest.split_once('@'))
+                .map(|(_, v)| v.to_string())
+        });
+        let verdict = self.load_compiled(component, sha256.clone(), origin);
+        Ok(Inspection {
+            sha256,
+            bytes: bytes.len(),
+            imports,
+            exports,
+            wit_version,
+            verdict,
+        })
     }
 
     fn compile(&self, bytes: &[u8], sha256: &str) -> Result<Component, String> {

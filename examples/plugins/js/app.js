@@ -1,0 +1,33 @@
+// 1F1B pipeline schedule (PipeDream-Flush) in JavaScript: the same plan as
+// the bundled Rust `1f1b`. Stage s of p runs p - s - 1 warm-up forwards, then
+// alternates one forward and one backward, then drains the backwards.
+import { Pass, Pipeline, PluginInfo, exportStrategy, pipelineOptions } from './piper_strategy.js';
+
+/** The 1F1B order of stage s of p over m microbatches, as [pass, microbatch]. */
+function schedule(p, s, m) {
+  const warmup = Math.min(p - s - 1, m);
+  const steps = [];
+  for (let i = 0; i < warmup; i++) steps.push([Pass.F, i]);
+  for (let i = 0; i < m - warmup; i++) steps.push([Pass.F, warmup + i], [Pass.B, i]);
+  for (let i = m - warmup; i < m; i++) steps.push([Pass.B, i]);
+  return steps;
+}
+
+class OneFOneB {
+  info() {
+    return pipelineOptions(
+      new PluginInfo('1f1b-js', '0.1.0', '1F1B pipeline schedule (PipeDream-Flush), in JavaScript'),
+      'pipeline stages (default: devices / data-parallel degree)',
+      'microbatches per step (default: 2 x stages)');
+  }
+
+  apply(dag, options) {
+    const [pipe, mbs] = Pipeline.splitAndPlace(dag, options, '1f1b-js');
+    const p = pipe.stages();
+    for (let s = 0; s < p; s++) {
+      dag.order(schedule(p, s, mbs).map(([pass, m]) => pipe.step(s, m, pass)));
+    }
+  }
+}
+
+export const { info, apply } = exportStrategy(new OneFOneB());

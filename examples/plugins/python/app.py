@@ -1,0 +1,32 @@
+"""1F1B pipeline schedule (PipeDream-Flush) in Python: the same plan as the
+bundled Rust `1f1b`. Stage s of p runs p - s - 1 warm-up forwards, then
+alternates one forward and one backward, then drains the backwards."""
+
+from piper_strategy import Pass, Pipeline, PluginInfo, Strategy, export, pipeline_options
+
+
+def schedule(p, s, m):
+    """The 1F1B order of stage s of p over m microbatches, as (pass, microbatch)."""
+    warmup = min(p - s - 1, m)
+    steps = [(Pass.F, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        steps += [(Pass.F, warmup + i), (Pass.B, i)]
+    steps += [(Pass.B, i) for i in range(m - warmup, m)]
+    return steps
+
+
+class OneFOneB(Strategy):
+    def info(self):
+        return pipeline_options(
+            PluginInfo("1f1b-py", "0.1.0", "1F1B pipeline schedule (PipeDream-Flush), in Python"),
+            "pipeline stages (default: devices / data-parallel degree)",
+            "microbatches per step (default: 2 x stages)")
+
+    def apply(self, dag, options):
+        pipe, mbs = Pipeline.split_and_place(dag, options, "1f1b-py")
+        p = pipe.stages()
+        for s in range(p):
+            dag.order([pipe.step(s, m, pass_name) for pass_name, m in schedule(p, s, mbs)])
+
+
+WitWorld = export(OneFOneB)
