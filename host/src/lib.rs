@@ -3,11 +3,13 @@
 //! training DAG through directives; the host compiles the DAG into per-device
 //! plans and runs them.
 //!
-//! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`].
+//! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`]
+//! → [`runtime`]; [`registry`] brings plugins from OCI registries to [`plugin`].
 
 pub mod cli;
 pub mod compile;
 pub mod dag;
 pub mod model;
 pub mod plugin;
+pub mod registry;
 pub mod runtime;

@@ -5,12 +5,15 @@
 //! devices = 8
 //!
 //! [[strategy]]
-//! name = "dp"                 # bundled name or path to a .wasm component
+//! name = "dp"                 # bundled name, path to a .wasm component, or oci://HOST/REPO:TAG
 //! options = { degree = 2 }
 //!
 //! [[strategy]]
 //! name = "1f1b"
 //! options = { microbatches = 8 }
+//!
+//! [registry]                  # plugins by reference: `name = "oci://HOST/REPO:TAG"`
+//! trusted_keys = ["ed25519:…"] # every oci:// plugin must be signed by one of these
 //!
 //! [sandbox]                   # limits for every plugin call
 //! memory_mib = 512
@@ -60,6 +63,18 @@ struct FileConfig {
     strategy: Vec<FileStrategy>,
     #[serde(default)]
     sandbox: SandboxLimits,
+    #[serde(default)]
+    registry: RegistryConfig,
+}
+
+/// The run config's `[registry]` table.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// Public keys (`ed25519:<base64>`); when any is given, every `oci://`
+    /// plugin of the run needs a valid signature by one of them.
+    #[serde(default)]
+    pub trusted_keys: Vec<String>,
 }
 
 /// Everything a run needs, resolved.
@@ -69,13 +84,14 @@ pub struct RunConfig {
     pub devices: Option<u32>,
     pub strategies: Vec<StrategySpec>,
     pub sandbox: SandboxLimits,
+    pub registry: RegistryConfig,
 }
 
 /// The bundled pipeline strategy used when none is given.
 pub const DEFAULT_STRATEGY: &str = "1f1b";
 
 impl StrategySpec {
-    /// `NAME[:k=v,k=v]`, NAME a bundled name or a path.
+    /// `NAME[:k=v,k=v]`, NAME a bundled name, a path or an `oci://` reference.
     pub fn parse(s: &str) -> Result<Self> {
         let (name, opts) = match s.rsplit_once(':') {
             Some((n, o)) if o.contains('=') || o.is_empty() => (n, o),
@@ -150,6 +166,7 @@ impl RunConfig {
             devices: args.devices.or(file.devices),
             strategies,
             sandbox: file.sandbox,
+            registry: file.registry,
         })
     }
 

@@ -13,6 +13,7 @@ use crate::compile::compile;
 use crate::dag::{Cluster, TrainingDag};
 use crate::plugin::author::{self, Lang};
 use crate::plugin::{bundled, PluginHost};
+use crate::registry;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -38,9 +39,18 @@ enum Command {
     Plan(PlanArgs),
     /// Train: apply the strategies, compile, and run the plans on virtual CPU devices.
     Train(train::TrainArgs),
-    /// Inspect strategy plugins.
+    /// Inspect, write, build and share strategy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
+    /// Pin every `oci://` plugin of a run config to its digest in a lockfile
+    /// (default: `piper.lock` beside the config), pulling each into the store.
+    Lock {
+        config: PathBuf,
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
 }
 
 /// What a run is made of; flags override the `--config` file.
@@ -59,6 +69,32 @@ pub struct RunArgs {
     /// `1f1b:microbatches=8,stages=4`. Repeat to compose (`--strategy dp:degree=2 --strategy 1f1b`).
     #[arg(long = "strategy", value_name = "NAME[:k=v,...]")]
     pub strategies: Vec<String>,
+    #[command(flatten)]
+    pub registry: RegistryArgs,
+    /// The lockfile pinning `oci://` plugins (default: `piper.lock` beside
+    /// `--config`, when there is one).
+    #[arg(long)]
+    pub lock: Option<PathBuf>,
+}
+
+/// How registry plugins may be reached.
+#[derive(Args, Clone, Default)]
+pub struct RegistryArgs {
+    /// Use the local plugin store only: no registry is contacted.
+    #[arg(long)]
+    pub offline: bool,
+    /// Plain HTTP, for a registry on this machine (localhost, 127.0.0.1, ::1) only.
+    #[arg(long)]
+    pub insecure: bool,
+}
+
+impl RegistryArgs {
+    fn access(&self) -> registry::Access {
+        registry::Access {
+            insecure: self.insecure,
+            offline: self.offline,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -86,8 +122,41 @@ enum PluginCommand {
         #[arg(long)]
         config: Option<PathBuf>,
     },
-    /// The bundled strategies.
+    /// The bundled strategies and the plugins in the local store.
     List,
+    /// Publish a component to a registry: `piper plugin publish FILE oci://HOST/REPO:1.0.0`.
+    Publish {
+        file: PathBuf,
+        reference: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Pull a plugin into the local store (verified, and loaded once to read its info).
+    Pull {
+        reference: String,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// A registry plugin's manifest, digests, WIT version and `info()`.
+    Inspect {
+        reference: String,
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
+    /// Remove a plugin (by tag or digest) from the local store.
+    Remove { reference: String },
+    /// Make an ed25519 key pair: the private key to FILE, the public one to FILE.pub.
+    Keygen { file: PathBuf },
+    /// Sign a registry plugin with a private key from `piper plugin keygen`.
+    Sign {
+        reference: String,
+        #[arg(long)]
+        key: PathBuf,
+        #[command(flatten)]
+        registry: RegistryArgs,
+    },
     /// Write a working skeleton of a new strategy in a new folder NAME.
     New {
         /// Folder and plugin name: lowercase letters, digits and '-'.
@@ -163,6 +232,78 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Plugin(PluginCommand::Check { file, json }) => plugin_check(&file, json),
+        Command::Plugin(PluginCommand::Publish {
+            file,
+            reference,
+            registry: r,
+        }) => {
+            let bytes =
+                std::fs::read(&file).with_context(|| format!("reading {}", file.display()))?;
+            let reference = registry::Reference::parse(&reference)?;
+            let rec = registry::publish(&bytes, &reference, &store()?, &r.access(), &host()?)?;
+            println!(
+                "published {} ({} {}) as {}",
+                file.display(),
+                rec.name,
+                rec.version,
+                rec.reference
+            );
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Pull {
+            reference,
+            registry: r,
+        }) => {
+            let reference = registry::Reference::parse(&reference)?;
+            let rec = registry::pull(&reference, &store()?, &r.access(), &host()?)?;
+            println!(
+                "pulled {} ({} {}, component {})",
+                rec.reference, rec.name, rec.version, rec.component_digest
+            );
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Inspect {
+            reference,
+            json,
+            registry: r,
+        }) => plugin_inspect(&reference, json, &r),
+        Command::Plugin(PluginCommand::Remove { reference }) => {
+            let reference = registry::Reference::parse(&reference)?;
+            let gone = store()?.remove(&reference)?;
+            if gone.is_empty() {
+                bail!(
+                    "{reference} is not in the local store ({})",
+                    registry::Store::default_dir().display()
+                );
+            }
+            for g in gone {
+                println!("removed {g}");
+            }
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Keygen { file }) => {
+            let public = registry::sign::keygen(&file)?;
+            println!("private key: {} (keep it secret)", file.display());
+            println!("public key:  {public}");
+            println!("trust it in a run config: [registry] trusted_keys = [\"{public}\"]");
+            Ok(())
+        }
+        Command::Plugin(PluginCommand::Sign {
+            reference,
+            key,
+            registry: r,
+        }) => {
+            let reference = registry::Reference::parse(&reference)?;
+            let key = registry::sign::load_key(&key)?;
+            let sig = registry::sign::sign(&reference, &key, &r.access())?;
+            println!("signed {reference} ({}) with {}", sig.manifest, sig.key);
+            Ok(())
+        }
+        Command::Lock {
+            config,
+            out,
+            registry: r,
+        } => lock(&config, out, &r),
     }
 }
 
@@ -194,9 +335,29 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
         config.sandbox.clone(),
         Some(PluginHost::default_cache_dir()),
     )?;
+    let lock = match (&args.lock, &args.config) {
+        (Some(p), _) => Some(registry::Lockfile::read(p)?),
+        (None, Some(c)) if registry::Lockfile::beside(c).is_file() => {
+            Some(registry::Lockfile::read(&registry::Lockfile::beside(c))?)
+        }
+        _ => None,
+    };
+    let trust = registry::Trust::new(&config.registry.trusted_keys)?;
     let mut applied = Vec::new();
     for s in &config.strategies {
-        let plugin = host.load(&s.name)?;
+        let plugin = if registry::Reference::is_oci(&s.name) {
+            let r = registry::resolve_for_run(
+                &s.name,
+                &store()?,
+                &args.registry.access(),
+                lock.as_ref(),
+                &trust,
+                &host,
+            )?;
+            host.load_bytes(&r.bytes, &r.origin)?
+        } else {
+            host.load(&s.name)?
+        };
         let report = host.apply(&plugin, &mut dag, &s.options)?;
         applied.push(format!(
             "{}@{} ({}): {} host calls, {:.2e} fuel, {:.1} ms",
@@ -284,15 +445,122 @@ fn plugin_info(spec: &str, json: bool, config: Option<PathBuf>) -> Result<()> {
 }
 
 fn plugin_list() -> Result<()> {
-    let host = PluginHost::new(Default::default(), Some(PluginHost::default_cache_dir()))?;
+    let host = host()?;
     let width = bundled::names().iter().map(|n| n.len()).max().unwrap_or(0);
+    println!("bundled:");
     for name in bundled::names() {
         let p = host.load(name)?;
         println!(
-            "{:<width$}  {:<8} {}",
+            "  {:<width$}  {:<8} {}",
             p.info.name, p.info.version, p.info.description
         );
     }
+    let store = store()?;
+    let entries = store.list()?;
+    println!("in the local store ({}):", store.root().display());
+    if entries.is_empty() {
+        println!("  none (piper plugin pull oci://HOST/REPO:TAG)");
+    }
+    for (rec, tags) in entries {
+        println!("  {} {}  {}", rec.name, rec.version, rec.reference);
+        for t in tags {
+            println!("      tag {t}");
+        }
+    }
+    Ok(())
+}
+
+/// A plugin host with the default limits and compile cache.
+fn host() -> Result<PluginHost> {
+    Ok(PluginHost::new(
+        Default::default(),
+        Some(PluginHost::default_cache_dir()),
+    )?)
+}
+
+/// The local plugin store.
+fn store() -> Result<registry::Store> {
+    Ok(registry::Store::open(&registry::Store::default_dir())?)
+}
+
+fn plugin_inspect(reference: &str, json: bool, r: &RegistryArgs) -> Result<()> {
+    let reference = registry::Reference::parse(reference)?;
+    let remote = registry::remote::Remote::new(&reference, &r.access())?;
+    let manifest = remote.manifest(&reference)?;
+    let rec = registry::pull(
+        &reference.at_digest(&manifest.digest),
+        &store()?,
+        &r.access(),
+        &host()?,
+    )?;
+    let manifest_json: serde_json::Value = serde_json::from_slice(&manifest.raw)?;
+    if json {
+        let v = serde_json::json!({
+            "reference": reference.to_string(),
+            "digest": manifest.digest,
+            "component": rec.component_digest,
+            "size": manifest.layer_size,
+            "wit": rec.wit,
+            "info": { "name": rec.name, "version": rec.version, "description": rec.description, "options": rec.options },
+            "manifest": manifest_json,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    println!("{reference}");
+    println!("  digest:    {}", manifest.digest);
+    println!(
+        "  component: {} ({} bytes)",
+        rec.component_digest, manifest.layer_size
+    );
+    println!("  wit:       {}", rec.wit);
+    println!(
+        "  info:      {} {} — {}",
+        rec.name, rec.version, rec.description
+    );
+    println!("  options:   {}", rec.options.join(", "));
+    println!("  manifest:");
+    for line in serde_json::to_string_pretty(&manifest_json)?.lines() {
+        println!("    {line}");
+    }
+    Ok(())
+}
+
+fn lock(config: &std::path::Path, out: Option<PathBuf>, r: &RegistryArgs) -> Result<()> {
+    let cfg = RunConfig::resolve(&RunArgs {
+        config: Some(config.to_path_buf()),
+        ..Default::default()
+    })?;
+    let (store, host) = (store()?, host()?);
+    let mut entries = Vec::new();
+    for s in cfg
+        .strategies
+        .iter()
+        .filter(|s| registry::Reference::is_oci(&s.name))
+    {
+        let reference = registry::Reference::parse(&s.name)?;
+        let digest = match &reference.digest {
+            Some(d) => d.clone(),
+            None => registry::remote::Remote::new(&reference, &r.access())?.resolve(&reference)?,
+        };
+        let rec = registry::pull(&reference.at_digest(&digest), &store, &r.access(), &host)?;
+        if reference.tag.is_some() {
+            store.set_tag(&reference, &digest)?;
+        }
+        println!("{reference} -> {digest} ({} {})", rec.name, rec.version);
+        entries.push(registry::lock::Entry {
+            reference: reference.to_string(),
+            digest,
+            component: rec.component_digest,
+        });
+    }
+    let path = out.unwrap_or_else(|| registry::Lockfile::beside(config));
+    registry::Lockfile {
+        path: path.clone(),
+        entries,
+    }
+    .write()?;
+    println!("wrote {}", path.display());
     Ok(())
 }
 

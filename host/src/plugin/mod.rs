@@ -224,6 +224,16 @@ pub struct ApplyReport {
     pub host_work: u64,
 }
 
+/// `$PIPER_HOME`, defaulting to `$XDG_CACHE_HOME/piper` or `~/.cache/piper`:
+/// the compile cache (`compiled/`) and the plugin store (`store/`).
+pub fn piper_home() -> PathBuf {
+    std::env::var_os("PIPER_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("piper")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/piper")))
+        .unwrap_or_else(|| std::env::temp_dir().join("piper"))
+}
+
 /// Hex sha256 of a component's bytes: its identity in errors and the cache.
 pub fn sha256_hex(bytes: &[u8]) -> String {
     Sha256::digest(bytes)
@@ -324,12 +334,7 @@ impl PluginHost {
     /// The default cache directory: `$PIPER_HOME/compiled`, `$PIPER_HOME`
     /// defaulting to `$XDG_CACHE_HOME/piper` or `~/.cache/piper`.
     pub fn default_cache_dir() -> PathBuf {
-        let home = std::env::var_os("PIPER_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("piper")))
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/piper")))
-            .unwrap_or_else(|| std::env::temp_dir().join("piper"));
-        home.join("compiled")
+        piper_home().join("compiled")
     }
 
     pub fn limits(&self) -> &SandboxLimits {

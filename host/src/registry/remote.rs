@@ -1,0 +1,423 @@
+//! The OCI distribution client: `oci-client` on a current-thread tokio
+//! runtime, TLS by rustls (ring), plain HTTP only for loopback registries
+//! under `--insecure`. Writes and reads the CNCF Wasm layout and checks every
+//! byte it receives against its digest.
+
+use super::auth;
+use super::{
+    Access, Reference, RegistryError, CONFIG_MEDIA_TYPE, LAYER_MEDIA_TYPE, MANIFEST_MEDIA_TYPE,
+};
+use crate::plugin::Plugin;
+use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+use oci_client::errors::OciDistributionError;
+use oci_client::manifest::{OciDescriptor, OciImageManifest};
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, RegistryOperation};
+use std::collections::BTreeMap;
+
+/// Largest manifest or config accepted, bytes (a plugin's are a few KiB).
+const MAX_MANIFEST_BYTES: usize = 1 << 20;
+/// Largest component accepted, bytes (a Python plugin is about 19 MiB).
+pub const MAX_COMPONENT_BYTES: u64 = 256 << 20;
+
+pub struct Remote {
+    client: Client,
+    rt: tokio::runtime::Runtime,
+    auth: RegistryAuth,
+    registry: String,
+}
+
+/// A plugin manifest, checked to be the CNCF Wasm layout.
+pub struct Manifest {
+    /// Digest of the manifest bytes.
+    pub digest: String,
+    pub layer_digest: String,
+    pub layer_size: u64,
+    pub raw: Vec<u8>,
+}
+
+fn oci_ref(r: &Reference) -> oci_client::Reference {
+    match (&r.digest, &r.tag) {
+        (Some(d), _) => {
+            oci_client::Reference::with_digest(r.registry.clone(), r.repository.clone(), d.clone())
+        }
+        (None, Some(t)) => {
+            oci_client::Reference::with_tag(r.registry.clone(), r.repository.clone(), t.clone())
+        }
+        (None, None) => oci_client::Reference::with_tag(
+            r.registry.clone(),
+            r.repository.clone(),
+            "latest".into(),
+        ),
+    }
+}
+
+impl Remote {
+    pub fn new(r: &Reference, access: &Access) -> Result<Self, RegistryError> {
+        if access.offline {
+            return Err(RegistryError::NotInStore {
+                reference: r.to_string(),
+            });
+        }
+        if access.insecure && !r.is_loopback() {
+            return Err(RegistryError::InsecureRemote(r.registry.clone()));
+        }
+        // rustls needs one process-wide crypto provider; a second install is a no-op error.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let protocol = if access.insecure {
+            ClientProtocol::Http
+        } else {
+            ClientProtocol::Https
+        };
+        let client = Client::new(ClientConfig {
+            protocol,
+            ..Default::default()
+        });
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| {
+                RegistryError::Invalid(format!("cannot start the registry client: {e}"))
+            })?;
+        let (auth, _from) = auth::credentials(&r.registry)?;
+        Ok(Remote {
+            client,
+            rt,
+            auth,
+            registry: r.registry.clone(),
+        })
+    }
+
+    /// Turn a client error into one that says what to do.
+    fn error(&self, r: &Reference, e: OciDistributionError) -> RegistryError {
+        use OciDistributionError as E;
+        match e {
+            E::AuthenticationFailure(_) | E::UnauthorizedError { .. } => {
+                RegistryError::Unauthorized {
+                    registry: self.registry.clone(),
+                }
+            }
+            E::ServerError {
+                code: 401 | 403, ..
+            } => RegistryError::Unauthorized {
+                registry: self.registry.clone(),
+            },
+            E::ImageManifestNotFoundError(_) | E::ServerError { code: 404, .. } => {
+                RegistryError::NotFound {
+                    reference: r.to_string(),
+                }
+            }
+            E::RegistryError { ref envelope, .. }
+                if envelope.errors.iter().any(|x| {
+                    let c = format!("{:?}", x.code);
+                    c.contains("Unauthorized") || c.contains("Denied")
+                }) =>
+            {
+                RegistryError::Unauthorized {
+                    registry: self.registry.clone(),
+                }
+            }
+            E::RegistryError { ref envelope, .. }
+                if envelope
+                    .errors
+                    .iter()
+                    .any(|x| format!("{:?}", x.code).contains("Unknown")) =>
+            {
+                RegistryError::NotFound {
+                    reference: r.to_string(),
+                }
+            }
+            E::DigestError(oci_client::errors::DigestError::VerificationError {
+                expected,
+                actual,
+            }) => RegistryError::TamperedDownload {
+                reference: r.to_string(),
+                expected,
+                found: actual,
+            },
+            E::RequestError(ref re) if re.is_connect() || re.is_timeout() => {
+                RegistryError::Unreachable {
+                    registry: self.registry.clone(),
+                    cause: error_chain(re),
+                }
+            }
+            other => RegistryError::Registry {
+                reference: r.to_string(),
+                message: other.to_string(),
+            },
+        }
+    }
+
+    /// The manifest digest a tag points to now.
+    pub fn resolve(&self, r: &Reference) -> Result<String, RegistryError> {
+        let oref = oci_ref(r);
+        self.rt
+            .block_on(self.client.fetch_manifest_digest(&oref, &self.auth))
+            .map_err(|e| self.error(r, e))
+    }
+
+    /// The manifest at `r`, verified against its digest and checked to be a
+    /// plugin (the CNCF Wasm layout: one `application/wasm` layer).
+    pub fn manifest(&self, r: &Reference) -> Result<Manifest, RegistryError> {
+        let oref = oci_ref(r);
+        let (raw, digest) = self
+            .rt
+            .block_on(
+                self.client
+                    .pull_manifest_raw(&oref, &self.auth, &[MANIFEST_MEDIA_TYPE]),
+            )
+            .map_err(|e| self.error(r, e))?;
+        let not_plugin = |why: String| RegistryError::NotAPlugin {
+            reference: r.to_string(),
+            why,
+        };
+        if raw.len() > MAX_MANIFEST_BYTES {
+            return Err(not_plugin(format!("its manifest has {} bytes", raw.len())));
+        }
+        let found = super::digest_of(&raw);
+        let wanted = r.digest.clone().unwrap_or(digest);
+        if found != wanted {
+            return Err(RegistryError::TamperedDownload {
+                reference: r.to_string(),
+                expected: wanted,
+                found,
+            });
+        }
+        let m: OciImageManifest = serde_json::from_slice(&raw)
+            .map_err(|e| not_plugin(format!("its manifest is not an OCI image manifest ({e})")))?;
+        if m.config.media_type != CONFIG_MEDIA_TYPE {
+            return Err(not_plugin(format!(
+                "its config is `{}`, not `{CONFIG_MEDIA_TYPE}`",
+                m.config.media_type
+            )));
+        }
+        let wasm: Vec<&OciDescriptor> = m
+            .layers
+            .iter()
+            .filter(|l| l.media_type == LAYER_MEDIA_TYPE)
+            .collect();
+        if wasm.len() != 1 || m.layers.len() != 1 {
+            return Err(not_plugin(format!(
+                "it has {} layers ({} of `{LAYER_MEDIA_TYPE}`); a plugin has exactly one",
+                m.layers.len(),
+                wasm.len()
+            )));
+        }
+        let size = u64::try_from(wasm[0].size).unwrap_or(u64::MAX);
+        if size > MAX_COMPONENT_BYTES {
+            return Err(not_plugin(format!(
+                "its component is {size} bytes, over the {MAX_COMPONENT_BYTES}-byte cap"
+            )));
+        }
+        Ok(Manifest {
+            digest: found,
+            layer_digest: wasm[0].digest.clone(),
+            layer_size: size,
+            raw: raw.to_vec(),
+        })
+    }
+
+    /// A blob of `r`'s repository, verified against `digest`.
+    pub fn blob(&self, r: &Reference, digest: &str) -> Result<Vec<u8>, RegistryError> {
+        let oref = oci_ref(r);
+        let desc = OciDescriptor {
+            media_type: LAYER_MEDIA_TYPE.into(),
+            digest: digest.into(),
+            ..Default::default()
+        };
+        let mut out: Vec<u8> = Vec::new();
+        self.rt
+            .block_on(self.client.pull_blob(&oref, &desc, &mut out))
+            .map_err(|e| self.error(r, e))?;
+        let found = super::digest_of(&out);
+        if found != digest {
+            return Err(RegistryError::TamperedDownload {
+                reference: r.to_string(),
+                expected: digest.into(),
+                found,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Push a component as the CNCF Wasm layout; returns the manifest digest.
+    pub fn publish(
+        &self,
+        r: &Reference,
+        component: &[u8],
+        plugin: &Plugin,
+        imports: &[String],
+        exports: &[String],
+    ) -> Result<String, RegistryError> {
+        let layer_digest = super::digest_of(component);
+        let created = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        let config = serde_json::json!({
+            "created": created,
+            "architecture": "wasm",
+            "os": "wasip2",
+            "layerDigests": [layer_digest],
+            "component": {
+                "exports": exports,
+                "imports": imports,
+                "target": "piper:strategy/strategy",
+            },
+        });
+        let mut annotations = BTreeMap::new();
+        annotations.insert("org.opencontainers.image.created".into(), created);
+        annotations.insert(
+            "org.opencontainers.image.title".into(),
+            plugin.info.name.clone(),
+        );
+        annotations.insert(
+            "org.opencontainers.image.version".into(),
+            plugin.info.version.clone(),
+        );
+        annotations.insert(
+            "org.opencontainers.image.description".into(),
+            plugin.info.description.clone(),
+        );
+        annotations.insert(
+            "dev.piper.wit".into(),
+            format!("piper:strategy@{}", plugin.wit_version),
+        );
+        let layers = vec![ImageLayer::new(
+            component.to_vec(),
+            LAYER_MEDIA_TYPE.into(),
+            None,
+        )];
+        let config = Config::new(
+            serde_json::to_vec(&config).expect("json"),
+            CONFIG_MEDIA_TYPE.into(),
+            None,
+        );
+        let mut manifest = OciImageManifest::build(&layers, &config, Some(annotations));
+        manifest.media_type = Some(MANIFEST_MEDIA_TYPE.into());
+        manifest.artifact_type = Some(CONFIG_MEDIA_TYPE.into());
+        self.push(r, &layers, config, manifest)
+    }
+
+    /// Authenticate for a push, push, and return the manifest's digest.
+    fn push(
+        &self,
+        r: &Reference,
+        layers: &[ImageLayer],
+        config: Config,
+        manifest: OciImageManifest,
+    ) -> Result<String, RegistryError> {
+        let oref = oci_ref(r);
+        self.rt
+            .block_on(async {
+                self.client
+                    .auth(&oref, &self.auth, RegistryOperation::Push)
+                    .await?;
+                self.client
+                    .push(&oref, layers, config, &self.auth, Some(manifest))
+                    .await
+            })
+            .map_err(|e| self.error(r, e))?;
+        self.resolve(r)
+    }
+
+    /// Push an artifact manifest with one layer (a signature) referring to
+    /// `subject` (a manifest digest of the same repository), under `tag`.
+    pub fn push_referrer(
+        &self,
+        r: &Reference,
+        subject: &str,
+        subject_size: u64,
+        artifact_type: &str,
+        body: &[u8],
+        tag: &str,
+    ) -> Result<String, RegistryError> {
+        let layers = vec![ImageLayer::new(body.to_vec(), artifact_type.into(), None)];
+        let config = Config::new(
+            b"{}".to_vec(),
+            "application/vnd.oci.empty.v1+json".into(),
+            None,
+        );
+        let mut manifest = OciImageManifest::build(&layers, &config, None);
+        manifest.media_type = Some(MANIFEST_MEDIA_TYPE.into());
+        manifest.artifact_type = Some(artifact_type.into());
+        manifest.subject = Some(OciDescriptor {
+            media_type: MANIFEST_MEDIA_TYPE.into(),
+            digest: subject.into(),
+            size: i64::try_from(subject_size).unwrap_or(i64::MAX),
+            ..Default::default()
+        });
+        self.push(&r.at_tag(tag), &layers, config, manifest)
+    }
+
+    /// The bodies of the artifacts of `artifact_type` referring to `subject`:
+    /// through the referrers API where the registry has one, else the
+    /// `sha256-<hex>.sig` tag.
+    pub fn referrers(
+        &self,
+        r: &Reference,
+        subject: &str,
+        artifact_type: &str,
+        fallback_tag: &str,
+    ) -> Result<Vec<Vec<u8>>, RegistryError> {
+        let subject_ref = r.at_digest(subject);
+        let index = self
+            .rt
+            .block_on(
+                self.client
+                    .pull_referrers(&oci_ref(&subject_ref), Some(artifact_type)),
+            )
+            .ok();
+        let mut manifests: Vec<Reference> = index
+            .map(|i| {
+                i.manifests
+                    .iter()
+                    .filter(|m| m.artifact_type.as_deref() == Some(artifact_type))
+                    .map(|m| r.at_digest(&m.digest))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if manifests.is_empty() {
+            manifests.push(r.at_tag(fallback_tag));
+        }
+        let mut bodies = Vec::new();
+        for m in manifests {
+            let oref = oci_ref(&m);
+            let raw = match self.rt.block_on(self.client.pull_manifest_raw(
+                &oref,
+                &self.auth,
+                &[MANIFEST_MEDIA_TYPE],
+            )) {
+                Ok((raw, _)) => raw,
+                Err(e) => match self.error(&m, e) {
+                    RegistryError::NotFound { .. } => continue,
+                    other => return Err(other),
+                },
+            };
+            if raw.len() > MAX_MANIFEST_BYTES {
+                continue;
+            }
+            let Ok(man) = serde_json::from_slice::<OciImageManifest>(&raw) else {
+                continue;
+            };
+            if man.subject.as_ref().map(|s| s.digest.as_str()) != Some(subject) {
+                continue;
+            }
+            for l in man.layers.iter().filter(|l| l.media_type == artifact_type) {
+                if l.size > 64 << 10 {
+                    continue;
+                }
+                bodies.push(self.blob(&m, &l.digest)?);
+            }
+        }
+        Ok(bodies)
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
