@@ -4,7 +4,7 @@
 //! plans and runs them.
 //!
 //! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`]
-//! → [`runtime`]; [`registry`] brings plugins from OCI registries to [`plugin`].
+//! → [`runtime`] | [`sim`]; [`registry`] brings plugins from OCI registries to [`plugin`].
 
 pub mod cli;
 pub mod compile;
@@ -13,3 +13,4 @@ pub mod model;
 pub mod plugin;
 pub mod registry;
 pub mod runtime;
+pub mod sim;

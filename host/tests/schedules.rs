@@ -40,7 +40,7 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         let pp: Vec<&Op> = plan.devices[d as usize]
             .streams
             .iter()
-            .filter(|s| s.stream == "pp")
+            .filter(|s| s.stream.starts_with("pp"))
             .flat_map(|s| s.ops.iter())
             .filter(|o| o.op == "send" || o.op == "recv")
             .collect();
@@ -252,6 +252,8 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         microbatches: 1,
         tensor: None,
         zero: 0,
+        param_bytes: 0,
+        out_bytes: 0,
     }
 }
 
@@ -299,20 +301,20 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     one_f_one_b(&mut dag, 2, 4, 1, None).unwrap();
     let plan = compile(&dag).unwrap();
     check_deadlock(&plan.devices).unwrap();
-    // Device 0 waits for the first gradient before sending the first activation.
+    // Device 0 waits for the first gradient before sending the first
+    // activation: the gradient's recv moved to the head of the send stream
+    // (the compiler gives sends and receives a stream per peer: `pp→1`, `pp←1`).
     let mut bad = plan.devices.clone();
-    let pp = bad[0]
-        .streams
-        .iter_mut()
-        .find(|s| s.stream == "pp")
-        .unwrap();
-    let first_recv = pp.ops.iter().position(|o| o.op == "recv").unwrap();
-    let r = pp.ops.remove(first_recv);
-    pp.ops.insert(0, r);
+    let streams = &mut bad[0].streams;
+    let recvs = streams.iter().position(|s| &*s.stream == "pp←1").unwrap();
+    let r = streams[recvs].ops.remove(0);
+    assert_eq!(r.op, "recv");
+    let sends = streams.iter().position(|s| &*s.stream == "pp→1").unwrap();
+    streams[sends].ops.insert(0, r);
     // Re-point the compute stream's waits at the moved ops is unnecessary: the
     // check must fail on the communication order alone.
     let err = check_deadlock(&bad).unwrap_err().to_string();
-    assert!(err.contains("device 0 stream pp waits at recv"), "{err}");
+    assert!(err.contains("device 0 stream pp→1 waits at recv"), "{err}");
     // Two collectives issued in opposite orders on a DP pair deadlock too.
     let mut dag = tiny(2);
     dag.replicate(

@@ -5,6 +5,7 @@
 mod config;
 #[cfg(feature = "mpi")]
 mod job;
+mod sim;
 mod train;
 
 pub use config::{RunConfig, StrategySpec};
@@ -107,6 +108,8 @@ struct PlanArgs {
     /// Write the plan to this file instead of standard output.
     #[arg(long)]
     out: Option<PathBuf>,
+    #[command(flatten)]
+    sim: sim::SimArgs,
 }
 
 #[derive(Subcommand)]
@@ -383,6 +386,20 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
 fn plan(a: PlanArgs) -> Result<()> {
     let p = prepare(&a.run)?;
     let plan = compile(&p.dag).context("compiling the plan")?;
+    if a.sim.simulate {
+        let title = p
+            .config
+            .strategies
+            .iter()
+            .map(|s| s.name.rsplit('/').next().unwrap_or(&s.name).to_string())
+            .collect::<Vec<_>>()
+            .join(" + ");
+        let title = format!("{title}, {} devices, {}", plan.devices.len(), plan.model);
+        sim::run(&plan, &a.sim, &title)?;
+        if a.out.is_none() && !a.json {
+            return Ok(());
+        }
+    }
     let text = if a.json {
         plan.to_json()
     } else {

@@ -308,10 +308,40 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     // Streams per device, in first-use order; positions of each node
     // (flat: `pos[pos_base[node] + i]` for the node's i-th device).
     let ndev = dag.cluster_info().devices as usize;
-    let stream_names: Vec<Arc<str>> = (0..=u16::MAX as usize)
+    let mut stream_names: Vec<Arc<str>> = (0..=u16::MAX as usize)
         .map_while(|i| dag.stream_name_opt(crate::dag::StreamId(i as u16)))
         .map(Arc::from)
         .collect();
+    // A p2p stream is split per direction and peer (`pp→2`, `pp←0`): each
+    // keeps its peer's order, and a send never waits behind the receive of a
+    // later microbatch from another peer (one F+B of bubble per stage that
+    // the simulator showed in 1F1B).
+    let mut derived: HashMap<(u16, bool, u32), u16> = HashMap::new();
+    let mut op_stream = |names: &mut Vec<Arc<str>>, n: &crate::dag::Node, i: usize| -> u16 {
+        let NodeKind::Comm(c) = &n.kind else {
+            return n.stream.0;
+        };
+        let (true, Some(peer)) = (c.op.is_p2p(), c.peers.get(i)) else {
+            return n.stream.0;
+        };
+        let send = matches!(c.op, crate::dag::CommOp::Send);
+        if let Some(&s) = derived.get(&(n.stream.0, send, peer.0)) {
+            return s;
+        }
+        if names.len() > u16::MAX as usize {
+            return n.stream.0;
+        }
+        let name = format!(
+            "{}{}{}",
+            names[n.stream.0 as usize],
+            if send { '→' } else { '←' },
+            peer.0
+        );
+        names.push(Arc::from(name));
+        let s = (names.len() - 1) as u16;
+        derived.insert((n.stream.0, send, peer.0), s);
+        s
+    };
     // Count ops per (device, stream) first so the lists never reallocate.
     let mut streams: Vec<Vec<(u16, Vec<Op>)>> = vec![Vec::new(); ndev];
     {
@@ -321,11 +351,12 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             if matches!(n.kind, NodeKind::Marker) {
                 continue;
             }
-            for dev in &n.devices {
+            for (i, dev) in n.devices.iter().enumerate() {
+                let sid = op_stream(&mut stream_names, n, i);
                 let c = &mut counts[dev.0 as usize];
-                match c.iter_mut().find(|(s, _)| *s == n.stream.0) {
+                match c.iter_mut().find(|(s, _)| *s == sid) {
                     Some(e) => e.1 += 1,
-                    None => c.push((n.stream.0, 1)),
+                    None => c.push((sid, 1)),
                 }
             }
         }
@@ -408,6 +439,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
             let d = dev.0 as usize;
+            let sid = op_stream(&mut stream_names, n, i);
             let mut op = Op {
                 op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
                 node: id.0,
@@ -427,6 +459,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 microbatches,
                 tensor,
                 zero,
+                param_bytes: cost.param_bytes,
+                out_bytes: 0,
             };
             if let NodeKind::Comm(c) = &n.kind {
                 if c.op.is_p2p() {
@@ -452,7 +486,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                     continue;
                 };
                 let (ps, pidx) = pos[pos_base[p.ix().index()] as usize + pi];
-                if ps != n.stream.0 {
+                if ps != sid {
                     match waits.iter_mut().find(|(s, _)| *s == ps) {
                         Some(w) => w.1 = w.1.max(pidx),
                         None => waits.push((ps, pidx)),
@@ -478,16 +512,16 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 })
                 .collect();
             let list = &mut streams[d];
-            let si = match list.iter().position(|(s, _)| *s == n.stream.0) {
+            let si = match list.iter().position(|(s, _)| *s == sid) {
                 Some(si) => si,
                 None => {
-                    list.push((n.stream.0, Vec::new()));
+                    list.push((sid, Vec::new()));
                     list.len() - 1
                 }
             };
             let idx = list[si].1.len() as u32;
             list[si].1.push(op);
-            pos.push((n.stream.0, idx));
+            pos.push((sid, idx));
         }
     }
 
@@ -499,6 +533,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         let mut live = vec![0u64; ndev];
         let mut in_flight: HashMap<NodeId, (Vec<DeviceId>, u64)> = HashMap::new();
         let mut bufs: Vec<(u64, u32)> = vec![(0, 0); pos.len()];
+        // (device, (stream, index), bytes) of every op leaving a local buffer.
+        let mut outputs: Vec<(usize, (u16, u32), u64)> = Vec::new();
         for &id in &order {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {
@@ -566,6 +602,9 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 if readers > 0 {
                     live[d] += out_bytes;
                     bufs[base + i] = (out_bytes, readers);
+                    if out_bytes > 0 {
+                        outputs.push((d, pos[base + i], out_bytes));
+                    }
                 }
                 transient_peak[d] = transient_peak[d].max(live[d]);
             }
@@ -599,6 +638,11 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         }
                     }
                 }
+            }
+        }
+        for (d, (stream, idx), bytes) in outputs {
+            if let Some((_, ops)) = streams[d].iter_mut().find(|(s, _)| *s == stream) {
+                ops[idx as usize].out_bytes = bytes;
             }
         }
     }
@@ -636,7 +680,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             streams: list
                 .into_iter()
                 .map(|(s, ops)| StreamPlan {
-                    stream: dag.stream_name(crate::dag::StreamId(s)).to_string(),
+                    stream: stream_names[s as usize].to_string(),
                     ops,
                 })
                 .collect(),

@@ -95,6 +95,18 @@ pub struct Op {
     /// DP or none), so the runtime knows how their states are sharded.
     #[serde(default)]
     pub zero: u8,
+    /// Compute and update ops: parameter bytes of their segments (the
+    /// simulator costs an optimizer step from it). Derived: not hashed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub param_bytes: u64,
+    /// Bytes of the transient buffers this op leaves on its device for local
+    /// readers (the simulator's memory over time). Derived: not hashed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub out_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 fn one() -> u32 {

@@ -1,0 +1,109 @@
+//! Op costs: a cluster's roofline-and-links model, or unit costs per pass
+//! for checking schedules against their published bubble formulas.
+
+use super::Cluster;
+use crate::compile::plan::{Op, OpKind};
+
+/// Seconds an op takes.
+pub trait CostModel {
+    /// A compute op or an optimizer step.
+    fn compute(&self, op: &Op) -> f64;
+    /// A send of `bytes` from device `from` to `to`.
+    fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64;
+    /// A collective over `group` (every device, this one included).
+    fn collective(&self, op: &Op, group: &[u32]) -> f64;
+}
+
+/// AdamW reads parameters, gradients and two moments and writes three of
+/// them back: seven passes over fp32 state per parameter byte.
+const ADAMW_PASSES: f64 = 7.0;
+
+impl CostModel for Cluster {
+    fn compute(&self, op: &Op) -> f64 {
+        let eff = match op.op {
+            OpKind::F => self.efficiency.f,
+            OpKind::B => self.efficiency.b,
+            OpKind::BI => self.efficiency.bi,
+            OpKind::BW => self.efficiency.bw,
+            OpKind::Update => {
+                // ZeRO-1+ shards the step over the data-parallel group.
+                let shard = op.group.as_ref().map_or(1, |g| g.len().max(1)) as f64;
+                return ADAMW_PASSES * op.param_bytes as f64 / shard / self.memory_bytes_per_s;
+            }
+            _ => return 0.0,
+        };
+        op.flops / (self.peak_flops * eff)
+    }
+
+    fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {
+        if from == to {
+            return 0.0;
+        }
+        let (beta, alpha) = self.link(self.same_node(from, to));
+        alpha + bytes as f64 / beta
+    }
+
+    fn collective(&self, op: &Op, group: &[u32]) -> f64 {
+        let n = group.len() as f64;
+        if n <= 1.0 {
+            return 0.0;
+        }
+        let one_node = group.iter().all(|d| self.same_node(*d, group[0]));
+        let (beta, alpha) = self.link(one_node);
+        let s = op.bytes as f64;
+        // Ring: all-reduce moves 2(n−1)/n of the buffer over n−1 steps each
+        // way; reduce-scatter, all-gather and all-to-all half of that.
+        // Tree (double binary, as NCCL for all-reduce): 2·log2(n) latencies,
+        // the buffer twice at link speed.
+        match op.op {
+            OpKind::AllReduce => {
+                let ring = 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * s / beta;
+                let tree = 2.0 * n.log2().ceil() * alpha + 2.0 * s / beta;
+                ring.min(tree)
+            }
+            _ => (n - 1.0) * alpha + (n - 1.0) / n * s / beta,
+        }
+    }
+}
+
+impl Cluster {
+    /// (bytes/s, latency) of the link between two devices.
+    fn link(&self, same_node: bool) -> (f64, f64) {
+        if same_node {
+            (self.intra_bytes_per_s, self.intra_latency_s)
+        } else {
+            (self.inter_bytes_per_s, self.inter_latency_s)
+        }
+    }
+}
+
+/// Fixed seconds per op kind and free communication: the setting of the
+/// published bubble formulas (F, B, W per microbatch and stage).
+#[derive(Clone, Copy, Debug)]
+pub struct UnitCosts {
+    pub f: f64,
+    /// A fused backward (input and weight gradients).
+    pub b: f64,
+    /// The input-gradient half of a split backward.
+    pub bi: f64,
+    /// The weight-gradient half (W).
+    pub bw: f64,
+}
+
+impl CostModel for UnitCosts {
+    fn compute(&self, op: &Op) -> f64 {
+        match op.op {
+            OpKind::F => self.f,
+            OpKind::B => self.b,
+            OpKind::BI => self.bi,
+            OpKind::BW => self.bw,
+            _ => 0.0,
+        }
+    }
+    fn p2p(&self, _: u64, _: u32, _: u32) -> f64 {
+        0.0
+    }
+    fn collective(&self, _: &Op, _: &[u32]) -> f64 {
+        0.0
+    }
+}

@@ -1,0 +1,453 @@
+//! Simulator: the per-device plans the runtime executes, timed by a cost
+//! model instead of run. The last stage of the flow for a user choosing a
+//! strategy for a cluster they do not have.
+//!
+//! Execution follows the runtime's rules exactly: each stream runs its ops in
+//! order; an op starts when its stream's previous op and its cross-stream
+//! `waits` are done; a `recv` ends when the matching `send`'s bytes have
+//! arrived (sends are buffered: a send ends when its bytes are on the link,
+//! whether or not the receiver is there yet); a collective starts when every
+//! device of its group has reached it and ends for all together.
+//!
+//! Costs ([`cost`]): a compute op costs its FLOPs at the device's peak times
+//! an efficiency per op kind; an optimizer step reads and writes its states
+//! at memory bandwidth; a p2p transfer costs α + bytes/β of the link it
+//! crosses (NVLink inside a node, the network between nodes); a collective
+//! the better of ring and tree over its group's slowest link.
+
+pub mod cluster;
+pub mod cost;
+pub mod report;
+
+pub use cluster::{Cluster, ClusterError};
+pub use cost::{CostModel, UnitCosts};
+
+use crate::compile::plan::{OpKind, Plan};
+use std::collections::{BTreeMap, HashMap};
+
+/// What a span of a timeline shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SpanKind {
+    F,
+    B,
+    BI,
+    BW,
+    Update,
+    /// A send, recv or collective.
+    Comm,
+}
+
+impl SpanKind {
+    fn of(k: OpKind) -> Self {
+        match k {
+            OpKind::F => SpanKind::F,
+            OpKind::B => SpanKind::B,
+            OpKind::BI => SpanKind::BI,
+            OpKind::BW => SpanKind::BW,
+            OpKind::Update => SpanKind::Update,
+            _ => SpanKind::Comm,
+        }
+    }
+    pub fn is_compute(self) -> bool {
+        !matches!(self, SpanKind::Comm)
+    }
+}
+
+/// One op on the timeline.
+#[derive(Clone, Debug)]
+pub struct Span {
+    pub device: u32,
+    /// Index into [`Simulation::streams`].
+    pub stream: u16,
+    pub kind: SpanKind,
+    /// `F mb3 s1`: pass, microbatch, segment (or the comm op and its peer).
+    pub label: String,
+    pub start: f64,
+    pub end: f64,
+}
+
+/// One device's figures.
+#[derive(Clone, Debug, Default)]
+pub struct DeviceSummary {
+    /// Time computing (F, B, BI, BW, update), seconds.
+    pub busy: f64,
+    /// Step time minus `busy`.
+    pub idle: f64,
+    /// Communication time not hidden under computation, per stream.
+    pub exposed_comm: BTreeMap<String, f64>,
+    /// Model states plus the peak of transient buffers over the step.
+    pub peak_bytes: u64,
+    /// (time, bytes in use): model states plus live transient buffers,
+    /// after every change.
+    pub memory: Vec<(f64, u64)>,
+}
+
+/// A simulated step.
+#[derive(Clone, Debug)]
+pub struct Simulation {
+    pub step_time: f64,
+    pub devices: Vec<DeviceSummary>,
+    pub spans: Vec<Span>,
+    pub streams: Vec<String>,
+    /// Mean over devices of idle ÷ step time.
+    pub bubble: f64,
+    pub ops: usize,
+}
+
+/// A plan the simulator cannot time.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("device {device}, stream {stream}, op {index} ({label}): {why}")]
+    Plan {
+        device: u32,
+        stream: String,
+        index: usize,
+        label: String,
+        why: String,
+    },
+    #[error("the plan never finishes: {stuck} ops wait forever, e.g. device {device} stream {stream} op {index} ({label})")]
+    Stuck {
+        stuck: usize,
+        device: u32,
+        stream: String,
+        index: usize,
+        label: String,
+    },
+}
+
+/// `F mb3 s1`, `send mb3 →2`, `all-reduce s4`.
+fn short_label(op: &crate::compile::plan::Op) -> String {
+    let mut s = op.op.as_str().to_string();
+    if op.microbatches > 1 || op.tags.contains_key("MB") {
+        s.push_str(&format!(" mb{}", op.microbatch));
+    }
+    if let Some(seg) = op.segments.first() {
+        s.push_str(&format!(" s{seg}"));
+    }
+    match (op.op, op.peer) {
+        (OpKind::Send, Some(p)) => s.push_str(&format!(" →{p}")),
+        (OpKind::Recv, Some(p)) => s.push_str(&format!(" ←{p}")),
+        _ => {}
+    }
+    s
+}
+
+/// Time `plan` under `costs`.
+pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimError> {
+    // Global op ids: (device, stream, index) in plan order.
+    let mut streams: Vec<String> = Vec::new();
+    let mut stream_ix: HashMap<&str, u16> = HashMap::new();
+    let mut base: Vec<Vec<usize>> = Vec::with_capacity(plan.devices.len());
+    let mut at: Vec<(u32, u16, u32)> = Vec::new();
+    for d in &plan.devices {
+        let mut b = Vec::with_capacity(d.streams.len());
+        for s in &d.streams {
+            let si = *stream_ix.entry(s.stream.as_str()).or_insert_with(|| {
+                streams.push(s.stream.clone());
+                (streams.len() - 1) as u16
+            });
+            b.push(at.len());
+            for i in 0..s.ops.len() {
+                at.push((d.device, si, i as u32));
+            }
+        }
+        base.push(b);
+    }
+    let n = at.len();
+    let op_of = |g: usize| {
+        let (d, _, i) = at[g];
+        let dp = &plan.devices[d as usize];
+        let si = base[d as usize].partition_point(|&b| b <= g) - 1;
+        (&dp.streams[si], &dp.streams[si].ops[i as usize])
+    };
+    let err = |g: usize, why: String| {
+        let (s, o) = op_of(g);
+        SimError::Plan {
+            device: at[g].0,
+            stream: s.stream.clone(),
+            index: at[g].2 as usize,
+            label: o.label(),
+            why,
+        }
+    };
+    // Sends by (device, node); collective members by node.
+    let mut sends: HashMap<(u32, u32), usize> = HashMap::new();
+    let mut members: HashMap<u32, Vec<usize>> = HashMap::new();
+    for (g, &(device, _, _)) in at.iter().enumerate() {
+        let (_, o) = op_of(g);
+        match o.op {
+            OpKind::Send => {
+                sends.insert((device, o.node), g);
+            }
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
+                members.entry(o.node).or_default().push(g);
+            }
+            _ => {}
+        }
+    }
+    // Dependencies: previous op of the stream, waits, a recv's send.
+    let mut succs: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut indeg = vec![0u32; n];
+    let mut send_of = vec![usize::MAX; n];
+    for (d, dp) in plan.devices.iter().enumerate() {
+        for (si, s) in dp.streams.iter().enumerate() {
+            let b0 = base[d][si];
+            for (i, o) in s.ops.iter().enumerate() {
+                let g = b0 + i;
+                let mut deps: Vec<usize> = Vec::new();
+                if i > 0 {
+                    deps.push(g - 1);
+                }
+                for w in &o.waits {
+                    let Some(wsi) = dp.streams.iter().position(|x| *x.stream == *w.stream) else {
+                        return Err(err(
+                            g,
+                            format!("waits on stream `{}`, which this device lacks", w.stream),
+                        ));
+                    };
+                    if w.op >= dp.streams[wsi].ops.len() {
+                        return Err(err(
+                            g,
+                            format!("waits on op {} of `{}`, which has fewer", w.op, w.stream),
+                        ));
+                    }
+                    deps.push(base[d][wsi] + w.op);
+                }
+                if o.op == OpKind::Recv {
+                    let (Some(peer), Some(pair)) = (o.peer, o.pair) else {
+                        return Err(err(g, "a recv without its peer".into()));
+                    };
+                    let Some(&sg) = sends.get(&(peer, pair)) else {
+                        return Err(err(g, format!("no matching send on device {peer}")));
+                    };
+                    send_of[g] = sg;
+                    deps.push(sg);
+                }
+                for dep in deps {
+                    succs[dep].push(g);
+                    indeg[g] += 1;
+                }
+            }
+        }
+    }
+    // Kahn's order; collectives start when their whole group has arrived.
+    let mut ready_at = vec![0f64; n];
+    let mut start = vec![f64::NAN; n];
+    let mut end = vec![f64::NAN; n];
+    let mut arrived: HashMap<u32, usize> = HashMap::new();
+    let mut queue: Vec<usize> = (0..n).filter(|&g| indeg[g] == 0).collect();
+    let mut done = 0usize;
+    let release =
+        |g: usize, queue: &mut Vec<usize>, end: &[f64], ready_at: &mut [f64], indeg: &mut [u32]| {
+            for &s in &succs[g] {
+                ready_at[s] = ready_at[s].max(end[g]);
+                indeg[s] -= 1;
+                if indeg[s] == 0 {
+                    queue.push(s);
+                }
+            }
+        };
+    while let Some(g) = queue.pop() {
+        let (_, o) = op_of(g);
+        let d = at[g].0;
+        match o.op {
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
+                let group = &members[&o.node];
+                let c = arrived.entry(o.node).or_insert(0);
+                *c += 1;
+                if *c < group.len() {
+                    continue;
+                }
+                let t0 = group.iter().map(|&m| ready_at[m]).fold(0.0, f64::max);
+                let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
+                let t = costs.collective(o, &devs);
+                for &m in group {
+                    start[m] = t0;
+                    end[m] = t0 + t;
+                }
+                for &m in group {
+                    release(m, &mut queue, &end, &mut ready_at, &mut indeg);
+                    done += 1;
+                }
+                continue;
+            }
+            OpKind::Send => {
+                start[g] = ready_at[g];
+                end[g] = start[g] + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+            }
+            OpKind::Recv => {
+                // The send was released before this recv: its end is the arrival.
+                let s = send_of[g];
+                start[g] = ready_at[g];
+                end[g] = start[g].max(end[s]);
+            }
+            _ => {
+                start[g] = ready_at[g];
+                end[g] = start[g] + costs.compute(o);
+            }
+        }
+        release(g, &mut queue, &end, &mut ready_at, &mut indeg);
+        done += 1;
+    }
+    if done < n {
+        let g = (0..n).find(|&g| end[g].is_nan()).unwrap_or(0);
+        let (s, o) = op_of(g);
+        return Err(SimError::Stuck {
+            stuck: n - done,
+            device: at[g].0,
+            stream: s.stream.clone(),
+            index: at[g].2 as usize,
+            label: o.label(),
+        });
+    }
+    // Spans and per-device figures.
+    let step_time = end.iter().cloned().fold(0.0, f64::max);
+    let mut spans = Vec::with_capacity(n);
+    for g in 0..n {
+        let (_, o) = op_of(g);
+        spans.push(Span {
+            device: at[g].0,
+            stream: at[g].1,
+            kind: SpanKind::of(o.op),
+            label: short_label(o),
+            start: start[g],
+            end: end[g],
+        });
+    }
+    let mut devices = Vec::with_capacity(plan.devices.len());
+    let mut first = 0usize;
+    for dp in &plan.devices {
+        let count: usize = dp.streams.iter().map(|s| s.ops.len()).sum();
+        let mine = &spans[first..first + count];
+        let compute = union(
+            mine.iter()
+                .filter(|s| s.kind.is_compute())
+                .map(|s| (s.start, s.end)),
+        );
+        let busy: f64 = compute.iter().map(|(a, b)| b - a).sum();
+        let mut exposed = BTreeMap::new();
+        for (si, name) in streams.iter().enumerate() {
+            let comm = union(
+                mine.iter()
+                    .filter(|s| s.stream as usize == si && !s.kind.is_compute())
+                    .map(|s| (s.start, s.end)),
+            );
+            if !comm.is_empty() {
+                exposed.insert(name.clone(), minus(&comm, &compute));
+            }
+        }
+        let memory = memory_over_time(dp, &spans[first..first + count]);
+        let peak_bytes = memory
+            .iter()
+            .map(|m| m.1)
+            .max()
+            .unwrap_or(dp.model_state_bytes);
+        devices.push(DeviceSummary {
+            busy,
+            idle: step_time - busy,
+            exposed_comm: exposed,
+            peak_bytes,
+            memory,
+        });
+        first += count;
+    }
+    let bubble = if step_time > 0.0 && !devices.is_empty() {
+        devices.iter().map(|d| d.idle / step_time).sum::<f64>() / devices.len() as f64
+    } else {
+        0.0
+    };
+    Ok(Simulation {
+        step_time,
+        devices,
+        spans,
+        streams,
+        bubble,
+        ops: n,
+    })
+}
+
+/// Model states plus live transient buffers over time: a buffer is taken
+/// when its producer ends and given back when its last local reader ends.
+fn memory_over_time(dp: &crate::compile::plan::DevicePlan, spans: &[Span]) -> Vec<(f64, u64)> {
+    let ops: Vec<&crate::compile::plan::Op> =
+        dp.streams.iter().flat_map(|s| s.ops.iter()).collect();
+    let mut last_read: HashMap<u32, f64> = HashMap::new();
+    for (o, s) in ops.iter().zip(spans) {
+        for i in o.inputs.iter() {
+            let e = last_read.entry(i.node).or_insert(s.end);
+            *e = e.max(s.end);
+        }
+    }
+    let mut events: Vec<(f64, i128)> = Vec::new();
+    for (o, s) in ops.iter().zip(spans) {
+        if o.out_bytes > 0 {
+            events.push((s.end, o.out_bytes as i128));
+            let free = last_read.get(&o.node).copied().unwrap_or(s.end).max(s.end);
+            events.push((free, -(o.out_bytes as i128)));
+        }
+    }
+    // Frees before takes at the same instant.
+    events.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut live: i128 = 0;
+    let mut out = vec![(0.0, dp.model_state_bytes)];
+    for (t, delta) in events {
+        live += delta;
+        let v = dp.model_state_bytes + live.max(0) as u64;
+        match out.last_mut() {
+            Some(last) if last.0 == t => last.1 = v,
+            _ => out.push((t, v)),
+        }
+    }
+    out
+}
+
+/// The union of intervals, sorted and disjoint.
+fn union(it: impl Iterator<Item = (f64, f64)>) -> Vec<(f64, f64)> {
+    let mut v: Vec<(f64, f64)> = it.filter(|(a, b)| b > a).collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out: Vec<(f64, f64)> = Vec::with_capacity(v.len());
+    for (a, b) in v {
+        match out.last_mut() {
+            Some(last) if a <= last.1 => last.1 = last.1.max(b),
+            _ => out.push((a, b)),
+        }
+    }
+    out
+}
+
+/// Length of `a` not covered by `b` (both sorted and disjoint).
+fn minus(a: &[(f64, f64)], b: &[(f64, f64)]) -> f64 {
+    let mut total = 0.0;
+    let mut j = 0;
+    for &(s, e) in a {
+        let mut cur = s;
+        while j < b.len() && b[j].1 <= cur {
+            j += 1;
+        }
+        let mut k = j;
+        while cur < e {
+            if k >= b.len() || b[k].0 >= e {
+                total += e - cur;
+                break;
+            }
+            if b[k].0 > cur {
+                total += b[k].0 - cur;
+            }
+            cur = cur.max(b[k].1);
+            k += 1;
+        }
+    }
+    total
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn interval_algebra() {
+        let u = super::union([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)].into_iter());
+        assert_eq!(u, vec![(0.0, 2.0), (3.0, 4.0)]);
+        assert_eq!(super::minus(&[(0.0, 4.0)], &u), 1.0);
+        assert_eq!(super::minus(&[(5.0, 6.0)], &u), 1.0);
+        assert_eq!(super::minus(&[(1.0, 3.5)], &u), 1.0);
+    }
+}

@@ -1,0 +1,404 @@
+//! Pictures of a simulated step: Chrome-trace JSON (a lane per device and
+//! stream), the timeline as SVG in the style of DeepSeek's DualPipe figure
+//! (F, B, BI, BW, overlapped F&B, comm, idle), and one self-contained HTML
+//! report (timeline, memory over time per device, summary table; no network
+//! fetches: everything is inline).
+
+use super::{Simulation, SpanKind};
+use std::fmt::Write as _;
+
+/// Lanes drawn at most; a larger plan shows its first devices and says so.
+pub const MAX_LANES: usize = 64;
+
+fn color(k: SpanKind) -> &'static str {
+    match k {
+        SpanKind::F => "#f6b26b",
+        SpanKind::B => "#93c47d",
+        SpanKind::BI => "#b6d7a8",
+        SpanKind::BW => "#6fa8dc",
+        SpanKind::Update => "#b7b7b7",
+        SpanKind::Comm => "#ffe599",
+    }
+}
+
+fn kind_name(k: SpanKind) -> &'static str {
+    match k {
+        SpanKind::F => "F",
+        SpanKind::B => "B",
+        SpanKind::BI => "BI",
+        SpanKind::BW => "BW",
+        SpanKind::Update => "update",
+        SpanKind::Comm => "comm",
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// Seconds in a readable unit.
+pub fn human_time(s: f64) -> String {
+    if s >= 1.0 {
+        format!("{s:.3} s")
+    } else if s >= 1e-3 {
+        format!("{:.3} ms", s * 1e3)
+    } else {
+        format!("{:.1} µs", s * 1e6)
+    }
+}
+
+pub fn human_bytes(b: u64) -> String {
+    let b = b as f64;
+    if b >= 1e9 {
+        format!("{:.2} GB", b / 1e9)
+    } else if b >= 1e6 {
+        format!("{:.1} MB", b / 1e6)
+    } else {
+        format!("{:.1} KB", b / 1e3)
+    }
+}
+
+/// Chrome-trace JSON: a process per device, a thread per stream, one
+/// complete event per op (microseconds).
+pub fn chrome_trace(sim: &Simulation) -> String {
+    let mut events = Vec::with_capacity(sim.spans.len() + 2 * sim.devices.len());
+    for (d, _) in sim.devices.iter().enumerate() {
+        events.push(serde_json::json!({"ph": "M", "name": "process_name", "pid": d, "args": {"name": format!("device {d}")}}));
+        for (si, s) in sim.streams.iter().enumerate() {
+            events.push(serde_json::json!({"ph": "M", "name": "thread_name", "pid": d, "tid": si, "args": {"name": s}}));
+        }
+    }
+    for s in &sim.spans {
+        events.push(serde_json::json!({
+            "ph": "X",
+            "name": s.label,
+            "cat": kind_name(s.kind),
+            "pid": s.device,
+            "tid": s.stream,
+            "ts": s.start * 1e6,
+            "dur": (s.end - s.start) * 1e6,
+        }));
+    }
+    serde_json::to_string(&serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"}))
+        .expect("json")
+}
+
+/// The legend, as SVG elements at (x, y).
+fn legend(out: &mut String, x: f64, y: f64) {
+    let items = [
+        (Some(SpanKind::F), "F"),
+        (Some(SpanKind::B), "B"),
+        (Some(SpanKind::BI), "BI"),
+        (Some(SpanKind::BW), "BW (W)"),
+        (None, "overlapped F&B"),
+        (Some(SpanKind::Update), "update"),
+        (Some(SpanKind::Comm), "comm"),
+    ];
+    let mut cx = x;
+    for (k, name) in items {
+        let fill = match k {
+            Some(k) => color(k).to_string(),
+            None => "url(#fb)".to_string(),
+        };
+        let _ = write!(
+            out,
+            r##"<rect x="{cx}" y="{y}" width="14" height="14" fill="{fill}" stroke="#444" stroke-width="0.5"/><text x="{}" y="{}" font-size="12">{}</text>"##,
+            cx + 18.0,
+            y + 11.0,
+            esc(name)
+        );
+        cx += 30.0 + 7.5 * name.len() as f64;
+    }
+    let _ = write!(
+        out,
+        r##"<rect x="{cx}" y="{y}" width="14" height="14" fill="#ffffff" stroke="#444" stroke-width="0.5"/><text x="{}" y="{}" font-size="12">idle</text>"##,
+        cx + 18.0,
+        y + 11.0
+    );
+}
+
+/// The timeline: a lane per device (computation), a thin band beneath it
+/// (communication); `title` above.
+pub fn timeline_svg(sim: &Simulation, title: &str) -> String {
+    let lanes = sim.devices.len().min(MAX_LANES);
+    let (left, top, width, lane_h, comm_h, gap) = (80.0, 50.0, 1100.0, 22.0, 6.0, 6.0);
+    let row = lane_h + comm_h + gap;
+    let height = top + row * lanes as f64 + 40.0;
+    let scale = if sim.step_time > 0.0 {
+        width / sim.step_time
+    } else {
+        0.0
+    };
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{height}" font-family="sans-serif" class="timeline">"#,
+        left + width + 20.0
+    );
+    out.push_str(r##"<defs><pattern id="fb" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="3" height="6" fill="#f6b26b"/><rect x="3" width="3" height="6" fill="#93c47d"/></pattern></defs>"##);
+    let _ = write!(
+        out,
+        r#"<text x="{left}" y="18" font-size="14" font-weight="bold">{}</text>"#,
+        esc(title)
+    );
+    legend(&mut out, left, 26.0);
+    // Spans per device, compute first.
+    let mut by_dev: Vec<Vec<&super::Span>> = vec![Vec::new(); lanes];
+    for s in &sim.spans {
+        if (s.device as usize) < lanes && s.end > s.start {
+            by_dev[s.device as usize].push(s);
+        }
+    }
+    for (d, spans) in by_dev.iter().enumerate() {
+        let y = top + row * d as f64;
+        let _ = write!(
+            out,
+            r##"<g class="lane" data-device="{d}"><text x="{}" y="{}" font-size="12" text-anchor="end">device {d}</text><rect x="{left}" y="{y}" width="{width}" height="{lane_h}" fill="#ffffff" stroke="#999" stroke-width="0.5"/>"##,
+            left - 6.0,
+            y + 15.0
+        );
+        let compute: Vec<&&super::Span> = spans.iter().filter(|s| s.kind.is_compute()).collect();
+        for s in &compute {
+            let x = left + s.start * scale;
+            let w = ((s.end - s.start) * scale).max(0.5);
+            // Overlapped F&B: a forward and a backward running at once.
+            let overlapped = compute.iter().any(|o| {
+                o.start < s.end
+                    && s.start < o.end
+                    && !std::ptr::eq(**o, **s)
+                    && matches!(
+                        (o.kind, s.kind),
+                        (SpanKind::F, SpanKind::B | SpanKind::BI)
+                            | (SpanKind::B | SpanKind::BI, SpanKind::F)
+                    )
+            });
+            let fill = if overlapped {
+                "url(#fb)".to_string()
+            } else {
+                color(s.kind).to_string()
+            };
+            let _ = write!(
+                out,
+                r##"<rect x="{x:.2}" y="{y}" width="{w:.2}" height="{lane_h}" fill="{fill}" stroke="#333" stroke-width="0.3"><title>{}</title></rect>"##,
+                esc(&format!(
+                    "{} {}–{}",
+                    s.label,
+                    human_time(s.start),
+                    human_time(s.end)
+                ))
+            );
+            if w > 16.0 {
+                let mb = s
+                    .label
+                    .split_whitespace()
+                    .find_map(|t| t.strip_prefix("mb"))
+                    .unwrap_or("");
+                let _ = write!(
+                    out,
+                    r#"<text x="{:.2}" y="{}" font-size="10" text-anchor="middle">{}</text>"#,
+                    x + w / 2.0,
+                    y + 15.0,
+                    esc(mb)
+                );
+            }
+        }
+        for s in spans.iter().filter(|s| !s.kind.is_compute()) {
+            let x = left + s.start * scale;
+            let w = ((s.end - s.start) * scale).max(0.5);
+            let _ = write!(
+                out,
+                r##"<rect x="{x:.2}" y="{}" width="{w:.2}" height="{comm_h}" fill="{}"><title>{}</title></rect>"##,
+                y + lane_h,
+                color(SpanKind::Comm),
+                esc(&format!(
+                    "{} [{}] {}–{}",
+                    s.label,
+                    sim.streams[s.stream as usize],
+                    human_time(s.start),
+                    human_time(s.end)
+                ))
+            );
+        }
+        out.push_str("</g>");
+    }
+    let y = top + row * lanes as f64 + 16.0;
+    let mut note = format!(
+        "step {} · bubble {:.1}%",
+        human_time(sim.step_time),
+        sim.bubble * 100.0
+    );
+    if sim.devices.len() > lanes {
+        let _ = write!(
+            note,
+            " · first {lanes} of {} devices shown",
+            sim.devices.len()
+        );
+    }
+    let _ = write!(
+        out,
+        r#"<text x="{left}" y="{y}" font-size="12">{}</text></svg>"#,
+        esc(&note)
+    );
+    out
+}
+
+/// Bytes in use over time, one line per device (up to 8), model states included.
+fn memory_svg(sim: &Simulation, capacity: Option<f64>) -> String {
+    let (left, top, width, height) = (80.0, 20.0, 1100.0, 220.0);
+    let shown = sim.devices.len().min(8);
+    let max = sim.devices[..shown]
+        .iter()
+        .map(|d| d.peak_bytes as f64)
+        .fold(1.0, f64::max)
+        .max(
+            capacity.unwrap_or(0.0).min(
+                4.0 * sim
+                    .devices
+                    .iter()
+                    .map(|d| d.peak_bytes as f64)
+                    .fold(1.0, f64::max),
+            ),
+        );
+    let sx = if sim.step_time > 0.0 {
+        width / sim.step_time
+    } else {
+        0.0
+    };
+    let sy = height / max;
+    let palette = [
+        "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+    ];
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{}" height="{}" font-family="sans-serif" class="memory"><rect x="{left}" y="{top}" width="{width}" height="{height}" fill="#fafafa" stroke="#999"/>"##,
+        left + width + 160.0,
+        top + height + 30.0
+    );
+    if let Some(c) = capacity {
+        if c <= max {
+            let y = top + height - c * sy;
+            let _ = write!(
+                out,
+                r##"<line x1="{left}" x2="{}" y1="{y:.1}" y2="{y:.1}" stroke="#c00" stroke-dasharray="4 3"/><text x="{}" y="{:.1}" font-size="11" fill="#c00">device memory</text>"##,
+                left + width,
+                left + width + 6.0,
+                y + 4.0
+            );
+        }
+    }
+    for (d, dev) in sim.devices[..shown].iter().enumerate() {
+        let mut pts = String::new();
+        let mut prev = dev.memory.first().map_or(0.0, |m| m.1 as f64);
+        for &(t, b) in &dev.memory {
+            let x = left + t * sx;
+            let _ = write!(pts, "{x:.1},{:.1} ", top + height - prev * sy);
+            let _ = write!(pts, "{x:.1},{:.1} ", top + height - b as f64 * sy);
+            prev = b as f64;
+        }
+        let _ = write!(pts, "{:.1},{:.1}", left + width, top + height - prev * sy);
+        let c = palette[d % palette.len()];
+        let _ = write!(
+            out,
+            r#"<polyline points="{pts}" fill="none" stroke="{c}" stroke-width="1.5"/><text x="{}" y="{}" font-size="11" fill="{c}">device {d}: peak {}</text>"#,
+            left + width + 6.0,
+            top + 14.0 + 14.0 * d as f64 + if capacity.is_some() { 14.0 } else { 0.0 },
+            human_bytes(dev.peak_bytes)
+        );
+    }
+    let _ = write!(
+        out,
+        r#"<text x="{left}" y="{}" font-size="11">0</text><text x="{}" y="{}" font-size="11" text-anchor="end">{}</text><text x="4" y="{}" font-size="11">{}</text></svg>"#,
+        top + height + 14.0,
+        left + width,
+        top + height + 14.0,
+        human_time(sim.step_time),
+        top + 10.0,
+        human_bytes(max as u64)
+    );
+    out
+}
+
+/// The summary table rows: device, busy, idle, exposed comm, peak memory, fits.
+pub fn summary_rows(sim: &Simulation, capacity: Option<f64>) -> Vec<[String; 6]> {
+    sim.devices
+        .iter()
+        .enumerate()
+        .map(|(d, s)| {
+            let exposed: f64 = s.exposed_comm.values().sum();
+            let detail: Vec<String> = s
+                .exposed_comm
+                .iter()
+                .filter(|(_, v)| **v > 0.0)
+                .map(|(k, v)| format!("{k} {}", human_time(*v)))
+                .collect();
+            [
+                d.to_string(),
+                human_time(s.busy),
+                format!(
+                    "{} ({:.1}%)",
+                    human_time(s.idle),
+                    100.0 * s.idle / sim.step_time.max(f64::MIN_POSITIVE)
+                ),
+                if detail.is_empty() {
+                    human_time(exposed)
+                } else {
+                    format!("{} ({})", human_time(exposed), detail.join(", "))
+                },
+                human_bytes(s.peak_bytes),
+                match capacity {
+                    Some(c) if s.peak_bytes as f64 > c => "no".into(),
+                    Some(_) => "yes".into(),
+                    None => "-".into(),
+                },
+            ]
+        })
+        .collect()
+}
+
+/// One candidate of a report: a title and its simulation.
+pub struct Section<'a> {
+    pub title: String,
+    pub sim: &'a Simulation,
+    /// Device memory of the cluster, bytes (for "fits").
+    pub capacity: Option<f64>,
+}
+
+/// A self-contained HTML page: for each section, the timeline, the memory
+/// chart and the summary table. Inline SVG and CSS only.
+pub fn html(title: &str, sections: &[Section]) -> String {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        r#"<!DOCTYPE html><html><head><meta charset="utf-8"><title>{}</title><style>body{{font-family:sans-serif;margin:20px;color:#222}}table{{border-collapse:collapse;margin:8px 0 24px}}td,th{{border:1px solid #bbb;padding:3px 8px;font-size:13px;text-align:right}}th{{background:#eee}}h2{{margin-top:28px}}</style></head><body><h1>{}</h1>"#,
+        esc(title),
+        esc(title)
+    );
+    for s in sections {
+        let _ = write!(out, "<h2>{}</h2>", esc(&s.title));
+        let _ = write!(
+            out,
+            "<p>step time <b>{}</b> · bubble <b>{:.1}%</b> · {} ops simulated</p>",
+            human_time(s.sim.step_time),
+            s.sim.bubble * 100.0,
+            s.sim.ops
+        );
+        out.push_str(&timeline_svg(s.sim, &s.title));
+        out.push_str("<h3>Memory over time</h3>");
+        out.push_str(&memory_svg(s.sim, s.capacity));
+        out.push_str("<h3>Summary</h3><table><tr><th>device</th><th>busy</th><th>idle</th><th>exposed comm</th><th>peak memory</th><th>fits</th></tr>");
+        for r in summary_rows(s.sim, s.capacity) {
+            out.push_str("<tr>");
+            for c in r {
+                let _ = write!(out, "<td>{}</td>", esc(&c));
+            }
+            out.push_str("</tr>");
+        }
+        out.push_str("</table>");
+    }
+    out.push_str("</body></html>\n");
+    out
+}
