@@ -61,7 +61,7 @@ pub struct Span {
     pub stream: u16,
     pub kind: SpanKind,
     /// `F mb3 s1`: pass, microbatch, segment (or the comm op and its peer).
-    pub label: String,
+    pub label: Label,
     pub start: f64,
     pub end: f64,
 }
@@ -115,21 +115,42 @@ pub enum SimError {
     },
 }
 
-/// `F mb3 s1`, `send mb3 →2`, `all-reduce s4`.
-fn short_label(op: &crate::compile::plan::Op) -> String {
-    let mut s = op.op.as_str().to_string();
-    if op.microbatches > 1 || op.tags.contains_key("MB") {
-        s.push_str(&format!(" mb{}", op.microbatch));
+/// What a span shows as text, kept small (a plan may have millions of ops):
+/// `F mb3 s1`, `send mb3 s1 →2`, `all-reduce s4`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Label {
+    pub op: OpKind,
+    pub microbatch: Option<u32>,
+    pub segment: Option<u32>,
+    pub peer: Option<u32>,
+}
+
+impl Label {
+    fn of(op: &crate::compile::plan::Op) -> Self {
+        Label {
+            op: op.op,
+            microbatch: (op.microbatches > 1).then_some(op.microbatch),
+            segment: op.segments.first().copied(),
+            peer: op.peer,
+        }
     }
-    if let Some(seg) = op.segments.first() {
-        s.push_str(&format!(" s{seg}"));
+}
+
+impl std::fmt::Display for Label {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.op.as_str())?;
+        if let Some(m) = self.microbatch {
+            write!(f, " mb{m}")?;
+        }
+        if let Some(s) = self.segment {
+            write!(f, " s{s}")?;
+        }
+        match (self.op, self.peer) {
+            (OpKind::Send, Some(p)) => write!(f, " →{p}"),
+            (OpKind::Recv, Some(p)) => write!(f, " ←{p}"),
+            _ => Ok(()),
+        }
     }
-    match (op.op, op.peer) {
-        (OpKind::Send, Some(p)) => s.push_str(&format!(" →{p}")),
-        (OpKind::Recv, Some(p)) => s.push_str(&format!(" ←{p}")),
-        _ => {}
-    }
-    s
 }
 
 /// Time `plan` under `costs`.
@@ -138,10 +159,12 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     let mut streams: Vec<String> = Vec::new();
     let mut stream_ix: HashMap<&str, u16> = HashMap::new();
     let mut base: Vec<Vec<usize>> = Vec::with_capacity(plan.devices.len());
+    // (device, global stream id, op index), and the stream's index on its device.
     let mut at: Vec<(u32, u16, u32)> = Vec::new();
+    let mut local: Vec<u16> = Vec::new();
     for d in &plan.devices {
         let mut b = Vec::with_capacity(d.streams.len());
-        for s in &d.streams {
+        for (li, s) in d.streams.iter().enumerate() {
             let si = *stream_ix.entry(s.stream.as_str()).or_insert_with(|| {
                 streams.push(s.stream.clone());
                 (streams.len() - 1) as u16
@@ -149,6 +172,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             b.push(at.len());
             for i in 0..s.ops.len() {
                 at.push((d.device, si, i as u32));
+                local.push(li as u16);
             }
         }
         base.push(b);
@@ -156,9 +180,8 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     let n = at.len();
     let op_of = |g: usize| {
         let (d, _, i) = at[g];
-        let dp = &plan.devices[d as usize];
-        let si = base[d as usize].partition_point(|&b| b <= g) - 1;
-        (&dp.streams[si], &dp.streams[si].ops[i as usize])
+        let s = &plan.devices[d as usize].streams[local[g] as usize];
+        (s, &s.ops[i as usize])
     };
     let err = |g: usize, why: String| {
         let (s, o) = op_of(g);
@@ -186,7 +209,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
         }
     }
     // Dependencies: previous op of the stream, waits, a recv's send.
-    let mut succs: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut edges: Vec<(u32, u32)> = Vec::with_capacity(2 * n);
     let mut indeg = vec![0u32; n];
     let mut send_of = vec![usize::MAX; n];
     for (d, dp) in plan.devices.iter().enumerate() {
@@ -224,12 +247,27 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
                     deps.push(sg);
                 }
                 for dep in deps {
-                    succs[dep].push(g);
+                    edges.push((dep as u32, g as u32));
                     indeg[g] += 1;
                 }
             }
         }
     }
+    // Successors in one flat array (CSR): `succ[head[g]..head[g + 1]]`.
+    let mut head = vec![0u32; n + 1];
+    for &(a, _) in &edges {
+        head[a as usize + 1] += 1;
+    }
+    for g in 0..n {
+        head[g + 1] += head[g];
+    }
+    let mut fill = head.clone();
+    let mut succ = vec![0u32; edges.len()];
+    for &(a, b) in &edges {
+        succ[fill[a as usize] as usize] = b;
+        fill[a as usize] += 1;
+    }
+    drop(edges);
     // Kahn's order; collectives start when their whole group has arrived.
     let mut ready_at = vec![0f64; n];
     let mut start = vec![f64::NAN; n];
@@ -239,7 +277,8 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     let mut done = 0usize;
     let release =
         |g: usize, queue: &mut Vec<usize>, end: &[f64], ready_at: &mut [f64], indeg: &mut [u32]| {
-            for &s in &succs[g] {
+            for &s in &succ[head[g] as usize..head[g + 1] as usize] {
+                let s = s as usize;
                 ready_at[s] = ready_at[s].max(end[g]);
                 indeg[s] -= 1;
                 if indeg[s] == 0 {
@@ -309,7 +348,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             device: at[g].0,
             stream: at[g].1,
             kind: SpanKind::of(o.op),
-            label: short_label(o),
+            label: Label::of(o),
             start: start[g],
             end: end[g],
         });

@@ -74,7 +74,7 @@ pub fn chrome_trace(sim: &Simulation) -> String {
     for s in &sim.spans {
         events.push(serde_json::json!({
             "ph": "X",
-            "name": s.label,
+            "name": s.label.to_string(),
             "cat": kind_name(s.kind),
             "pid": s.device,
             "tid": s.stream,
@@ -193,15 +193,15 @@ pub fn timeline_svg(sim: &Simulation, title: &str) -> String {
             if w > 16.0 {
                 let mb = s
                     .label
-                    .split_whitespace()
-                    .find_map(|t| t.strip_prefix("mb"))
-                    .unwrap_or("");
+                    .microbatch
+                    .map(|m| m.to_string())
+                    .unwrap_or_default();
                 let _ = write!(
                     out,
                     r#"<text x="{:.2}" y="{}" font-size="10" text-anchor="middle">{}</text>"#,
                     x + w / 2.0,
                     y + 15.0,
-                    esc(mb)
+                    mb
                 );
             }
         }
