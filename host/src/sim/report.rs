@@ -160,21 +160,31 @@ pub fn timeline_svg(sim: &Simulation, title: &str) -> String {
             left - 6.0,
             y + 15.0
         );
-        let compute: Vec<&&super::Span> = spans.iter().filter(|s| s.kind.is_compute()).collect();
-        for s in &compute {
+        let mut compute: Vec<&&super::Span> =
+            spans.iter().filter(|s| s.kind.is_compute()).collect();
+        compute.sort_by(|a, b| a.start.total_cmp(&b.start));
+        // Overlapped F&B: a forward and a backward running at once. Sorted
+        // by start, span j overlaps span i (j > i) exactly while j starts
+        // before i ends, so the scan stops at the first that does not.
+        let mut overlapped = vec![false; compute.len()];
+        for i in 0..compute.len() {
+            for j in i + 1..compute.len() {
+                if compute[j].start >= compute[i].end {
+                    break;
+                }
+                if matches!(
+                    (compute[i].kind, compute[j].kind),
+                    (SpanKind::F, SpanKind::B | SpanKind::BI)
+                        | (SpanKind::B | SpanKind::BI, SpanKind::F)
+                ) {
+                    overlapped[i] = true;
+                    overlapped[j] = true;
+                }
+            }
+        }
+        for (s, &overlapped) in compute.iter().zip(&overlapped) {
             let x = left + s.start * scale;
             let w = ((s.end - s.start) * scale).max(0.5);
-            // Overlapped F&B: a forward and a backward running at once.
-            let overlapped = compute.iter().any(|o| {
-                o.start < s.end
-                    && s.start < o.end
-                    && !std::ptr::eq(**o, **s)
-                    && matches!(
-                        (o.kind, s.kind),
-                        (SpanKind::F, SpanKind::B | SpanKind::BI)
-                            | (SpanKind::B | SpanKind::BI, SpanKind::F)
-                    )
-            });
             let fill = if overlapped {
                 "url(#fb)".to_string()
             } else {
@@ -401,4 +411,59 @@ pub fn html(title: &str, sections: &[Section]) -> String {
     }
     out.push_str("</body></html>\n");
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{DeviceSummary, Label, Simulation, Span, SpanKind};
+    use super::timeline_svg;
+    use crate::compile::plan::OpKind;
+
+    fn span(kind: SpanKind, op: OpKind, stream: u16, start: f64, end: f64) -> Span {
+        Span {
+            device: 0,
+            stream,
+            kind,
+            label: Label {
+                op,
+                microbatch: Some(0),
+                segment: None,
+                peer: None,
+            },
+            start,
+            end,
+        }
+    }
+
+    #[test]
+    fn only_a_forward_and_a_backward_at_once_are_drawn_as_overlapped() {
+        let sim = |spans: Vec<Span>| Simulation {
+            step_time: 10.0,
+            devices: vec![DeviceSummary::default()],
+            spans,
+            streams: vec!["compute".into(), "compute2".into()],
+            bubble: 0.0,
+            ops: 3,
+        };
+        // The legend draws the pattern once.
+        let count = |s: &Simulation| timeline_svg(s, "t").matches("url(#fb)").count() - 1;
+        let apart = sim(vec![
+            span(SpanKind::F, OpKind::F, 0, 0.0, 2.0),
+            span(SpanKind::B, OpKind::B, 0, 2.0, 4.0),
+        ]);
+        assert_eq!(count(&apart), 0);
+        // A long B overlapping two later Fs (not adjacent in start order).
+        let at_once = sim(vec![
+            span(SpanKind::B, OpKind::B, 1, 0.0, 9.0),
+            span(SpanKind::F, OpKind::F, 0, 1.0, 2.0),
+            span(SpanKind::F, OpKind::F, 0, 5.0, 6.0),
+        ]);
+        assert_eq!(count(&at_once), 3);
+        // Two forwards at once are not an F&B pair.
+        let two_f = sim(vec![
+            span(SpanKind::F, OpKind::F, 0, 0.0, 2.0),
+            span(SpanKind::F, OpKind::F, 1, 1.0, 3.0),
+        ]);
+        assert_eq!(count(&two_f), 0);
+    }
 }
