@@ -282,3 +282,209 @@ fn a_2048_gpu_plan_compiles_and_simulates_in_seconds() {
     // The 5 s goal is for a release build (`cargo bench --bench sim`); a debug test allows 4×.
     assert!(took.as_secs_f64() < 20.0, "took {took:?}");
 }
+
+#[test]
+fn a_measured_run_reads_back_onto_its_plan_and_another_plans_trace_is_refused() {
+    use piper::runtime::{Corpus, TrainOptions, Trainer};
+    use piper::sim::measured::from_trace;
+    let model = ModelConfig::tiny();
+    let plan_for = |strategy: &str, opts: &[(&str, &str)]| {
+        let mut dag = TrainingDag::build(&model, Devices::new(2)).unwrap();
+        let h = host();
+        let p = h.load(strategy).unwrap();
+        let o: Vec<(String, String)> = opts
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        h.apply(&p, &mut dag, &o).unwrap();
+        compile(&dag).unwrap()
+    };
+    let plan = plan_for("1f1b", &[("microbatches", "4")]);
+    let opts = TrainOptions {
+        trace: true,
+        ..TrainOptions::default()
+    };
+    let mut t = Trainer::new(&model, plan.clone(), opts).unwrap();
+    let corpus = Corpus::builtin();
+    for step in 1..=3 {
+        t.step(&corpus.batch(step, 32, 64)).unwrap();
+    }
+    let trace = t.trace_json();
+    let m = from_trace(&plan, &trace, None).unwrap();
+    // Step 1 is warm-up: the median of steps 2 and 3 is drawn.
+    assert!(m.step == 2 || m.step == 3, "{}", m.step);
+    assert_eq!(m.step_times.len(), 3);
+    let ops: usize = plan
+        .devices
+        .iter()
+        .flat_map(|d| &d.streams)
+        .map(|s| s.ops.len())
+        .sum();
+    assert_eq!(m.sim.spans.len(), ops);
+    // One compute stream per CPU device: its spans never overlap, and a
+    // device's busy time is their sum.
+    for d in 0..2u32 {
+        let mut c: Vec<_> = m
+            .sim
+            .spans
+            .iter()
+            .filter(|s| s.device == d && s.kind.is_compute())
+            .collect();
+        c.sort_by(|a, b| a.start.total_cmp(&b.start));
+        for w in c.windows(2) {
+            assert!(
+                w[1].start >= w[0].end - 1e-9,
+                "{:?} overlaps {:?}",
+                w[0],
+                w[1]
+            );
+        }
+        let sum: f64 = c.iter().map(|s| s.end - s.start).sum();
+        assert!((sum - m.sim.devices[d as usize].busy).abs() < 1e-9);
+        assert!(m.sim.devices[d as usize].busy <= m.sim.step_time);
+    }
+    // Another plan's trace, a missing step, something that is not a trace.
+    let other = plan_for("dp", &[("degree", "2")]);
+    let e = from_trace(&other, &trace, None).unwrap_err().to_string();
+    assert!(
+        e.contains("not in this plan") || e.contains("missing"),
+        "{e}"
+    );
+    let e = from_trace(&plan, &trace, Some(99)).unwrap_err().to_string();
+    assert!(e.contains("step 99 is not in the trace"), "{e}");
+    let e = from_trace(&plan, &serde_json::json!({"x": 1}), None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("traceEvents"), "{e}");
+    let mut hostile = trace.clone();
+    let x = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .position(|e| e["ph"] == "X")
+        .unwrap();
+    hostile["traceEvents"][x]["ts"] = serde_json::json!("soon");
+    let e = from_trace(&plan, &hostile, None).unwrap_err().to_string();
+    assert!(e.contains("ts"), "{e}");
+}
+
+#[test]
+fn compare_prints_one_row_per_candidate_and_stacks_them_in_the_report() {
+    let dir = std::env::temp_dir().join(format!("piper-compare-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = dir.join("compare.html");
+    let config = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/zero2-dualpipev.toml"
+    );
+    let piper = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_piper"))
+            .args(args)
+            .env("PIPER_HOME", dir.join("home"))
+            .output()
+            .unwrap()
+    };
+    let out = piper(&[
+        "plan",
+        "--model",
+        "gpt2-small",
+        "--devices",
+        "4",
+        "--simulate",
+        "--compare",
+        "1f1b:microbatches=8",
+        "--compare",
+        "gpipe:microbatches=8",
+        "--compare",
+        "dp:degree=2+1f1b:microbatches=8",
+        "--compare",
+        config,
+        "--report",
+        report.to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("  ") && l.contains(" devices, "))
+        .collect();
+    assert_eq!(rows.len(), 4, "{text}");
+    for (row, name) in rows.iter().zip([
+        "1f1b:microbatches=8 ",
+        "gpipe:microbatches=8 ",
+        "dp:degree=2+1f1b:microbatches=8 ",
+        "zero2-dualpipev.toml ",
+    ]) {
+        assert!(row.contains(name), "{row} is not {name}");
+    }
+    // Columns: step, bubble, exposed comm, peak memory, fits.
+    let cols = |row: &str| -> Vec<String> {
+        let tail = row.split(')').next_back().unwrap();
+        let w: Vec<&str> = tail.split_whitespace().collect();
+        assert_eq!(w.len(), 8, "{row}");
+        vec![
+            format!("{} {}", w[0], w[1]),
+            w[2].to_string(),
+            format!("{} {}", w[3], w[4]),
+            format!("{} {}", w[5], w[6]),
+            w[7].to_string(),
+        ]
+    };
+    let gb = |s: &str| {
+        let (v, u) = s.split_once(' ').unwrap();
+        v.parse::<f64>().unwrap() * if u == "GB" { 1e9 } else { 1e6 }
+    };
+    // GPipe keeps every microbatch's activations until its backwards: more
+    // memory than 1F1B on the same stages.
+    let (one_f, gpipe) = (cols(rows[0]), cols(rows[1]));
+    assert!(gb(&gpipe[3]) > gb(&one_f[3]), "{one_f:?} vs {gpipe:?}");
+    // A row is the same simulation `plan --simulate` prints for that run.
+    let single = piper(&[
+        "plan",
+        "--model",
+        "gpt2-small",
+        "--devices",
+        "4",
+        "--strategy",
+        "1f1b:microbatches=8",
+        "--simulate",
+    ]);
+    let single = String::from_utf8_lossy(&single.stdout).to_string();
+    assert!(
+        single.contains(&format!("step {},", one_f[0])),
+        "{single} vs {one_f:?}"
+    );
+    // The report: the comparison table and four timelines on one axis.
+    let html = std::fs::read_to_string(&report).unwrap();
+    assert!(html.contains("<table class=\"compare\">"));
+    assert_eq!(html.matches("class=\"lane\"").count(), 16);
+    // Bad candidates are named.
+    let e = piper(&["plan", "--simulate", "--compare", "1f1b++gpipe"]);
+    let e = String::from_utf8_lossy(&e.stderr).to_string();
+    assert!(
+        e.contains("candidate `1f1b++gpipe`") && e.contains("empty strategy"),
+        "{e}"
+    );
+    let e = piper(&["plan", "--simulate", "--compare", "missing.toml"]);
+    let e = String::from_utf8_lossy(&e.stderr).to_string();
+    assert!(
+        e.contains("candidate `missing.toml`: no such run config file"),
+        "{e}"
+    );
+    let e = piper(&[
+        "plan",
+        "--simulate",
+        "--compare",
+        "1f1b",
+        "--compare",
+        "nosuch",
+    ]);
+    let e = String::from_utf8_lossy(&e.stderr).to_string();
+    assert!(e.contains("candidate `nosuch`"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

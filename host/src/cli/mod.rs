@@ -2,6 +2,7 @@
 //! The last stage of the flow for a user; errors here are `anyhow` chains
 //! of the typed errors of each stage.
 
+mod calibrate;
 mod config;
 #[cfg(feature = "mpi")]
 mod job;
@@ -40,6 +41,9 @@ enum Command {
     Plan(PlanArgs),
     /// Train: apply the strategies, compile, and run the plans on virtual CPU devices.
     Train(train::TrainArgs),
+    /// Measure the CPU runtime on this machine and write the `cpu-local`
+    /// cluster the simulator predicts it with.
+    Calibrate(calibrate::CalibrateArgs),
     /// Inspect, write, build and share strategy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -217,6 +221,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan(a) => plan(a),
         Command::Train(a) => train::train(a),
+        Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Plugin(PluginCommand::Info {
             plugin,
             json,
@@ -384,6 +389,12 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
 }
 
 fn plan(a: PlanArgs) -> Result<()> {
+    if !a.sim.compare.is_empty() {
+        if a.json || a.out.is_some() {
+            bail!("--compare prints one row per candidate: --json and --out write one plan, run them per candidate");
+        }
+        return sim::compare(&a.run, &a.sim);
+    }
     let p = prepare(&a.run)?;
     let plan = compile(&p.dag).context("compiling the plan")?;
     if a.sim.simulate {

@@ -1,6 +1,8 @@
 //! `piper plan --simulate`: time the compiled plan on a described cluster,
 //! print the figures, and write the trace, the SVG timeline or the HTML report.
 
+use super::RunArgs;
+use crate::compile::compile;
 use crate::compile::plan::Plan;
 use crate::sim::{self, report, Cluster};
 use anyhow::{bail, Context, Result};
@@ -25,6 +27,12 @@ pub struct SimArgs {
     /// Write a self-contained HTML report: timeline, memory over time, summary.
     #[arg(long, requires = "simulate")]
     pub report: Option<PathBuf>,
+    /// Compare candidates on one cluster: each a strategy list joined by `+`
+    /// (`zero:stage=1+1f1b:microbatches=8`) or a run config file; repeat
+    /// for each. `--model`/`--devices` apply to all. One row per candidate;
+    /// `--report` stacks their timelines on one time axis.
+    #[arg(long, requires = "simulate", value_name = "STRATEGIES|CONFIG", conflicts_with_all = ["trace", "svg"])]
+    pub compare: Vec<String>,
 }
 
 /// The cluster a plan over `devices` is simulated on.
@@ -101,9 +109,102 @@ pub fn run(plan: &Plan, args: &SimArgs, title: &str) -> Result<sim::Simulation> 
                     title: format!("{title} on {}", cluster.name),
                     sim: &s,
                     capacity: Some(cluster.memory_bytes),
+                    source: format!("simulated on {}", cluster.name),
                 }],
             ),
         )?;
     }
     Ok(s)
+}
+
+/// The run one `--compare` candidate describes, on top of the command's flags.
+fn candidate_args(base: &RunArgs, candidate: &str) -> Result<RunArgs> {
+    let path = std::path::Path::new(candidate);
+    if candidate.ends_with(".toml") || path.is_file() {
+        if !path.is_file() {
+            bail!("candidate `{candidate}`: no such run config file");
+        }
+        return Ok(RunArgs {
+            config: Some(path.to_path_buf()),
+            strategies: Vec::new(),
+            lock: None,
+            ..base.clone()
+        });
+    }
+    let strategies: Vec<String> = candidate.split('+').map(|s| s.trim().to_string()).collect();
+    if strategies.iter().any(|s| s.is_empty()) {
+        bail!("candidate `{candidate}`: an empty strategy between `+` signs (write e.g. `dp:degree=2+1f1b`)");
+    }
+    Ok(RunArgs {
+        strategies,
+        ..base.clone()
+    })
+}
+
+/// `piper plan --simulate --compare …`: every candidate compiled and
+/// simulated on one cluster, one row each, and the stacked report.
+pub fn compare(base: &RunArgs, args: &SimArgs) -> Result<()> {
+    let mut plans = Vec::with_capacity(args.compare.len());
+    for c in &args.compare {
+        let a = candidate_args(base, c)?;
+        let p = super::prepare(&a).with_context(|| format!("candidate `{c}`"))?;
+        let plan = compile(&p.dag).with_context(|| format!("candidate `{c}`: compiling"))?;
+        plans.push((c.clone(), plan));
+    }
+    let devices = plans
+        .iter()
+        .map(|(_, p)| p.devices.len() as u32)
+        .max()
+        .unwrap_or(1);
+    let cluster = cluster_for(args.cluster.as_deref(), devices)?;
+    let mut sims = Vec::with_capacity(plans.len());
+    for (c, plan) in &plans {
+        let s = sim::simulate(plan, &cluster).with_context(|| format!("candidate `{c}`"))?;
+        sims.push(s);
+    }
+    let sections: Vec<report::Section> = plans
+        .iter()
+        .zip(&sims)
+        .map(|((c, plan), s)| report::Section {
+            title: format!("{c} ({} devices, {})", plan.devices.len(), plan.model),
+            sim: s,
+            capacity: Some(cluster.memory_bytes),
+            source: format!("simulated on {}", cluster.name),
+        })
+        .collect();
+    println!(
+        "compared on {} ({} × {} devices, {:.0} TFLOP/s peak, {:.0} GB):",
+        cluster.name,
+        cluster.nodes,
+        cluster.devices_per_node,
+        cluster.peak_flops / 1e12,
+        cluster.memory_bytes / 1e9
+    );
+    let rows: Vec<[String; 6]> = sections.iter().map(report::compare_row).collect();
+    let width = rows
+        .iter()
+        .map(|r| r[0].chars().count())
+        .max()
+        .unwrap_or(9)
+        .max(9);
+    println!(
+        "  {:<width$}  {:>12}  {:>7}  {:>14}  {:>10}  {:>4}",
+        "candidate", "step", "bubble", "exposed comm", "peak mem", "fits"
+    );
+    for r in &rows {
+        println!(
+            "  {:<width$}  {:>12}  {:>7}  {:>14}  {:>10}  {:>4}",
+            r[0], r[1], r[2], r[3], r[4], r[5]
+        );
+    }
+    println!("  (exposed comm and peak mem: the worst device)");
+    if let Some(p) = &args.report {
+        let html = report::html(
+            &format!("Piper strategy comparison on {}", cluster.name),
+            &sections,
+        );
+        std::fs::write(p, html).with_context(|| format!("writing {}", p.display()))?;
+        println!("report: {}", p.display());
+    }
+    Ok(())
 }

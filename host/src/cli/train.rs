@@ -54,6 +54,19 @@ pub struct TrainArgs {
     /// Write a Chrome-trace JSON of what each device's streams did (open in Perfetto).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Write a self-contained HTML report of a measured step (the median
+    /// by time): the timeline per device and stream in the simulator's
+    /// style, memory over time, the summary table.
+    #[arg(long, value_name = "FILE.html")]
+    report: Option<PathBuf>,
+    /// With `--report`: the simulator's prediction of the same plan drawn
+    /// beneath the measured step, on one time axis.
+    #[arg(long, requires = "report")]
+    simulate: bool,
+    /// The cluster `--simulate` predicts on (default: `cpu-local`, this
+    /// machine as `piper calibrate` measured it).
+    #[arg(long, requires = "simulate")]
+    cluster: Option<String>,
     /// Write one safetensors file with the initial weights, the first batch,
     /// the step-1 loss and every parameter gradient.
     #[arg(long)]
@@ -111,6 +124,7 @@ fn check_args(a: &TrainArgs) -> Result<()> {
     }
     for (flag, path) in [
         ("--trace", &a.trace),
+        ("--report", &a.report),
         ("--dump-step1", &a.dump_step1),
         ("--metrics", &a.metrics),
     ] {
@@ -201,7 +215,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             }
         },
         capture_grads: a.dump_step1.is_some(),
-        trace: a.trace.is_some(),
+        trace: a.trace.is_some() || a.report.is_some(),
         inject_panic: None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
@@ -317,9 +331,9 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         Some(_) => trainer.gather_checkpoint()?,
         None => None,
     };
-    let trace = match &a.trace {
-        Some(_) => trainer.gather_trace()?,
-        None => None,
+    let trace = match a.trace.is_some() || a.report.is_some() {
+        true => trainer.gather_trace()?,
+        false => None,
     };
     if !job.leader {
         return Ok(());
@@ -341,10 +355,13 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             trainer.step_count()
         );
     }
-    if let (Some(path), Some(trace)) = (&a.trace, trace) {
+    if let (Some(path), Some(trace)) = (&a.trace, &trace) {
         std::fs::write(path, trace.to_string())
             .with_context(|| format!("writing trace {}", path.display()))?;
         println!("trace: {}", path.display());
+    }
+    if let (Some(path), Some(trace)) = (&a.report, &trace) {
+        write_report(path, &a, trainer.plan(), trace, &cfg.name)?;
     }
     for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
         println!(
@@ -353,6 +370,72 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             human_bytes(*p)
         );
     }
+    Ok(())
+}
+
+/// `--report`: the median measured step, and with `--simulate` the
+/// predicted one beneath it.
+fn write_report(
+    path: &std::path::Path,
+    a: &TrainArgs,
+    plan: &crate::compile::plan::Plan,
+    trace: &serde_json::Value,
+    model: &str,
+) -> Result<()> {
+    use crate::sim::{self, measured, report};
+    let m = measured::from_trace(plan, trace, None).context("reading the run's trace")?;
+    let title = format!(
+        "{model} on {} CPU device(s), plan {}",
+        plan.devices.len(),
+        plan.hash
+    );
+    let mut line = format!(
+        "report: {} (measured step {}: {}",
+        path.display(),
+        m.step,
+        report::human_time(m.sim.step_time)
+    );
+    let predicted = match a.simulate {
+        true => {
+            let cluster = super::sim::cluster_for(
+                Some(a.cluster.as_deref().unwrap_or("cpu-local")),
+                plan.devices.len() as u32,
+            )?;
+            let s = sim::simulate(plan, &cluster).context("simulating the plan")?;
+            line.push_str(&format!(
+                "; simulated on {}: {}, {:+.1}%",
+                cluster.name,
+                report::human_time(s.step_time),
+                100.0 * (s.step_time / m.sim.step_time - 1.0)
+            ));
+            Some((cluster, s))
+        }
+        false => None,
+    };
+    let mut sections = vec![report::Section {
+        title: format!("measured: {title}"),
+        sim: &m.sim,
+        capacity: None,
+        source: format!(
+            "measured on this machine: step {} (the median of {} steps by time)",
+            m.step,
+            m.step_times.len()
+        ),
+    }];
+    if let Some((c, s)) = &predicted {
+        sections.push(report::Section {
+            title: format!("simulated: {title}"),
+            sim: s,
+            capacity: Some(c.memory_bytes),
+            source: format!("predicted by the simulator on `{}`", c.name),
+        });
+    }
+    std::fs::write(
+        path,
+        report::html(&format!("Piper run report — {title}"), &sections),
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
+    println!("{line})");
     Ok(())
 }
 

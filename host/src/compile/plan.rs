@@ -185,6 +185,12 @@ impl OpKind {
     pub fn is_compute(self) -> bool {
         matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
     }
+    pub fn is_collective(self) -> bool {
+        matches!(
+            self,
+            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll
+        )
+    }
 }
 
 impl PartialEq<&str> for OpKind {

@@ -438,6 +438,8 @@ impl Trainer {
         let rank = self.fabric().map(|f| f.ranks.rank);
         #[cfg(not(feature = "mpi"))]
         let rank: Option<u32> = None;
+        // The clock the times are on: one per process.
+        let clock = rank.map_or(0, |r| r);
         let mut events = Vec::new();
         for (&i, d) in self.local.iter().zip(&self.devices) {
             let dp = &self.plan.devices[i];
@@ -452,7 +454,7 @@ impl Trainer {
             for e in d.events() {
                 events.push(serde_json::json!({
                     "name": e.name, "cat": e.cat, "ph": "X", "pid": dp.device, "tid": e.stream,
-                    "ts": e.start_us, "dur": e.dur_us, "args": {"step": e.step},
+                    "ts": e.start_us, "dur": e.dur_us, "args": {"step": e.step, "op": e.op, "clock": clock},
                 }));
             }
         }

@@ -20,6 +20,8 @@ pub(crate) struct TraceEvent {
     pub name: String,
     pub cat: &'static str,
     pub stream: usize,
+    /// The op's index in its stream's plan order.
+    pub op: usize,
     pub start_us: f64,
     pub dur_us: f64,
     pub step: u32,
@@ -171,6 +173,7 @@ fn run_stream(
                     "comm"
                 },
                 stream: si,
+                op: i,
                 start_us: t0.as_secs_f64() * 1e6,
                 dur_us: (t1 - t0).as_secs_f64() * 1e6,
                 step: ctx.step,

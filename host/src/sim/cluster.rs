@@ -14,6 +14,8 @@
 //! [efficiency]                 # achieved fraction of peak per op kind
 //! F = 0.55
 //! B = 0.5
+//! [op_overhead_s]              # fixed seconds per compute op (launches, framework)
+//! F = 0.0
 //! ```
 
 use serde::{Deserialize, Serialize};
@@ -44,6 +46,21 @@ impl Default for Efficiency {
     }
 }
 
+/// Fixed seconds per compute op of each kind, on top of its FLOPs: kernel
+/// launches and framework work (`piper calibrate` measures it on CPU).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Overhead {
+    #[serde(rename = "F")]
+    pub f: f64,
+    #[serde(rename = "B")]
+    pub b: f64,
+    #[serde(rename = "BI")]
+    pub bi: f64,
+    #[serde(rename = "BW")]
+    pub bw: f64,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {
@@ -59,6 +76,8 @@ pub struct Cluster {
     pub inter_latency_s: f64,
     #[serde(default)]
     pub efficiency: Efficiency,
+    #[serde(default)]
+    pub op_overhead_s: Overhead,
 }
 
 /// A cluster description that cannot be used.
@@ -98,6 +117,7 @@ impl Cluster {
             inter_bytes_per_s: 50e9,
             inter_latency_s: 10e-6,
             efficiency: Efficiency::default(),
+            op_overhead_s: Overhead::default(),
         }
     }
 
@@ -142,6 +162,7 @@ impl Cluster {
                 bi: 1.0,
                 bw: 1.0,
             },
+            op_overhead_s: Overhead::default(),
         }
     }
 
@@ -213,6 +234,10 @@ impl Cluster {
         for (f, v) in [
             ("intra_latency_s", self.intra_latency_s),
             ("inter_latency_s", self.inter_latency_s),
+            ("op_overhead_s.F", self.op_overhead_s.f),
+            ("op_overhead_s.B", self.op_overhead_s.b),
+            ("op_overhead_s.BI", self.op_overhead_s.bi),
+            ("op_overhead_s.BW", self.op_overhead_s.bw),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(field(f, v, "zero or more and finite"));

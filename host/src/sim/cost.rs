@@ -20,11 +20,11 @@ const ADAMW_PASSES: f64 = 7.0;
 
 impl CostModel for Cluster {
     fn compute(&self, op: &Op) -> f64 {
-        let eff = match op.op {
-            OpKind::F => self.efficiency.f,
-            OpKind::B => self.efficiency.b,
-            OpKind::BI => self.efficiency.bi,
-            OpKind::BW => self.efficiency.bw,
+        let (eff, fixed) = match op.op {
+            OpKind::F => (self.efficiency.f, self.op_overhead_s.f),
+            OpKind::B => (self.efficiency.b, self.op_overhead_s.b),
+            OpKind::BI => (self.efficiency.bi, self.op_overhead_s.bi),
+            OpKind::BW => (self.efficiency.bw, self.op_overhead_s.bw),
             OpKind::Update => {
                 // ZeRO-1+ shards the step over the data-parallel group.
                 let shard = op.group.as_ref().map_or(1, |g| g.len().max(1)) as f64;
@@ -32,7 +32,7 @@ impl CostModel for Cluster {
             }
             _ => return 0.0,
         };
-        op.flops / (self.peak_flops * eff)
+        fixed + op.flops / (self.peak_flops * eff)
     }
 
     fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {

@@ -15,8 +15,10 @@
 //! crosses (NVLink inside a node, the network between nodes); a collective
 //! the better of ring and tree over its group's slowest link.
 
+pub mod calibrate;
 pub mod cluster;
 pub mod cost;
+pub mod measured;
 pub mod report;
 
 pub use cluster::{Cluster, ClusterError};
@@ -105,6 +107,8 @@ pub enum SimError {
         label: String,
         why: String,
     },
+    #[error("trace: {0}")]
+    Trace(String),
     #[error("the plan never finishes: {stuck} ops wait forever, e.g. device {device} stream {stream} op {index} ({label})")]
     Stuck {
         stuck: usize,
@@ -153,30 +157,54 @@ impl std::fmt::Display for Label {
     }
 }
 
+/// Every op of a plan in one flat order (device, stream, op), with the
+/// stream names made global: how the simulator and a measured run agree on
+/// which op a time belongs to.
+pub(crate) struct OpIndex {
+    pub streams: Vec<String>,
+    /// `base[device][stream]`: the global id of that stream's first op.
+    pub base: Vec<Vec<usize>>,
+    /// (device, global stream id, op index) of every op.
+    pub at: Vec<(u32, u16, u32)>,
+    /// The stream's index on its device, per op.
+    pub local: Vec<u16>,
+}
+
+impl OpIndex {
+    pub fn of(plan: &Plan) -> Self {
+        let mut streams: Vec<String> = Vec::new();
+        let mut stream_ix: HashMap<&str, u16> = HashMap::new();
+        let mut base: Vec<Vec<usize>> = Vec::with_capacity(plan.devices.len());
+        let mut at: Vec<(u32, u16, u32)> = Vec::new();
+        let mut local: Vec<u16> = Vec::new();
+        for d in &plan.devices {
+            let mut b = Vec::with_capacity(d.streams.len());
+            for (li, s) in d.streams.iter().enumerate() {
+                let si = *stream_ix.entry(s.stream.as_str()).or_insert_with(|| {
+                    streams.push(s.stream.clone());
+                    (streams.len() - 1) as u16
+                });
+                b.push(at.len());
+                for i in 0..s.ops.len() {
+                    at.push((d.device, si, i as u32));
+                    local.push(li as u16);
+                }
+            }
+            base.push(b);
+        }
+        OpIndex {
+            streams,
+            base,
+            at,
+            local,
+        }
+    }
+}
+
 /// Time `plan` under `costs`.
 pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimError> {
-    // Global op ids: (device, stream, index) in plan order.
-    let mut streams: Vec<String> = Vec::new();
-    let mut stream_ix: HashMap<&str, u16> = HashMap::new();
-    let mut base: Vec<Vec<usize>> = Vec::with_capacity(plan.devices.len());
-    // (device, global stream id, op index), and the stream's index on its device.
-    let mut at: Vec<(u32, u16, u32)> = Vec::new();
-    let mut local: Vec<u16> = Vec::new();
-    for d in &plan.devices {
-        let mut b = Vec::with_capacity(d.streams.len());
-        for (li, s) in d.streams.iter().enumerate() {
-            let si = *stream_ix.entry(s.stream.as_str()).or_insert_with(|| {
-                streams.push(s.stream.clone());
-                (streams.len() - 1) as u16
-            });
-            b.push(at.len());
-            for i in 0..s.ops.len() {
-                at.push((d.device, si, i as u32));
-                local.push(li as u16);
-            }
-        }
-        base.push(b);
-    }
+    let ix = OpIndex::of(plan);
+    let (base, at, local) = (&ix.base, &ix.at, &ix.local);
     let n = at.len();
     let op_of = |g: usize| {
         let (d, _, i) = at[g];
@@ -339,6 +367,19 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             label: o.label(),
         });
     }
+    Ok(assemble(plan, &ix, &start, &end))
+}
+
+/// Spans and per-device figures from every op's (start, end), in
+/// [`OpIndex`] order: the same for a simulated and a measured step.
+pub(crate) fn assemble(plan: &Plan, ix: &OpIndex, start: &[f64], end: &[f64]) -> Simulation {
+    let (at, local) = (&ix.at, &ix.local);
+    let n = at.len();
+    let op_of = |g: usize| {
+        let (d, _, i) = at[g];
+        let s = &plan.devices[d as usize].streams[local[g] as usize];
+        (s, &s.ops[i as usize])
+    };
     // Spans and per-device figures.
     let step_time = end.iter().cloned().fold(0.0, f64::max);
     let mut spans = Vec::with_capacity(n);
@@ -365,7 +406,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
         );
         let busy: f64 = compute.iter().map(|(a, b)| b - a).sum();
         let mut exposed = BTreeMap::new();
-        for (si, name) in streams.iter().enumerate() {
+        for (si, name) in ix.streams.iter().enumerate() {
             let comm = union(
                 mine.iter()
                     .filter(|s| s.stream as usize == si && !s.kind.is_compute())
@@ -395,14 +436,14 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     } else {
         0.0
     };
-    Ok(Simulation {
+    Simulation {
         step_time,
         devices,
         spans,
-        streams,
+        streams: ix.streams.clone(),
         bubble,
         ops: n,
-    })
+    }
 }
 
 /// Model states plus live transient buffers over time: a buffer is taken

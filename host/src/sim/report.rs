@@ -123,15 +123,18 @@ fn legend(out: &mut String, x: f64, y: f64) {
 /// The timeline: a lane per device (computation), a thin band beneath it
 /// (communication); `title` above.
 pub fn timeline_svg(sim: &Simulation, title: &str) -> String {
+    timeline_svg_on(sim, title, sim.step_time)
+}
+
+/// [`timeline_svg`] on a time axis `axis` seconds wide (≥ the step time),
+/// so timelines drawn one under another share their scale.
+pub fn timeline_svg_on(sim: &Simulation, title: &str, axis: f64) -> String {
+    let axis = axis.max(sim.step_time);
     let lanes = sim.devices.len().min(MAX_LANES);
     let (left, top, width, lane_h, comm_h, gap) = (80.0, 50.0, 1100.0, 22.0, 6.0, 6.0);
     let row = lane_h + comm_h + gap;
     let height = top + row * lanes as f64 + 40.0;
-    let scale = if sim.step_time > 0.0 {
-        width / sim.step_time
-    } else {
-        0.0
-    };
+    let scale = if axis > 0.0 { width / axis } else { 0.0 };
     let mut out = String::new();
     let _ = write!(
         out,
@@ -256,7 +259,8 @@ pub fn timeline_svg(sim: &Simulation, title: &str) -> String {
 }
 
 /// Bytes in use over time, one line per device (up to 8), model states included.
-fn memory_svg(sim: &Simulation, capacity: Option<f64>) -> String {
+fn memory_svg(sim: &Simulation, capacity: Option<f64>, axis: f64) -> String {
+    let axis = axis.max(sim.step_time);
     let (left, top, width, height) = (80.0, 20.0, 1100.0, 220.0);
     let shown = sim.devices.len().min(8);
     let max = sim.devices[..shown]
@@ -272,11 +276,7 @@ fn memory_svg(sim: &Simulation, capacity: Option<f64>) -> String {
                     .fold(1.0, f64::max),
             ),
         );
-    let sx = if sim.step_time > 0.0 {
-        width / sim.step_time
-    } else {
-        0.0
-    };
+    let sx = if axis > 0.0 { width / axis } else { 0.0 };
     let sy = height / max;
     let palette = [
         "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -325,7 +325,7 @@ fn memory_svg(sim: &Simulation, capacity: Option<f64>) -> String {
         top + height + 14.0,
         left + width,
         top + height + 14.0,
-        human_time(sim.step_time),
+        human_time(axis),
         top + 10.0,
         human_bytes(max as u64)
     );
@@ -369,16 +369,51 @@ pub fn summary_rows(sim: &Simulation, capacity: Option<f64>) -> Vec<[String; 6]>
         .collect()
 }
 
-/// One candidate of a report: a title and its simulation.
+/// One timeline of a report (a candidate strategy, a measured or a
+/// simulated step): a title and its figures.
 pub struct Section<'a> {
     pub title: String,
     pub sim: &'a Simulation,
     /// Device memory of the cluster, bytes (for "fits").
     pub capacity: Option<f64>,
+    /// Where the times come from, shown under the title
+    /// (`simulated on h100-8x`, `measured: step 7 of 20`).
+    pub source: String,
 }
 
-/// A self-contained HTML page: for each section, the timeline, the memory
-/// chart and the summary table. Inline SVG and CSS only.
+/// One section in a row: title, step time, bubble, the largest exposed
+/// communication of a device, the largest peak memory of a device, fits.
+pub fn compare_row(s: &Section) -> [String; 6] {
+    let exposed = s
+        .sim
+        .devices
+        .iter()
+        .map(|d| d.exposed_comm.values().sum::<f64>())
+        .fold(0.0, f64::max);
+    let peak = s
+        .sim
+        .devices
+        .iter()
+        .map(|d| d.peak_bytes)
+        .max()
+        .unwrap_or(0);
+    [
+        s.title.clone(),
+        human_time(s.sim.step_time),
+        format!("{:.1}%", s.sim.bubble * 100.0),
+        human_time(exposed),
+        human_bytes(peak),
+        match s.capacity {
+            Some(c) if peak as f64 > c => "no".into(),
+            Some(_) => "yes".into(),
+            None => "-".into(),
+        },
+    ]
+}
+
+/// A self-contained HTML page: with several sections a comparison table
+/// first, then for each section the timeline, the memory chart and the
+/// summary table, every timeline on one time axis. Inline SVG and CSS only.
 pub fn html(title: &str, sections: &[Section]) -> String {
     let mut out = String::new();
     let _ = write!(
@@ -387,18 +422,31 @@ pub fn html(title: &str, sections: &[Section]) -> String {
         esc(title),
         esc(title)
     );
+    let axis = sections.iter().map(|s| s.sim.step_time).fold(0.0, f64::max);
+    if sections.len() > 1 {
+        out.push_str("<h2>Comparison</h2><table class=\"compare\"><tr><th>candidate</th><th>step time</th><th>bubble</th><th>exposed comm (worst device)</th><th>peak memory (worst device)</th><th>fits</th></tr>");
+        for s in sections {
+            out.push_str("<tr>");
+            for c in compare_row(s) {
+                let _ = write!(out, "<td>{}</td>", esc(&c));
+            }
+            out.push_str("</tr>");
+        }
+        out.push_str("</table>");
+    }
     for s in sections {
         let _ = write!(out, "<h2>{}</h2>", esc(&s.title));
         let _ = write!(
             out,
-            "<p>step time <b>{}</b> · bubble <b>{:.1}%</b> · {} ops simulated</p>",
+            "<p>{} · step time <b>{}</b> · bubble <b>{:.1}%</b> · {} ops</p>",
+            esc(&s.source),
             human_time(s.sim.step_time),
             s.sim.bubble * 100.0,
             s.sim.ops
         );
-        out.push_str(&timeline_svg(s.sim, &s.title));
+        out.push_str(&timeline_svg_on(s.sim, &s.title, axis));
         out.push_str("<h3>Memory over time</h3>");
-        out.push_str(&memory_svg(s.sim, s.capacity));
+        out.push_str(&memory_svg(s.sim, s.capacity, axis));
         out.push_str("<h3>Summary</h3><table><tr><th>device</th><th>busy</th><th>idle</th><th>exposed comm</th><th>peak memory</th><th>fits</th></tr>");
         for r in summary_rows(s.sim, s.capacity) {
             out.push_str("<tr>");

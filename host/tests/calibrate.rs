@@ -1,0 +1,114 @@
+//! Calibrated prediction against measurement on this machine: `piper
+//! calibrate`, then real runs of `1f1b` and `dp` on 2 CPU devices whose
+//! median step time the simulator must predict within 15%. One test in its
+//! own binary, so no other test shares the cores while it measures.
+
+use std::path::Path;
+use std::process::Command;
+
+fn piper(home: &Path, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(args)
+        .env("PIPER_HOME", home)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "piper {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `246.867 ms`, `1.200 s`, `95.0 µs` in seconds.
+fn seconds(text: &str) -> f64 {
+    let (num, unit) = text.trim().split_once(' ').unwrap();
+    let v: f64 = num.parse().unwrap();
+    v * match unit {
+        "s" => 1.0,
+        "ms" => 1e-3,
+        "µs" => 1e-6,
+        u => panic!("unit {u}"),
+    }
+}
+
+#[test]
+fn calibrated_simulation_predicts_1f1b_and_dp_on_2_cpu_devices_within_15_percent() {
+    let dir = std::env::temp_dir().join(format!("piper-calibrate-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let home = dir.join("home");
+    let cluster = dir.join("cpu.toml");
+    let cal = piper(&home, &["calibrate", "--out", cluster.to_str().unwrap()]);
+    assert!(cal.contains("wrote"), "{cal}");
+    let text = std::fs::read_to_string(&cluster).unwrap();
+    assert!(
+        text.contains("[op_overhead_s]") && text.contains("peak_flops"),
+        "{text}"
+    );
+    for strategy in ["1f1b:microbatches=4", "dp:degree=2"] {
+        let metrics = dir.join(format!("{}.jsonl", &strategy[..2]));
+        let report = dir.join(format!("{}.html", &strategy[..2]));
+        let out = piper(
+            &home,
+            &[
+                "train",
+                "--model",
+                "tiny",
+                "--devices",
+                "2",
+                "--strategy",
+                strategy,
+                "--steps",
+                "15",
+                "--metrics",
+                metrics.to_str().unwrap(),
+                "--report",
+                report.to_str().unwrap(),
+                "--simulate",
+                "--cluster",
+                cluster.to_str().unwrap(),
+            ],
+        );
+        // The measured median, from the runtime's own step times (the
+        // first step, warm-up, left out).
+        let mut steps: Vec<f64> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .skip(1)
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (32 * 64) as f64 / v["tokens_per_s"].as_f64().unwrap()
+            })
+            .collect();
+        steps.sort_by(f64::total_cmp);
+        let measured = steps[steps.len() / 2];
+        let line = out
+            .lines()
+            .find(|l| l.starts_with("report:"))
+            .unwrap_or_else(|| panic!("no report line: {out}"));
+        let after = line.split("simulated on ").nth(1).unwrap();
+        let simulated = seconds(after.split(": ").nth(1).unwrap().split(',').next().unwrap());
+        let error = simulated / measured - 1.0;
+        eprintln!(
+            "{strategy}: measured median {:.1} ms, simulated {:.1} ms ({:+.1}%)",
+            measured * 1e3,
+            simulated * 1e3,
+            error * 100.0
+        );
+        assert!(
+            error.abs() <= 0.15,
+            "{strategy}: simulated {simulated:.4} s vs measured median {measured:.4} s ({:+.1}%)\n{cal}\n{out}",
+            error * 100.0
+        );
+        // The run report draws the measured step and the prediction, one
+        // lane per device each.
+        let html = std::fs::read_to_string(&report).unwrap();
+        assert!(
+            html.contains("measured on this machine")
+                && html.contains("predicted by the simulator")
+        );
+        assert_eq!(html.matches("class=\"lane\"").count(), 4, "{strategy}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
