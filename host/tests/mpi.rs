@@ -187,6 +187,8 @@ fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
             &p("four.st"),
             "--trace",
             &p("trace.json"),
+            "--report",
+            &p("run.html"),
         ]));
     run(mpirun(2)
         .args(["-x", &env, bin, "train", "--steps", "6"])
@@ -219,6 +221,10 @@ fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
             "device 3 (rank 3)"
         ]
     );
+    // The run report reads that trace back onto the plan: a lane per device.
+    let html = std::fs::read_to_string(h.join("run.html")).unwrap();
+    assert!(html.contains("measured on this machine"));
+    assert_eq!(html.matches("class=\"lane\"").count(), 4);
     let _ = std::fs::remove_dir_all(&h);
 }
 

@@ -126,8 +126,7 @@ fn zb_h1_idles_pp_minus_1_times_f_plus_b_minus_2w() {
 /// overlapped F&B pair runs on one compute stream, so F&B = F + B. Checked
 /// where B = BI + W with BI ≤ F + W (the published setting, F = BI = W
 /// and F = 2W, BI = 2W); with a slower BI (F=1, BI=2, W=1) the plan idles
-/// less than the formula says. DualPipeV's plan idles one F more per
-/// device than the same formula (see docs/simulator.md, "Open").
+/// less than the formula says.
 #[test]
 fn dualpipe_idles_pp_over_2_minus_1_times_fb_plus_b_minus_3w() {
     for (p, m) in [(4u32, 8u32), (4, 16), (8, 16), (8, 32)] {
@@ -487,4 +486,29 @@ fn compare_prints_one_row_per_candidate_and_stacks_them_in_the_report() {
     let e = String::from_utf8_lossy(&e.stderr).to_string();
     assert!(e.contains("candidate `nosuch`"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// DualPipeV on d devices runs PP = 2d stages (DeepSeek's table compares
+/// schedules "based on the same number of PP stages"). With F&B = F + B (one
+/// compute stream) the plan idles (PP/2 − 1)(F + B − 2W) per device: never
+/// more than the published (PP/2 − 1)(F&B + B − 3W), less by (PP/2 − 1)·BI.
+#[test]
+fn dualpipev_idles_pp_over_2_minus_1_times_f_plus_b_minus_2w_within_the_published_bound() {
+    for d in [2u32, 4, 8] {
+        for m in [2 * d, 4 * d] {
+            for (f, b, w) in [(1.0, 2.0, 1.0), (1.0, 1.0, 0.5), (2.0, 3.0, 1.0)] {
+                let plan = plan_of(
+                    2 * d,
+                    d,
+                    &[("dualpipev", &[("microbatches", &m.to_string())])],
+                );
+                let s = simulate(&plan, &unit(f, b, w)).unwrap();
+                let half = (2 * d) as f64 / 2.0 - 1.0;
+                let what = format!("dualpipev d={d} m={m} F={f} B={b} W={w}");
+                assert_all(&s, half * (f + b - 2.0 * w), &what);
+                let published = half * ((f + b) + b - 3.0 * w);
+                assert!(half * (f + b - 2.0 * w) <= published + 1e-9, "{what}");
+            }
+        }
+    }
 }
