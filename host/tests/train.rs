@@ -369,3 +369,71 @@ fn step1_gradients_under_zero3_inside_1f1b_are_complete_and_match_one_device() {
         }
     }
 }
+
+/// Kernel threads never change the numbers: 1, 2 and 3 threads per device,
+/// and 2 threads twice, give the same losses and weights bit for bit, on
+/// one device and inside a 2-device 1F1B.
+#[test]
+fn training_gives_the_same_bits_on_any_thread_count_and_run_to_run() {
+    use piper::model::ModelConfig;
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    // Wide enough that every kernel splits over the threads.
+    let cfg = ModelConfig {
+        layers: 4,
+        d_model: 128,
+        heads: 4,
+        seq_len: 64,
+        batch_size: 8,
+        ..small()
+    };
+    let corpus = Corpus::builtin();
+    for (devices, strategy) in [
+        (
+            1u32,
+            &[("1f1b", &[("stages", "1"), ("microbatches", "1")][..])][..],
+        ),
+        (2, &[("1f1b", &[("microbatches", "2")][..])][..]),
+    ] {
+        let run = |threads: usize| {
+            let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+            let opts = TrainOptions {
+                threads: Some(threads),
+                ..Default::default()
+            };
+            let mut t = Trainer::new(&cfg, plan, opts).unwrap();
+            assert_eq!(t.threads(), threads);
+            let losses: Vec<u64> = (1..=3)
+                .map(|s| {
+                    let batch = corpus.batch(s, 8, 64);
+                    t.step(&batch).unwrap().loss.to_bits()
+                })
+                .collect();
+            let params: Vec<(String, Vec<u32>)> = t
+                .params()
+                .into_iter()
+                .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
+                .collect();
+            (losses, params)
+        };
+        let one = run(1);
+        for threads in [2, 3, 2] {
+            let many = run(threads);
+            assert_eq!(
+                many.0, one.0,
+                "{devices} device(s): losses, 1 vs {threads} threads"
+            );
+            assert!(
+                many.1 == one.1,
+                "{devices} device(s): weights, 1 vs {threads} threads"
+            );
+        }
+    }
+    // A thread count out of range is refused before any work.
+    let plan = plan_with(&host, &cfg, 1, &[("1f1b", &[("stages", "1")])]).unwrap();
+    let opts = TrainOptions {
+        threads: Some(0),
+        ..Default::default()
+    };
+    let e = Trainer::new(&cfg, plan, opts).err().unwrap().to_string();
+    assert!(e.contains("kernel threads: 0 per device"), "{e}");
+}

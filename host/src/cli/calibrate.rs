@@ -28,6 +28,10 @@ pub struct CalibrateArgs {
     /// many devices sharing this machine's cores).
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(2..=64))]
     devices: u32,
+    /// Kernel threads per device (default as `piper train`'s; calibrate
+    /// with the count you will train with).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
     /// Measured steps per run (the first is left out as warm-up).
     #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(3..=10_000))]
     steps: u32,
@@ -41,6 +45,7 @@ pub struct CalibrateArgs {
 /// their median step time.
 struct Run {
     name: String,
+    threads: usize,
     plan: crate::compile::plan::Plan,
     steps: Vec<sim::Simulation>,
     median: f64,
@@ -60,6 +65,7 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
     let opts = TrainOptions {
         trace: true,
+        threads: a.threads.map(|t| t as usize),
         ..TrainOptions::default()
     };
     let mut trainer = Trainer::new(&cfg, plan.clone(), opts)?;
@@ -70,6 +76,7 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
             .with_context(|| format!("calibration run `{strategy}`, step {step}"))?;
     }
     let trace = trainer.trace_json();
+    let threads = trainer.threads();
     let mut steps = Vec::new();
     let mut times = Vec::new();
     for step in 2..=a.steps {
@@ -80,6 +87,7 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
     times.sort_by(f64::total_cmp);
     Ok(Run {
         name: strategy,
+        threads,
         plan,
         steps,
         median: times[times.len() / 2],
@@ -160,9 +168,9 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     let body = toml::to_string(&cluster).context("writing the cluster as TOML")?;
     let text = format!(
         "# This machine's CPU runtime, measured by `piper calibrate` \
-         (model `{model}`, {d} devices at once, {} steps of dp and zb-h1).\n\
+         (model `{model}`, {d} devices at once × {} kernel thread(s), {} steps of dp and zb-h1).\n\
          # Read by `--cluster cpu-local` when it is $PIPER_HOME/cpu-local.toml.\n{body}",
-        a.steps
+        runs[0].threads, a.steps
     );
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());

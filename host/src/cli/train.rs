@@ -71,6 +71,11 @@ pub struct TrainArgs {
     /// the step-1 loss and every parameter gradient.
     #[arg(long)]
     dump_step1: Option<PathBuf>,
+    /// Kernel threads per device (default: this machine's cores ÷ the
+    /// devices of this process, ÷ the ranks on this machine under MPI; at
+    /// least 1). Losses are the same bits for every count.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    threads: Option<u32>,
     /// Longest wait for a peer device, seconds (default: derived from the
     /// plan's predicted step time, at least 10 s).
     #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
@@ -216,6 +221,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         },
         capture_grads: a.dump_step1.is_some(),
         trace: a.trace.is_some() || a.report.is_some(),
+        threads: a.threads.map(|t| t as usize),
         inject_panic: None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
@@ -258,10 +264,11 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     if job.leader {
         eprintln!(
-            "training {} ({} parameters) on {devices} CPU device(s){}, plan {hash}, data: {}",
+            "training {} ({} parameters) on {devices} CPU device(s){} × {} thread(s), plan {hash}, data: {}",
             cfg.name,
             cfg.param_count(),
             job_ranks(job),
+            trainer.threads(),
             corpus.name
         );
         for line in &p.applied {
@@ -359,6 +366,18 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         std::fs::write(path, trace.to_string())
             .with_context(|| format!("writing trace {}", path.display()))?;
         println!("trace: {}", path.display());
+        let (kernels, compute) = crate::sim::measured::kernel_totals(trace);
+        if compute > 0.0 && !kernels.is_empty() {
+            let top: Vec<String> = kernels
+                .iter()
+                .take(6)
+                .map(|(k, t)| format!("{k} {:.0}%", 100.0 * t / compute))
+                .collect();
+            println!(
+                "  where compute went (every device, steps after the first): {}",
+                top.join(", ")
+            );
+        }
     }
     if let (Some(path), Some(trace)) = (&a.report, &trace) {
         write_report(path, &a, trainer.plan(), trace, &cfg.name)?;

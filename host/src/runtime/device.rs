@@ -50,6 +50,8 @@ pub(crate) struct Device {
     /// ZeRO-2/3: the last step's reduced gradient shard per bucket index.
     pub(super) captured_shards: Mutex<HashMap<usize, Vec<f32>>>,
     pub(super) events: Mutex<Vec<TraceEvent>>,
+    /// The threads its kernels run on (`TrainOptions::threads`).
+    pub(super) pool: rayon::ThreadPool,
 }
 
 /// Names of the parameters a segment owns on a device holding `held`: the
@@ -162,6 +164,15 @@ impl Device {
             }
         }
         let has_norm_op = ops().any(|o| o.purpose == Some(CommPurpose::GradNorm));
+        let threads = opts.threads.unwrap_or(1).max(1);
+        let id = plan.device;
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("piper-d{id}-k{i}"))
+            .build()
+            .map_err(|e| {
+                RuntimeError::Threads(format!("device {id}: cannot start {threads}: {e}"))
+            })?;
         Ok(Device {
             id: plan.device,
             grads: Mutex::new(grads),
@@ -182,6 +193,7 @@ impl Device {
             captured: Mutex::new(Tensors::new()),
             captured_shards: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
+            pool,
         })
     }
 

@@ -34,6 +34,9 @@ pub enum RuntimeError {
     },
     #[error("{0}")]
     Unsupported(String),
+    /// The kernel threads asked for cannot be given.
+    #[error("kernel threads: {0}")]
+    Threads(String),
     #[error("device {device}, stream `{stream}`: {op}: panicked: {message}")]
     Panic {
         device: u32,

@@ -65,11 +65,30 @@ pub struct TrainOptions {
     pub capture_grads: bool,
     /// Record what every stream did, for [`Trainer::trace_json`].
     pub trace: bool,
+    /// Kernel threads per device (`None`: [`default_threads`]). Results are
+    /// the same bits for every count.
+    pub threads: Option<usize>,
     /// Fault injection for tests: panic on `device` when an op whose label
     /// starts with the text is about to run.
     #[doc(hidden)]
     pub inject_panic: Option<(u32, String)>,
 }
+
+/// Kernel threads per device when none are asked for: this machine's cores
+/// shared among the devices of this process and the processes of this job
+/// on this machine (Open MPI's and MPICH's local rank count), at least 1.
+pub fn default_threads(devices_here: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let local_ranks = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    (cores / (devices_here.max(1) * local_ranks)).max(1)
+}
+
+/// The most kernel threads a device may be given.
+pub const MAX_THREADS: usize = 1024;
 
 /// The slowest rate a CPU device is assumed to compute at when the plan's
 /// waits are bounded (well below any real core).
@@ -106,6 +125,7 @@ impl Default for TrainOptions {
             comm_timeout: None,
             capture_grads: false,
             trace: false,
+            threads: None,
             inject_panic: None,
         }
     }
@@ -190,9 +210,16 @@ impl Trainer {
     fn with_devices(
         cfg: &ModelConfig,
         plan: Plan,
-        opts: TrainOptions,
+        mut opts: TrainOptions,
         local: Vec<usize>,
     ) -> Result<Self, RuntimeError> {
+        let threads = opts.threads.unwrap_or_else(|| default_threads(local.len()));
+        if !(1..=MAX_THREADS).contains(&threads) {
+            return Err(RuntimeError::Threads(format!(
+                "{threads} per device: give between 1 and {MAX_THREADS}"
+            )));
+        }
+        opts.threads = Some(threads);
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
         if cfg.moe.is_some() {
@@ -229,6 +256,10 @@ impl Trainer {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+    /// Kernel threads each of this process's devices runs on.
+    pub fn threads(&self) -> usize {
+        self.opts.threads.unwrap_or(1)
     }
     pub fn step_count(&self) -> u32 {
         self.step

@@ -157,7 +157,8 @@ fn run_stream(
                 panic!("injected kernel panic (TrainOptions::inject_panic)");
             }
         }
-        if let Err(e) = exec_op(dev, op, ctx) {
+        let mut kernels = Vec::new();
+        if let Err(e) = exec_op(dev, op, ctx, &mut kernels) {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
             dev.cv.notify_all();
@@ -178,6 +179,19 @@ fn run_stream(
                 dur_us: (t1 - t0).as_secs_f64() * 1e6,
                 step: ctx.step,
             });
+            // The kernels the op ran, nested under it.
+            let mut ev = dev.events.lock().unwrap();
+            for k in kernels {
+                ev.push(TraceEvent {
+                    name: k.name.to_string(),
+                    cat: "kernel",
+                    stream: si,
+                    op: i,
+                    start_us: k.start_us,
+                    dur_us: k.dur_us,
+                    step: ctx.step,
+                });
+            }
         }
         let mut p = dev.progress.lock().unwrap();
         p[si] = i + 1;

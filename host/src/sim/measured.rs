@@ -52,7 +52,11 @@ pub fn from_trace(
     })?;
     // (step, clock, device, stream, op, start µs, duration µs)
     let mut ops = Vec::with_capacity(events.len());
-    for e in events.iter().filter(|e| e["ph"] == "X") {
+    // Plan ops only: the kernels nested under them (`cat: kernel`) are not ops.
+    for e in events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["cat"] != "kernel")
+    {
         let num = |v: &serde_json::Value, what: &str| {
             v.as_f64()
                 .filter(|x| x.is_finite() && *x >= 0.0)
@@ -184,4 +188,35 @@ pub fn from_trace(
         step,
         step_times,
     })
+}
+
+/// Where a run's compute time went: seconds per kernel (summed over every
+/// device and step but the first), largest first, and the summed time of the
+/// compute and update ops they ran in.
+pub fn kernel_totals(trace: &serde_json::Value) -> (Vec<(String, f64)>, f64) {
+    let empty = Vec::new();
+    let events = trace["traceEvents"].as_array().unwrap_or(&empty);
+    let steps: std::collections::BTreeSet<u64> = events
+        .iter()
+        .filter_map(|e| e["args"]["step"].as_u64())
+        .collect();
+    // The first step pays for warm-up: left out when there are others.
+    let skip = steps.first().copied().filter(|_| steps.len() > 1);
+    let counted = |e: &&serde_json::Value| e["ph"] == "X" && e["args"]["step"].as_u64() != skip;
+    let mut by: BTreeMap<String, f64> = BTreeMap::new();
+    let mut compute = 0.0;
+    for e in events.iter().filter(counted) {
+        let dur = e["dur"].as_f64().unwrap_or(0.0) / 1e6;
+        match e["cat"].as_str() {
+            Some("kernel") => {
+                *by.entry(e["name"].as_str().unwrap_or("?").to_string())
+                    .or_default() += dur
+            }
+            Some("compute") => compute += dur,
+            _ => {}
+        }
+    }
+    let mut v: Vec<(String, f64)> = by.into_iter().collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    (v, compute)
 }

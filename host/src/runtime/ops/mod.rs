@@ -8,6 +8,7 @@ mod compute;
 mod p2p;
 mod update;
 
+use super::backend::cpu::profile::{self, KernelSpan};
 use super::comm::CommError;
 use super::device::{owned_names, Device};
 use super::error::{label, RuntimeError};
@@ -15,18 +16,31 @@ use super::step::StepCtx;
 use super::zero;
 use crate::compile::plan::{CommPurpose, Op, OpKind};
 
-/// Run one op of `dev`'s plan.
-pub(super) fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+/// Run one op of `dev`'s plan; when tracing, the kernels it ran go to
+/// `kernels`.
+pub(super) fn exec_op(
+    dev: &Device,
+    op: &Op,
+    ctx: &StepCtx,
+    kernels: &mut Vec<KernelSpan>,
+) -> Result<(), RuntimeError> {
     let group: Vec<u32> = op
         .group
         .as_deref()
         .map(|g| g.to_vec())
         .unwrap_or_else(|| vec![dev.id]);
     use CommPurpose as P;
+    // Kernels run on the device's pool (their parallel parts on its
+    // threads); communication stays on the stream's own thread.
+    let on = ctx.opts.trace;
+    let mut kernel = |f: &(dyn Fn() -> Result<(), RuntimeError> + Sync)| {
+        dev.pool
+            .install(|| profile::recording(on, ctx.epoch, kernels, f))
+    };
     match (op.op, op.purpose) {
-        (OpKind::F, _) => compute::forward(dev, op, ctx),
-        (OpKind::B | OpKind::BI, _) => compute::backward_input(dev, op, ctx),
-        (OpKind::BW, _) => compute::backward_weight(dev, op, ctx),
+        (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
+        (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
+        (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),
         (OpKind::Send, _) => p2p::send(dev, op, ctx),
         (OpKind::Recv, _) => p2p::recv(dev, op, ctx),
         (OpKind::AllReduce, Some(P::GradNorm)) => collective::grad_norm(dev, op, ctx, &group),
@@ -36,7 +50,7 @@ pub(super) fn exec_op(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
         ) => collective::reduce_grads(dev, op, ctx, &group, purpose),
         (OpKind::AllGather, Some(P::ParamRefresh)) => zero::param_refresh(dev, op, ctx, &group),
         (OpKind::AllGather, Some(P::ParamGather)) => zero::param_gather(dev, op, ctx, &group),
-        (OpKind::Update, _) => update::update(dev, op, ctx),
+        (OpKind::Update, _) => kernel(&|| update::update(dev, op, ctx)),
         (kind, purpose) => Err(RuntimeError::Unsupported(format!(
             "device {}: {}: {} for {} is not supported by the CPU runtime",
             dev.id,

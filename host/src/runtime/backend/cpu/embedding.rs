@@ -11,6 +11,7 @@ pub fn embedding_forward(
     t: usize,
     c: usize,
 ) {
+    let _k = super::profile::span("embedding_forward");
     for bi in 0..b {
         for ti in 0..t {
             let tok = tokens[bi * t + ti] as usize;
@@ -33,6 +34,7 @@ pub fn embedding_backward_weight(
     t: usize,
     c: usize,
 ) {
+    let _k = super::profile::span("embedding_backward_weight");
     for bi in 0..b {
         for ti in 0..t {
             let tok = tokens[bi * t + ti] as usize;

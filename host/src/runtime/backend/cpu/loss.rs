@@ -1,4 +1,7 @@
-//! Softmax cross-entropy over the vocabulary, fused with its backward.
+//! Softmax cross-entropy over the vocabulary, fused with its backward. Rows
+//! in parallel; the loss summed afterwards in row order.
+
+use super::par;
 
 /// Softmax of each row of `logits[N,V]` into `probs`; returns Σ −log p(target).
 pub fn crossentropy_forward(
@@ -8,21 +11,25 @@ pub fn crossentropy_forward(
     n: usize,
     v: usize,
 ) -> f64 {
+    let _k = super::profile::span("crossentropy_forward");
+    par::rows_mut_work(&mut probs[..n * v], v, 2 * v, |i0, block| {
+        for (k, p) in block.chunks_exact_mut(v).enumerate() {
+            let l = &logits[(i0 + k) * v..][..v];
+            let maxv = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0f32;
+            for j in 0..v {
+                p[j] = (l[j] - maxv).exp();
+                sum += p[j];
+            }
+            let inv = 1.0 / sum;
+            for x in p.iter_mut() {
+                *x *= inv;
+            }
+        }
+    });
     let mut total = 0.0f64;
     for i in 0..n {
-        let l = &logits[i * v..][..v];
-        let p = &mut probs[i * v..][..v];
-        let maxv = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for j in 0..v {
-            p[j] = (l[j] - maxv).exp();
-            sum += p[j];
-        }
-        let inv = 1.0 / sum;
-        for x in p.iter_mut() {
-            *x *= inv;
-        }
-        total -= (p[targets[i] as usize].max(1e-30) as f64).ln();
+        total -= (probs[i * v + targets[i] as usize].max(1e-30) as f64).ln();
     }
     total
 }
@@ -36,12 +43,15 @@ pub fn crossentropy_backward(
     v: usize,
     scale: f32,
 ) {
-    for i in 0..n {
-        let p = &probs[i * v..][..v];
-        let d = &mut dlogits[i * v..][..v];
-        for j in 0..v {
-            d[j] = p[j] * scale;
+    let _k = super::profile::span("crossentropy_backward");
+    par::rows_mut(&mut dlogits[..n * v], v, |i0, block| {
+        for (k, d) in block.chunks_exact_mut(v).enumerate() {
+            let i = i0 + k;
+            let p = &probs[i * v..][..v];
+            for j in 0..v {
+                d[j] = p[j] * scale;
+            }
+            d[targets[i] as usize] -= scale;
         }
-        d[targets[i] as usize] -= scale;
-    }
+    });
 }

@@ -1,8 +1,19 @@
 //! Linear layers: `out[N,OC] = inp[N,C] · W[OC,C]ᵀ + b[OC]`, through the
-//! `gemm` crate (single-threaded: each virtual device is a thread already, and
-//! a fixed blocking keeps results bit-identical run to run).
+//! `gemm` crate on the device's threads. gemm splits the output among its
+//! threads and keeps each element's k-blocking (which depends on the shape
+//! only), so results are bit-identical for every thread count (checked in
+//! the kernel tests).
 
+use super::par;
 use gemm::{gemm, Parallelism};
+
+/// gemm's threading in the calling kernel's pool.
+fn parallelism() -> Parallelism {
+    match par::threads() {
+        1 => Parallelism::None,
+        n => Parallelism::Rayon(n),
+    }
+}
 
 /// `dst[m,n] (+)= a[m,k] · b[k,n]`, every matrix given by (row stride, col stride).
 #[allow(clippy::too_many_arguments)]
@@ -18,6 +29,7 @@ fn mm(
     b: &[f32],
     b_rs: usize,
     b_cs: usize,
+    parallelism: Parallelism,
 ) {
     assert!(dst.len() >= m * n);
     if m == 0 || n == 0 {
@@ -51,7 +63,7 @@ fn mm(
             false,
             false,
             false,
-            Parallelism::None,
+            parallelism,
         );
     }
 }
@@ -66,17 +78,20 @@ pub fn matmul_forward(
     c: usize,
     oc: usize,
 ) {
+    let _k = super::profile::span("matmul_forward");
     assert_eq!(inp.len(), n * c);
     assert_eq!(weight.len(), oc * c);
     assert_eq!(out.len(), n * oc);
     // out[n,oc] = inp[n,c] · Wᵀ[c,oc]  (Wᵀ: row stride 1, col stride c)
-    mm(n, oc, c, out, false, inp, c, 1, weight, 1, c);
+    mm(n, oc, c, out, false, inp, c, 1, weight, 1, c, parallelism());
     if let Some(b) = bias {
-        for row in out.chunks_exact_mut(oc) {
-            for (o, bb) in row.iter_mut().zip(b) {
-                *o += bb;
+        par::rows_mut(out, oc, |_, block| {
+            for row in block.chunks_exact_mut(oc) {
+                for (o, bb) in row.iter_mut().zip(b) {
+                    *o += bb;
+                }
             }
-        }
+        });
     }
 }
 
@@ -90,9 +105,23 @@ pub fn matmul_backward_input(
     oc: usize,
     accumulate: bool,
 ) {
+    let _k = super::profile::span("matmul_backward_input");
     assert_eq!(dinp.len(), n * c);
     assert_eq!(dout.len(), n * oc);
-    mm(n, c, oc, dinp, accumulate, dout, oc, 1, weight, c, 1);
+    mm(
+        n,
+        c,
+        oc,
+        dinp,
+        accumulate,
+        dout,
+        oc,
+        1,
+        weight,
+        c,
+        1,
+        parallelism(),
+    );
 }
 
 /// Backward for the weights: `dW += doutᵀ · inp`, `db += Σ_rows dout`.
@@ -105,20 +134,38 @@ pub fn matmul_backward_weight(
     c: usize,
     oc: usize,
 ) {
+    let _k = super::profile::span("matmul_backward_weight");
     assert_eq!(dweight.len(), oc * c);
     // dW[oc,c] += doutᵀ[oc,n] · inp[n,c]  (doutᵀ: row stride 1, col stride oc)
-    mm(oc, c, n, dweight, true, dout, 1, oc, inp, c, 1);
+    mm(
+        oc,
+        c,
+        n,
+        dweight,
+        true,
+        dout,
+        1,
+        oc,
+        inp,
+        c,
+        1,
+        parallelism(),
+    );
     if let Some(db) = dbias {
-        for row in dout.chunks_exact(oc) {
-            for (d, g) in db.iter_mut().zip(row) {
-                *d += g;
+        // By column, each summed over the rows in order.
+        par::rows_mut_work(&mut db[..oc], 1, n, |j0, db| {
+            for row in dout.chunks_exact(oc) {
+                for (d, g) in db.iter_mut().zip(&row[j0..]) {
+                    *d += g;
+                }
             }
-        }
+        });
     }
 }
 
 /// `dst[m,n] (+)= a[m,k] · b[k,n]` with `a` and `b` given by row and column
-/// strides into their slices (attention reads heads out of the packed `qkv`).
+/// strides into their slices (attention reads heads out of the packed `qkv`),
+/// on the calling thread (attention runs its heads in parallel instead).
 pub fn matmul_strided(
     m: usize,
     n: usize,
@@ -140,10 +187,23 @@ pub fn matmul_strided(
             "rhs strides leave its slice"
         );
     }
-    mm(m, n, k, dst, accumulate, a, a_rs, a_cs, b, b_rs, b_cs);
+    mm(
+        m,
+        n,
+        k,
+        dst,
+        accumulate,
+        a,
+        a_rs,
+        a_cs,
+        b,
+        b_rs,
+        b_cs,
+        Parallelism::None,
+    );
 }
 
 /// `out[m,n] = a[m,k] · b[k,n]` for plain row-major matrices.
 pub fn matmul_plain(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
-    mm(m, n, k, out, false, a, k, 1, b, n, 1);
+    mm(m, n, k, out, false, a, k, 1, b, n, 1, parallelism());
 }

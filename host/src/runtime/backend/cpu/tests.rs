@@ -318,3 +318,94 @@ fn deferred_weight_passes_give_the_same_gradients() {
     }
     assert_eq!(deferred, grads);
 }
+
+/// Every kernel on 1, 2 and 3 threads: the same bits (work is split by
+/// outputs only; gemm keeps each element's k-blocking). Sizes are large
+/// enough that every kernel really splits.
+#[test]
+fn every_kernel_gives_the_same_bits_on_any_thread_count() {
+    use super::adamw::{adamw_update, AdamW};
+    let (b, t, c, nh, v) = (4usize, 64usize, 96usize, 4usize, 256usize);
+    let n = b * t;
+    let mut r = Rng(7);
+    let x = r.vec(n * c);
+    let dy = r.vec(n * c);
+    let w = r.vec(4 * c * c);
+    let bias = r.vec(4 * c);
+    let lw = r.vec(c);
+    let lb = r.vec(c);
+    let qkv = r.vec(n * 3 * c);
+    let logits = r.vec(n * v);
+    let targets: Vec<u32> = (0..n as u32).map(|i| (i * 37) % v as u32).collect();
+    let grad = r.vec(4 * c * c);
+    // Everything a kernel writes, for one thread count.
+    let run = |threads: usize| -> Vec<Vec<f32>> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        pool.install(|| {
+            let mut outs = Vec::new();
+            let mut out = vec![0.0; n * 4 * c];
+            matmul_forward(&mut out, &x, &w, Some(&bias), n, c, 4 * c);
+            let mut dinp = vec![0.5; n * c];
+            matmul_backward_input(&mut dinp, &out, &w, n, c, 4 * c, true);
+            let (mut dw, mut db) = (vec![0.25; 4 * c * c], vec![0.0; 4 * c]);
+            matmul_backward_weight(&mut dw, Some(&mut db), &out, &x, n, c, 4 * c);
+            outs.extend([out, dinp, dw, db]);
+            let (mut ln, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+            layernorm_forward(&mut ln, &mut mean, &mut rstd, &x, &lw, &lb, n, c);
+            let mut ldx = vec![0.0; n * c];
+            layernorm_backward_input(&mut ldx, &dy, &x, &lw, &mean, &rstd, n, c);
+            let (mut ldw, mut ldb) = (vec![0.0; c], vec![0.0; c]);
+            layernorm_backward_weight(&mut ldw, &mut ldb, &dy, &x, &mean, &rstd, n, c);
+            outs.extend([ln, mean, rstd, ldx, ldw, ldb]);
+            let (mut ao, mut att) = (vec![0.0; n * c], vec![0.0; b * nh * t * t]);
+            attention_forward(&mut ao, &mut att, &qkv, b, t, c, nh);
+            let mut dqkv = vec![0.0; n * 3 * c];
+            attention_backward(&mut dqkv, &dy, &qkv, &att, b, t, c, nh);
+            outs.extend([ao, att, dqkv]);
+            let (mut g, mut dg) = (vec![0.0; n * c], vec![0.0; n * c]);
+            gelu_forward(&mut g, &x);
+            gelu_backward(&mut dg, &x, &dy);
+            let mut res = vec![0.0; n * c];
+            residual_forward(&mut res, &x, &dy);
+            let (mut ra, mut rb) = (vec![1.0; n * c], vec![2.0; n * c]);
+            residual_backward(&mut ra, &mut rb, &dy);
+            outs.extend([g, dg, res, ra, rb]);
+            let mut probs = vec![0.0; n * v];
+            let loss = crossentropy_forward(&mut probs, &logits, &targets, n, v);
+            let mut dl = vec![0.0; n * v];
+            crossentropy_backward(&mut dl, &probs, &targets, n, v, 1.0 / n as f32);
+            outs.extend([
+                probs,
+                dl,
+                vec![loss as f32, (loss - loss as f32 as f64) as f32],
+            ]);
+            let (mut p, mut m, mut vv) = (w.clone(), vec![0.0; w.len()], vec![0.0; w.len()]);
+            for step in 1..=3 {
+                adamw_update(
+                    &mut p,
+                    &grad,
+                    &mut m,
+                    &mut vv,
+                    &AdamW::default(),
+                    step,
+                    0.5,
+                    true,
+                );
+            }
+            outs.extend([p, m, vv]);
+            outs
+        })
+    };
+    let one = run(1);
+    for threads in [2, 3] {
+        let many = run(threads);
+        for (k, (a, b)) in one.iter().zip(&many).enumerate() {
+            let same =
+                a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "output {k} differs between 1 and {threads} threads");
+        }
+    }
+}

@@ -1,0 +1,111 @@
+"""PyTorch eager reference for `cargo bench -p piper --bench train`.
+
+The same model and step as Piper's CPU runtime: GPT-2 blocks (pre-LayerNorm,
+causal attention with a packed qkv projection, tanh-GELU MLP of 4x width,
+biases everywhere), learned position embeddings, the head tied to the token
+embedding, a byte vocabulary, cross-entropy over the batch, AdamW (beta 0.9 /
+0.95, eps 1e-8, weight decay 0.1 on matrices and embeddings), fp32, on the
+CPU. Prints one JSON line: tokens/s of the best step and the threads used.
+
+    python3 benches/reference/torch_gpt.py --layers 6 --d-model 384 --heads 6 \
+        --seq 256 --batch 8 --vocab 256 --steps 3 --threads 2
+"""
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.fc_proj = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        hs = d // self.heads
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q = q.view(b, t, self.heads, hs).transpose(1, 2)
+        k = k.view(b, t, self.heads, hs).transpose(1, 2)
+        v = v.view(b, t, self.heads, hs).transpose(1, 2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
+        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
+        x = x + self.proj(y)
+        return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers, d, heads, seq, vocab):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        # GPT-2's initialisation, as Piper's: N(0, 0.02) weights, zero biases.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear):
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.ln_f(x) @ self.wte.weight.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    for name, default in [("layers", 6), ("d-model", 384), ("heads", 6), ("seq", 256),
+                          ("batch", 8), ("vocab", 256), ("steps", 3), ("threads", 0)]:
+        p.add_argument("--" + name, type=int, default=default)
+    a = p.parse_args()
+    if a.threads > 0:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(1337)
+    model = GPT(a.layers, a.d_model, a.heads, a.seq, a.vocab)
+    decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
+    no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    g = torch.Generator().manual_seed(0)
+    best = float("inf")
+    for step in range(a.steps + 1):
+        idx = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        tgt = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = model(idx, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        secs = time.perf_counter() - start
+        if step > 0:  # the first step warms up
+            best = min(best, secs)
+    print(json.dumps({
+        "tokens_per_s": a.batch * a.seq / best,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "loss": loss.item(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
