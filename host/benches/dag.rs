@@ -65,13 +65,14 @@ fn run(stages: u32, mbs: u32, dp: u32, zero: Option<u8>) -> Times {
     }
 }
 
-fn report(name: &str, stages: u32, mbs: u32, dp: u32, zero: Option<u8>) {
+/// `goal_ms`: issue 14's target for build + apply + compile.
+fn report(name: &str, stages: u32, mbs: u32, dp: u32, zero: Option<u8>, goal_ms: f64) {
     let runs: Vec<Times> = (0..3).map(|_| run(stages, mbs, dp, zero)).collect();
     let best = |f: fn(&Times) -> Duration| runs.iter().map(f).min().unwrap();
     let (b, a, c) = (best(|t| t.build), best(|t| t.apply), best(|t| t.compile));
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!(
-        "{name}: {} nodes, {} edges, {} ops over {} devices\n  build {:.1} ms | apply {:.1} ms (replicate {:.1}, split+place {:.1}, derived nodes {:.1}, order {:.1}) | compile {:.1} ms | total {:.1} ms",
+        "{name}: {} nodes, {} edges, {} ops over {} devices\n  build {:.1} ms | apply {:.1} ms (replicate {:.1}, split+place {:.1}, derived nodes {:.1}, order {:.1}) | compile {:.1} ms | total {:.1} ms (goal < {goal_ms:.0} ms: {})",
         runs[0].nodes,
         runs[0].edges,
         runs[0].ops,
@@ -83,7 +84,12 @@ fn report(name: &str, stages: u32, mbs: u32, dp: u32, zero: Option<u8>) {
         ms(best(|t| t.derive)),
         ms(best(|t| t.order)),
         ms(c),
-        ms(b + a + c)
+        ms(b + a + c),
+        if ms(b + a + c) < goal_ms {
+            "met".to_string()
+        } else {
+            format!("{:.2}× over", ms(b + a + c) / goal_ms)
+        }
     );
 }
 
@@ -91,9 +97,9 @@ fn main() {
     println!("DAG benchmark: 128 segments, PP=16, 256 microbatches (best of 3)");
     let only = std::env::args().nth(1).filter(|a| !a.starts_with('-'));
     if only.as_deref().is_none_or(|o| o == "1f1b") {
-        report("1f1b", 16, 256, 1, None);
+        report("1f1b", 16, 256, 1, None, 200.0);
     }
     if only.as_deref().is_none_or(|o| o == "zero3") {
-        report("zero3+1f1b (DP 8 per stage)", 16, 256, 8, Some(3));
+        report("zero3+1f1b (DP 8 per stage)", 16, 256, 8, Some(3), 600.0);
     }
 }
