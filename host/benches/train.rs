@@ -141,7 +141,9 @@ fn main() {
     let (peak, how) = peak_gflops();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let counts: Vec<usize> = if cores > 1 { vec![1, cores] } else { vec![1] };
-    println!("fp32 peak per core ≈ {peak:.1} GFLOP/s ({how}); {cores} core(s)");
+    println!(
+        "fp32 peak per core at the clock /proc/cpuinfo reports ≈ {peak:.1} GFLOP/s ({how}); {cores} core(s); cores that turbo above that clock can exceed it"
+    );
     let mid = ModelConfig {
         name: "mid".into(),
         layers: 6,
@@ -181,7 +183,7 @@ fn main() {
     }
     for (k, &th) in counts.iter().enumerate() {
         println!(
-            "GEMM 2048×384·384×1536, {th} thread(s): {:.1} GFLOP/s = {:.0}% of {th} core(s)' peak",
+            "GEMM 2048×384·384×1536, {th} thread(s): {:.1} GFLOP/s = {:.0}% of {th} core(s)' peak at that clock",
             gemm[k],
             100.0 * gemm[k] / (peak * th as f64)
         );
