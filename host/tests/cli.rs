@@ -237,6 +237,29 @@ fn a_first_runs_rough_edges_read_cleanly() {
     // Outputs that could not be written are refused before the run, not after.
     let nowhere = h.join("no-such-dir").join("trace.json");
     check(&["train", "--trace", nowhere.to_str().unwrap()], "--trace");
+    let nowhere = h.join("no-such-dir").join("run.html");
+    check(
+        &["train", "--report", nowhere.to_str().unwrap()],
+        "--report",
+    );
+    // `--simulate`'s cluster is read before training, not after.
+    let bad = h.join("cluster.toml");
+    std::fs::write(&bad, "name = \"x\"\npeak_flops = -1\n").unwrap();
+    check(
+        &[
+            "train",
+            "--report",
+            h.join("run.html").to_str().unwrap(),
+            "--simulate",
+            "--cluster",
+            bad.to_str().unwrap(),
+        ],
+        "cluster file",
+    );
+    check(
+        &["train", "--threads", "0"],
+        "invalid value '0' for '--threads <THREADS>'",
+    );
     std::fs::write(h.join("a-file"), "x").unwrap();
     check(
         &[

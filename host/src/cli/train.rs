@@ -196,6 +196,14 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let p = super::prepare_with(&a.run, default_devices)?;
     let cfg = p.config.model_config()?;
     let plan = compile(&p.dag).context("compiling the plan")?;
+    // `--simulate`'s cluster checked before any training: a finished run is
+    // never lost to a cluster file that does not parse or is too small.
+    if a.simulate {
+        super::sim::cluster_for(
+            Some(a.cluster.as_deref().unwrap_or("cpu-local")),
+            plan.devices.len() as u32,
+        )?;
+    }
     let tokenizer = Tokenizer::parse(&a.tokenizer)?;
     let corpus = match &a.data {
         Some(path) => Corpus::from_file_with(path, tokenizer)?,
