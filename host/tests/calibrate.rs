@@ -4,20 +4,14 @@
 //! own binary, so no other test shares the cores while it measures.
 
 use std::path::Path;
-use std::process::Command;
 
+mod common;
+
+/// `piper ARGS`, which must succeed: its standard output.
 fn piper(home: &Path, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
-        .args(args)
-        .env("PIPER_HOME", home)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "piper {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    let (ok, out, err) = common::piper(home, args);
+    assert!(ok, "piper {args:?}: {err}");
+    out
 }
 
 /// `246.867 ms`, `1.200 s`, `95.0 µs` in seconds.

@@ -1,20 +1,10 @@
 //! The `piper` binary as a user runs it.
 
 use std::path::PathBuf;
-use std::process::Command;
 
-fn piper(home: &PathBuf, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
-        .args(args)
-        .env("PIPER_HOME", home)
-        .output()
-        .expect("run piper");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use common::piper;
+
+mod common;
 
 fn home(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("piper-cli-{tag}-{}", std::process::id()));
@@ -470,7 +460,7 @@ fn every_example_config_trains() {
 #[test]
 #[cfg(not(feature = "mpi"))]
 fn a_build_without_mpi_refuses_to_run_as_one_of_several_ranks() {
-    let out = Command::new(env!("CARGO_BIN_EXE_piper"))
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_piper"))
         .args(["train", "--steps", "1"])
         .env("PIPER_HOME", home("nompi"))
         .env("OMPI_COMM_WORLD_SIZE", "2")

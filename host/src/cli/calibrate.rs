@@ -77,13 +77,10 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
     }
     let trace = trainer.trace_json();
     let threads = trainer.threads();
-    let mut steps = Vec::new();
-    let mut times = Vec::new();
-    for step in 2..=a.steps {
-        let m = measured::from_trace(&plan, &trace, Some(step))?;
-        times.push(m.sim.step_time);
-        steps.push(m.sim);
-    }
+    let steps = (2..=a.steps)
+        .map(|step| Ok(measured::from_trace(&plan, &trace, Some(step))?.sim))
+        .collect::<Result<Vec<_>>>()?;
+    let mut times: Vec<f64> = steps.iter().map(|s| s.step_time).collect();
     times.sort_by(f64::total_cmp);
     Ok(Run {
         name: strategy,

@@ -55,6 +55,18 @@ pub fn cluster_for(spec: Option<&str>, devices: u32) -> Result<Cluster> {
     Ok(c)
 }
 
+/// `h100-8x (1 × 8 devices, 989 TFLOP/s peak, 80 GB)`.
+fn describe(c: &Cluster) -> String {
+    format!(
+        "{} ({} × {} devices, {:.0} TFLOP/s peak, {:.0} GB)",
+        c.name,
+        c.nodes,
+        c.devices_per_node,
+        c.peak_flops / 1e12,
+        c.memory_bytes / 1e9
+    )
+}
+
 /// Simulate, print, and write what was asked for. `title` names the run.
 pub fn run(plan: &Plan, args: &SimArgs, title: &str) -> Result<sim::Simulation> {
     let cluster = cluster_for(args.cluster.as_deref(), plan.devices.len() as u32)?;
@@ -62,12 +74,8 @@ pub fn run(plan: &Plan, args: &SimArgs, title: &str) -> Result<sim::Simulation> 
     let s = sim::simulate(plan, &cluster).context("simulating the plan")?;
     let took = t.elapsed();
     println!(
-        "simulated on {} ({} × {} devices, {:.0} TFLOP/s peak, {:.0} GB): step {}, bubble {:.1}% ({} ops in {:.0} ms)",
-        cluster.name,
-        cluster.nodes,
-        cluster.devices_per_node,
-        cluster.peak_flops / 1e12,
-        cluster.memory_bytes / 1e9,
+        "simulated on {}: step {}, bubble {:.1}% ({} ops in {:.0} ms)",
+        describe(&cluster),
         report::human_time(s.step_time),
         s.bubble * 100.0,
         s.ops,
@@ -172,14 +180,7 @@ pub fn compare(base: &RunArgs, args: &SimArgs) -> Result<()> {
             source: format!("simulated on {}", cluster.name),
         })
         .collect();
-    println!(
-        "compared on {} ({} × {} devices, {:.0} TFLOP/s peak, {:.0} GB):",
-        cluster.name,
-        cluster.nodes,
-        cluster.devices_per_node,
-        cluster.peak_flops / 1e12,
-        cluster.memory_bytes / 1e9
-    );
+    println!("compared on {}:", describe(&cluster));
     let rows: Vec<[String; 6]> = sections.iter().map(report::compare_row).collect();
     let width = rows
         .iter()

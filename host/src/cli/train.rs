@@ -198,12 +198,13 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let plan = compile(&p.dag).context("compiling the plan")?;
     // `--simulate`'s cluster checked before any training: a finished run is
     // never lost to a cluster file that does not parse or is too small.
-    if a.simulate {
-        super::sim::cluster_for(
+    let sim_cluster = match a.simulate {
+        true => Some(super::sim::cluster_for(
             Some(a.cluster.as_deref().unwrap_or("cpu-local")),
             plan.devices.len() as u32,
-        )?;
-    }
+        )?),
+        false => None,
+    };
     let tokenizer = Tokenizer::parse(&a.tokenizer)?;
     let corpus = match &a.data {
         Some(path) => Corpus::from_file_with(path, tokenizer)?,
@@ -388,7 +389,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         }
     }
     if let (Some(path), Some(trace)) = (&a.report, &trace) {
-        write_report(path, &a, trainer.plan(), trace, &cfg.name)?;
+        write_report(path, sim_cluster.as_ref(), trainer.plan(), trace, &cfg.name)?;
     }
     for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
         println!(
@@ -400,11 +401,11 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     Ok(())
 }
 
-/// `--report`: the median measured step, and with `--simulate` the
-/// predicted one beneath it.
+/// `--report`: the median measured step, and with `--simulate` (its
+/// cluster given) the predicted one beneath it.
 fn write_report(
     path: &std::path::Path,
-    a: &TrainArgs,
+    cluster: Option<&crate::sim::Cluster>,
     plan: &crate::compile::plan::Plan,
     trace: &serde_json::Value,
     model: &str,
@@ -422,13 +423,9 @@ fn write_report(
         m.step,
         report::human_time(m.sim.step_time)
     );
-    let predicted = match a.simulate {
-        true => {
-            let cluster = super::sim::cluster_for(
-                Some(a.cluster.as_deref().unwrap_or("cpu-local")),
-                plan.devices.len() as u32,
-            )?;
-            let s = sim::simulate(plan, &cluster).context("simulating the plan")?;
+    let predicted = match cluster {
+        Some(cluster) => {
+            let s = sim::simulate(plan, cluster).context("simulating the plan")?;
             line.push_str(&format!(
                 "; simulated on {}: {}, {:+.1}%",
                 cluster.name,
@@ -437,7 +434,7 @@ fn write_report(
             ));
             Some((cluster, s))
         }
-        false => None,
+        None => None,
     };
     let mut sections = vec![report::Section {
         title: format!("measured: {title}"),

@@ -128,7 +128,7 @@ impl Samples {
             }
             rates[k] = 1.0 / slope;
             overheads[k] = c;
-            fits.push(quality(name, pts, |f| c + f * slope));
+            fits.push(quality(name, pts.iter().map(|&(f, t)| (c + f * slope, t))));
         }
         if rates[0] == 0.0 {
             return Err(CalibrateError::Unmeasured("F"));
@@ -164,7 +164,10 @@ impl Samples {
         if bytes > 0.0 && secs > 0.0 {
             c.memory_bytes_per_s = bytes / secs;
             let bw = c.memory_bytes_per_s;
-            fits.push(quality("update", &self.update, |b| b / bw));
+            fits.push(quality(
+                "update",
+                self.update.iter().map(|&(b, t)| (b / bw, t)),
+            ));
         }
         if !self.comm.is_empty() {
             let (alpha, inv_beta) = comm_fit(&self.comm);
@@ -174,23 +177,12 @@ impl Samples {
                 c.intra_bytes_per_s = 1.0 / inv_beta;
                 c.inter_bytes_per_s = 1.0 / inv_beta;
             }
-            let mut q = Fit {
-                kind: "comm",
-                samples: self.comm.len(),
-                total_error: 0.0,
-                worst_error: 0.0,
-            };
-            let (mut p, mut m) = (0.0, 0.0);
-            for &(ka, kb, t) in &self.comm {
-                let pred = ka * alpha + kb * inv_beta;
-                p += pred;
-                m += t;
-                if t > 0.0 {
-                    q.worst_error = q.worst_error.max((pred / t - 1.0).abs());
-                }
-            }
-            q.total_error = if m > 0.0 { p / m - 1.0 } else { 0.0 };
-            fits.push(q);
+            fits.push(quality(
+                "comm",
+                self.comm
+                    .iter()
+                    .map(|&(ka, kb, t)| (ka * alpha + kb * inv_beta, t)),
+            ));
         }
         Ok((c, fits))
     }
@@ -253,19 +245,20 @@ fn comm_fit(pts: &[(f64, f64, f64)]) -> (f64, f64) {
     }
 }
 
-fn quality(kind: &'static str, pts: &[(f64, f64)], pred: impl Fn(f64) -> f64) -> Fit {
-    let (mut p, mut m, mut worst) = (0.0, 0.0, 0.0f64);
-    for &(x, t) in pts {
-        let y = pred(x);
+/// How well (predicted, measured) pairs agree.
+fn quality(kind: &'static str, pairs: impl Iterator<Item = (f64, f64)>) -> Fit {
+    let (mut p, mut m, mut worst, mut samples) = (0.0, 0.0, 0.0f64, 0);
+    for (y, t) in pairs {
         p += y;
         m += t;
+        samples += 1;
         if t > 0.0 {
             worst = worst.max((y / t - 1.0).abs());
         }
     }
     Fit {
         kind,
-        samples: pts.len(),
+        samples,
         total_error: if m > 0.0 { p / m - 1.0 } else { 0.0 },
         worst_error: worst,
     }

@@ -332,6 +332,15 @@ fn memory_svg(sim: &Simulation, capacity: Option<f64>, axis: f64) -> String {
     out
 }
 
+/// "yes", "no" or "-" (no capacity known): whether `peak` bytes fit.
+fn fits(peak: u64, capacity: Option<f64>) -> String {
+    match capacity {
+        Some(c) if peak as f64 > c => "no".into(),
+        Some(_) => "yes".into(),
+        None => "-".into(),
+    }
+}
+
 /// The summary table rows: device, busy, idle, exposed comm, peak memory, fits.
 pub fn summary_rows(sim: &Simulation, capacity: Option<f64>) -> Vec<[String; 6]> {
     sim.devices
@@ -359,11 +368,7 @@ pub fn summary_rows(sim: &Simulation, capacity: Option<f64>) -> Vec<[String; 6]>
                     format!("{} ({})", human_time(exposed), detail.join(", "))
                 },
                 human_bytes(s.peak_bytes),
-                match capacity {
-                    Some(c) if s.peak_bytes as f64 > c => "no".into(),
-                    Some(_) => "yes".into(),
-                    None => "-".into(),
-                },
+                fits(s.peak_bytes, capacity),
             ]
         })
         .collect()
@@ -403,11 +408,7 @@ pub fn compare_row(s: &Section) -> [String; 6] {
         format!("{:.1}%", s.sim.bubble * 100.0),
         human_time(exposed),
         human_bytes(peak),
-        match s.capacity {
-            Some(c) if peak as f64 > c => "no".into(),
-            Some(_) => "yes".into(),
-            None => "-".into(),
-        },
+        fits(peak, s.capacity),
     ]
 }
 

@@ -1,5 +1,6 @@
 //! Native (plain Rust) strategies used by tests and benchmarks: the same
-//! directive programs the bundled plugins run, called directly on the DAG.
+//! directive programs the bundled plugins run, called directly on the DAG;
+//! and the `piper` binary run as a user runs it.
 #![allow(dead_code)]
 
 use piper::compile::compile;
@@ -261,4 +262,18 @@ pub fn assert_same_training(name: &str, run: &Run, base: &Run) {
             "{name}: {k} differs by {diff} (scale {scale})"
         );
     }
+}
+
+/// Run the `piper` binary with `PIPER_HOME` at `home`: (success, stdout, stderr).
+pub fn piper(home: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(args)
+        .env("PIPER_HOME", home)
+        .output()
+        .expect("run piper");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }

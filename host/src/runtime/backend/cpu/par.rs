@@ -58,6 +58,12 @@ pub fn rows_mut2(
     f: impl Fn(usize, &mut [f32], &mut [f32]) + Sync + Send,
 ) {
     let rows = a.len() / wa.max(1);
+    // Equal row counts, or the zip below would leave rows undone.
+    assert_eq!(
+        rows,
+        b.len() / wb.max(1),
+        "rows_mut2: outputs of different row counts"
+    );
     if threads() == 1 || rows <= 1 {
         f(0, a, b);
         return;
