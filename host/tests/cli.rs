@@ -455,6 +455,64 @@ fn every_example_config_trains() {
     let _ = std::fs::remove_dir_all(&h);
 }
 
+/// The MoE example model trains under a pipeline, and the run says how
+/// many expert assignments capacity dropped, in the summary and per step.
+#[test]
+fn a_moe_model_trains_and_reports_dropped_assignments() {
+    let h = home("moe");
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-moe.toml");
+    let metrics = h.join("m.jsonl");
+    std::fs::create_dir_all(&h).unwrap();
+    let (ok, out, err) = piper(
+        &h,
+        &[
+            "train",
+            "--model",
+            model.to_str().unwrap(),
+            "--devices",
+            "2",
+            "--strategy",
+            "1f1b",
+            "--steps",
+            "3",
+            "--metrics",
+            metrics.to_str().unwrap(),
+        ],
+    );
+    assert!(ok, "{out}{err}");
+    // 3 steps × 16 sequences × 64 tokens × top-2 over 4 layers.
+    let routed = 3 * 16 * 64 * 2 * 4;
+    let line = out
+        .lines()
+        .find(|l| l.contains("token-expert assignments dropped"))
+        .unwrap_or_else(|| panic!("no expert line: {out}"));
+    assert!(
+        line.contains(&format!("of {routed} ")) && line.contains("capacity factor 1.25"),
+        "{line}"
+    );
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let rows: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(rows.len(), 3);
+    let dropped: u64 = rows.iter().map(|r| r["moe_dropped"].as_u64().unwrap()).sum();
+    assert!(rows.iter().all(|r| r["moe_routed"] == routed / 3));
+    assert!(line.starts_with(&format!("  experts: {dropped} of")), "{line} vs {dropped}");
+    // A capacity factor that is not a number in range is refused with the field named.
+    let bad = h.join("bad.toml");
+    std::fs::write(
+        &bad,
+        std::fs::read_to_string(&model)
+            .unwrap()
+            .replace("capacity_factor = 1.25", "capacity_factor = -1.0"),
+    )
+    .unwrap();
+    let (ok, out, err) = piper(&h, &["plan", "--model", bad.to_str().unwrap(), "--devices", "2"]);
+    assert!(!ok && err.contains("capacity_factor"), "{out}{err}");
+    let _ = std::fs::remove_dir_all(&h);
+}
+
 /// Under `mpirun`, a `piper` built without the `mpi` feature would train the
 /// whole job once per rank: it refuses, naming the fix.
 #[test]

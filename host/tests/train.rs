@@ -46,6 +46,69 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
     }
 }
 
+/// The small model with a MoE MLP in every layer: 4 experts, top-2,
+/// dropless (no capacity), so every strategy routes every token the same way.
+fn small_moe() -> piper::model::ModelConfig {
+    let mut moe = piper::model::MoeConfig::new(4, 2);
+    moe.hidden = Some(48);
+    moe.aux_loss_coef = 0.05;
+    piper::model::ModelConfig {
+        name: "small-moe".into(),
+        layers: 4,
+        moe: Some(moe),
+        ..small()
+    }
+}
+
+#[test]
+fn a_moe_model_trains_to_the_same_losses_under_every_strategy() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = small_moe();
+    let base = one_device(&host, &cfg, steps);
+    assert!(
+        base.losses[steps as usize - 1] < base.losses[0] - 0.3,
+        "one device learns: {:?}",
+        base.losses
+    );
+    // The balance loss is part of the loss: without it the losses differ.
+    let mut no_aux = cfg.clone();
+    no_aux.moe.as_mut().unwrap().aux_loss_coef = 0.0;
+    let plain = one_device(&host, &no_aux, 1);
+    assert!(
+        base.losses[0] - plain.losses[0] > 1e-3,
+        "the balance loss adds to the loss: {} vs {}",
+        base.losses[0],
+        plain.losses[0]
+    );
+    let cases: [(&str, u32, Strategy); 5] = [
+        ("dp", 2, &[("dp", &[])]),
+        ("1f1b", 4, &[("1f1b", &[("microbatches", "8")])]),
+        // BI and BW of the expert halves run apart.
+        ("zb-h1", 2, &[("zb-h1", &[("microbatches", "4")])]),
+        (
+            "zero3+1f1b",
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero1+dualpipev",
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+    ];
+    for (name, devices, strategy) in cases {
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+    }
+}
+
 /// The error of the first step of `plan` on the small model.
 fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
     let mut trainer = Trainer::new(&small(), plan, opts).unwrap();

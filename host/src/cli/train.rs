@@ -310,6 +310,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let start = Instant::now();
     let (mut first, mut last) = (None, 0.0);
     let mut peaks = vec![0u64; devices];
+    let (mut routed, mut dropped) = (0u64, 0u64);
     for step in first_step..=a.steps {
         let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
         let s = trainer
@@ -327,10 +328,12 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         for (p, m) in peaks.iter_mut().zip(&s.peak_bytes) {
             *p = (*p).max(*m);
         }
+        routed += s.moe_routed;
+        dropped += s.moe_dropped;
         bar.set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tps));
         bar.inc(1);
         if let Some(f) = metrics.as_mut() {
-            let line = serde_json::json!({
+            let mut line = serde_json::json!({
                 "step": step,
                 "loss": s.loss,
                 "lr": a.lr,
@@ -338,6 +341,10 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                 "tokens_per_s": tps,
                 "peak_bytes": s.peak_bytes,
             });
+            if cfg.moe.is_some() {
+                line["moe_routed"] = s.moe_routed.into();
+                line["moe_dropped"] = s.moe_dropped.into();
+            }
             writeln!(f, "{line}").context("writing metrics")?;
         }
     }
@@ -363,6 +370,14 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         last,
         tokens_per_step * ran as f64 / secs
     );
+    if let Some(moe) = &cfg.moe {
+        println!(
+            "  experts: {dropped} of {routed} token-expert assignments dropped ({:.2}%; capacity factor {})",
+            100.0 * dropped as f64 / routed.max(1) as f64,
+            moe.capacity_factor
+                .map_or("none: dropless".to_string(), |c| c.to_string())
+        );
+    }
     if let (Some(dir), Some(ck)) = (&a.checkpoint, checkpoint) {
         ck.save(dir)?;
         println!(

@@ -52,19 +52,18 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let v = cfg.vocab as f64;
     let h = cfg.heads as f64;
     let n = cfg.batch_size as f64 * t; // tokens
-    let (e, k) = cfg
+    let (e, k, hid) = cfg
         .moe
         .as_ref()
-        .map(|m| (m.experts as f64, m.top_k as f64))
-        .unwrap_or((0.0, 0.0));
+        .map(|m| (m.experts as f64, m.top_k as f64, m.hidden_width(cfg.d_model) as f64))
+        .unwrap_or((0.0, 0.0, 0.0));
     let b = DTYPE_BYTES as f64;
     let hidden = n * d * b; // one (tokens × d_model) fp32 tensor
     let attn_flops = 4.0 * n * t * d; // QKᵀ and AV
-    let (fwd, wgrad_share, params, saved, stash, act_in, act_out) = match part {
+    let (fwd, wgrad_share, saved, stash, act_in, act_out) = match part {
         Part::Embedding => (
             n * d,
             1.0,
-            0.0,              // from the parameter table, below
             n * 4.0,          // token ids
             n * 4.0 + hidden, // token ids + output gradient
             n * 4.0,
@@ -73,7 +72,6 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         Part::Block(_) => (
             2.0 * n * 12.0 * d * d + attn_flops,
             0.5,
-            0.0, // from the parameter table
             // x, ln1, qkv, attention out, residual, ln2, fc, gelu (15 d),
             // attention probabilities (h t), layernorm mean/rstd ×2
             (15.0 * d + h * t + 4.0) * n * b,
@@ -85,27 +83,34 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             hidden,
         ),
         Part::Attention(_) => (
-            2.0 * n * 4.0 * d * d + attn_flops + 2.0 * n * d * e,
+            2.0 * n * 4.0 * d * d + attn_flops,
             0.5,
-            4.0 * d * d + 9.0 * d + d * e,
-            (7.0 * d + h * t + 4.0 + e) * n * b,
-            (10.0 * d + 2.0 + e) * n * b,
+            // x, ln1, qkv, attention out (6 d), probabilities, mean/rstd
+            (6.0 * d + h * t + 2.0) * n * b,
+            // weight pass: x, ln1, attention out + mean/rstd, and the
+            // gradients of out, qkv, ln1 (5 d)
+            (8.0 * d + 2.0) * n * b,
             hidden,
             hidden,
         ),
         Part::Experts(_) => (
-            2.0 * n * k * 8.0 * d * d,
+            // router + top_k expert MLPs per token
+            2.0 * n * d * e + 2.0 * n * k * 2.0 * d * hid,
             0.5,
-            e * (8.0 * d * d + 5.0 * d),
-            (9.0 * d * k + k) * n * b,
-            (12.0 * d * k + k) * n * b,
+            // x, ln2 (2 d), mean/rstd, router probabilities (e), and per
+            // assignment the expert's hidden pre-activation and GELU (2 hid)
+            // and output (d)
+            ((2.0 * d + 2.0 + e) + k * (2.0 * hid + d)) * n * b,
+            // weight pass: x, ln2, mean/rstd, GELU out (k hid), router
+            // logits' gradient (e), gradients of ln2 (d) and per assignment
+            // of the expert's hidden (hid) and output (d)
+            ((3.0 * d + 2.0 + e) + k * (2.0 * hid + d)) * n * b,
             hidden,
             hidden,
         ),
         Part::Head => (
             2.0 * n * d * v + 5.0 * n * v,
             0.5,
-            0.0, // from the parameter table (ln_f; the head weight is the tied wte)
             (d + 2.0 + v) * n * b,
             // weight pass: x, ln_f out, mean/rstd, and the gradients of the
             // logits and of ln_f's output
@@ -114,16 +119,13 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             b, // the loss
         ),
     };
-    // Dense parts count their entries of the parameter table; the head's
-    // `wte` is the embedding's (tied).
-    let params = match part {
-        Part::Embedding | Part::Block(_) | Part::Head => super::params::part_params(cfg, part)
+    // Parameters: the part's entries of the parameter table; the head's `wte`
+    // is the embedding's (tied).
+    let params: f64 = super::params::part_params(cfg, part)
             .iter()
             .filter(|(n, _)| !(part == Part::Head && n == "wte"))
             .map(|(_, shape)| shape.iter().map(|x| *x as f64).product::<f64>())
-            .sum(),
-        Part::Attention(_) | Part::Experts(_) => params,
-    };
+            .sum::<f64>();
     PartCost {
         fwd_flops: fwd,
         bwd_flops: 2.0 * fwd,

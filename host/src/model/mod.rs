@@ -11,8 +11,10 @@
 //! - Layers are grouped into `PP` regions (`layers_per_region`, default 1, or an
 //!   explicit `regions` list of layer counts). The embedding joins the first
 //!   region; final norm, tied LM head and loss join the last.
-//! - A MoE layer is two segments: the attention half (with the router) and the
-//!   expert half, which is tagged `EP` with the index of the MoE block.
+//! - A MoE layer is two segments: the attention half and the expert half
+//!   (ln2, router, experts, combine), which is tagged `EP` with the index of
+//!   the MoE block. The router sits with the experts so that the activation
+//!   between segments stays one `tokens × d_model` tensor.
 
 mod cost;
 pub mod params;
@@ -45,17 +47,52 @@ pub enum ModelError {
     Invalid { name: String, message: String },
 }
 
-/// Mixture-of-experts MLP: every layer's MLP is replaced by `experts` experts of
-/// which `top_k` run per token.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Mixture-of-experts MLP: every layer's MLP is replaced by a router and
+/// `experts` GELU MLPs of which `top_k` run per token (see
+/// `runtime/backend/cpu/moe.rs` for the exact arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeConfig {
     pub experts: u32,
     pub top_k: u32,
+    /// Width of each expert's hidden layer (default 4 × d_model, GPT-2's MLP).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden: Option<u32>,
+    /// Tokens an expert takes per routing group (the tokens one device
+    /// routes in one forward): `ceil(capacity_factor × tokens × top_k /
+    /// experts)`; assignments beyond it are dropped (counted and reported).
+    /// Absent: dropless, as Megatron's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
+    /// Weight of the sequence-wise load-balancing loss (default 0.01).
+    #[serde(default = "default_aux_coef")]
+    pub aux_loss_coef: f64,
+}
+
+fn default_aux_coef() -> f64 {
+    0.01
+}
+
+impl MoeConfig {
+    /// `experts` experts, `top_k` per token, defaults otherwise.
+    pub fn new(experts: u32, top_k: u32) -> Self {
+        MoeConfig {
+            experts,
+            top_k,
+            hidden: None,
+            capacity_factor: None,
+            aux_loss_coef: default_aux_coef(),
+        }
+    }
+
+    /// Each expert's hidden width.
+    pub fn hidden_width(&self, d_model: u32) -> u32 {
+        self.hidden.unwrap_or(d_model.saturating_mul(4))
+    }
 }
 
 /// A GPT-2-style decoder and the global batch it trains on.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     #[serde(default = "default_name")]
@@ -227,6 +264,10 @@ impl ModelConfig {
             self.layers as u64,
         );
         let experts = self.moe.as_ref().map_or(1, |m| m.experts.max(1) as u64);
+        let hidden = self
+            .moe
+            .as_ref()
+            .map_or(4 * c, |m| m.hidden_width(self.d_model) as u64);
         for (what, product) in [
             (
                 "batch_size × seq_len × vocab",
@@ -241,6 +282,18 @@ impl ModelConfig {
                 "layers × experts × 12·d_model²",
                 l.checked_mul(experts)
                     .and_then(|x| x.checked_mul(c.checked_mul(c)?.checked_mul(12)?)),
+            ),
+            (
+                "layers × experts × 3·d_model × hidden",
+                l.checked_mul(experts)
+                    .and_then(|x| x.checked_mul(c.checked_mul(hidden)?.checked_mul(3)?)),
+            ),
+            (
+                "batch_size × seq_len × top_k × hidden",
+                b.checked_mul(t).and_then(|x| {
+                    x.checked_mul(self.moe.as_ref().map_or(1, |m| m.top_k as u64))?
+                        .checked_mul(hidden)
+                }),
             ),
             ("vocab × d_model", v.checked_mul(c)),
             (
@@ -274,6 +327,28 @@ impl ModelConfig {
                 return Err(self.invalid(format!(
                     "moe needs 1 ≤ top_k ≤ experts: experts {} top_k {}",
                     moe.experts, moe.top_k
+                )));
+            }
+            if moe.experts > 4096 {
+                return Err(self.invalid(format!(
+                    "moe.experts must be at most 4096, got {}",
+                    moe.experts
+                )));
+            }
+            if moe.hidden == Some(0) {
+                return Err(self.invalid("moe.hidden must be at least 1, got 0"));
+            }
+            if let Some(cf) = moe.capacity_factor {
+                if !(cf.is_finite() && cf > 0.0 && cf <= 1e6) {
+                    return Err(self.invalid(format!(
+                        "moe.capacity_factor must be a number in (0, 1e6], got {cf}"
+                    )));
+                }
+            }
+            if !(moe.aux_loss_coef.is_finite() && (0.0..=1e3).contains(&moe.aux_loss_coef)) {
+                return Err(self.invalid(format!(
+                    "moe.aux_loss_coef must be a number in [0, 1000], got {}",
+                    moe.aux_loss_coef
                 )));
             }
         }
@@ -348,9 +423,10 @@ pub enum Part {
     Embedding,
     /// A dense pre-LN transformer block.
     Block(u32),
-    /// Attention half of a MoE block (ln1, attention, residual, ln2, router).
+    /// Attention half of a MoE block (ln1, attention, residual).
     Attention(u32),
-    /// Expert half of a MoE block (experts, combine, residual).
+    /// Expert half of a MoE block (ln2, router, top-k, experts, weighted
+    /// combine, residual, load-balancing loss).
     Experts(u32),
     /// Final layernorm, tied LM head and cross-entropy loss.
     Head,
@@ -444,10 +520,7 @@ mod tests {
     #[test]
     fn moe_splits_expert_halves_into_ep_segments() {
         let mut t = ModelConfig::tiny();
-        t.moe = Some(MoeConfig {
-            experts: 4,
-            top_k: 2,
-        });
+        t.moe = Some(MoeConfig::new(4, 2));
         let segs = t.segments();
         let experts: Vec<_> = segs.iter().filter_map(|s| s.expert_block).collect();
         assert_eq!(experts, (0..8).collect::<Vec<_>>());

@@ -1,9 +1,10 @@
 //! The parameter table: every parameter of a part by GPT-2 name and shape
 //! (llm.c layouts: linear weights `[out, in]`). The one source both the cost
 //! hints (`cost.rs`: parameter counts, hence model-state bytes in plans) and
-//! the CPU kernels (`runtime/backend/cpu/gpt.rs`) read. MoE parts have no
-//! kernels yet: their tables are empty and their counts stay formulas in
-//! `cost.rs` until expert parallelism executes.
+//! the CPU kernels (`runtime/backend/cpu/gpt.rs`, `moe.rs`) read. A MoE
+//! block's attention half has GPT-2's attention names; its expert half has
+//! `ln_2`, the router `mlp.router.weight` `[experts, d_model]` (no bias) and
+//! per expert `mlp.experts.{e}.c_fc` / `c_proj` with GPT-2's MLP layout.
 
 use super::{ModelConfig, Part, Segment};
 
@@ -18,6 +19,19 @@ pub fn part_params(cfg: &ModelConfig, part: Part) -> Vec<(String, Vec<usize>)> {
         Part::Embedding => vec![("wte".into(), vec![v, c]), ("wpe".into(), vec![t, c])],
         Part::Block(l) => {
             let p = |s: &str| format!("h.{l}.{s}");
+            let mut out = part_params(cfg, Part::Attention(l));
+            out.extend([
+                (p("ln_2.weight"), vec![c]),
+                (p("ln_2.bias"), vec![c]),
+                (p("mlp.c_fc.weight"), vec![4 * c, c]),
+                (p("mlp.c_fc.bias"), vec![4 * c]),
+                (p("mlp.c_proj.weight"), vec![c, 4 * c]),
+                (p("mlp.c_proj.bias"), vec![c]),
+            ]);
+            out
+        }
+        Part::Attention(l) => {
+            let p = |s: &str| format!("h.{l}.{s}");
             vec![
                 (p("ln_1.weight"), vec![c]),
                 (p("ln_1.bias"), vec![c]),
@@ -25,21 +39,40 @@ pub fn part_params(cfg: &ModelConfig, part: Part) -> Vec<(String, Vec<usize>)> {
                 (p("attn.c_attn.bias"), vec![3 * c]),
                 (p("attn.c_proj.weight"), vec![c, c]),
                 (p("attn.c_proj.bias"), vec![c]),
+            ]
+        }
+        Part::Experts(l) => {
+            let Some(moe) = &cfg.moe else {
+                return Vec::new();
+            };
+            let (e, hid) = (moe.experts as usize, moe.hidden_width(cfg.d_model) as usize);
+            let p = |s: &str| format!("h.{l}.{s}");
+            let mut out = vec![
                 (p("ln_2.weight"), vec![c]),
                 (p("ln_2.bias"), vec![c]),
-                (p("mlp.c_fc.weight"), vec![4 * c, c]),
-                (p("mlp.c_fc.bias"), vec![4 * c]),
-                (p("mlp.c_proj.weight"), vec![c, 4 * c]),
-                (p("mlp.c_proj.bias"), vec![c]),
-            ]
+                (p("mlp.router.weight"), vec![e, c]),
+            ];
+            for x in 0..e {
+                out.extend([
+                    (expert_param(l, x, "c_fc.weight"), vec![hid, c]),
+                    (expert_param(l, x, "c_fc.bias"), vec![hid]),
+                    (expert_param(l, x, "c_proj.weight"), vec![c, hid]),
+                    (expert_param(l, x, "c_proj.bias"), vec![c]),
+                ]);
+            }
+            out
         }
         Part::Head => vec![
             ("ln_f.weight".into(), vec![c]),
             ("ln_f.bias".into(), vec![c]),
             ("wte".into(), vec![v, c]),
         ],
-        Part::Attention(_) | Part::Experts(_) => Vec::new(),
     }
+}
+
+/// Name of expert `e`'s parameter `what` (`c_fc.weight`, …) in layer `l`.
+pub fn expert_param(l: u32, e: usize, what: &str) -> String {
+    format!("h.{l}.mlp.experts.{e}.{what}")
 }
 
 /// Names and shapes of the parameters a segment reads (deduplicated, in order).

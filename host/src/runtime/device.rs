@@ -18,8 +18,19 @@ use std::sync::{Condvar, Mutex, RwLock};
 #[derive(Default)]
 pub(super) struct StepState {
     pub(super) loss: f64,
+    /// MoE expert assignments routed and dropped by this device's forwards.
+    pub(super) moe_routed: u64,
+    pub(super) moe_dropped: u64,
     pub(super) grad_norm: f64,
     pub(super) clip_scale: f32,
+}
+
+/// A device's share of a step's figures.
+pub(crate) struct DeviceStats {
+    pub(crate) loss: f64,
+    pub(crate) grad_norm: f64,
+    pub(crate) moe_routed: u64,
+    pub(crate) moe_dropped: u64,
 }
 
 /// One virtual device: its model states and buffers.
@@ -197,9 +208,14 @@ impl Device {
         })
     }
 
-    pub(crate) fn stats(&self) -> (f64, f64) {
+    pub(crate) fn stats(&self) -> DeviceStats {
         let s = self.state.lock().unwrap();
-        (s.loss, s.grad_norm)
+        DeviceStats {
+            loss: s.loss,
+            grad_norm: s.grad_norm,
+            moe_routed: s.moe_routed,
+            moe_dropped: s.moe_dropped,
+        }
     }
     pub(crate) fn peak_bytes(&self) -> u64 {
         self.state_bytes + self.bufs.lock().unwrap().peak

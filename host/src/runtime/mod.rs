@@ -143,6 +143,10 @@ pub struct StepStats {
     /// Model states per device (parameters, gradients, optimizer moments,
     /// sharded or not) as the runtime allocated them.
     pub state_bytes: Vec<u64>,
+    /// MoE: expert assignments (token × top-k choice) routed this step,
+    /// and how many of them capacity dropped (zero for dense models).
+    pub moe_routed: u64,
+    pub moe_dropped: u64,
 }
 
 /// One device's share of a kind of state: whole tensors and ZeRO shards.
@@ -222,11 +226,6 @@ impl Trainer {
         opts.threads = Some(threads);
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
-        if cfg.moe.is_some() {
-            return Err(RuntimeError::Unsupported(
-                "MoE models are not yet supported by the CPU runtime".into(),
-            ));
-        }
         let segments = cfg.segments();
         let devices = local
             .iter()
@@ -303,17 +302,23 @@ impl Trainer {
         let n = self.plan.devices.len();
         let (mut losses, mut grad_norm) = (vec![0.0f64; n], 0.0f64);
         let (mut peak_bytes, mut state_bytes) = (vec![0u64; n], vec![0u64; n]);
+        let (mut routed, mut dropped) = (vec![0u64; n], vec![0u64; n]);
         for (d, &i) in self.devices.iter().zip(&self.local) {
             let s = d.stats();
-            losses[i] = s.0;
-            grad_norm = f64::max(grad_norm, s.1);
+            losses[i] = s.loss;
+            grad_norm = f64::max(grad_norm, s.grad_norm);
+            (routed[i], dropped[i]) = (s.moe_routed, s.moe_dropped);
             peak_bytes[i] = d.peak_bytes();
             state_bytes[i] = d.state_bytes();
         }
         #[cfg(feature = "mpi")]
         if let Some(f) = self.fabric() {
             f.finish(self.step);
-            grad_norm = f.reduce_stats(&mut losses, grad_norm, &mut peak_bytes, &mut state_bytes);
+            grad_norm = f.reduce_stats(
+                &mut losses,
+                grad_norm,
+                [&mut peak_bytes, &mut state_bytes, &mut routed, &mut dropped],
+            );
         }
         let loss: f64 = losses.iter().fold(0.0, |a, x| a + x);
         Ok(StepStats {
@@ -323,6 +328,8 @@ impl Trainer {
             elapsed: t.elapsed(),
             peak_bytes,
             state_bytes,
+            moe_routed: routed.iter().sum(),
+            moe_dropped: dropped.iter().sum(),
         })
     }
 

@@ -211,8 +211,7 @@ impl MpiFabric {
         &self,
         losses: &mut [f64],
         grad_norm: f64,
-        peak_bytes: &mut [u64],
-        state_bytes: &mut [u64],
+        counts: [&mut [u64]; 4],
     ) -> f64 {
         use mpi::collective::SystemOperation;
         let w = world();
@@ -220,7 +219,7 @@ impl MpiFabric {
         w.all_reduce_into(&grad_norm, &mut g, SystemOperation::max());
         let mine = losses.to_vec();
         w.all_reduce_into(&mine[..], losses, SystemOperation::sum());
-        for v in [peak_bytes, state_bytes] {
+        for v in counts {
             let mine = v.to_vec();
             w.all_reduce_into(&mine[..], v, SystemOperation::sum());
         }

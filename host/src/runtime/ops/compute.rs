@@ -49,8 +49,14 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
             Dims::new(ctx.cfg, b),
         ))
     })?;
-    if let Some(l) = loss {
-        dev.state.lock().unwrap().loss += l;
+    let (routed, dropped) = cache.moe_counts();
+    {
+        let mut s = dev.state.lock().unwrap();
+        if let Some(l) = loss {
+            s.loss += l;
+        }
+        s.moe_routed += routed;
+        s.moe_dropped += dropped;
     }
     if let Some(out) = out {
         dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;

@@ -11,20 +11,23 @@ use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, laye
 use super::loss::{crossentropy_backward, crossentropy_forward};
 use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
 pub use crate::model::params::{decays, model_params, part_params, segment_params};
-use crate::model::{ModelConfig, Part, Segment};
+use super::moe::{moe_backward_input, moe_backward_weight, moe_forward, MoeCache, MoeDims, MoeStash};
+use crate::model::{ModelConfig, MoeConfig, Part, Segment};
 use std::collections::BTreeMap;
 
 /// Tensors by GPT-2 name.
 pub type Tensors = BTreeMap<String, Vec<f32>>;
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Dims {
     pub b: usize,
     pub t: usize,
     pub c: usize,
     pub nh: usize,
     pub v: usize,
+    /// The MoE configuration, for expert halves.
+    pub moe: Option<MoeConfig>,
 }
 
 impl Dims {
@@ -35,6 +38,7 @@ impl Dims {
             c: cfg.d_model as usize,
             nh: cfg.heads as usize,
             v: cfg.vocab as usize,
+            moe: cfg.moe,
         }
     }
     fn n(&self) -> usize {
@@ -91,9 +95,10 @@ pub fn init_param(cfg: &ModelConfig, seed: u64, name: &str, shape: &[usize]) -> 
     (0..n).map(|_| rng.normal() * std).collect()
 }
 
-/// What one part keeps from forward for backward.
+/// What an attention half keeps from forward for backward (`x2 = x +
+/// attproj(attention(qkv(ln1(x))))`).
 #[derive(Clone, Debug, Default)]
-pub struct BlockCache {
+pub struct AttnCache {
     layer: u32,
     x: Vec<f32>,
     ln1: Vec<f32>,
@@ -102,6 +107,12 @@ pub struct BlockCache {
     qkv: Vec<f32>,
     att: Vec<f32>,
     atty: Vec<f32>,
+}
+
+/// What a dense MLP half keeps (`out = x2 + fcproj(gelu(fc(ln2(x2))))`).
+#[derive(Clone, Debug, Default)]
+pub struct MlpCache {
+    layer: u32,
     x2: Vec<f32>,
     ln2: Vec<f32>,
     ln2_mean: Vec<f32>,
@@ -110,12 +121,51 @@ pub struct BlockCache {
     fch_gelu: Vec<f32>,
 }
 
+fn floats(v: &[f32]) -> u64 {
+    v.len() as u64 * 4
+}
+
+impl AttnCache {
+    fn bytes(&self) -> u64 {
+        [
+            &self.x,
+            &self.ln1,
+            &self.ln1_mean,
+            &self.ln1_rstd,
+            &self.qkv,
+            &self.att,
+            &self.atty,
+        ]
+        .iter()
+        .map(|v| floats(v))
+        .sum()
+    }
+}
+
+impl MlpCache {
+    fn bytes(&self) -> u64 {
+        [
+            &self.x2,
+            &self.ln2,
+            &self.ln2_mean,
+            &self.ln2_rstd,
+            &self.fch,
+            &self.fch_gelu,
+        ]
+        .iter()
+        .map(|v| floats(v))
+        .sum()
+    }
+}
+
 #[derive(Clone, Debug)]
 pub enum PartCache {
     Embedding {
         tokens: Vec<u32>,
     },
-    Block(Box<BlockCache>),
+    Block(Box<AttnCache>, Box<MlpCache>),
+    Attention(Box<AttnCache>),
+    Experts(Box<MoeCache>),
     Head {
         x: Vec<f32>,
         lnf: Vec<f32>,
@@ -135,29 +185,13 @@ pub struct SegmentCache {
 
 impl SegmentCache {
     pub fn bytes(&self) -> u64 {
-        let f = |v: &Vec<f32>| v.len() as u64 * 4;
         self.parts
             .iter()
             .map(|p| match p {
                 PartCache::Embedding { tokens } => tokens.len() as u64 * 4,
-                PartCache::Block(b) => [
-                    &b.x,
-                    &b.ln1,
-                    &b.ln1_mean,
-                    &b.ln1_rstd,
-                    &b.qkv,
-                    &b.att,
-                    &b.atty,
-                    &b.x2,
-                    &b.ln2,
-                    &b.ln2_mean,
-                    &b.ln2_rstd,
-                    &b.fch,
-                    &b.fch_gelu,
-                ]
-                .iter()
-                .map(|v| f(v))
-                .sum(),
+                PartCache::Block(a, m) => a.bytes() + m.bytes(),
+                PartCache::Attention(a) => a.bytes(),
+                PartCache::Experts(m) => m.bytes(),
                 PartCache::Head {
                     x,
                     lnf,
@@ -165,30 +199,56 @@ impl SegmentCache {
                     rstd,
                     probs,
                     targets,
-                } => f(x) + f(lnf) + f(mean) + f(rstd) + f(probs) + targets.len() as u64 * 4,
+                } => {
+                    floats(x)
+                        + floats(lnf)
+                        + floats(mean)
+                        + floats(rstd)
+                        + floats(probs)
+                        + targets.len() as u64 * 4
+                }
             })
             .sum()
     }
+
+    /// Expert assignments this forward routed and dropped for capacity
+    /// (zero without experts).
+    pub fn moe_counts(&self) -> (u64, u64) {
+        self.parts.iter().fold((0, 0), |(r, d), p| match p {
+            PartCache::Experts(m) => (
+                r + m.routing.choice.len() as u64,
+                d + m.routing.dropped,
+            ),
+            _ => (r, d),
+        })
+    }
+}
+
+/// The attention half's gradients its weight pass reads.
+#[derive(Clone, Debug)]
+pub struct AttnStash {
+    /// Gradient of the half's output (`x2`).
+    dout: Vec<f32>,
+    dqkv: Vec<f32>,
+    dln1: Vec<f32>,
+}
+
+/// The dense MLP half's.
+#[derive(Clone, Debug)]
+pub struct MlpStash {
+    dout: Vec<f32>,
+    dfch: Vec<f32>,
+    dln2: Vec<f32>,
 }
 
 /// Gradients the weight pass needs, produced by the input pass.
 #[derive(Clone, Debug)]
 pub enum PartStash {
-    Embedding {
-        dout: Vec<f32>,
-    },
-    Block {
-        dout: Vec<f32>,
-        dfch: Vec<f32>,
-        dln2: Vec<f32>,
-        dx2: Vec<f32>,
-        dqkv: Vec<f32>,
-        dln1: Vec<f32>,
-    },
-    Head {
-        dlogits: Vec<f32>,
-        dlnf: Vec<f32>,
-    },
+    Embedding { dout: Vec<f32> },
+    Block(AttnStash, MlpStash),
+    Attention(AttnStash),
+    Experts(Box<MoeStash>),
+    Head { dlogits: Vec<f32>, dlnf: Vec<f32> },
 }
 
 #[derive(Clone, Debug)]
@@ -203,20 +263,16 @@ pub struct SegmentStash {
 
 impl SegmentStash {
     pub fn bytes(&self) -> u64 {
-        let f = |v: &Vec<f32>| v.len() as u64 * 4;
+        let attn = |a: &AttnStash| floats(&a.dout) + floats(&a.dqkv) + floats(&a.dln1);
+        let mlp = |m: &MlpStash| floats(&m.dout) + floats(&m.dfch) + floats(&m.dln2);
         self.parts
             .iter()
             .map(|p| match p {
-                PartStash::Embedding { dout } => f(dout),
-                PartStash::Block {
-                    dout,
-                    dfch,
-                    dln2,
-                    dx2,
-                    dqkv,
-                    dln1,
-                } => f(dout) + f(dfch) + f(dln2) + f(dx2) + f(dqkv) + f(dln1),
-                PartStash::Head { dlogits, dlnf } => f(dlogits) + f(dlnf),
+                PartStash::Embedding { dout } => floats(dout),
+                PartStash::Block(a, m) => attn(a) + mlp(m),
+                PartStash::Attention(a) => attn(a),
+                PartStash::Experts(m) => m.bytes(),
+                PartStash::Head { dlogits, dlnf } => floats(dlogits) + floats(dlnf),
             })
             .sum::<u64>()
             + self.kept.as_ref().map_or(0, |c| c.bytes())
@@ -224,16 +280,21 @@ impl SegmentStash {
 
     /// Keep from `cache` what [`segment_backward_weight`] reads.
     pub fn keep_for_weights(&mut self, cache: SegmentCache) {
+        let attn = |mut a: Box<AttnCache>| {
+            a.qkv = Vec::new();
+            a.att = Vec::new();
+            a
+        };
         let parts = cache
             .parts
             .into_iter()
             .map(|p| match p {
-                PartCache::Block(mut b) => {
-                    b.qkv = Vec::new();
-                    b.att = Vec::new();
-                    b.fch = Vec::new();
-                    PartCache::Block(b)
+                PartCache::Block(a, mut m) => {
+                    m.fch = Vec::new();
+                    PartCache::Block(attn(a), m)
                 }
+                PartCache::Attention(a) => PartCache::Attention(attn(a)),
+                PartCache::Experts(m) => PartCache::Experts(Box::new(m.keep_for_weights())),
                 PartCache::Head {
                     x, lnf, mean, rstd, ..
                 } => PartCache::Head {
@@ -254,7 +315,8 @@ impl SegmentStash {
     }
 }
 
-fn p<'a>(params: &'a Tensors, name: &str) -> &'a [f32] {
+/// A parameter by name (the plan put it on this device).
+pub(super) fn param_of<'a>(params: &'a Tensors, name: &str) -> &'a [f32] {
     params
         .get(name)
         .unwrap_or_else(|| panic!("parameter {name} is not on this device"))
@@ -274,8 +336,8 @@ fn linear(
     matmul_forward(
         &mut out,
         inp,
-        p(params, w),
-        Some(p(params, bias)),
+        param_of(params, w),
+        Some(param_of(params, bias)),
         n,
         ic,
         oc,
@@ -298,24 +360,307 @@ fn layernorm(
         &mut mean,
         &mut rstd,
         inp,
-        p(params, w),
-        p(params, bias),
+        param_of(params, w),
+        param_of(params, bias),
         n,
         c,
     );
     (out, mean, rstd)
 }
 
-fn g<'a>(grads: &'a mut Tensors, name: &str) -> &'a mut Vec<f32> {
+/// A parameter's gradient by name.
+pub(super) fn grad_of<'a>(grads: &'a mut Tensors, name: &str) -> &'a mut Vec<f32> {
     grads
         .get_mut(name)
         .unwrap_or_else(|| panic!("gradient {name} is not on this device"))
 }
 
+/// Attention half of layer `l`: `x2 = x + attproj(attention(qkv(ln1(x))))`.
+fn attn_forward(params: &Tensors, l: u32, x: Vec<f32>, dims: Dims) -> (Vec<f32>, AttnCache) {
+    let Dims { b, t, c, nh, .. } = dims;
+    let n = dims.n();
+    let name = |s: &str| format!("h.{l}.{s}");
+    let (ln1, ln1_mean, ln1_rstd) =
+        layernorm(params, &name("ln_1.weight"), &name("ln_1.bias"), &x, n, c);
+    let qkv = linear(
+        params,
+        &name("attn.c_attn.weight"),
+        &name("attn.c_attn.bias"),
+        &ln1,
+        n,
+        c,
+        3 * c,
+    );
+    let mut att = vec![0.0; b * nh * t * t];
+    let mut atty = vec![0.0; n * c];
+    attention_forward(&mut atty, &mut att, &qkv, b, t, c, nh);
+    let attproj = linear(
+        params,
+        &name("attn.c_proj.weight"),
+        &name("attn.c_proj.bias"),
+        &atty,
+        n,
+        c,
+        c,
+    );
+    let mut x2 = vec![0.0; n * c];
+    residual_forward(&mut x2, &x, &attproj);
+    let cache = AttnCache {
+        layer: l,
+        x,
+        ln1,
+        ln1_mean,
+        ln1_rstd,
+        qkv,
+        att,
+        atty,
+    };
+    (x2, cache)
+}
+
+/// Dense MLP half of layer `l`: `out = x2 + fcproj(gelu(fc(ln2(x2))))`.
+fn mlp_forward(params: &Tensors, l: u32, x2: Vec<f32>, dims: Dims) -> (Vec<f32>, MlpCache) {
+    let c = dims.c;
+    let n = dims.n();
+    let name = |s: &str| format!("h.{l}.{s}");
+    let (ln2, ln2_mean, ln2_rstd) =
+        layernorm(params, &name("ln_2.weight"), &name("ln_2.bias"), &x2, n, c);
+    let fch = linear(
+        params,
+        &name("mlp.c_fc.weight"),
+        &name("mlp.c_fc.bias"),
+        &ln2,
+        n,
+        c,
+        4 * c,
+    );
+    let mut fch_gelu = vec![0.0; n * 4 * c];
+    gelu_forward(&mut fch_gelu, &fch);
+    let fcproj = linear(
+        params,
+        &name("mlp.c_proj.weight"),
+        &name("mlp.c_proj.bias"),
+        &fch_gelu,
+        n,
+        4 * c,
+        c,
+    );
+    let mut out = vec![0.0; n * c];
+    residual_forward(&mut out, &x2, &fcproj);
+    let cache = MlpCache {
+        layer: l,
+        x2,
+        ln2,
+        ln2_mean,
+        ln2_rstd,
+        fch,
+        fch_gelu,
+    };
+    (out, cache)
+}
+
+/// The attention half's input gradient from its output gradient `dout`
+/// (kept in the stash for the weight pass).
+fn attn_backward_input(params: &Tensors, k: &AttnCache, dout: Vec<f32>, dims: Dims) -> (Vec<f32>, AttnStash) {
+    let Dims { b, t, c, nh, .. } = dims;
+    let n = dims.n();
+    let l = k.layer;
+    let name = |s: &str| format!("h.{l}.{s}");
+    let mut datty = vec![0.0; n * c];
+    matmul_backward_input(
+        &mut datty,
+        &dout,
+        param_of(params, &name("attn.c_proj.weight")),
+        n,
+        c,
+        c,
+        false,
+    );
+    let mut dqkv = vec![0.0; n * 3 * c];
+    attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, c, nh);
+    let mut dln1 = vec![0.0; n * c];
+    matmul_backward_input(
+        &mut dln1,
+        &dqkv,
+        param_of(params, &name("attn.c_attn.weight")),
+        n,
+        c,
+        3 * c,
+        false,
+    );
+    let mut dx = dout.clone();
+    layernorm_backward_input(
+        &mut dx,
+        &dln1,
+        &k.x,
+        param_of(params, &name("ln_1.weight")),
+        &k.ln1_mean,
+        &k.ln1_rstd,
+        n,
+        c,
+    );
+    (dx, AttnStash { dout, dqkv, dln1 })
+}
+
+/// The dense MLP half's input gradient.
+fn mlp_backward_input(params: &Tensors, k: &MlpCache, dout: Vec<f32>, dims: Dims) -> (Vec<f32>, MlpStash) {
+    let c = dims.c;
+    let n = dims.n();
+    let l = k.layer;
+    let name = |s: &str| format!("h.{l}.{s}");
+    let mut dgelu = vec![0.0; n * 4 * c];
+    matmul_backward_input(
+        &mut dgelu,
+        &dout,
+        param_of(params, &name("mlp.c_proj.weight")),
+        n,
+        4 * c,
+        c,
+        false,
+    );
+    let mut dfch = vec![0.0; n * 4 * c];
+    gelu_backward(&mut dfch, &k.fch, &dgelu);
+    let mut dln2 = vec![0.0; n * c];
+    matmul_backward_input(
+        &mut dln2,
+        &dfch,
+        param_of(params, &name("mlp.c_fc.weight")),
+        n,
+        c,
+        4 * c,
+        false,
+    );
+    let mut dx2 = dout.clone();
+    layernorm_backward_input(
+        &mut dx2,
+        &dln2,
+        &k.x2,
+        param_of(params, &name("ln_2.weight")),
+        &k.ln2_mean,
+        &k.ln2_rstd,
+        n,
+        c,
+    );
+    (dx2, MlpStash { dout, dfch, dln2 })
+}
+
+/// Accumulate linear layer `w`/`bias`'s gradients from `dout[n, oc]` and `inp[n, ic]`.
+fn linear_weight(
+    grads: &mut Tensors,
+    w: &str,
+    bias: &str,
+    dout: &[f32],
+    inp: &[f32],
+    n: usize,
+    ic: usize,
+    oc: usize,
+) {
+    let mut db = std::mem::take(grad_of(grads, bias));
+    matmul_backward_weight(grad_of(grads, w), Some(&mut db), dout, inp, n, ic, oc);
+    *grad_of(grads, bias) = db;
+}
+
+/// Accumulate layernorm `w`/`bias`'s gradients.
+fn layernorm_weight(
+    grads: &mut Tensors,
+    w: &str,
+    bias: &str,
+    dout: &[f32],
+    inp: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    n: usize,
+    c: usize,
+) {
+    let mut db = std::mem::take(grad_of(grads, bias));
+    layernorm_backward_weight(grad_of(grads, w), &mut db, dout, inp, mean, rstd, n, c);
+    *grad_of(grads, bias) = db;
+}
+
+fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, n: usize, c: usize) {
+    let l = k.layer;
+    let name = |s: &str| format!("h.{l}.{s}");
+    linear_weight(
+        grads,
+        &name("attn.c_proj.weight"),
+        &name("attn.c_proj.bias"),
+        &st.dout,
+        &k.atty,
+        n,
+        c,
+        c,
+    );
+    linear_weight(
+        grads,
+        &name("attn.c_attn.weight"),
+        &name("attn.c_attn.bias"),
+        &st.dqkv,
+        &k.ln1,
+        n,
+        c,
+        3 * c,
+    );
+    layernorm_weight(
+        grads,
+        &name("ln_1.weight"),
+        &name("ln_1.bias"),
+        &st.dln1,
+        &k.x,
+        &k.ln1_mean,
+        &k.ln1_rstd,
+        n,
+        c,
+    );
+}
+
+fn mlp_backward_weight(grads: &mut Tensors, k: &MlpCache, st: &MlpStash, n: usize, c: usize) {
+    let l = k.layer;
+    let name = |s: &str| format!("h.{l}.{s}");
+    linear_weight(
+        grads,
+        &name("mlp.c_proj.weight"),
+        &name("mlp.c_proj.bias"),
+        &st.dout,
+        &k.fch_gelu,
+        n,
+        4 * c,
+        c,
+    );
+    linear_weight(
+        grads,
+        &name("mlp.c_fc.weight"),
+        &name("mlp.c_fc.bias"),
+        &st.dfch,
+        &k.ln2,
+        n,
+        c,
+        4 * c,
+    );
+    layernorm_weight(
+        grads,
+        &name("ln_2.weight"),
+        &name("ln_2.bias"),
+        &st.dln2,
+        &k.x2,
+        &k.ln2_mean,
+        &k.ln2_rstd,
+        n,
+        c,
+    );
+}
+
+fn moe_dims(dims: Dims) -> (MoeConfig, MoeDims) {
+    let moe = dims.moe.expect("an expert half runs on a MoE model");
+    let d = MoeDims::new(&moe, dims.n(), dims.t, dims.c);
+    (moe, d)
+}
+
 /// Forward of a segment on `dims.b` sequences. `tokens` feed the embedding
 /// (first segment), `input` the activations from the previous segment;
 /// `targets` the loss (last segment). Returns the output activations (`None`
-/// after the head), the cache, and the summed token losses when it has the head.
+/// after the head), the cache, and what the segment adds to the summed token
+/// losses: the cross-entropy at the head, the load-balancing loss of expert
+/// halves.
 pub fn segment_forward(
     seg: &Segment,
     params: &Tensors,
@@ -324,70 +669,56 @@ pub fn segment_forward(
     targets: Option<&[u32]>,
     dims: Dims,
 ) -> (Option<Vec<f32>>, SegmentCache, Option<f64>) {
-    let Dims { b, t, c, nh, v } = dims;
+    let Dims { b, t, c, v, .. } = dims;
     let n = dims.n();
     let mut x: Vec<f32> = input.unwrap_or_default();
     let mut caches = Vec::with_capacity(seg.parts.len());
-    let mut loss = None;
+    let mut loss: Option<f64> = None;
     let mut out_present = true;
     for part in &seg.parts {
         match *part {
             Part::Embedding => {
                 let tokens = tokens.expect("the embedding segment gets tokens");
                 x = vec![0.0; n * c];
-                embedding_forward(&mut x, tokens, p(params, "wte"), p(params, "wpe"), b, t, c);
+                embedding_forward(
+                    &mut x,
+                    tokens,
+                    param_of(params, "wte"),
+                    param_of(params, "wpe"),
+                    b,
+                    t,
+                    c,
+                );
                 caches.push(PartCache::Embedding {
                     tokens: tokens.to_vec(),
                 });
             }
             Part::Block(l) => {
-                let name = |s: &str| format!("h.{l}.{s}");
-                let lin = |w: &str, bias: &str, inp: &[f32], ic: usize, oc: usize| {
-                    linear(params, &name(w), &name(bias), inp, n, ic, oc)
-                };
-                // x2 = x + attproj(attention(qkv(ln1(x))))
-                let (ln1, ln1_mean, ln1_rstd) =
-                    layernorm(params, &name("ln_1.weight"), &name("ln_1.bias"), &x, n, c);
-                let qkv = lin("attn.c_attn.weight", "attn.c_attn.bias", &ln1, c, 3 * c);
-                let mut att = vec![0.0; b * nh * t * t];
-                let mut atty = vec![0.0; n * c];
-                attention_forward(&mut atty, &mut att, &qkv, b, t, c, nh);
-                let attproj = lin("attn.c_proj.weight", "attn.c_proj.bias", &atty, c, c);
-                let mut x2 = vec![0.0; n * c];
-                residual_forward(&mut x2, &x, &attproj);
-                // out = x2 + fcproj(gelu(fc(ln2(x2))))
-                let (ln2, ln2_mean, ln2_rstd) =
-                    layernorm(params, &name("ln_2.weight"), &name("ln_2.bias"), &x2, n, c);
-                let fch = lin("mlp.c_fc.weight", "mlp.c_fc.bias", &ln2, c, 4 * c);
-                let mut fch_gelu = vec![0.0; n * 4 * c];
-                gelu_forward(&mut fch_gelu, &fch);
-                let fcproj = lin("mlp.c_proj.weight", "mlp.c_proj.bias", &fch_gelu, 4 * c, c);
-                let mut out = vec![0.0; n * c];
-                residual_forward(&mut out, &x2, &fcproj);
-                caches.push(PartCache::Block(Box::new(BlockCache {
-                    layer: l,
-                    x: std::mem::replace(&mut x, out),
-                    ln1,
-                    ln1_mean,
-                    ln1_rstd,
-                    qkv,
-                    att,
-                    atty,
-                    x2,
-                    ln2,
-                    ln2_mean,
-                    ln2_rstd,
-                    fch,
-                    fch_gelu,
-                })));
+                let (x2, attn) = attn_forward(params, l, std::mem::take(&mut x), dims);
+                let (out, mlp) = mlp_forward(params, l, x2, dims);
+                x = out;
+                caches.push(PartCache::Block(Box::new(attn), Box::new(mlp)));
+            }
+            Part::Attention(l) => {
+                let (x2, attn) = attn_forward(params, l, std::mem::take(&mut x), dims);
+                x = x2;
+                caches.push(PartCache::Attention(Box::new(attn)));
+            }
+            Part::Experts(l) => {
+                let (moe, d) = moe_dims(dims);
+                let (out, cache, aux) = moe_forward(params, l, &moe, std::mem::take(&mut x), d);
+                x = out;
+                *loss.get_or_insert(0.0) += aux;
+                caches.push(PartCache::Experts(Box::new(cache)));
             }
             Part::Head => {
                 let targets = targets.expect("the head segment gets targets");
                 let (lnf, mean, rstd) = layernorm(params, "ln_f.weight", "ln_f.bias", &x, n, c);
                 let mut logits = vec![0.0; n * v];
-                matmul_forward(&mut logits, &lnf, p(params, "wte"), None, n, c, v);
+                matmul_forward(&mut logits, &lnf, param_of(params, "wte"), None, n, c, v);
                 let mut probs = vec![0.0; n * v];
-                loss = Some(crossentropy_forward(&mut probs, &logits, targets, n, v));
+                *loss.get_or_insert(0.0) +=
+                    crossentropy_forward(&mut probs, &logits, targets, n, v);
                 caches.push(PartCache::Head {
                     x: std::mem::take(&mut x),
                     lnf,
@@ -397,9 +728,6 @@ pub fn segment_forward(
                     targets: targets.to_vec(),
                 });
                 out_present = false;
-            }
-            Part::Attention(_) | Part::Experts(_) => {
-                panic!("MoE segments are not supported by the CPU backend")
             }
         }
     }
@@ -424,8 +752,9 @@ pub fn segment_backward_input(
     dout: Option<Vec<f32>>,
     loss_scale: f32,
 ) -> (Option<Vec<f32>>, SegmentStash) {
-    let Dims { b, t, c, nh, v } = cache.dims;
-    let n = b * t;
+    let dims = cache.dims;
+    let Dims { c, v, .. } = dims;
+    let n = dims.n();
     let mut d: Vec<f32> = dout.unwrap_or_default();
     let mut stash = Vec::with_capacity(cache.parts.len());
     let mut has_input = true;
@@ -442,13 +771,21 @@ pub fn segment_backward_input(
                 let mut dlogits = vec![0.0; n * v];
                 crossentropy_backward(&mut dlogits, probs, targets, n, v, loss_scale);
                 let mut dlnf = vec![0.0; n * c];
-                matmul_backward_input(&mut dlnf, &dlogits, p(params, "wte"), n, c, v, false);
+                matmul_backward_input(
+                    &mut dlnf,
+                    &dlogits,
+                    param_of(params, "wte"),
+                    n,
+                    c,
+                    v,
+                    false,
+                );
                 let mut dx = vec![0.0; n * c];
                 layernorm_backward_input(
                     &mut dx,
                     &dlnf,
                     x,
-                    p(params, "ln_f.weight"),
+                    param_of(params, "ln_f.weight"),
                     mean,
                     rstd,
                     n,
@@ -457,87 +794,21 @@ pub fn segment_backward_input(
                 d = dx;
                 stash.push(PartStash::Head { dlogits, dlnf });
             }
-            PartCache::Block(k) => {
-                let l = k.layer;
-                let name = |s: &str| format!("h.{l}.{s}");
-                let dout = std::mem::take(&mut d);
-                // out = x2 + fcproj(gelu(fc(ln2(x2))))
-                let mut dgelu = vec![0.0; n * 4 * c];
-                matmul_backward_input(
-                    &mut dgelu,
-                    &dout,
-                    p(params, &name("mlp.c_proj.weight")),
-                    n,
-                    4 * c,
-                    c,
-                    false,
-                );
-                let mut dfch = vec![0.0; n * 4 * c];
-                gelu_backward(&mut dfch, &k.fch, &dgelu);
-                let mut dln2 = vec![0.0; n * c];
-                matmul_backward_input(
-                    &mut dln2,
-                    &dfch,
-                    p(params, &name("mlp.c_fc.weight")),
-                    n,
-                    c,
-                    4 * c,
-                    false,
-                );
-                let mut dx2 = dout.clone();
-                layernorm_backward_input(
-                    &mut dx2,
-                    &dln2,
-                    &k.x2,
-                    p(params, &name("ln_2.weight")),
-                    &k.ln2_mean,
-                    &k.ln2_rstd,
-                    n,
-                    c,
-                );
-                // x2 = x + attproj(attention(qkv(ln1(x))))
-                let mut datty = vec![0.0; n * c];
-                matmul_backward_input(
-                    &mut datty,
-                    &dx2,
-                    p(params, &name("attn.c_proj.weight")),
-                    n,
-                    c,
-                    c,
-                    false,
-                );
-                let mut dqkv = vec![0.0; n * 3 * c];
-                attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, c, nh);
-                let mut dln1 = vec![0.0; n * c];
-                matmul_backward_input(
-                    &mut dln1,
-                    &dqkv,
-                    p(params, &name("attn.c_attn.weight")),
-                    n,
-                    c,
-                    3 * c,
-                    false,
-                );
-                let mut dx = dx2.clone();
-                layernorm_backward_input(
-                    &mut dx,
-                    &dln1,
-                    &k.x,
-                    p(params, &name("ln_1.weight")),
-                    &k.ln1_mean,
-                    &k.ln1_rstd,
-                    n,
-                    c,
-                );
+            PartCache::Block(attn, mlp) => {
+                let (dx2, ms) = mlp_backward_input(params, mlp, std::mem::take(&mut d), dims);
+                let (dx, at) = attn_backward_input(params, attn, dx2, dims);
                 d = dx;
-                stash.push(PartStash::Block {
-                    dout,
-                    dfch,
-                    dln2,
-                    dx2,
-                    dqkv,
-                    dln1,
-                });
+                stash.push(PartStash::Block(at, ms));
+            }
+            PartCache::Attention(attn) => {
+                let (dx, at) = attn_backward_input(params, attn, std::mem::take(&mut d), dims);
+                d = dx;
+                stash.push(PartStash::Attention(at));
+            }
+            PartCache::Experts(m) => {
+                let (dx, ms) = moe_backward_input(params, m, std::mem::take(&mut d), loss_scale);
+                d = dx;
+                stash.push(PartStash::Experts(Box::new(ms)));
             }
             PartCache::Embedding { .. } => {
                 stash.push(PartStash::Embedding {
@@ -564,108 +835,19 @@ pub fn segment_backward_weight(grads: &mut Tensors, cache: &SegmentCache, stash:
     for (pc, st) in cache.parts.iter().zip(&stash.parts) {
         match (pc, st) {
             (PartCache::Embedding { tokens }, PartStash::Embedding { dout }) => {
-                let mut dwpe = std::mem::take(g(grads, "wpe"));
-                embedding_backward_weight(g(grads, "wte"), &mut dwpe, dout, tokens, b, t, c);
-                *g(grads, "wpe") = dwpe;
+                let mut dwpe = std::mem::take(grad_of(grads, "wpe"));
+                embedding_backward_weight(grad_of(grads, "wte"), &mut dwpe, dout, tokens, b, t, c);
+                *grad_of(grads, "wpe") = dwpe;
             }
-            (
-                PartCache::Block(k),
-                PartStash::Block {
-                    dout,
-                    dfch,
-                    dln2,
-                    dx2,
-                    dqkv,
-                    dln1,
-                },
-            ) => {
-                let l = k.layer;
-                let name = |s: &str| format!("h.{l}.{s}");
-                let lin = |grads: &mut Tensors,
-                           w: &str,
-                           bias: &str,
-                           dout: &[f32],
-                           inp: &[f32],
-                           ic: usize,
-                           oc: usize| {
-                    let mut db = std::mem::take(g(grads, &name(bias)));
-                    matmul_backward_weight(g(grads, &name(w)), Some(&mut db), dout, inp, n, ic, oc);
-                    *g(grads, &name(bias)) = db;
-                };
-                let ln = |grads: &mut Tensors,
-                          w: &str,
-                          bias: &str,
-                          dout: &[f32],
-                          inp: &[f32],
-                          mean: &[f32],
-                          rstd: &[f32]| {
-                    let mut db = std::mem::take(g(grads, &name(bias)));
-                    layernorm_backward_weight(
-                        g(grads, &name(w)),
-                        &mut db,
-                        dout,
-                        inp,
-                        mean,
-                        rstd,
-                        n,
-                        c,
-                    );
-                    *g(grads, &name(bias)) = db;
-                };
-                lin(
-                    grads,
-                    "mlp.c_proj.weight",
-                    "mlp.c_proj.bias",
-                    dout,
-                    &k.fch_gelu,
-                    4 * c,
-                    c,
-                );
-                lin(
-                    grads,
-                    "mlp.c_fc.weight",
-                    "mlp.c_fc.bias",
-                    dfch,
-                    &k.ln2,
-                    c,
-                    4 * c,
-                );
-                ln(
-                    grads,
-                    "ln_2.weight",
-                    "ln_2.bias",
-                    dln2,
-                    &k.x2,
-                    &k.ln2_mean,
-                    &k.ln2_rstd,
-                );
-                lin(
-                    grads,
-                    "attn.c_proj.weight",
-                    "attn.c_proj.bias",
-                    dx2,
-                    &k.atty,
-                    c,
-                    c,
-                );
-                lin(
-                    grads,
-                    "attn.c_attn.weight",
-                    "attn.c_attn.bias",
-                    dqkv,
-                    &k.ln1,
-                    c,
-                    3 * c,
-                );
-                ln(
-                    grads,
-                    "ln_1.weight",
-                    "ln_1.bias",
-                    dln1,
-                    &k.x,
-                    &k.ln1_mean,
-                    &k.ln1_rstd,
-                );
+            (PartCache::Block(attn, mlp), PartStash::Block(at, ms)) => {
+                mlp_backward_weight(grads, mlp, ms, n, c);
+                attn_backward_weight(grads, attn, at, n, c);
+            }
+            (PartCache::Attention(attn), PartStash::Attention(at)) => {
+                attn_backward_weight(grads, attn, at, n, c);
+            }
+            (PartCache::Experts(m), PartStash::Experts(ms)) => {
+                moe_backward_weight(grads, m, ms);
             }
             (
                 PartCache::Head {
@@ -673,11 +855,11 @@ pub fn segment_backward_weight(grads: &mut Tensors, cache: &SegmentCache, stash:
                 },
                 PartStash::Head { dlogits, dlnf },
             ) => {
-                matmul_backward_weight(g(grads, "wte"), None, dlogits, lnf, n, c, v);
-                let mut db = std::mem::take(g(grads, "ln_f.bias"));
-                layernorm_backward_weight(
-                    g(grads, "ln_f.weight"),
-                    &mut db,
+                matmul_backward_weight(grad_of(grads, "wte"), None, dlogits, lnf, n, c, v);
+                layernorm_weight(
+                    grads,
+                    "ln_f.weight",
+                    "ln_f.bias",
                     dlnf,
                     x,
                     mean,
@@ -685,7 +867,6 @@ pub fn segment_backward_weight(grads: &mut Tensors, cache: &SegmentCache, stash:
                     n,
                     c,
                 );
-                *g(grads, "ln_f.bias") = db;
             }
             _ => unreachable!("stash and cache come from the same segment"),
         }

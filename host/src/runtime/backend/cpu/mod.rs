@@ -15,6 +15,7 @@ pub mod gpt;
 pub mod layernorm;
 pub mod loss;
 pub mod matmul;
+pub mod moe;
 pub mod par;
 pub mod profile;
 

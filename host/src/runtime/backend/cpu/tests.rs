@@ -409,3 +409,177 @@ fn every_kernel_gives_the_same_bits_on_any_thread_count() {
         }
     }
 }
+
+/// A MoE half on 2 sequences of 5 tokens: 4 experts of width 12, top-2,
+/// a visible balance loss; random parameters with the router scaled so
+/// its logits are well apart (finite differences must not flip a choice).
+fn moe_layer(capacity_factor: Option<f64>) -> (crate::model::MoeConfig, super::moe::MoeDims, Tensors) {
+    use crate::model::{MoeConfig, Part};
+    let mut moe = MoeConfig::new(4, 2);
+    moe.hidden = Some(12);
+    moe.capacity_factor = capacity_factor;
+    moe.aux_loss_coef = 0.1;
+    let mut cfg = small();
+    cfg.d_model = 8;
+    cfg.seq_len = 5;
+    cfg.moe = Some(moe);
+    let d = super::moe::MoeDims::new(&moe, 10, 5, 8);
+    let mut r = Rng(11);
+    let params = crate::model::params::part_params(&cfg, Part::Experts(0))
+        .into_iter()
+        .map(|(n, s)| {
+            let scale = if n.contains("router") { 3.0 } else { 0.5 };
+            let v = r.vec(s.iter().product()).iter().map(|x| x * scale).collect();
+            (n, v)
+        })
+        .collect();
+    (moe, d, params)
+}
+
+/// `Σ out · R + aux` of the MoE half, and its routing.
+fn moe_loss(
+    moe: &crate::model::MoeConfig,
+    d: super::moe::MoeDims,
+    params: &Tensors,
+    x: &[f32],
+    r: &[f32],
+) -> (f64, super::moe::MoeCache) {
+    let (out, cache, aux) = super::moe::moe_forward(params, 0, moe, x.to_vec(), d);
+    (dot(&out, r) + aux, cache)
+}
+
+fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
+    use super::moe::*;
+    let (moe, d, params) = moe_layer(capacity_factor);
+    let mut rng = Rng(5);
+    let (x, r) = (rng.vec(d.n * d.c), rng.vec(d.n * d.c));
+    let (_, cache) = moe_loss(&moe, d, &params, &x, &r);
+    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 1.0);
+    let mut grads: Tensors = params
+        .iter()
+        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+        .collect();
+    moe_backward_weight(&mut grads, &cache, &stash);
+    let routing = cache.routing.choice.clone();
+    // Every probe keeps the routing (else the loss is not differentiable there).
+    let probe = |p: &Tensors, x: &[f32]| {
+        let (l, c) = moe_loss(&moe, d, p, x, &r);
+        assert_eq!(c.routing.choice, routing, "a probe changed the routing");
+        l
+    };
+    check("moe dx", &mut x.clone(), &dx, 1e-3, 2e-2, |v| probe(&params, v));
+    for name in [
+        "h.0.mlp.router.weight",
+        "h.0.ln_2.weight",
+        "h.0.ln_2.bias",
+        "h.0.mlp.experts.1.c_fc.weight",
+        "h.0.mlp.experts.2.c_fc.bias",
+        "h.0.mlp.experts.0.c_proj.weight",
+        "h.0.mlp.experts.3.c_proj.bias",
+    ] {
+        let mut p = params.clone();
+        let mut v = p[name].clone();
+        check(&format!("moe d{name}"), &mut v, &grads[name], 1e-3, 2e-2, |v| {
+            p.insert(name.to_string(), v.to_vec());
+            probe(&p, &x)
+        });
+    }
+    // BI then BW from the kept tensors: the same bits.
+    let mut deferred: Tensors = params
+        .iter()
+        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+        .collect();
+    let kept = cache.clone().keep_for_weights();
+    assert!(kept.bytes() < cache.bytes());
+    moe_backward_weight(&mut deferred, &kept, &stash);
+    assert_eq!(deferred, grads);
+    cache
+}
+
+#[test]
+fn moe_gradients_match_finite_differences() {
+    let cache = check_moe_gradients(None);
+    assert_eq!(cache.routing.dropped, 0, "dropless routes every choice");
+    assert_eq!(cache.routing.rows.iter().map(Vec::len).sum::<usize>(), 20);
+}
+
+#[test]
+fn moe_capacity_drops_are_counted_and_add_nothing() {
+    use super::moe::*;
+    // Capacity ceil(0.5 × 10 × 2 / 4) = 3 per expert: some of the 20
+    // choices must go.
+    let cache = check_moe_gradients(Some(0.5));
+    let r = &cache.routing;
+    let mut per_expert = [0u64; 4];
+    for x in &r.choice {
+        per_expert[*x as usize] += 1;
+    }
+    let expected: u64 = per_expert.iter().map(|c| c.saturating_sub(3)).sum();
+    assert!(expected > 0, "the test routes more than capacity: {per_expert:?}");
+    assert_eq!(r.dropped, expected);
+    assert!(r.rows.iter().all(|rows| rows.len() <= 3));
+    // First choices are served before second choices.
+    for rows in &r.rows {
+        let firsts = rows.iter().take_while(|a| *a % 2 == 0).count();
+        assert!(rows[firsts..].iter().all(|a| a % 2 == 1), "{rows:?}");
+    }
+    // A token whose every choice was dropped keeps its residual exactly.
+    let (moe, d, params) = moe_layer(Some(0.5));
+    let mut rng = Rng(5);
+    let x = rng.vec(d.n * d.c);
+    let (out, c, _) = moe_forward(&params, 0, &moe, x.clone(), d);
+    let slots_dropped = |t: usize| {
+        (0..2).all(|j| !c.routing.rows.iter().flatten().any(|a| *a as usize == t * 2 + j))
+    };
+    let mut seen = 0;
+    for t in 0..d.n {
+        if slots_dropped(t) {
+            assert_eq!(out[t * d.c..][..d.c], x[t * d.c..][..d.c]);
+            seen += 1;
+        }
+    }
+    // And a bigger factor drops nothing.
+    let mut loose = moe;
+    loose.capacity_factor = Some(2.0);
+    let (_, c2, _) = moe_forward(&params, 0, &loose, x, d);
+    assert_eq!(c2.routing.dropped, 0);
+    assert!(seen > 0, "some token lost both choices");
+}
+
+#[test]
+fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
+    let mut cfg = small();
+    let mut moe = crate::model::MoeConfig::new(3, 2);
+    moe.hidden = Some(20);
+    cfg.moe = Some(moe);
+    let params: Tensors = model_params(&cfg)
+        .into_iter()
+        .map(|(n, s)| {
+            let mut v = init_param(&cfg, 7, &n, &s);
+            let mut r = Rng(n.len() as u64 + 3);
+            // Routers far apart, so probes keep every choice.
+            let (scale, jitter) = if n.contains("router") { (60.0, 0.0) } else { (1.0, 0.05) };
+            v.iter_mut().for_each(|x| *x = *x * scale + jitter * r.f());
+            (n, v)
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
+    let targets: Vec<u32> = (0..12).map(|i| ((i * 3 + 1) % 11) as u32).collect();
+    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
+    for name in [
+        "h.0.mlp.router.weight",
+        "h.1.mlp.experts.2.c_fc.weight",
+        "h.0.mlp.experts.0.c_proj.bias",
+        "h.1.ln_2.weight",
+        "h.0.attn.c_attn.weight",
+        "wte",
+    ] {
+        let mut p = params.clone();
+        let analytic = grads[name].clone();
+        let mut x = p[name].clone();
+        check(&format!("moe model d{name}"), &mut x, &analytic, 1e-3, 3e-2, |v| {
+            p.insert(name.to_string(), v.to_vec());
+            model_loss_and_grads(&cfg, &p, &tokens, &targets).0
+        });
+    }
+}
