@@ -34,6 +34,8 @@ const BUNDLED: &[(&str, &str, &str)] = &[
         "piper_plugin_dualpipev",
     ),
     ("dualpipe", "piper-plugin-dualpipe", "piper_plugin_dualpipe"),
+    ("ep", "piper-plugin-ep", "piper_plugin_ep"),
+    ("tp", "piper-plugin-tp", "piper_plugin_tp"),
 ];
 /// Built for tests, not bundled.
 const TESTING: &[&str] = &[

@@ -496,9 +496,15 @@ fn a_moe_model_trains_and_reports_dropped_assignments() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     assert_eq!(rows.len(), 3);
-    let dropped: u64 = rows.iter().map(|r| r["moe_dropped"].as_u64().unwrap()).sum();
+    let dropped: u64 = rows
+        .iter()
+        .map(|r| r["moe_dropped"].as_u64().unwrap())
+        .sum();
     assert!(rows.iter().all(|r| r["moe_routed"] == routed / 3));
-    assert!(line.starts_with(&format!("  experts: {dropped} of")), "{line} vs {dropped}");
+    assert!(
+        line.starts_with(&format!("  experts: {dropped} of")),
+        "{line} vs {dropped}"
+    );
     // A capacity factor that is not a number in range is refused with the field named.
     let bad = h.join("bad.toml");
     std::fs::write(
@@ -508,7 +514,10 @@ fn a_moe_model_trains_and_reports_dropped_assignments() {
             .replace("capacity_factor = 1.25", "capacity_factor = -1.0"),
     )
     .unwrap();
-    let (ok, out, err) = piper(&h, &["plan", "--model", bad.to_str().unwrap(), "--devices", "2"]);
+    let (ok, out, err) = piper(
+        &h,
+        &["plan", "--model", bad.to_str().unwrap(), "--devices", "2"],
+    );
     assert!(!ok && err.contains("capacity_factor"), "{out}{err}");
     let _ = std::fs::remove_dir_all(&h);
 }

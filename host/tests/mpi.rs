@@ -152,6 +152,38 @@ fn dualpipev_on_2_and_4_ranks() {
     );
 }
 
+/// Expert and tensor parallelism across ranks: the all-to-all of each MoE
+/// layer and the tensor-parallel sums go through MPI (2 ranks, 2 devices; 4
+/// devices as EP 2 × 1F1B on 2 ranks: each EP group spans both ranks) and
+/// train as in one process.
+#[test]
+fn spread_segments_exchange_through_mpi() {
+    same_as_one_process("tp2", 2, &["--devices", "2", "--strategy", "tp"]);
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/models/tiny-moe.toml"
+    );
+    same_as_one_process(
+        "ep2",
+        2,
+        &["--model", model, "--devices", "2", "--strategy", "ep"],
+    );
+    same_as_one_process(
+        "ep-1f1b",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "4",
+            "--strategy",
+            "ep:ep=2",
+            "--strategy",
+            "1f1b:microbatches=4",
+        ],
+    );
+}
+
 #[test]
 fn devices_split_unevenly_across_ranks() {
     // 3 pipeline stages on 2 ranks: rank 0 runs devices 0 and 1, rank 1 device 2.

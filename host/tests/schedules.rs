@@ -241,6 +241,7 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         peer: Some(peer),
         pair: Some(node),
         group: None,
+        spread: None,
         purpose: None,
         batch_div: 1,
         flops: 0.0,

@@ -109,6 +109,110 @@ fn a_moe_model_trains_to_the_same_losses_under_every_strategy() {
     }
 }
 
+/// Expert parallelism: the experts spread over 2 and 4 devices (tokens
+/// exchanged by all-to-all), alone, inside a pipeline, and with `dp` and
+/// DualPipeV, train like one device; each expert lives on one device only.
+#[test]
+fn expert_parallel_training_matches_one_device() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = small_moe();
+    let base = one_device(&host, &cfg, steps);
+    let cases: [(&str, u32, Strategy); 4] = [
+        ("ep on 2", 2, &[("ep", &[])]),
+        ("ep on 4", 4, &[("ep", &[("ep", "4")])]),
+        (
+            "ep+1f1b",
+            4,
+            &[("ep", &[("ep", "2")]), ("1f1b", &[("microbatches", "4")])],
+        ),
+        (
+            "dp+ep+dualpipev",
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+    ];
+    for (name, devices, strategy) in cases {
+        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+        // Expert 0 of layer 0 on one device of its group, not on the other.
+        let holders = plan
+            .devices
+            .iter()
+            .filter(|d| {
+                d.streams.iter().flat_map(|s| &s.ops).any(|o| {
+                    o.op.is_compute() && o.group.is_some() && o.replica == 0 && o.segments[0] == 1
+                })
+            })
+            .count();
+        assert_eq!(holders, 1, "{name}: layer 0's first experts on one device");
+    }
+    // A quarter of the experts per device on 4: the state bytes show it.
+    let one = train(
+        &host,
+        &cfg,
+        1,
+        &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+        1,
+    );
+    let spread = train(&host, &cfg, 4, &[("ep", &[("ep", "4")])], 1);
+    let dp = train(&host, &cfg, 4, &[("dp", &[])], 1);
+    assert!(
+        spread.state_bytes[0] < dp.state_bytes[0] && dp.state_bytes[0] == one.state_bytes[0],
+        "states: ep {:?}, dp {:?}, one {:?}",
+        spread.state_bytes,
+        dp.state_bytes,
+        one.state_bytes
+    );
+}
+
+/// Tensor parallelism (Megatron): heads and MLP units split over 2 and 4
+/// devices, alone and inside 1F1B, train like one device; the final
+/// weights, put back together from every device's slices, are one
+/// device's; a degree that does not divide the heads is refused with the
+/// numbers.
+#[test]
+fn tensor_parallel_training_matches_one_device() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = piper::model::ModelConfig {
+        heads: 4,
+        ..small()
+    };
+    let base = one_device(&host, &cfg, steps);
+    let cases: [(&str, u32, Strategy); 3] = [
+        ("tp on 2", 2, &[("tp", &[])]),
+        ("tp on 4", 4, &[("tp", &[])]),
+        (
+            "tp+1f1b",
+            4,
+            &[("tp", &[("tp", "2")]), ("1f1b", &[("microbatches", "4")])],
+        ),
+    ];
+    for (name, devices, strategy) in cases {
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+    }
+    // Each device holds a quarter of the attention and MLP weights on 4.
+    let tp4 = train(&host, &cfg, 4, &[("tp", &[])], 1);
+    assert!(
+        tp4.state_bytes[0] < base.state_bytes[0] / 2,
+        "states: tp 4 {:?}, one device {:?}",
+        tp4.state_bytes,
+        base.state_bytes
+    );
+    let err = plan_with(&host, &cfg, 3, &[("tp", &[])]).unwrap_err();
+    assert!(
+        err.contains("heads (4) and the MLP width 4·d_model (128) to divide by 3"),
+        "{err}"
+    );
+}
+
 /// The error of the first step of `plan` on the small model.
 fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
     let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
@@ -215,6 +319,79 @@ fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
     let err = third.restore(&ck).unwrap_err().to_string();
     assert!(err.contains("`small`") && err.contains("`other`"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Checkpoints of spread segments are whole GPT-2 tensors: a tensor-
+/// parallel run (TP 4) and an expert-parallel run (EP 2) each resume
+/// bit-identically on their own plan, and a TP 4 checkpoint resumes on
+/// TP 2 like the uninterrupted run (float-order close: the sums differ).
+#[test]
+fn spread_checkpoints_resume_on_the_same_and_another_plan() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let corpus = Corpus::builtin();
+    let run = |trainer: &mut Trainer,
+               cfg: &piper::model::ModelConfig,
+               steps: std::ops::RangeInclusive<u32>|
+     -> Vec<f64> {
+        steps
+            .map(|s| {
+                let b = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+                trainer.step(&b).unwrap().loss
+            })
+            .collect()
+    };
+    let dense = piper::model::ModelConfig {
+        heads: 4,
+        ..small()
+    };
+    let cases: [(
+        &str,
+        piper::model::ModelConfig,
+        u32,
+        Strategy,
+        u32,
+        Strategy,
+    ); 2] = [
+        ("tp", dense, 4, &[("tp", &[])], 2, &[("tp", &[])]),
+        (
+            "ep",
+            small_moe(),
+            2,
+            &[("ep", &[])],
+            4,
+            &[("ep", &[("ep", "4")])],
+        ),
+    ];
+    for (tag, cfg, devices, strategy, other_devices, other) in cases {
+        let plan = || plan_with(&host, &cfg, devices, strategy).unwrap();
+        let mut full = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+        let all = run(&mut full, &cfg, 1..=6);
+        let dir = std::env::temp_dir().join(format!("piper-ckpt-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+        let head = run(&mut first, &cfg, 1..=3);
+        first.checkpoint().save(&dir).unwrap();
+        let ck = piper::runtime::checkpoint::Checkpoint::load(&dir).unwrap();
+        let mut second = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+        second.restore(&ck).unwrap();
+        let tail = run(&mut second, &cfg, 4..=6);
+        assert_eq!(
+            head.iter().chain(&tail).copied().collect::<Vec<_>>(),
+            all,
+            "{tag}: resumed on the same plan"
+        );
+        assert_eq!(second.params(), full.params(), "{tag}: final weights");
+        let other_plan = plan_with(&host, &cfg, other_devices, other).unwrap();
+        let mut third = Trainer::new(&cfg, other_plan, TrainOptions::default()).unwrap();
+        third.restore(&ck).unwrap();
+        for (a, b) in run(&mut third, &cfg, 4..=6).iter().zip(&all[3..]) {
+            assert!(
+                (a - b).abs() < 1e-5 * b.abs(),
+                "{tag}: resumed on another plan: {a} vs {b}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
 
 #[test]

@@ -26,7 +26,9 @@ pub mod plan;
 pub use deadlock::{check_deadlock, DeadlockError};
 pub use plan::{human_bytes, DevicePlan, Input, Op, OpKind, Plan, StreamPlan, Wait};
 
-use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TensorKind, TrainingDag};
+use crate::dag::{
+    CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, Spread, TensorKind, TrainingDag,
+};
 use crate::model::DTYPE_BYTES;
 use petgraph::visit::NodeIndexable;
 use std::cmp::Reverse;
@@ -120,7 +122,7 @@ fn validate(dag: &TrainingDag) -> Result<(), CompileError> {
             });
         }
         if let NodeKind::Compute { .. } = n.kind {
-            if n.devices.len() > 1 && n.replica.is_none() {
+            if n.devices.len() > 1 && n.replica.is_none() && n.tensor_parallel.is_none() {
                 return Err(CompileError::NotReplicated {
                     node: dag.label(id),
                     devices: ids(&n.devices),
@@ -436,6 +438,21 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 .unwrap_or(0)
         };
         let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
+        // Expert- or tensor-parallel compute: its group exchanges inside the
+        // op, so the op meets its group like a collective.
+        let spread = match (&n.kind, n.replica) {
+            (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
+                Some(Spread::Tensor)
+            }
+            (NodeKind::Compute { .. }, Some(r))
+                if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
+            {
+                Some(Spread::Experts)
+            }
+            _ => None,
+        };
+        let spread_group: Option<Arc<[u32]>> =
+            spread.map(|_| n.devices.iter().map(|d| d.0).collect());
         pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
             let d = dev.0 as usize;
@@ -447,14 +464,20 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 segments: segments.clone(),
                 peer: None,
                 pair: None,
-                group: None,
+                group: spread_group.clone(),
+                spread,
                 purpose,
                 batch_div: div,
                 flops: cost.flops,
                 bytes: cost.comm_bytes,
                 waits: Vec::new(),
                 inputs: all_inputs.clone(),
-                replica: i as u32,
+                // A tensor-parallel group runs one batch share.
+                replica: if spread == Some(Spread::Tensor) {
+                    0
+                } else {
+                    i as u32
+                },
                 microbatch,
                 microbatches,
                 tensor,
@@ -546,11 +569,19 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             for (c, k) in dag.succs(id) {
                 if let EdgeKind::Data { tensor, bytes } = k {
                     if transient(dag, id, tensor) {
-                        let b = if tensor.scales_with_batch() {
+                        let mut b = if tensor.scales_with_batch() {
                             bytes / dag.batch_share_div(id)
                         } else {
                             bytes
                         };
+                        // Tensor parallelism splits about three quarters of
+                        // what a segment saves and stashes (heads, MLP units).
+                        if n.tensor_parallel.is_some()
+                            && matches!(tensor, TensorKind::Saved | TensorKind::Stash)
+                        {
+                            let t = n.devices.len().max(1) as u64;
+                            b = b / 4 + (b - b / 4) / t;
+                        }
                         let slot = &mut by_kind[tensor as usize];
                         *slot = (*slot).max(b);
                         readers_of.push(&g[c.ix()].devices);

@@ -39,6 +39,7 @@ pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelEr
             priority: 0,
             batch_div: 1,
             replica: None,
+            tensor_parallel: None,
             derived: None,
             tweaked: false,
         };

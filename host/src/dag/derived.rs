@@ -128,16 +128,87 @@ impl TrainingDag {
         )
     }
 
-    /// Parameter elements a segment holds on its devices: its own, plus a copy
-    /// of the tied `wte` when it has the head but not the embedding's group.
+    /// Expert parameter elements of a segment (all its experts), and how
+    /// many devices `shard` spread them over (1: not sharded).
+    pub(crate) fn expert_elems(
+        &self,
+        seg: u32,
+        placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+    ) -> (u64, u64) {
+        let s = &self.segments()[seg as usize];
+        let (Some(moe), Some(_)) = (&self.model.moe, s.expert_block) else {
+            return (0, 1);
+        };
+        let (c, hid) = (
+            self.model.d_model as u64,
+            moe.hidden_width(self.model.d_model) as u64,
+        );
+        let all = moe.experts as u64 * (2 * c * hid + hid + c);
+        let spread = match &placement[seg as usize] {
+            Some((devs, Some(r))) if self.specs[*r as usize].expert_parallel.is_some() => {
+                devs.len().max(1) as u64
+            }
+            _ => 1,
+        };
+        (all, spread)
+    }
+
+    /// Parameter elements whose gradients the data-parallel sync reduces:
+    /// those held, less this device's experts when `shard` spread them.
+    pub(crate) fn synced_elems(
+        &self,
+        seg: u32,
+        placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+    ) -> u64 {
+        match self.expert_elems(seg, placement) {
+            (all, spread) if spread > 1 => self.held_elems(seg, placement) - all / spread,
+            _ => self.held_elems(seg, placement),
+        }
+    }
+
+    /// Parameter elements a segment holds on each of its devices: its own
+    /// (of spread experts, this device's share), plus a copy of the tied
+    /// `wte` when it has the head but not the embedding's group.
     pub(crate) fn held_elems(
         &self,
         seg: u32,
         placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
     ) -> u64 {
         let s = &self.segments()[seg as usize];
+        let (all, spread) = self.expert_elems(seg, placement);
+        if spread > 1 {
+            return s.param_elems - all + all / spread;
+        }
+        // Tensor parallelism: a multi-device group without replication.
+        if let Some((devs, None)) = &placement[seg as usize] {
+            let t = devs.len() as u64;
+            if t > 1 {
+                let held: u64 = crate::model::params::segment_params(&self.model, s)
+                    .iter()
+                    .filter(|(n, _)| n != "wte" || s.has_embedding())
+                    .map(|(n, shape)| {
+                        let elems = shape.iter().product::<usize>() as u64;
+                        match crate::model::params::tp_split(n) {
+                            crate::model::params::TpSplit::Replicated => elems,
+                            _ => elems / t,
+                        }
+                    })
+                    .sum();
+                return held + self.held_elems_tied_extra(seg, placement);
+            }
+        }
+        s.param_elems + self.held_elems_tied_extra(seg, placement)
+    }
+
+    /// The head's copy of the tied `wte` when the embedding is on another group.
+    fn held_elems_tied_extra(
+        &self,
+        seg: u32,
+        placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+    ) -> u64 {
+        let s = &self.segments()[seg as usize];
         if s.tied_elems == 0 || s.has_embedding() {
-            return s.param_elems;
+            return 0;
         }
         let emb = self
             .segments()
@@ -149,9 +220,9 @@ impl TrainingDag {
             _ => true,
         };
         if same {
-            s.param_elems
+            0
         } else {
-            s.param_elems + s.tied_elems
+            s.tied_elems
         }
     }
 
@@ -181,6 +252,7 @@ impl TrainingDag {
             priority: 0,
             batch_div,
             replica: None,
+            tensor_parallel: None,
             derived: Some(key),
             tweaked: false,
         };
@@ -265,7 +337,7 @@ impl TrainingDag {
             t
         };
         let grad_bytes =
-            |dag: &TrainingDag, seg: u32| dag.held_elems(seg, &placement) * DTYPE_BYTES;
+            |dag: &TrainingDag, seg: u32| dag.synced_elems(seg, &placement) * DTYPE_BYTES;
 
         // The tied `wte`: when the embedding and the head share a group (or
         // the same set of copy groups), the head's backward also produces

@@ -369,33 +369,19 @@ impl TrainingDag {
         let ids = self.select(f, &call)?;
         let compute = self.compute_only(f, ids, &call)?;
         self.charge_rewire(&call, &compute, devs.len())?;
-        let set: HashSet<NodeId> = compute.iter().copied().collect();
-        // Forward and backward of one segment and microbatch go together.
-        for &id in &compute {
-            for (other, k) in self.preds(id).chain(self.succs(id)) {
-                let partner = matches!(
-                    k,
-                    EdgeKind::Data {
-                        tensor: TensorKind::Saved,
-                        ..
-                    }
-                ) || (matches!(
-                    self.graph[id.ix()].kind,
-                    NodeKind::Compute { pass: Pass::BI, .. }
-                ) && matches!(
-                    self.graph[other.ix()].kind,
-                    NodeKind::Compute { pass: Pass::BW, .. }
-                ));
-                if partner && !set.contains(&other) {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::Unpaired {
-                            node: self.label(id),
-                            partner: self.label(other),
-                        },
-                    ));
-                }
-            }
+        self.check_paired(&call, &compute)?;
+        if let Some(id) = compute.iter().find(|id| {
+            self.graph[id.ix()]
+                .replica
+                .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some())
+        }) {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "{} is already sharded by expert parallelism: replicate before shard (data parallelism first, then `ep`)",
+                    self.label(*id)
+                )),
+            ));
         }
         let spec = ReplicaSpec {
             zero: opts.stage(),
@@ -403,6 +389,7 @@ impl TrainingDag {
             reduce_stream: self.stream_id(&opts.reduce_stream),
             gather_stream: self.stream_id(&opts.gather_stream),
             reshard_after_forward: opts.reshard_after_forward,
+            expert_parallel: None,
         };
         let rep = match self.specs.iter().position(|s| *s == spec) {
             Some(i) => i as u32,
@@ -425,22 +412,149 @@ impl TrainingDag {
         Ok(())
     }
 
-    /// **shard** (expert parallelism).
+    /// Forward and backward of one segment and microbatch go together: a
+    /// node's saved-tensor partner (and a `BI`'s `BW`) must be among `compute`.
+    fn check_paired(&self, call: &str, compute: &[NodeId]) -> Result<(), DagError> {
+        let set: HashSet<NodeId> = compute.iter().copied().collect();
+        for &id in compute {
+            for (other, k) in self.preds(id).chain(self.succs(id)) {
+                let partner = matches!(
+                    k,
+                    EdgeKind::Data {
+                        tensor: TensorKind::Saved,
+                        ..
+                    }
+                ) || (matches!(
+                    self.graph[id.ix()].kind,
+                    NodeKind::Compute { pass: Pass::BI, .. }
+                ) && matches!(
+                    self.graph[other.ix()].kind,
+                    NodeKind::Compute { pass: Pass::BW, .. }
+                ));
+                if partner && !set.contains(&other) {
+                    return Err(DagError::new(
+                        call.to_string(),
+                        DagErrorKind::Unpaired {
+                            node: self.label(id),
+                            partner: self.label(other),
+                        },
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// **shard** (expert parallelism): the experts of the matched expert
+    /// segments (tag `EP`) are spread evenly over `devices`, device `i` of the
+    /// group holding experts `i·E/n … (i+1)·E/n − 1`; each device routes its
+    /// own tokens and the rows each expert runs travel to its owner and back
+    /// by all-to-all, in forward and in backward. The segments must already
+    /// be data-parallel over exactly `devices` (EP degree = their DP degree:
+    /// `dp` or `replicate` first), without ZeRO; their expert parameters then
+    /// leave the data-parallel gradient sync (each lives on one device),
+    /// their router and layernorm stay in it. `stream` names where the
+    /// exchange belongs (today it runs inside the expert segment's compute
+    /// op; see docs/design-notes.md).
     pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
         let call = format!(
             "shard({f}, devices {}, stream {})",
             devices_str(devices),
             quote(stream)
         );
-        Err(DagError::new(
-            call,
-            DagErrorKind::Unsupported {
-                what: "shard (expert parallelism)".into(),
-            },
-        ))
+        let devs = self.check_devices(devices, &call)?;
+        Self::check_stream(stream, "stream", &call)?;
+        self.check_names(&call, &[], &[stream])?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        self.charge(&call, compute.len() as u64)?;
+        let invalid = |m: String| {
+            Err(DagError::new(
+                call.clone(),
+                DagErrorKind::InvalidArgument(m),
+            ))
+        };
+        let Some(experts) = self.model.moe.as_ref().map(|m| m.experts) else {
+            return invalid(format!(
+                "the model `{}` has no experts (no [moe] table): nothing to shard",
+                self.model.name
+            ));
+        };
+        let ep = self.find_tag("EP");
+        if let Some(id) = compute
+            .iter()
+            .find(|id| ep.is_none_or(|t| self.graph[id.ix()].tags.get(t).is_none()))
+        {
+            return invalid(format!(
+                "shard spreads experts: {} is not an expert segment (no EP tag); filter on EP",
+                self.label(*id)
+            ));
+        }
+        self.check_paired(&call, &compute)?;
+        let n = devs.len() as u32;
+        if !experts.is_multiple_of(n) {
+            return invalid(format!(
+                "{experts} experts do not spread evenly over {n} devices: give a device count that divides the experts"
+            ));
+        }
+        for &id in &compute {
+            let node = &self.graph[id.ix()];
+            let Some(r) = node.replica.filter(|_| node.devices == devs) else {
+                return invalid(format!(
+                    "{} is on devices {}{}; shard its experts over the devices it is data-parallel over (EP degree = DP degree: `dp` or `replicate` over {} first)",
+                    self.label(id),
+                    devices_str(&node.devices.iter().map(|d| d.0).collect::<Vec<_>>()),
+                    if node.replica.is_some() { "" } else { " and not replicated" },
+                    devices_str(devices)
+                ));
+            };
+            if self.specs[r as usize].zero > 0 {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::Unsupported {
+                        what: format!(
+                            "ZeRO stage {} on expert segments with expert parallelism ({} is replicated with ZeRO)",
+                            self.specs[r as usize].zero,
+                            self.label(id)
+                        ),
+                    },
+                ));
+            }
+        }
+        let s = self.stream_id(stream);
+        for &id in &compute {
+            let r = self.graph[id.ix()].replica.expect("checked above");
+            let spec = ReplicaSpec {
+                expert_parallel: Some(s),
+                ..self.specs[r as usize].clone()
+            };
+            let rep = match self.specs.iter().position(|x| *x == spec) {
+                Some(i) => i as u32,
+                None => {
+                    self.specs.push(spec);
+                    (self.specs.len() - 1) as u32
+                }
+            };
+            self.graph[id.ix()].replica = Some(rep);
+        }
+        self.touch();
+        Ok(())
     }
 
-    /// **shard-tensor** (tensor parallelism).
+    /// **shard-tensor** (tensor parallelism, Megatron): the matched
+    /// segments run on `devices` together, each device on the whole batch
+    /// share with `1/n` of the attention heads (`c_attn` split by output
+    /// rows, `c_proj` by input columns) and of the MLP's hidden units (`c_fc`
+    /// by rows, `c_proj` by columns); the partial outputs of the row-parallel
+    /// layers are summed over the group (Megatron's `g`) and, in backward,
+    /// the gradients of the layernorm outputs that feed the column-parallel
+    /// layers (`f`'s backward). Layernorms, the row-parallel biases, the
+    /// embedding and the head run replicated. The heads and `4·d_model`
+    /// must divide by the degree. Data parallelism over tensor-parallel
+    /// groups is not supported yet (the nodes must not be replicated).
+    /// `stream` names where the reductions belong (today they run inside
+    /// the compute op; see docs/design-notes.md). A pipeline applied after
+    /// moves the group as `place` does.
     pub fn shard_tensor(
         &mut self,
         f: &Filter,
@@ -452,12 +566,58 @@ impl TrainingDag {
             devices_str(devices),
             quote(stream)
         );
-        Err(DagError::new(
-            call,
-            DagErrorKind::Unsupported {
-                what: "shard-tensor (tensor parallelism)".into(),
-            },
-        ))
+        let devs = self.check_devices(devices, &call)?;
+        Self::check_stream(stream, "stream", &call)?;
+        self.check_names(&call, &[], &[stream])?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        self.charge_rewire(&call, &compute, devs.len())?;
+        let invalid = |m: String| {
+            Err(DagError::new(
+                call.clone(),
+                DagErrorKind::InvalidArgument(m),
+            ))
+        };
+        let n = devs.len() as u32;
+        let (heads, width) = (self.model.heads, self.model.d_model.saturating_mul(4));
+        if !heads.is_multiple_of(n) || !width.is_multiple_of(n) {
+            return invalid(format!(
+                "tensor parallelism over {n} devices needs the heads ({heads}) and the MLP width 4·d_model ({width}) to divide by {n}"
+            ));
+        }
+        if let Some(id) = compute.iter().find(|id| match self.graph[id.ix()].kind {
+            NodeKind::Compute { segment, .. } => {
+                self.segments()[segment as usize].expert_block.is_some()
+            }
+            _ => false,
+        }) {
+            return invalid(format!(
+                "{} is an expert segment: tensor parallelism splits attention and dense MLPs (spread experts with `shard`)",
+                self.label(*id)
+            ));
+        }
+        if let Some(id) = compute
+            .iter()
+            .find(|id| self.graph[id.ix()].replica.is_some())
+        {
+            return invalid(format!(
+                "{} is data-parallel (replicated); data parallelism over tensor-parallel groups is not supported yet: shard-tensor without `dp`",
+                self.label(*id)
+            ));
+        }
+        self.check_paired(&call, &compute)?;
+        let s = self.stream_id(stream);
+        let p2p_stream = self.tied_stream;
+        for &id in &compute {
+            let node = &mut self.graph[id.ix()];
+            node.devices = devs.clone();
+            node.tensor_parallel = (n > 1).then_some(s);
+        }
+        for &id in &compute {
+            self.rewire_p2p(id, p2p_stream);
+        }
+        self.touch();
+        Ok(())
     }
 
     /// **order**: on one device (group), run the nodes of `groups[i]` before
@@ -652,6 +812,7 @@ impl TrainingDag {
                 priority: 0,
                 batch_div: 1,
                 replica: None,
+                tensor_parallel: None,
                 derived: None,
                 tweaked: false,
             }));
@@ -841,6 +1002,7 @@ impl TrainingDag {
                 priority: 0,
                 batch_div: base.batch_div,
                 replica: None,
+                tensor_parallel: None,
                 derived: None,
                 tweaked: false,
             };

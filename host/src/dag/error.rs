@@ -38,7 +38,7 @@ pub enum DagErrorKind {
     NonContiguous { inside: String, outside: String },
     #[error("the matched nodes are already split along `{dim}`")]
     AlreadySplit { dim: String },
-    #[error("{node}: its partner {partner} is not matched; a segment's forward and backward must be replicated together")]
+    #[error("{node}: its partner {partner} is not matched; a segment's forward and backward must be replicated (or sharded) together")]
     Unpaired { node: String, partner: String },
     #[error("no node has id {id}")]
     UnknownNode { id: u32 },

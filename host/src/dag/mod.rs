@@ -139,6 +139,17 @@ impl CommOp {
     }
 }
 
+/// How a compute op shares its work with the other devices of its group
+/// (plans carry it; the runtime exchanges inside the op).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Spread {
+    /// `shard`: experts spread over the group, tokens exchanged by all-to-all.
+    Experts,
+    /// `shard-tensor`: heads and MLP units split, partial sums all-reduced.
+    Tensor,
+}
+
 /// Why a communication node exists.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -281,6 +292,10 @@ pub struct Node {
     pub batch_div: u32,
     /// Replication spec (index into the DAG's specs) for compute nodes.
     pub replica: Option<u32>,
+    /// `shard-tensor`: the node's devices are one tensor-parallel group (each
+    /// runs the whole batch share on its slice of the heads and MLP units);
+    /// the stream named is where its reductions belong.
+    pub tensor_parallel: Option<StreamId>,
     /// Identity of a derived node across rebuilds; `None` for core nodes.
     pub(crate) derived: Option<u64>,
     /// A strategy changed this derived node (stream, priority, temporal edge):
@@ -329,6 +344,10 @@ pub(crate) struct ReplicaSpec {
     pub reduce_stream: StreamId,
     pub gather_stream: StreamId,
     pub reshard_after_forward: bool,
+    /// `shard`: the experts of these (expert) segments are spread over the
+    /// replica group, exchanging tokens by all-to-all; the stream named is
+    /// where the exchange belongs.
+    pub expert_parallel: Option<StreamId>,
 }
 
 /// The global training DAG.
@@ -524,7 +543,12 @@ impl TrainingDag {
     /// `1 / (microbatch splits × data-parallel degree)`.
     pub fn batch_share_div(&self, id: NodeId) -> u64 {
         let n = &self.graph[id.ix()];
-        n.batch_div as u64 * n.devices.len().max(1) as u64
+        // A tensor-parallel group runs one batch share together.
+        let replicas = match n.tensor_parallel {
+            Some(_) => 1,
+            None => n.devices.len().max(1) as u64,
+        };
+        n.batch_div as u64 * replicas
     }
 
     /// A JSON snapshot of the DAG for debugging (derived nodes brought up to date first).

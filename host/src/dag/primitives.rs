@@ -436,12 +436,22 @@ impl TrainingDag {
                     super::Pass::BW => c.bwd_weight_flops,
                     super::Pass::BI => c.bwd_flops - c.bwd_weight_flops,
                 };
+                // Tensor parallelism splits a segment's FLOPs over its group
+                // (layernorms and the embedding, replicated, are small).
+                let tp = match n.tensor_parallel {
+                    Some(_) => n.devices.len().max(1) as f64,
+                    None => 1.0,
+                };
                 NodeCost {
-                    flops: flops / div as f64,
+                    flops: flops / div as f64 / tp,
                     param_bytes: (seg.param_elems + seg.tied_elems) * DTYPE_BYTES,
                     act_in_bytes: c.act_in_bytes / div,
                     act_out_bytes: c.act_out_bytes / div,
-                    saved_bytes: c.saved_bytes / div,
+                    // Of the saved tensors about a quarter (the block's
+                    // inputs, layernorm outputs, residual) stay whole under
+                    // tensor parallelism; the rest is split (as compile
+                    // counts its buffers).
+                    saved_bytes: (c.saved_bytes as f64 / div as f64 * (0.25 + 0.75 / tp)) as u64,
                     comm_bytes: 0,
                 }
             }

@@ -217,19 +217,126 @@ fn replicate_errors_leave_the_dag_unchanged() {
     });
 }
 
+fn tiny_moe(devices: u32, experts: u32) -> TrainingDag {
+    let mut cfg = ModelConfig::tiny();
+    cfg.moe = Some(crate::model::MoeConfig::new(experts, 2));
+    TrainingDag::build(&cfg, Cluster::new(devices)).unwrap()
+}
+
 #[test]
-fn shard_and_shard_tensor_say_not_yet_supported() {
-    let mut dag = tiny(2);
-    fails_unchanged(
-        &mut dag,
-        "shard (expert parallelism) is not yet supported",
-        |d| d.shard(&Filter::all(), &[0, 1], "ep"),
+fn shard_spreads_experts_and_drops_them_from_the_gradient_sync() {
+    let mut dag = tiny_moe(2, 4);
+    let dense_sync = |dag: &mut TrainingDag| -> u64 {
+        dag.query(&"{PASS:all-reduce}".parse().unwrap())
+            .unwrap()
+            .iter()
+            .map(|n| n.cost.comm_bytes)
+            .sum()
+    };
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    let before = dense_sync(&mut dag);
+    dag.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
+        .unwrap();
+    let after = dense_sync(&mut dag);
+    // 8 layers × 4 experts × (2·64·256 + 256 + 64) fp32 leave the sync.
+    assert_eq!(before - after, 8 * 4 * (2 * 64 * 256 + 256 + 64) * 4);
+    let plan = crate::compile::compile(&dag).unwrap();
+    // Each device holds half of the experts: the states show it.
+    let dp_only = {
+        let mut d = tiny_moe(2, 4);
+        d.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+            .unwrap();
+        crate::compile::compile(&d).unwrap()
+    };
+    let half_experts = 8 * 2 * (2 * 64 * 256 + 256 + 64) * 4 * 4;
+    assert_eq!(
+        dp_only.devices[0].model_state_bytes - plan.devices[0].model_state_bytes,
+        half_experts
     );
+}
+
+#[test]
+fn shard_errors_name_the_numbers_and_leave_the_dag_unchanged() {
+    // A dense model has nothing to shard.
+    let mut dag = tiny(2);
+    fails_unchanged(&mut dag, "has no experts", |d| {
+        d.shard(&Filter::all(), &[0, 1], "ep")
+    });
+    let mut dag = tiny_moe(4, 4);
+    dag.replicate(&Filter::all(), &[0, 1, 2], &ReplicateOptions::default())
+        .unwrap();
+    fails_unchanged(&mut dag, "not an expert segment", |d| {
+        d.shard(&Filter::all(), &[0, 1, 2], "ep")
+    });
     fails_unchanged(
         &mut dag,
-        "shard-tensor (tensor parallelism) is not yet supported",
+        "4 experts do not spread evenly over 3 devices",
+        |d| d.shard(&"{EP:*}".parse().unwrap(), &[0, 1, 2], "ep"),
+    );
+    fails_unchanged(&mut dag, "data-parallel over", |d| {
+        d.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
+    });
+    // Forward without its backward.
+    fails_unchanged(&mut dag, "its partner B{PP:0,EP:0}#3 is not matched", |d| {
+        d.shard(&"{EP:*,PASS:F}".parse().unwrap(), &[0, 1, 2], "ep")
+    });
+    // Not replicated at all.
+    let mut dag = tiny_moe(2, 4);
+    fails_unchanged(&mut dag, "not replicated", |d| {
+        d.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
+    });
+    // ZeRO on the experts, and replicating after sharding.
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(1))
+        .unwrap();
+    fails_unchanged(&mut dag, "ZeRO stage 1", |d| {
+        d.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
+    });
+    let mut dag = tiny_moe(2, 4);
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    dag.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
+        .unwrap();
+    fails_unchanged(&mut dag, "already sharded by expert parallelism", |d| {
+        d.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(1))
+    });
+}
+
+#[test]
+fn shard_tensor_splits_the_group_and_names_bad_degrees() {
+    let mut dag = tiny(4);
+    dag.shard_tensor(&Filter::all(), &[0, 2], "tp").unwrap();
+    // One batch share per group: the forward runs the whole batch on each
+    // member, half of its FLOPs.
+    let f = &dag.query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0];
+    let alone = tiny(1).query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0].clone();
+    assert_eq!(f.devices, vec![0, 2]);
+    assert_eq!(f.cost.act_in_bytes, alone.cost.act_in_bytes);
+    assert!((f.cost.flops - alone.cost.flops / 2.0).abs() < 1e-6 * alone.cost.flops);
+    let plan = crate::compile::compile(&dag).unwrap();
+    assert!(plan.devices[0]
+        .streams
+        .iter()
+        .flat_map(|s| &s.ops)
+        .filter(|o| o.op.is_compute())
+        .all(|o| o.spread == Some(Spread::Tensor) && o.replica == 0));
+    let mut dag = tiny(4);
+    fails_unchanged(
+        &mut dag,
+        "needs the heads (4) and the MLP width 4·d_model (256) to divide by 3",
+        |d| d.shard_tensor(&Filter::all(), &[0, 1, 2], "tp"),
+    );
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    fails_unchanged(
+        &mut dag,
+        "data parallelism over tensor-parallel groups",
         |d| d.shard_tensor(&Filter::all(), &[0, 1], "tp"),
     );
+    let mut dag = tiny_moe(2, 4);
+    fails_unchanged(&mut dag, "is an expert segment", |d| {
+        d.shard_tensor(&Filter::all(), &[0, 1], "tp")
+    });
 }
 
 #[test]

@@ -55,7 +55,13 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let (e, k, hid) = cfg
         .moe
         .as_ref()
-        .map(|m| (m.experts as f64, m.top_k as f64, m.hidden_width(cfg.d_model) as f64))
+        .map(|m| {
+            (
+                m.experts as f64,
+                m.top_k as f64,
+                m.hidden_width(cfg.d_model) as f64,
+            )
+        })
         .unwrap_or((0.0, 0.0, 0.0));
     let b = DTYPE_BYTES as f64;
     let hidden = n * d * b; // one (tokens × d_model) fp32 tensor
@@ -122,10 +128,10 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     // Parameters: the part's entries of the parameter table; the head's `wte`
     // is the embedding's (tied).
     let params: f64 = super::params::part_params(cfg, part)
-            .iter()
-            .filter(|(n, _)| !(part == Part::Head && n == "wte"))
-            .map(|(_, shape)| shape.iter().map(|x| *x as f64).product::<f64>())
-            .sum::<f64>();
+        .iter()
+        .filter(|(n, _)| !(part == Part::Head && n == "wte"))
+        .map(|(_, shape)| shape.iter().map(|x| *x as f64).product::<f64>())
+        .sum::<f64>();
     PartCost {
         fwd_flops: fwd,
         bwd_flops: 2.0 * fwd,

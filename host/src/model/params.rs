@@ -105,3 +105,72 @@ pub fn model_params(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 pub fn decays(shape: &[usize]) -> bool {
     shape.len() >= 2
 }
+
+/// How tensor parallelism (`shard-tensor`, Megatron) splits a parameter
+/// over a group of `t` devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpSplit {
+    /// Whole on every device (layernorms, the row-parallel biases, and
+    /// everything outside attention and the MLP).
+    Replicated,
+    /// Column-parallel layers (`[out, in]` layout: output rows split): the
+    /// rows of each of `blocks` equal blocks (q, k, v of `c_attn`: 3).
+    Rows { blocks: usize },
+    /// Row-parallel layers: the input columns split.
+    Cols,
+}
+
+/// The split of parameter `name` (GPT-2 names).
+pub fn tp_split(name: &str) -> TpSplit {
+    let suffix = |s: &str| name.ends_with(s) && name.starts_with("h.");
+    if suffix(".attn.c_attn.weight") || suffix(".attn.c_attn.bias") {
+        TpSplit::Rows { blocks: 3 }
+    } else if suffix(".mlp.c_fc.weight") || suffix(".mlp.c_fc.bias") {
+        TpSplit::Rows { blocks: 1 }
+    } else if suffix(".attn.c_proj.weight") || suffix(".mlp.c_proj.weight") {
+        TpSplit::Cols
+    } else {
+        TpSplit::Replicated
+    }
+}
+
+/// Member `r` of `t`'s part of a tensor of `shape`: the contiguous ranges
+/// of the row-major full tensor it holds, in order (their concatenation is
+/// its local tensor), and its local shape. The sizes divide (checked by
+/// `shard-tensor`).
+pub fn tp_ranges(
+    shape: &[usize],
+    split: TpSplit,
+    t: usize,
+    r: usize,
+) -> (Vec<std::ops::Range<usize>>, Vec<usize>) {
+    let n: usize = shape.iter().product();
+    let cols = if shape.len() == 2 { shape[1] } else { 1 };
+    let rows = n / cols.max(1);
+    match split {
+        TpSplit::Replicated => (std::iter::once(0..n).collect(), shape.to_vec()),
+        TpSplit::Rows { blocks } => {
+            let per_block = rows / blocks;
+            let mine = per_block / t;
+            let ranges = (0..blocks)
+                .map(|b| {
+                    let start = (b * per_block + r * mine) * cols;
+                    start..start + mine * cols
+                })
+                .collect();
+            let mut local = shape.to_vec();
+            local[0] = mine * blocks;
+            (ranges, local)
+        }
+        TpSplit::Cols => {
+            let mine = cols / t;
+            let ranges = (0..rows)
+                .map(|i| {
+                    let start = i * cols + r * mine;
+                    start..start + mine
+                })
+                .collect();
+            (ranges, vec![rows, mine])
+        }
+    }
+}

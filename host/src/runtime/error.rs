@@ -26,6 +26,14 @@ pub enum RuntimeError {
         op: String,
         cause: CommError,
     },
+    /// An exchange inside a spread op failed (expert all-to-all, tensor-
+    /// parallel sum: a peer, a timeout, a chunk of the wrong size).
+    #[error("device {device}: {op}: group exchange: {cause}")]
+    Exchange {
+        device: u32,
+        op: String,
+        cause: String,
+    },
     #[error("device {device}: {op}: input {input} is missing (the plan does not produce it on this device)")]
     MissingInput {
         device: u32,

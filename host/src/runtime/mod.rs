@@ -372,7 +372,11 @@ impl Trainer {
     fn parts(&self, part: ShardPart, whole: impl Fn(&Device) -> Tensors) -> Vec<Part> {
         self.devices
             .iter()
-            .map(|d| (whole(d), d.shards(part)))
+            .map(|d| {
+                let mut shards = d.shards(part);
+                shards.extend(d.tp_shards(part));
+                (whole(d), shards)
+            })
             .collect()
     }
 

@@ -81,6 +81,7 @@ pub(super) fn layout(
     segments: &[Segment],
     plan: &DevicePlan,
     held: &BTreeSet<u32>,
+    spreads: &super::device::Spreads,
     states: States,
 ) -> Vec<Bucket> {
     let mut buckets: Vec<Bucket> = Vec::new();
@@ -95,7 +96,7 @@ pub(super) fn layout(
         let rank = group.iter().position(|d| *d == plan.device).unwrap_or(0);
         let mut names: Vec<String> = segs
             .iter()
-            .flat_map(|s| owned_names(cfg, segments, held, *s))
+            .flat_map(|s| owned_names(cfg, segments, held, spreads, *s))
             .collect();
         names.sort();
         names.dedup();

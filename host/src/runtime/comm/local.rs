@@ -201,6 +201,50 @@ mod tests {
     }
 
     #[test]
+    fn all_to_all_delivers_each_chunk_to_its_member_whatever_the_sizes() {
+        let comm = Arc::new(LocalComm::new(Duration::from_secs(5)));
+        let group = [1u32, 3, 4];
+        let key = super::super::in_op_key(9, 1).unwrap();
+        let got: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = group
+                .iter()
+                .map(|&d| {
+                    let comm = comm.clone();
+                    // Device d sends `d·10 + peer` repeated peer+1 times to each peer.
+                    let chunks = group
+                        .iter()
+                        .map(|&p| vec![(d * 10 + p) as f32; p as usize + 1])
+                        .collect();
+                    s.spawn(move || comm.all_to_all("dispatch", key, &group, d, chunks))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+        });
+        for (i, &d) in group.iter().enumerate() {
+            for (j, &src) in group.iter().enumerate() {
+                assert_eq!(*got[i][j], vec![(src * 10 + d) as f32; d as usize + 1]);
+            }
+        }
+        // A wrong chunk count is refused, naming the numbers; a missing
+        // member times out with its name.
+        let err = comm
+            .all_to_all("dispatch", key, &group, 1, vec![vec![]; 2])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("brought 2 chunks for a group of 3"), "{err}");
+        let short = LocalComm::new(Duration::from_millis(200));
+        let err = short
+            .all_to_all("combine", key, &[0, 1], 0, vec![vec![1.0], vec![2.0]])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("combine") && err.contains("from device 1"),
+            "{err}"
+        );
+        assert_eq!(super::super::in_op_key(1 << 20, 0), None);
+    }
+
+    #[test]
     fn a_missing_peer_is_an_error_within_the_timeout() {
         let comm = LocalComm::new(Duration::from_millis(300));
         let t = Instant::now();

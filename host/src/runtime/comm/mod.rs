@@ -92,6 +92,15 @@ pub fn sum_in_device_order<'a>(
     Ok(sum)
 }
 
+/// Key of exchange number `phase` (< 1024) inside the op of plan node
+/// `node` (< 2^20): the mailbox pair of an all-to-all, the node of an
+/// all-reduce. Bit 30 set, so it never meets a point-to-point pair (a send
+/// node's id), a plan collective (its node id) or an MPI collective's key
+/// (bit 31). `None` when the numbers do not fit.
+pub fn in_op_key(node: u32, phase: u32) -> Option<u32> {
+    (node < (1 << 20) && phase < (1 << 10)).then_some((1 << 30) | (node << 10) | phase)
+}
+
 /// How devices exchange tensors during a step (one instance per step).
 pub trait Comm: Send + Sync {
     /// Buffered send: never blocks. A second message to a mailbox whose
@@ -110,6 +119,50 @@ pub trait Comm: Send + Sync {
         me: u32,
         data: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError>;
+    /// All-to-all over `group` (ascending devices): `chunks[i]` goes to
+    /// `group[i]`, and the result's `[i]` came from `group[i]` (this device's
+    /// own chunk stays here). Chunks may differ in size. `key` tells this
+    /// exchange apart from every other of the step (see [`in_op_key`]);
+    /// `what` names it in errors. Built on the buffered point-to-point
+    /// calls, so it moves exactly the bytes of the chunks and cannot
+    /// deadlock against itself; a transport with a native all-to-all (NCCL)
+    /// overrides it.
+    fn all_to_all(
+        &self,
+        what: &str,
+        key: u32,
+        group: &[u32],
+        me: u32,
+        chunks: Vec<Vec<f32>>,
+    ) -> Result<Vec<Arc<Vec<f32>>>, CommError> {
+        if chunks.len() != group.len() || !group.contains(&me) {
+            return Err(CommError::Mismatch {
+                op: what.into(),
+                node: key,
+                group: group.to_vec(),
+                sizes: format!(
+                    "device {me} brought {} chunks for a group of {}",
+                    chunks.len(),
+                    group.len()
+                ),
+            });
+        }
+        let mut own = None;
+        for (&peer, chunk) in group.iter().zip(chunks) {
+            if peer == me {
+                own = Some(Arc::new(chunk));
+            } else {
+                self.send(key, me, peer, Arc::new(chunk))?;
+            }
+        }
+        group
+            .iter()
+            .map(|&peer| match peer == me {
+                true => Ok(own.take().expect("this device's own chunk")),
+                false => self.recv(key, peer, me, what),
+            })
+            .collect()
+    }
     /// Wake every waiter (here and, for a distributed implementation, on
     /// every peer) with [`CommError::Aborted`].
     fn abort(&self);

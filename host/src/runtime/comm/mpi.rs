@@ -207,12 +207,7 @@ impl MpiFabric {
     /// Every rank's step figures, combined: per-device losses, peak and
     /// state bytes (each device's from its rank, zeros elsewhere: the sum is
     /// exact) and the norm's maximum, which is returned.
-    pub fn reduce_stats(
-        &self,
-        losses: &mut [f64],
-        grad_norm: f64,
-        counts: [&mut [u64]; 4],
-    ) -> f64 {
+    pub fn reduce_stats(&self, losses: &mut [f64], grad_norm: f64, counts: [&mut [u64]; 4]) -> f64 {
         use mpi::collective::SystemOperation;
         let w = world();
         let mut g = 0.0f64;

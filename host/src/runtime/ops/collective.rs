@@ -9,7 +9,7 @@ use super::{comm_error, missing, owned};
 use crate::compile::plan::{CommPurpose, Op, TensorKind};
 use crate::runtime::backend::cpu::gpt::Tensors;
 use crate::runtime::buffers::Buf;
-use crate::runtime::device::Device;
+use crate::runtime::device::{is_expert_param, Device};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use crate::runtime::zero;
@@ -43,11 +43,21 @@ pub(super) fn reduce_grads(
     purpose: CommPurpose,
 ) -> Result<(), RuntimeError> {
     let tied = purpose == CommPurpose::TiedGrad;
-    let names = if tied {
+    let mut names = if tied {
         vec!["wte".to_string()]
     } else {
         owned(dev, ctx, &op.segments)
     };
+    if purpose == CommPurpose::GradSync
+        && op
+            .segments
+            .iter()
+            .any(|s| dev.spreads.experts.contains_key(s))
+    {
+        // Experts spread by `shard` live on one device each: not replicated,
+        // not reduced (their router and layernorm are).
+        names.retain(|n| !is_expert_param(n));
+    }
     // ZeRO-2/3 reduce every microbatch's gradients, which the backwards
     // hand over as buffers (freed after this op).
     let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);

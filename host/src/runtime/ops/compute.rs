@@ -7,11 +7,14 @@ use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::model::Segment;
 use crate::runtime::backend::cpu::gpt::{
-    segment_backward_input, segment_backward_weight, segment_forward, segment_params, Dims,
-    SegmentCache, SegmentStash, Tensors,
+    segment_backward_input_in, segment_backward_weight, segment_forward_in, Dims, SegmentCache,
+    SegmentStash, Spread, Tensors,
 };
 use crate::runtime::buffers::{vec_of, Buf};
+use crate::runtime::comm::in_op_key;
+use crate::runtime::device::params_here;
 use crate::runtime::device::Device;
+use crate::runtime::error::label;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
@@ -31,6 +34,68 @@ fn with_params<R>(
     f(&own)
 }
 
+/// Run `f` with the group context of a spread `op` (expert parallelism:
+/// its group's all-to-all; tensor parallelism: its group's sum, both through
+/// the step's `Comm`), or `None` when it runs alone.
+fn with_spread<R>(
+    dev: &Device,
+    op: &Op,
+    ctx: &StepCtx,
+    dims: &mut Dims,
+    f: impl FnOnce(Option<Spread<'_, '_>>, Dims) -> Result<R, String>,
+) -> Result<R, RuntimeError> {
+    let seg = op.segments[0];
+    let fail = |cause: String| RuntimeError::Exchange {
+        device: dev.id,
+        op: label(op),
+        cause,
+    };
+    let members = op.group.as_deref().unwrap_or(&[]);
+    let key = |phase: u32| {
+        in_op_key(op.node, phase).ok_or_else(|| {
+            format!(
+                "node {} or exchange {phase} past what in-op keys hold (nodes < 2^20, 1024 exchanges an op)",
+                op.node
+            )
+        })
+    };
+    if let Some(group) = dev.spreads.experts.get(&seg).copied() {
+        let mut exchange = |phase: u32, chunks: Vec<Vec<f32>>| {
+            let what = [
+                "dispatch",
+                "combine",
+                "gradient dispatch",
+                "gradient combine",
+            ][phase as usize % 4];
+            ctx.comm
+                .all_to_all(what, key(phase)?, members, dev.id, chunks)
+                .map_err(|e| e.to_string())
+        };
+        let spread = Spread::Experts {
+            group,
+            exchange: &mut exchange,
+        };
+        return f(Some(spread), *dims).map_err(fail);
+    }
+    if let Some(&(size, _)) = dev.spreads.tensor.get(&seg) {
+        dims.tp = size;
+        let mut phase = 0u32;
+        let mut reduce = |part: Vec<f32>| {
+            let k = key(phase)?;
+            phase += 1;
+            ctx.comm
+                .all_reduce("tensor-parallel all-reduce", k, members, dev.id, part)
+                .map(Arc::unwrap_or_clone)
+                .map_err(|e| e.to_string())
+        };
+        let spread = Spread::Tensor {
+            reduce: &mut reduce,
+        };
+        return f(Some(spread), *dims).map_err(fail);
+    }
+    f(None, *dims).map_err(fail)
+}
+
 pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     let div = op.batch_div as usize;
@@ -39,18 +104,28 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
     let piece = op.microbatch as usize * dp + op.replica as usize;
     let (tokens, targets) = ctx.batch.rows(piece * b, b);
     let input = vec_of(dev.take(op, TensorKind::Activation)?);
+    let mut dims = Dims::new(ctx.cfg, b);
     let (out, cache, loss) = with_params(dev, op, |params| {
-        Ok(segment_forward(
-            seg,
-            params,
-            seg.has_embedding().then_some(tokens),
-            input,
-            seg.has_head().then_some(targets),
-            Dims::new(ctx.cfg, b),
-        ))
+        with_spread(dev, op, ctx, &mut dims, |spread, dims| {
+            segment_forward_in(
+                seg,
+                params,
+                seg.has_embedding().then_some(tokens),
+                input,
+                seg.has_head().then_some(targets),
+                dims,
+                spread,
+            )
+        })
     })?;
     let (routed, dropped) = cache.moe_counts();
-    {
+    // A tensor-parallel group computes one loss: its first member reports it.
+    let reports = dev
+        .spreads
+        .tensor
+        .get(&op.segments[0])
+        .is_none_or(|(_, r)| *r == 0);
+    if reports {
         let mut s = dev.state.lock().unwrap();
         if let Some(l) = loss {
             s.loss += l;
@@ -77,9 +152,15 @@ pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(),
         unreachable!()
     };
     let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
+    let mut dims = cache.dims;
+    let run = |params: &Tensors| {
+        with_spread(dev, op, ctx, &mut dims, |spread, _| {
+            segment_backward_input_in(params, cache, dout, ctx.loss_scale, spread)
+        })
+    };
     let (dinp, mut stash) = match gathered.as_deref() {
-        Some(Buf::Params(t)) => segment_backward_input(t, cache, dout, ctx.loss_scale),
-        _ => segment_backward_input(&dev.params.read().unwrap(), cache, dout, ctx.loss_scale),
+        Some(Buf::Params(t)) => run(t)?,
+        _ => run(&dev.params.read().unwrap())?,
     };
     if op.op == OpKind::B {
         weight_grads(dev, op, ctx, seg, cache, &stash)?;
@@ -132,9 +213,9 @@ fn weight_grads(
     stash: &SegmentStash,
 ) -> Result<(), RuntimeError> {
     if op.zero >= 2 {
-        let mut t: Tensors = segment_params(ctx.cfg, seg)
+        let mut t: Tensors = params_here(ctx.cfg, seg, &dev.spreads)
             .into_iter()
-            .map(|(n, shape)| (n, vec![0.0; shape.iter().product()]))
+            .map(|p| (p.name, vec![0.0; p.shape.iter().product()]))
             .collect();
         segment_backward_weight(&mut t, cache, stash);
         dev.put(op, TensorKind::MicroGrad, Buf::Params(t))

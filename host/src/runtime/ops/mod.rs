@@ -83,7 +83,7 @@ pub(super) fn comm_error(dev: &Device, op: &Op, cause: CommError) -> RuntimeErro
 fn owned(dev: &Device, ctx: &StepCtx, segs: &[u32]) -> Vec<String> {
     let mut n: Vec<String> = segs
         .iter()
-        .flat_map(|s| owned_names(ctx.cfg, &ctx.segments, &dev.held, *s))
+        .flat_map(|s| owned_names(ctx.cfg, &ctx.segments, &dev.held, &dev.spreads, *s))
         .collect();
     n.sort();
     n.dedup();

@@ -10,8 +10,11 @@ use super::embedding::{embedding_backward_weight, embedding_forward};
 use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, layernorm_forward};
 use super::loss::{crossentropy_backward, crossentropy_forward};
 use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
+use super::moe::{
+    alone, moe_backward_input, moe_backward_weight, moe_forward, Exchange, ExpertGroup, MoeCache,
+    MoeDims, MoeStash,
+};
 pub use crate::model::params::{decays, model_params, part_params, segment_params};
-use super::moe::{moe_backward_input, moe_backward_weight, moe_forward, MoeCache, MoeDims, MoeStash};
 use crate::model::{ModelConfig, MoeConfig, Part, Segment};
 use std::collections::BTreeMap;
 
@@ -28,6 +31,9 @@ pub struct Dims {
     pub v: usize,
     /// The MoE configuration, for expert halves.
     pub moe: Option<MoeConfig>,
+    /// Tensor-parallel degree: attention and the MLP hold `1/tp` of their
+    /// heads and hidden units (1: whole).
+    pub tp: usize,
 }
 
 impl Dims {
@@ -39,6 +45,7 @@ impl Dims {
             nh: cfg.heads as usize,
             v: cfg.vocab as usize,
             moe: cfg.moe,
+            tp: 1,
         }
     }
     fn n(&self) -> usize {
@@ -215,10 +222,7 @@ impl SegmentCache {
     /// (zero without experts).
     pub fn moe_counts(&self) -> (u64, u64) {
         self.parts.iter().fold((0, 0), |(r, d), p| match p {
-            PartCache::Experts(m) => (
-                r + m.routing.choice.len() as u64,
-                d + m.routing.dropped,
-            ),
+            PartCache::Experts(m) => (r + m.routing.choice.len() as u64, d + m.routing.dropped),
             _ => (r, d),
         })
     }
@@ -375,9 +379,50 @@ pub(super) fn grad_of<'a>(grads: &'a mut Tensors, name: &str) -> &'a mut Vec<f32
         .unwrap_or_else(|| panic!("gradient {name} is not on this device"))
 }
 
-/// Attention half of layer `l`: `x2 = x + attproj(attention(qkv(ln1(x))))`.
-fn attn_forward(params: &Tensors, l: u32, x: Vec<f32>, dims: Dims) -> (Vec<f32>, AttnCache) {
-    let Dims { b, t, c, nh, .. } = dims;
+/// A tensor-parallel group's sum (Megatron's `g` in forward, `f`'s
+/// backward): every member's partial result added in group order.
+pub type Reduce<'a> = dyn FnMut(Vec<f32>) -> Result<Vec<f32>, String> + 'a;
+
+/// The row-parallel end of a tensor-parallel layer: `inp[n, ic] · Wᵀ`
+/// summed over the group, then `+ bias`; one device: [`linear`] itself.
+fn row_parallel(
+    params: &Tensors,
+    w: &str,
+    bias: &str,
+    inp: &[f32],
+    n: usize,
+    ic: usize,
+    oc: usize,
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<Vec<f32>, String> {
+    let Some(reduce) = reduce else {
+        return Ok(linear(params, w, bias, inp, n, ic, oc));
+    };
+    let mut part = vec![0.0; n * oc];
+    matmul_forward(&mut part, inp, param_of(params, w), None, n, ic, oc);
+    let mut out = reduce(part)?;
+    let b = param_of(params, bias);
+    for row in out.chunks_exact_mut(oc) {
+        for (o, x) in row.iter_mut().zip(b) {
+            *o += x;
+        }
+    }
+    Ok(out)
+}
+
+/// Attention half of layer `l`: `x2 = x + attproj(attention(qkv(ln1(x))))`;
+/// under tensor parallelism this device's heads only.
+fn attn_forward(
+    params: &Tensors,
+    l: u32,
+    x: Vec<f32>,
+    dims: Dims,
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<(Vec<f32>, AttnCache), String> {
+    let Dims {
+        b, t, c, nh, tp, ..
+    } = dims;
+    let (cl, nhl) = (c / tp, nh / tp);
     let n = dims.n();
     let name = |s: &str| format!("h.{l}.{s}");
     let (ln1, ln1_mean, ln1_rstd) =
@@ -389,20 +434,21 @@ fn attn_forward(params: &Tensors, l: u32, x: Vec<f32>, dims: Dims) -> (Vec<f32>,
         &ln1,
         n,
         c,
-        3 * c,
+        3 * cl,
     );
-    let mut att = vec![0.0; b * nh * t * t];
-    let mut atty = vec![0.0; n * c];
-    attention_forward(&mut atty, &mut att, &qkv, b, t, c, nh);
-    let attproj = linear(
+    let mut att = vec![0.0; b * nhl * t * t];
+    let mut atty = vec![0.0; n * cl];
+    attention_forward(&mut atty, &mut att, &qkv, b, t, cl, nhl);
+    let attproj = row_parallel(
         params,
         &name("attn.c_proj.weight"),
         &name("attn.c_proj.bias"),
         &atty,
         n,
+        cl,
         c,
-        c,
-    );
+        reduce,
+    )?;
     let mut x2 = vec![0.0; n * c];
     residual_forward(&mut x2, &x, &attproj);
     let cache = AttnCache {
@@ -415,12 +461,20 @@ fn attn_forward(params: &Tensors, l: u32, x: Vec<f32>, dims: Dims) -> (Vec<f32>,
         att,
         atty,
     };
-    (x2, cache)
+    Ok((x2, cache))
 }
 
-/// Dense MLP half of layer `l`: `out = x2 + fcproj(gelu(fc(ln2(x2))))`.
-fn mlp_forward(params: &Tensors, l: u32, x2: Vec<f32>, dims: Dims) -> (Vec<f32>, MlpCache) {
+/// Dense MLP half of layer `l`: `out = x2 + fcproj(gelu(fc(ln2(x2))))`;
+/// under tensor parallelism this device's hidden units only.
+fn mlp_forward(
+    params: &Tensors,
+    l: u32,
+    x2: Vec<f32>,
+    dims: Dims,
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<(Vec<f32>, MlpCache), String> {
     let c = dims.c;
+    let hl = 4 * c / dims.tp;
     let n = dims.n();
     let name = |s: &str| format!("h.{l}.{s}");
     let (ln2, ln2_mean, ln2_rstd) =
@@ -432,19 +486,20 @@ fn mlp_forward(params: &Tensors, l: u32, x2: Vec<f32>, dims: Dims) -> (Vec<f32>,
         &ln2,
         n,
         c,
-        4 * c,
+        hl,
     );
-    let mut fch_gelu = vec![0.0; n * 4 * c];
+    let mut fch_gelu = vec![0.0; n * hl];
     gelu_forward(&mut fch_gelu, &fch);
-    let fcproj = linear(
+    let fcproj = row_parallel(
         params,
         &name("mlp.c_proj.weight"),
         &name("mlp.c_proj.bias"),
         &fch_gelu,
         n,
-        4 * c,
+        hl,
         c,
-    );
+        reduce,
+    )?;
     let mut out = vec![0.0; n * c];
     residual_forward(&mut out, &x2, &fcproj);
     let cache = MlpCache {
@@ -456,28 +511,38 @@ fn mlp_forward(params: &Tensors, l: u32, x2: Vec<f32>, dims: Dims) -> (Vec<f32>,
         fch,
         fch_gelu,
     };
-    (out, cache)
+    Ok((out, cache))
 }
 
 /// The attention half's input gradient from its output gradient `dout`
-/// (kept in the stash for the weight pass).
-fn attn_backward_input(params: &Tensors, k: &AttnCache, dout: Vec<f32>, dims: Dims) -> (Vec<f32>, AttnStash) {
-    let Dims { b, t, c, nh, .. } = dims;
+/// (kept in the stash for the weight pass); under tensor parallelism the
+/// gradient of ln1's output is summed over the group.
+fn attn_backward_input(
+    params: &Tensors,
+    k: &AttnCache,
+    dout: Vec<f32>,
+    dims: Dims,
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<(Vec<f32>, AttnStash), String> {
+    let Dims {
+        b, t, c, nh, tp, ..
+    } = dims;
+    let (cl, nhl) = (c / tp, nh / tp);
     let n = dims.n();
     let l = k.layer;
     let name = |s: &str| format!("h.{l}.{s}");
-    let mut datty = vec![0.0; n * c];
+    let mut datty = vec![0.0; n * cl];
     matmul_backward_input(
         &mut datty,
         &dout,
         param_of(params, &name("attn.c_proj.weight")),
         n,
-        c,
+        cl,
         c,
         false,
     );
-    let mut dqkv = vec![0.0; n * 3 * c];
-    attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, c, nh);
+    let mut dqkv = vec![0.0; n * 3 * cl];
+    attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, cl, nhl);
     let mut dln1 = vec![0.0; n * c];
     matmul_backward_input(
         &mut dln1,
@@ -485,9 +550,12 @@ fn attn_backward_input(params: &Tensors, k: &AttnCache, dout: Vec<f32>, dims: Di
         param_of(params, &name("attn.c_attn.weight")),
         n,
         c,
-        3 * c,
+        3 * cl,
         false,
     );
+    if let Some(reduce) = reduce {
+        dln1 = reduce(dln1)?;
+    }
     let mut dx = dout.clone();
     layernorm_backward_input(
         &mut dx,
@@ -499,26 +567,33 @@ fn attn_backward_input(params: &Tensors, k: &AttnCache, dout: Vec<f32>, dims: Di
         n,
         c,
     );
-    (dx, AttnStash { dout, dqkv, dln1 })
+    Ok((dx, AttnStash { dout, dqkv, dln1 }))
 }
 
 /// The dense MLP half's input gradient.
-fn mlp_backward_input(params: &Tensors, k: &MlpCache, dout: Vec<f32>, dims: Dims) -> (Vec<f32>, MlpStash) {
+fn mlp_backward_input(
+    params: &Tensors,
+    k: &MlpCache,
+    dout: Vec<f32>,
+    dims: Dims,
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<(Vec<f32>, MlpStash), String> {
     let c = dims.c;
+    let hl = 4 * c / dims.tp;
     let n = dims.n();
     let l = k.layer;
     let name = |s: &str| format!("h.{l}.{s}");
-    let mut dgelu = vec![0.0; n * 4 * c];
+    let mut dgelu = vec![0.0; n * hl];
     matmul_backward_input(
         &mut dgelu,
         &dout,
         param_of(params, &name("mlp.c_proj.weight")),
         n,
-        4 * c,
+        hl,
         c,
         false,
     );
-    let mut dfch = vec![0.0; n * 4 * c];
+    let mut dfch = vec![0.0; n * hl];
     gelu_backward(&mut dfch, &k.fch, &dgelu);
     let mut dln2 = vec![0.0; n * c];
     matmul_backward_input(
@@ -527,9 +602,12 @@ fn mlp_backward_input(params: &Tensors, k: &MlpCache, dout: Vec<f32>, dims: Dims
         param_of(params, &name("mlp.c_fc.weight")),
         n,
         c,
-        4 * c,
+        hl,
         false,
     );
+    if let Some(reduce) = reduce {
+        dln2 = reduce(dln2)?;
+    }
     let mut dx2 = dout.clone();
     layernorm_backward_input(
         &mut dx2,
@@ -541,7 +619,7 @@ fn mlp_backward_input(params: &Tensors, k: &MlpCache, dout: Vec<f32>, dims: Dims
         n,
         c,
     );
-    (dx2, MlpStash { dout, dfch, dln2 })
+    Ok((dx2, MlpStash { dout, dfch, dln2 }))
 }
 
 /// Accumulate linear layer `w`/`bias`'s gradients from `dout[n, oc]` and `inp[n, ic]`.
@@ -577,7 +655,8 @@ fn layernorm_weight(
     *grad_of(grads, bias) = db;
 }
 
-fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, n: usize, c: usize) {
+fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, dims: Dims) {
+    let (n, c, cl) = (dims.n(), dims.c, dims.c / dims.tp);
     let l = k.layer;
     let name = |s: &str| format!("h.{l}.{s}");
     linear_weight(
@@ -587,7 +666,7 @@ fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, n: u
         &st.dout,
         &k.atty,
         n,
-        c,
+        cl,
         c,
     );
     linear_weight(
@@ -598,7 +677,7 @@ fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, n: u
         &k.ln1,
         n,
         c,
-        3 * c,
+        3 * cl,
     );
     layernorm_weight(
         grads,
@@ -613,7 +692,8 @@ fn attn_backward_weight(grads: &mut Tensors, k: &AttnCache, st: &AttnStash, n: u
     );
 }
 
-fn mlp_backward_weight(grads: &mut Tensors, k: &MlpCache, st: &MlpStash, n: usize, c: usize) {
+fn mlp_backward_weight(grads: &mut Tensors, k: &MlpCache, st: &MlpStash, dims: Dims) {
+    let (n, c, hl) = (dims.n(), dims.c, 4 * dims.c / dims.tp);
     let l = k.layer;
     let name = |s: &str| format!("h.{l}.{s}");
     linear_weight(
@@ -623,7 +703,7 @@ fn mlp_backward_weight(grads: &mut Tensors, k: &MlpCache, st: &MlpStash, n: usiz
         &st.dout,
         &k.fch_gelu,
         n,
-        4 * c,
+        hl,
         c,
     );
     linear_weight(
@@ -634,7 +714,7 @@ fn mlp_backward_weight(grads: &mut Tensors, k: &MlpCache, st: &MlpStash, n: usiz
         &k.ln2,
         n,
         c,
-        4 * c,
+        hl,
     );
     layernorm_weight(
         grads,
@@ -655,12 +735,39 @@ fn moe_dims(dims: Dims) -> (MoeConfig, MoeDims) {
     (moe, d)
 }
 
-/// Forward of a segment on `dims.b` sequences. `tokens` feed the embedding
-/// (first segment), `input` the activations from the previous segment;
-/// `targets` the loss (last segment). Returns the output activations (`None`
-/// after the head), the cache, and what the segment adds to the summed token
-/// losses: the cross-entropy at the head, the load-balancing loss of expert
-/// halves.
+/// What a segment's forward gives: its output activations (`None` after
+/// the head), its cache, and what it adds to the summed token losses.
+pub type Forward = (Option<Vec<f32>>, SegmentCache, Option<f64>);
+
+/// A segment spread over a group of devices (errors as text: the runtime
+/// names the device and op).
+pub enum Spread<'a, 'b> {
+    /// Expert parallelism (`shard`): this device's place in the EP group and
+    /// the all-to-all that reaches its members.
+    Experts {
+        group: ExpertGroup,
+        exchange: &'a mut Exchange<'b, String>,
+    },
+    /// Tensor parallelism (`shard-tensor`): the group's sum; the shapes are
+    /// in [`Dims::tp`].
+    Tensor { reduce: &'a mut Reduce<'b> },
+}
+
+impl Spread<'_, '_> {
+    fn reduce(&mut self) -> Option<&mut Reduce<'_>> {
+        match self {
+            Spread::Tensor { reduce } => Some(&mut **reduce),
+            Spread::Experts { .. } => None,
+        }
+    }
+}
+
+/// Forward of a segment on `dims.b` sequences, every expert on this device.
+/// `tokens` feed the embedding (first segment), `input` the activations from
+/// the previous segment; `targets` the loss (last segment). Returns the
+/// output activations (`None` after the head), the cache, and what the
+/// segment adds to the summed token losses: the cross-entropy at the head,
+/// the load-balancing loss of expert halves.
 pub fn segment_forward(
     seg: &Segment,
     params: &Tensors,
@@ -668,7 +775,22 @@ pub fn segment_forward(
     input: Option<Vec<f32>>,
     targets: Option<&[u32]>,
     dims: Dims,
-) -> (Option<Vec<f32>>, SegmentCache, Option<f64>) {
+) -> Forward {
+    segment_forward_in(seg, params, tokens, input, targets, dims, None)
+        .unwrap_or_else(|e| unreachable!("one device's exchange cannot fail: {e}"))
+}
+
+/// [`segment_forward`] on a segment spread over a group (every member calls
+/// it for the same microbatch together).
+pub fn segment_forward_in(
+    seg: &Segment,
+    params: &Tensors,
+    tokens: Option<&[u32]>,
+    input: Option<Vec<f32>>,
+    targets: Option<&[u32]>,
+    dims: Dims,
+    mut spread: Option<Spread<'_, '_>>,
+) -> Result<Forward, String> {
     let Dims { b, t, c, v, .. } = dims;
     let n = dims.n();
     let mut x: Vec<f32> = input.unwrap_or_default();
@@ -694,19 +816,45 @@ pub fn segment_forward(
                 });
             }
             Part::Block(l) => {
-                let (x2, attn) = attn_forward(params, l, std::mem::take(&mut x), dims);
-                let (out, mlp) = mlp_forward(params, l, x2, dims);
+                let inp = std::mem::take(&mut x);
+                let (x2, attn) = attn_forward(
+                    params,
+                    l,
+                    inp,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
+                let (out, mlp) = mlp_forward(
+                    params,
+                    l,
+                    x2,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
                 x = out;
                 caches.push(PartCache::Block(Box::new(attn), Box::new(mlp)));
             }
             Part::Attention(l) => {
-                let (x2, attn) = attn_forward(params, l, std::mem::take(&mut x), dims);
+                let inp = std::mem::take(&mut x);
+                let (x2, attn) = attn_forward(
+                    params,
+                    l,
+                    inp,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
                 x = x2;
                 caches.push(PartCache::Attention(Box::new(attn)));
             }
             Part::Experts(l) => {
                 let (moe, d) = moe_dims(dims);
-                let (out, cache, aux) = moe_forward(params, l, &moe, std::mem::take(&mut x), d);
+                let inp = std::mem::take(&mut x);
+                let (out, cache, aux) = match spread.as_mut() {
+                    Some(Spread::Experts { group, exchange }) => {
+                        moe_forward(params, l, &moe, inp, d, *group, *exchange)?
+                    }
+                    _ => moe_forward(params, l, &moe, inp, d, ExpertGroup::ALONE, &mut alone)?,
+                };
                 x = out;
                 *loss.get_or_insert(0.0) += aux;
                 caches.push(PartCache::Experts(Box::new(cache)));
@@ -732,14 +880,14 @@ pub fn segment_forward(
         }
     }
     let out = out_present.then_some(x);
-    (
+    Ok((
         out,
         SegmentCache {
             dims,
             parts: caches,
         },
         loss,
-    )
+    ))
 }
 
 /// Backward for inputs: from `dout` (or, for the head, the loss with
@@ -752,6 +900,18 @@ pub fn segment_backward_input(
     dout: Option<Vec<f32>>,
     loss_scale: f32,
 ) -> (Option<Vec<f32>>, SegmentStash) {
+    segment_backward_input_in(params, cache, dout, loss_scale, None)
+        .unwrap_or_else(|e| unreachable!("one device's exchange cannot fail: {e}"))
+}
+
+/// [`segment_backward_input`] on a segment spread over a group.
+pub fn segment_backward_input_in(
+    params: &Tensors,
+    cache: &SegmentCache,
+    dout: Option<Vec<f32>>,
+    loss_scale: f32,
+    mut spread: Option<Spread<'_, '_>>,
+) -> Result<(Option<Vec<f32>>, SegmentStash), String> {
     let dims = cache.dims;
     let Dims { c, v, .. } = dims;
     let n = dims.n();
@@ -771,15 +931,7 @@ pub fn segment_backward_input(
                 let mut dlogits = vec![0.0; n * v];
                 crossentropy_backward(&mut dlogits, probs, targets, n, v, loss_scale);
                 let mut dlnf = vec![0.0; n * c];
-                matmul_backward_input(
-                    &mut dlnf,
-                    &dlogits,
-                    param_of(params, "wte"),
-                    n,
-                    c,
-                    v,
-                    false,
-                );
+                matmul_backward_input(&mut dlnf, &dlogits, param_of(params, "wte"), n, c, v, false);
                 let mut dx = vec![0.0; n * c];
                 layernorm_backward_input(
                     &mut dx,
@@ -795,18 +947,44 @@ pub fn segment_backward_input(
                 stash.push(PartStash::Head { dlogits, dlnf });
             }
             PartCache::Block(attn, mlp) => {
-                let (dx2, ms) = mlp_backward_input(params, mlp, std::mem::take(&mut d), dims);
-                let (dx, at) = attn_backward_input(params, attn, dx2, dims);
+                let dout = std::mem::take(&mut d);
+                let (dx2, ms) = mlp_backward_input(
+                    params,
+                    mlp,
+                    dout,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
+                let (dx, at) = attn_backward_input(
+                    params,
+                    attn,
+                    dx2,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
                 d = dx;
                 stash.push(PartStash::Block(at, ms));
             }
             PartCache::Attention(attn) => {
-                let (dx, at) = attn_backward_input(params, attn, std::mem::take(&mut d), dims);
+                let dout = std::mem::take(&mut d);
+                let (dx, at) = attn_backward_input(
+                    params,
+                    attn,
+                    dout,
+                    dims,
+                    spread.as_mut().and_then(|s| s.reduce()),
+                )?;
                 d = dx;
                 stash.push(PartStash::Attention(at));
             }
             PartCache::Experts(m) => {
-                let (dx, ms) = moe_backward_input(params, m, std::mem::take(&mut d), loss_scale);
+                let dout = std::mem::take(&mut d);
+                let (dx, ms) = match spread.as_mut() {
+                    Some(Spread::Experts { exchange, .. }) => {
+                        moe_backward_input(params, m, dout, loss_scale, *exchange)?
+                    }
+                    _ => moe_backward_input(params, m, dout, loss_scale, &mut alone)?,
+                };
                 d = dx;
                 stash.push(PartStash::Experts(Box::new(ms)));
             }
@@ -819,13 +997,13 @@ pub fn segment_backward_input(
         }
     }
     stash.reverse();
-    (
+    Ok((
         has_input.then_some(d),
         SegmentStash {
             parts: stash,
             kept: None,
         },
-    )
+    ))
 }
 
 /// Backward for weights: accumulate the segment's parameter gradients.
@@ -840,11 +1018,11 @@ pub fn segment_backward_weight(grads: &mut Tensors, cache: &SegmentCache, stash:
                 *grad_of(grads, "wpe") = dwpe;
             }
             (PartCache::Block(attn, mlp), PartStash::Block(at, ms)) => {
-                mlp_backward_weight(grads, mlp, ms, n, c);
-                attn_backward_weight(grads, attn, at, n, c);
+                mlp_backward_weight(grads, mlp, ms, cache.dims);
+                attn_backward_weight(grads, attn, at, cache.dims);
             }
             (PartCache::Attention(attn), PartStash::Attention(at)) => {
-                attn_backward_weight(grads, attn, at, n, c);
+                attn_backward_weight(grads, attn, at, cache.dims);
             }
             (PartCache::Experts(m), PartStash::Experts(ms)) => {
                 moe_backward_weight(grads, m, ms);
@@ -856,17 +1034,7 @@ pub fn segment_backward_weight(grads: &mut Tensors, cache: &SegmentCache, stash:
                 PartStash::Head { dlogits, dlnf },
             ) => {
                 matmul_backward_weight(grad_of(grads, "wte"), None, dlogits, lnf, n, c, v);
-                layernorm_weight(
-                    grads,
-                    "ln_f.weight",
-                    "ln_f.bias",
-                    dlnf,
-                    x,
-                    mean,
-                    rstd,
-                    n,
-                    c,
-                );
+                layernorm_weight(grads, "ln_f.weight", "ln_f.bias", dlnf, x, mean, rstd, n, c);
             }
             _ => unreachable!("stash and cache come from the same segment"),
         }

@@ -22,6 +22,14 @@
 //!   the mean of `aux` over the global batch's sequences. Per sequence, so
 //!   the loss is the same however sequences are split into microbatches and
 //!   data-parallel replicas.
+//! - **Expert parallelism**: with an EP group of `g` devices, device `r`
+//!   holds experts `r·E/g … (r+1)·E/g − 1`. Routing stays local; the rows each
+//!   expert runs go to its owner and the outputs come back through an
+//!   [`Exchange`] (an all-to-all over the group; the identity on one device),
+//!   twice in forward (dispatch, combine) and twice in the input backward.
+//!   An expert runs the rows of every source in group order, so per row the
+//!   arithmetic is the one-device arithmetic; only weight-gradient sums see a
+//!   different row order.
 
 use super::elementwise::{gelu_backward, gelu_forward};
 use super::gpt::{grad_of, param_of, Tensors};
@@ -29,6 +37,7 @@ use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, laye
 use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
 use crate::model::params::expert_param;
 use crate::model::MoeConfig;
+use std::sync::Arc;
 
 /// Marks an assignment dropped for capacity.
 const DROPPED: u32 = u32::MAX;
@@ -57,6 +66,37 @@ impl MoeDims {
     }
 }
 
+/// This device's place in its expert-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertGroup {
+    pub size: usize,
+    pub rank: usize,
+}
+
+impl ExpertGroup {
+    /// One device holding every expert.
+    pub const ALONE: ExpertGroup = ExpertGroup { size: 1, rank: 0 };
+
+    /// The experts member `rank` holds (`E` divisible by the size: checked
+    /// by `shard`).
+    pub fn experts_of(&self, e: usize, rank: usize) -> std::ops::Range<usize> {
+        let per = e / self.size.max(1);
+        rank * per..(rank + 1) * per
+    }
+    pub fn local(&self, e: usize) -> std::ops::Range<usize> {
+        self.experts_of(e, self.rank)
+    }
+}
+
+/// An all-to-all over the EP group: one chunk per member in, one chunk from
+/// each member out. `phase` tells the four exchanges of a layer apart.
+pub type Exchange<'a, E> = dyn FnMut(u32, Vec<Vec<f32>>) -> Result<Vec<Arc<Vec<f32>>>, E> + 'a;
+
+/// The exchange of one device alone: its chunk comes back.
+pub fn alone(_: u32, chunks: Vec<Vec<f32>>) -> Result<Vec<Arc<Vec<f32>>>, String> {
+    Ok(chunks.into_iter().map(Arc::new).collect())
+}
+
 /// Where each token's choices went.
 #[derive(Clone, Debug, Default)]
 pub struct Routing {
@@ -72,11 +112,14 @@ pub struct Routing {
     pub dropped: u64,
 }
 
-/// What the MoE half keeps from forward for backward.
-#[derive(Clone, Debug, Default)]
+/// What the MoE half keeps from forward for backward: the routing side
+/// (this device's tokens) and the expert side (this device's experts, the
+/// rows of every source).
+#[derive(Clone, Debug)]
 pub struct MoeCache {
     pub layer: u32,
-    pub dims: Option<MoeDims>,
+    pub dims: MoeDims,
+    pub group: ExpertGroup,
     pub aux_coef: f32,
     pub x: Vec<f32>,
     pub ln: Vec<f32>,
@@ -85,29 +128,44 @@ pub struct MoeCache {
     /// `[n, e]` router probabilities.
     pub probs: Vec<f32>,
     pub routing: Routing,
-    /// Per expert: `c_fc` output, its GELU and `c_proj` output, `[rows, ·]`.
+    /// Per expert (all of them): the outputs of this device's rows.
+    pub ys: Vec<Arc<Vec<f32>>>,
+    /// Per local expert: rows from each member of the group.
+    pub src_rows: Vec<Vec<usize>>,
+    /// Per local expert: its input rows, `c_fc` output and GELU.
+    pub xin: Vec<Vec<f32>>,
     pub fc: Vec<Vec<f32>>,
     pub act: Vec<Vec<f32>>,
-    pub y: Vec<Vec<f32>>,
 }
 
 fn floats(v: &[f32]) -> u64 {
     v.len() as u64 * 4
 }
 
+fn floats_each<T: AsRef<[f32]>>(v: &[T]) -> u64 {
+    v.iter().map(|x| floats(x.as_ref())).sum()
+}
+
 impl MoeCache {
     pub fn bytes(&self) -> u64 {
         let r = &self.routing;
-        let per_expert = |v: &Vec<Vec<f32>>| v.iter().map(|x| floats(x)).sum::<u64>();
-        [&self.x, &self.ln, &self.mean, &self.rstd, &self.probs, &r.weight]
-            .iter()
-            .map(|v| floats(v))
-            .sum::<u64>()
+        [
+            &self.x,
+            &self.ln,
+            &self.mean,
+            &self.rstd,
+            &self.probs,
+            &r.weight,
+        ]
+        .iter()
+        .map(|v| floats(v))
+        .sum::<u64>()
             + (r.choice.len() + r.slot.len() + r.rows.iter().map(Vec::len).sum::<usize>()) as u64
                 * 4
-            + per_expert(&self.fc)
-            + per_expert(&self.act)
-            + per_expert(&self.y)
+            + self.ys.iter().map(|y| floats(y)).sum::<u64>()
+            + floats_each(&self.xin)
+            + floats_each(&self.fc)
+            + floats_each(&self.act)
     }
 
     /// What the weight pass reads (inputs of the matmuls and the layernorm,
@@ -115,7 +173,7 @@ impl MoeCache {
     pub fn keep_for_weights(mut self) -> Self {
         self.probs = Vec::new();
         self.fc = Vec::new();
-        self.y = Vec::new();
+        self.ys = Vec::new();
         self
     }
 }
@@ -123,7 +181,7 @@ impl MoeCache {
 /// Gradients the weight pass needs, produced by the input pass.
 #[derive(Clone, Debug, Default)]
 pub struct MoeStash {
-    /// Per expert: gradient of its output rows and of its `c_fc` output.
+    /// Per local expert: gradient of its output rows and of its `c_fc` output.
     pub dy: Vec<Vec<f32>>,
     pub dfc: Vec<Vec<f32>>,
     /// `[n, e]` gradient of the router logits; `[n, c]` of ln2's output.
@@ -133,8 +191,7 @@ pub struct MoeStash {
 
 impl MoeStash {
     pub fn bytes(&self) -> u64 {
-        let per_expert = |v: &Vec<Vec<f32>>| v.iter().map(|x| floats(x)).sum::<u64>();
-        per_expert(&self.dy) + per_expert(&self.dfc) + floats(&self.dlogits) + floats(&self.dln)
+        floats_each(&self.dy) + floats_each(&self.dfc) + floats(&self.dlogits) + floats(&self.dln)
     }
 }
 
@@ -161,11 +218,12 @@ pub fn route(probs: &[f32], d: MoeDims, capacity_factor: Option<f64>) -> Routing
     let MoeDims { n, e, k, .. } = d;
     let mut choice = vec![0u32; n * k];
     let mut weight = vec![0.0f32; n * k];
+    let mut taken = vec![false; e];
     for t in 0..n {
         let p = &probs[t * e..][..e];
         let ch = &mut choice[t * k..][..k];
         // Selection by repeated max: k is small; ties go to the lower index.
-        let mut taken = vec![false; e];
+        taken.iter_mut().for_each(|x| *x = false);
         let mut sum = 0.0f32;
         for c in ch.iter_mut() {
             let mut best = usize::MAX;
@@ -210,14 +268,13 @@ pub fn route(probs: &[f32], d: MoeDims, capacity_factor: Option<f64>) -> Routing
     }
 }
 
-/// Rows of `src[·, c]` picked by the assignments `rows` (`token × k + j`).
-fn gather(src: &[f32], rows: &[u32], k: usize, c: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(rows.len() * c);
+/// Rows of `src[·, c]` picked by the assignments `rows` (`token × k + j`),
+/// appended to `out`.
+fn gather_into(out: &mut Vec<f32>, src: &[f32], rows: &[u32], k: usize, c: usize) {
     for &a in rows {
         let t = a as usize / k;
         out.extend_from_slice(&src[t * c..][..c]);
     }
-    out
 }
 
 /// Per-sequence choice shares `f[s, e]` (before drops).
@@ -233,16 +290,50 @@ fn choice_shares(r: &Routing, d: MoeDims) -> Vec<f32> {
     f
 }
 
-/// Forward of layer `l`'s MoE half on `x[n, c]`: the output, the cache, and
-/// the load-balancing loss to add to the summed token losses
-/// (`aux_loss_coef × t × Σ_sequences aux`).
-pub fn moe_forward(
+/// Split the per-expert row blocks `blocks` (each `rows × width`) by
+/// member: member `p` gets the blocks of its experts, concatenated.
+fn by_owner(blocks: &[Vec<f32>], g: ExpertGroup, e: usize) -> Vec<Vec<f32>> {
+    (0..g.size)
+        .map(|p| {
+            g.experts_of(e, p)
+                .flat_map(|x| blocks[x].iter().copied())
+                .collect()
+        })
+        .collect()
+}
+
+/// Cut each member's chunk into per-expert blocks of the given row counts.
+fn split_blocks(chunk: &[f32], rows: impl Iterator<Item = usize>, width: usize) -> Vec<Vec<f32>> {
+    let mut at = 0;
+    rows.map(|m| {
+        let b = chunk[at..at + m * width].to_vec();
+        at += m * width;
+        b
+    })
+    .collect()
+}
+
+/// Check a received chunk's length before it is cut.
+fn expect_len<E: From<String>>(what: &str, got: usize, want: usize) -> Result<(), E> {
+    match got == want {
+        true => Ok(()),
+        false => Err(format!("MoE {what}: received {got} floats, expected {want}").into()),
+    }
+}
+
+/// Forward of layer `l`'s MoE half on `x[n, c]` in the EP group `group`
+/// (every member calls it together): the output, the cache, and the
+/// load-balancing loss to add to the summed token losses (`aux_loss_coef ×
+/// t × Σ_sequences aux`).
+pub fn moe_forward<E: From<String>>(
     params: &Tensors,
     l: u32,
     moe: &MoeConfig,
     x: Vec<f32>,
     d: MoeDims,
-) -> (Vec<f32>, MoeCache, f64) {
+    group: ExpertGroup,
+    exchange: &mut Exchange<'_, E>,
+) -> Result<(Vec<f32>, MoeCache, f64), E> {
     let MoeDims { n, t, c, e, k, hid } = d;
     let name = |s: &str| format!("h.{l}.{s}");
     let (mut ln, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
@@ -268,20 +359,103 @@ pub fn moe_forward(
     );
     let probs = softmax_rows(&logits, e);
     let routing = route(&probs, d, moe.capacity_factor);
-    let (mut fcs, mut acts, mut ys) = (Vec::new(), Vec::new(), Vec::new());
-    for (x_, rows) in routing.rows.iter().enumerate() {
-        let m = rows.len();
+    // Dispatch: each owner gets, for each of its experts, the row count
+    // (as bits) then the rows.
+    let mut chunks = Vec::with_capacity(group.size);
+    for p in 0..group.size {
+        let experts = group.experts_of(e, p);
+        let rows: usize = experts.clone().map(|x| routing.rows[x].len()).sum();
+        let mut chunk = Vec::with_capacity(experts.len() + rows * c);
+        chunk.extend(
+            experts
+                .clone()
+                .map(|x| f32::from_bits(routing.rows[x].len() as u32)),
+        );
+        for x in experts {
+            gather_into(&mut chunk, &ln, &routing.rows[x], k, c);
+        }
+        chunks.push(chunk);
+    }
+    let got = exchange(0, chunks)?;
+    let local = group.local(e);
+    let per = local.len();
+    // The expert side: every source's rows, in group order.
+    let mut src_rows = vec![vec![0usize; group.size]; per];
+    for (s, chunk) in got.iter().enumerate() {
+        if chunk.len() < per {
+            return Err(format!(
+                "MoE dispatch from member {s}: {} floats, no row counts",
+                chunk.len()
+            )
+            .into());
+        }
+        let counts: Vec<usize> = chunk[..per].iter().map(|x| x.to_bits() as usize).collect();
+        let total = counts
+            .iter()
+            .try_fold(0usize, |a, m| a.checked_add(m.checked_mul(c)?));
+        expect_len(
+            &format!("dispatch from member {s}"),
+            chunk.len() - per,
+            total.unwrap_or(usize::MAX),
+        )?;
+        for (i, m) in counts.into_iter().enumerate() {
+            src_rows[i][s] = m;
+        }
+    }
+    let (mut xin, mut fcs, mut acts, mut outs) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut offsets = vec![per; group.size];
+    for (i, x_) in local.clone().enumerate() {
+        let m: usize = src_rows[i].iter().sum();
+        let mut inp = Vec::with_capacity(m * c);
+        for (s, chunk) in got.iter().enumerate() {
+            let len = src_rows[i][s] * c;
+            inp.extend_from_slice(&chunk[offsets[s]..offsets[s] + len]);
+            offsets[s] += len;
+        }
         let (mut fc, mut act, mut y) = (vec![0.0; m * hid], vec![0.0; m * hid], vec![0.0; m * c]);
         if m > 0 {
-            let inp = gather(&ln, rows, k, c);
             let w = |s: &str| param_of(params, &expert_param(l, x_, s));
-            matmul_forward(&mut fc, &inp, w("c_fc.weight"), Some(w("c_fc.bias")), m, c, hid);
+            matmul_forward(
+                &mut fc,
+                &inp,
+                w("c_fc.weight"),
+                Some(w("c_fc.bias")),
+                m,
+                c,
+                hid,
+            );
             gelu_forward(&mut act, &fc);
-            matmul_forward(&mut y, &act, w("c_proj.weight"), Some(w("c_proj.bias")), m, hid, c);
+            matmul_forward(
+                &mut y,
+                &act,
+                w("c_proj.weight"),
+                Some(w("c_proj.bias")),
+                m,
+                hid,
+                c,
+            );
         }
+        xin.push(inp);
         fcs.push(fc);
         acts.push(act);
-        ys.push(y);
+        outs.push(y);
+    }
+    drop(got);
+    // Combine: each source gets its rows' outputs back, expert by expert.
+    let back = split_back(&outs, &src_rows, group.size, c);
+    let got = exchange(1, back)?;
+    let mut ys: Vec<Arc<Vec<f32>>> = Vec::with_capacity(e);
+    for (p, chunk) in got.into_iter().enumerate() {
+        let experts = group.experts_of(e, p);
+        let want: usize = experts.clone().map(|x| routing.rows[x].len() * c).sum();
+        expect_len(&format!("combine from member {p}"), chunk.len(), want)?;
+        if experts.len() == 1 {
+            ys.push(chunk);
+            continue;
+        }
+        for b in split_blocks(&chunk, experts.map(|x| routing.rows[x].len()), c) {
+            ys.push(Arc::new(b));
+        }
     }
     // Combine in token order, choices in order: the same additions whatever
     // the capacity did.
@@ -319,7 +493,8 @@ pub fn moe_forward(
     let aux_loss = moe.aux_loss_coef * t as f64 * aux;
     let cache = MoeCache {
         layer: l,
-        dims: Some(d),
+        dims: d,
+        group,
         aux_coef: moe.aux_loss_coef as f32,
         x,
         ln,
@@ -327,61 +502,127 @@ pub fn moe_forward(
         rstd,
         probs,
         routing,
+        ys,
+        src_rows,
+        xin,
         fc: fcs,
         act: acts,
-        y: ys,
     };
-    (out, cache, aux_loss)
+    Ok((out, cache, aux_loss))
+}
+
+/// Per source: the rows of `blocks` (one per local expert, rows of every
+/// source in group order) that came from it, expert by expert.
+fn split_back(
+    blocks: &[Vec<f32>],
+    src_rows: &[Vec<usize>],
+    size: usize,
+    width: usize,
+) -> Vec<Vec<f32>> {
+    let mut back: Vec<Vec<f32>> = vec![Vec::new(); size];
+    for (i, block) in blocks.iter().enumerate() {
+        let mut at = 0;
+        for (s, b) in back.iter_mut().enumerate() {
+            let len = src_rows[i][s] * width;
+            b.extend_from_slice(&block[at..at + len]);
+            at += len;
+        }
+    }
+    back
 }
 
 /// Backward for the input from `dout[n, c]` (`loss_scale` = 1 / tokens of
-/// the global batch): the input gradient and the weight pass's stash.
-pub fn moe_backward_input(
+/// the global batch), every member of the EP group together: the input
+/// gradient and the weight pass's stash.
+pub fn moe_backward_input<E: From<String>>(
     params: &Tensors,
     cache: &MoeCache,
     dout: Vec<f32>,
     loss_scale: f32,
-) -> (Vec<f32>, MoeStash) {
-    let d = cache.dims.expect("a MoE cache has its shapes");
+    exchange: &mut Exchange<'_, E>,
+) -> Result<(Vec<f32>, MoeStash), E> {
+    let d = cache.dims;
     let MoeDims { n, t, c, e, k, hid } = d;
+    let group = cache.group;
     let l = cache.layer;
     let name = |s: &str| format!("h.{l}.{s}");
     let r = &cache.routing;
-    // Through the combine: each kept assignment's output gradient and the
-    // gradient of its weight.
+    // Through the combine: each kept assignment's output gradient (to the
+    // expert's owner) and the gradient of its weight.
     let mut dweight = vec![0.0f32; n * k];
-    let mut dln = vec![0.0f32; n * c];
-    let (mut dys, mut dfcs) = (Vec::with_capacity(e), Vec::with_capacity(e));
+    let mut dys_here: Vec<Vec<f32>> = Vec::with_capacity(e);
     for (x_, rows) in r.rows.iter().enumerate() {
-        let m = rows.len();
-        let mut dy = vec![0.0f32; m * c];
+        let mut dy = vec![0.0f32; rows.len() * c];
         for (row, &a) in rows.iter().enumerate() {
             let tok = a as usize / k;
             let g = &dout[tok * c..][..c];
-            let y = &cache.y[x_][row * c..][..c];
+            let y = &cache.ys[x_][row * c..][..c];
             dweight[a as usize] = g.iter().zip(y).map(|(a, b)| a * b).sum();
             let w = r.weight[a as usize];
             for (di, gi) in dy[row * c..][..c].iter_mut().zip(g) {
                 *di = w * gi;
             }
         }
+        dys_here.push(dy);
+    }
+    let got = exchange(2, by_owner(&dys_here, group, e))?;
+    drop(dys_here);
+    // The expert side: output gradients of every source's rows.
+    let local = group.local(e);
+    let mut offsets = vec![0usize; group.size];
+    for (s, chunk) in got.iter().enumerate() {
+        let want: usize = (0..local.len()).map(|i| cache.src_rows[i][s] * c).sum();
+        expect_len(
+            &format!("output gradients from member {s}"),
+            chunk.len(),
+            want,
+        )?;
+    }
+    let (mut dys, mut dfcs, mut dins) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, x_) in local.clone().enumerate() {
+        let m: usize = cache.src_rows[i].iter().sum();
+        let mut dy = Vec::with_capacity(m * c);
+        for (s, chunk) in got.iter().enumerate() {
+            let len = cache.src_rows[i][s] * c;
+            dy.extend_from_slice(&chunk[offsets[s]..offsets[s] + len]);
+            offsets[s] += len;
+        }
         let mut dfc = vec![0.0f32; m * hid];
+        let mut dinp = vec![0.0f32; m * c];
         if m > 0 {
             let w = |s: &str| param_of(params, &expert_param(l, x_, s));
             let mut dact = vec![0.0f32; m * hid];
             matmul_backward_input(&mut dact, &dy, w("c_proj.weight"), m, hid, c, false);
-            gelu_backward(&mut dfc, &cache.fc[x_], &dact);
-            let mut dinp = vec![0.0f32; m * c];
+            gelu_backward(&mut dfc, &cache.fc[i], &dact);
             matmul_backward_input(&mut dinp, &dfc, w("c_fc.weight"), m, c, hid, false);
-            for (row, &a) in rows.iter().enumerate() {
-                let tok = a as usize / k;
-                for (di, gi) in dln[tok * c..][..c].iter_mut().zip(&dinp[row * c..][..c]) {
-                    *di += gi;
-                }
-            }
         }
         dys.push(dy);
         dfcs.push(dfc);
+        dins.push(dinp);
+    }
+    drop(got);
+    let got = exchange(3, split_back(&dins, &cache.src_rows, group.size, c))?;
+    drop(dins);
+    // Back at the tokens: scatter each row's input gradient.
+    let mut dln = vec![0.0f32; n * c];
+    for (p, chunk) in got.iter().enumerate() {
+        let experts = group.experts_of(e, p);
+        let want: usize = experts.clone().map(|x| r.rows[x].len() * c).sum();
+        expect_len(
+            &format!("input gradients from member {p}"),
+            chunk.len(),
+            want,
+        )?;
+        let mut at = 0;
+        for x_ in experts {
+            for &a in &r.rows[x_] {
+                let tok = a as usize / k;
+                for (di, gi) in dln[tok * c..][..c].iter_mut().zip(&chunk[at..at + c]) {
+                    *di += gi;
+                }
+                at += c;
+            }
+        }
     }
     // Through the renormalisation w_j = p_j / Σ p, the balance loss and the
     // softmax, to the router logits.
@@ -424,7 +665,7 @@ pub fn moe_backward_input(
         n,
         c,
     );
-    (
+    Ok((
         dx,
         MoeStash {
             dy: dys,
@@ -432,18 +673,17 @@ pub fn moe_backward_input(
             dlogits,
             dln,
         },
-    )
+    ))
 }
 
-/// Backward for the weights: accumulate the router's, the experts' and
-/// ln2's gradients.
+/// Backward for the weights: accumulate the router's, this device's
+/// experts' and ln2's gradients (no communication).
 pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeStash) {
-    let d = cache.dims.expect("a MoE cache has its shapes");
-    let MoeDims { n, c, e, k, hid, .. } = d;
+    let MoeDims { n, c, e, hid, .. } = cache.dims;
     let l = cache.layer;
     let name = |s: &str| format!("h.{l}.{s}");
-    for (x_, rows) in cache.routing.rows.iter().enumerate() {
-        let m = rows.len();
+    for (i, x_) in cache.group.local(e).enumerate() {
+        let m: usize = cache.src_rows[i].iter().sum();
         if m == 0 {
             continue;
         }
@@ -460,9 +700,22 @@ pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeSta
             );
             *grad_of(grads, &expert_param(l, x_, b)) = db;
         };
-        lin("c_proj.weight", "c_proj.bias", &stash.dy[x_], &cache.act[x_], hid, c);
-        let inp = gather(&cache.ln, rows, k, c);
-        lin("c_fc.weight", "c_fc.bias", &stash.dfc[x_], &inp, c, hid);
+        lin(
+            "c_proj.weight",
+            "c_proj.bias",
+            &stash.dy[i],
+            &cache.act[i],
+            hid,
+            c,
+        );
+        lin(
+            "c_fc.weight",
+            "c_fc.bias",
+            &stash.dfc[i],
+            &cache.xin[i],
+            c,
+            hid,
+        );
     }
     matmul_backward_weight(
         grad_of(grads, &name("mlp.router.weight")),

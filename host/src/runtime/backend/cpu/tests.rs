@@ -413,7 +413,9 @@ fn every_kernel_gives_the_same_bits_on_any_thread_count() {
 /// A MoE half on 2 sequences of 5 tokens: 4 experts of width 12, top-2,
 /// a visible balance loss; random parameters with the router scaled so
 /// its logits are well apart (finite differences must not flip a choice).
-fn moe_layer(capacity_factor: Option<f64>) -> (crate::model::MoeConfig, super::moe::MoeDims, Tensors) {
+fn moe_layer(
+    capacity_factor: Option<f64>,
+) -> (crate::model::MoeConfig, super::moe::MoeDims, Tensors) {
     use crate::model::{MoeConfig, Part};
     let mut moe = MoeConfig::new(4, 2);
     moe.hidden = Some(12);
@@ -429,7 +431,11 @@ fn moe_layer(capacity_factor: Option<f64>) -> (crate::model::MoeConfig, super::m
         .into_iter()
         .map(|(n, s)| {
             let scale = if n.contains("router") { 3.0 } else { 0.5 };
-            let v = r.vec(s.iter().product()).iter().map(|x| x * scale).collect();
+            let v = r
+                .vec(s.iter().product())
+                .iter()
+                .map(|x| x * scale)
+                .collect();
             (n, v)
         })
         .collect();
@@ -444,8 +450,28 @@ fn moe_loss(
     x: &[f32],
     r: &[f32],
 ) -> (f64, super::moe::MoeCache) {
-    let (out, cache, aux) = super::moe::moe_forward(params, 0, moe, x.to_vec(), d);
+    let (out, cache, aux) = moe_fwd(params, moe, x, d);
     (dot(&out, r) + aux, cache)
+}
+
+/// The MoE half of layer 0 on one device.
+fn moe_fwd(
+    params: &Tensors,
+    moe: &crate::model::MoeConfig,
+    x: &[f32],
+    d: super::moe::MoeDims,
+) -> (Vec<f32>, super::moe::MoeCache, f64) {
+    use super::moe::*;
+    moe_forward(
+        params,
+        0,
+        moe,
+        x.to_vec(),
+        d,
+        ExpertGroup::ALONE,
+        &mut alone,
+    )
+    .unwrap()
 }
 
 fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
@@ -454,7 +480,7 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
     let mut rng = Rng(5);
     let (x, r) = (rng.vec(d.n * d.c), rng.vec(d.n * d.c));
     let (_, cache) = moe_loss(&moe, d, &params, &x, &r);
-    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 1.0);
+    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 1.0, &mut alone).unwrap();
     let mut grads: Tensors = params
         .iter()
         .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
@@ -467,7 +493,9 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
         assert_eq!(c.routing.choice, routing, "a probe changed the routing");
         l
     };
-    check("moe dx", &mut x.clone(), &dx, 1e-3, 2e-2, |v| probe(&params, v));
+    check("moe dx", &mut x.clone(), &dx, 1e-3, 2e-2, |v| {
+        probe(&params, v)
+    });
     for name in [
         "h.0.mlp.router.weight",
         "h.0.ln_2.weight",
@@ -479,10 +507,17 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
     ] {
         let mut p = params.clone();
         let mut v = p[name].clone();
-        check(&format!("moe d{name}"), &mut v, &grads[name], 1e-3, 2e-2, |v| {
-            p.insert(name.to_string(), v.to_vec());
-            probe(&p, &x)
-        });
+        check(
+            &format!("moe d{name}"),
+            &mut v,
+            &grads[name],
+            1e-3,
+            2e-2,
+            |v| {
+                p.insert(name.to_string(), v.to_vec());
+                probe(&p, &x)
+            },
+        );
     }
     // BI then BW from the kept tensors: the same bits.
     let mut deferred: Tensors = params
@@ -503,9 +538,120 @@ fn moe_gradients_match_finite_differences() {
     assert_eq!(cache.routing.rows.iter().map(Vec::len).sum::<usize>(), 20);
 }
 
+/// Largest |a − b| over the larger magnitude of the two vectors.
+fn rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let scale = a.iter().chain(b).fold(1e-12f32, |m, x| m.max(x.abs()));
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+/// One EP member's output, balance loss, input gradient and gradients.
+type Member = (Vec<f32>, f64, Vec<f32>, Tensors);
+
+/// Expert parallelism at the kernel level: the 4 experts spread over 2 and
+/// 4 members (threads exchanging through the in-process all-to-all), each
+/// member routing its own sequences, give one device's outputs, balance
+/// loss and input gradients, each expert's gradients on its owner, and the
+/// router's summed over members.
+#[test]
+fn expert_parallel_moe_matches_one_device() {
+    use super::moe::*;
+    use crate::runtime::comm::{in_op_key, Comm, LocalComm};
+    use std::sync::Arc;
+    let (moe, _, params) = moe_layer(None);
+    let (n, c) = (20, 8);
+    let full = MoeDims::new(&moe, n, 5, c);
+    let mut rng = Rng(9);
+    let (x, r) = (rng.vec(n * c), rng.vec(n * c));
+    let zeros = |p: &Tensors| -> Tensors {
+        p.iter()
+            .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+            .collect()
+    };
+    let (out, cache, aux) = moe_fwd(&params, &moe, &x, full);
+    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 0.5, &mut alone).unwrap();
+    let mut grads = zeros(&params);
+    moe_backward_weight(&mut grads, &cache, &stash);
+    for g in [2usize, 4] {
+        let comm = LocalComm::new(std::time::Duration::from_secs(10));
+        let per = n / g;
+        let devs: Vec<u32> = (0..g as u32).collect();
+        let members: Vec<_> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..g)
+                .map(|rank| {
+                    let (comm, devs, params, x, r) = (&comm, &devs, &params, &x, &r);
+                    s.spawn(move || {
+                        let group = ExpertGroup { size: g, rank };
+                        let mut ex =
+                            |phase: u32,
+                             chunks: Vec<Vec<f32>>|
+                             -> Result<Vec<Arc<Vec<f32>>>, String> {
+                                let key = in_op_key(1, phase).unwrap();
+                                comm.all_to_all("moe", key, devs, rank as u32, chunks)
+                                    .map_err(|e| e.to_string())
+                            };
+                        // Shared weights and this member's experts only.
+                        let mine: Tensors = params
+                            .iter()
+                            .filter(|(k, _)| {
+                                !k.contains("experts.")
+                                    || group.local(4).any(|e| k.contains(&format!("experts.{e}.")))
+                            })
+                            .map(|(k, v)| (k.clone(), v.clone()))
+                            .collect();
+                        let d = MoeDims::new(&moe, per, 5, c);
+                        let xs = x[rank * per * c..][..per * c].to_vec();
+                        let (o, cache, a) =
+                            moe_forward(&mine, 0, &moe, xs, d, group, &mut ex).unwrap();
+                        let rs = r[rank * per * c..][..per * c].to_vec();
+                        let (dxr, st) =
+                            moe_backward_input(&mine, &cache, rs, 0.5, &mut ex).unwrap();
+                        let mut gr = zeros(&mine);
+                        moe_backward_weight(&mut gr, &cache, &st);
+                        (o, a, dxr, gr)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let cat =
+            |f: &dyn Fn(&Member) -> Vec<f32>| members.iter().flat_map(f).collect::<Vec<f32>>();
+        assert!(
+            rel_diff(&cat(&|m| m.0.clone()), &out) < 1e-6,
+            "EP {g}: outputs"
+        );
+        assert!(
+            rel_diff(&cat(&|m| m.2.clone()), &dx) < 1e-6,
+            "EP {g}: input gradients"
+        );
+        let aux_sum: f64 = members.iter().map(|m| m.1).sum();
+        assert!(
+            (aux_sum - aux).abs() < 1e-6 * aux.abs(),
+            "EP {g}: balance loss {aux_sum} vs {aux}"
+        );
+        for (name, want) in &grads {
+            let got: Vec<f32> = if name.contains("experts.") {
+                let holders: Vec<_> = members.iter().filter(|m| m.3.contains_key(name)).collect();
+                assert_eq!(holders.len(), 1, "EP {g}: {name} on exactly one member");
+                holders[0].3[name].clone()
+            } else {
+                let mut sum = vec![0.0; want.len()];
+                for m in &members {
+                    sum.iter_mut().zip(&m.3[name]).for_each(|(a, b)| *a += b);
+                }
+                sum
+            };
+            assert!(
+                rel_diff(&got, want) < 1e-5,
+                "EP {g}: d{name} differs by {}",
+                rel_diff(&got, want)
+            );
+        }
+    }
+}
+
 #[test]
 fn moe_capacity_drops_are_counted_and_add_nothing() {
-    use super::moe::*;
     // Capacity ceil(0.5 × 10 × 2 / 4) = 3 per expert: some of the 20
     // choices must go.
     let cache = check_moe_gradients(Some(0.5));
@@ -515,7 +661,10 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
         per_expert[*x as usize] += 1;
     }
     let expected: u64 = per_expert.iter().map(|c| c.saturating_sub(3)).sum();
-    assert!(expected > 0, "the test routes more than capacity: {per_expert:?}");
+    assert!(
+        expected > 0,
+        "the test routes more than capacity: {per_expert:?}"
+    );
     assert_eq!(r.dropped, expected);
     assert!(r.rows.iter().all(|rows| rows.len() <= 3));
     // First choices are served before second choices.
@@ -527,9 +676,15 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
     let (moe, d, params) = moe_layer(Some(0.5));
     let mut rng = Rng(5);
     let x = rng.vec(d.n * d.c);
-    let (out, c, _) = moe_forward(&params, 0, &moe, x.clone(), d);
+    let (out, c, _) = moe_fwd(&params, &moe, &x, d);
     let slots_dropped = |t: usize| {
-        (0..2).all(|j| !c.routing.rows.iter().flatten().any(|a| *a as usize == t * 2 + j))
+        (0..2).all(|j| {
+            !c.routing
+                .rows
+                .iter()
+                .flatten()
+                .any(|a| *a as usize == t * 2 + j)
+        })
     };
     let mut seen = 0;
     for t in 0..d.n {
@@ -541,7 +696,7 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
     // And a bigger factor drops nothing.
     let mut loose = moe;
     loose.capacity_factor = Some(2.0);
-    let (_, c2, _) = moe_forward(&params, 0, &loose, x, d);
+    let (_, c2, _) = moe_fwd(&params, &loose, &x, d);
     assert_eq!(c2.routing.dropped, 0);
     assert!(seen > 0, "some token lost both choices");
 }
@@ -558,7 +713,11 @@ fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
             let mut v = init_param(&cfg, 7, &n, &s);
             let mut r = Rng(n.len() as u64 + 3);
             // Routers far apart, so probes keep every choice.
-            let (scale, jitter) = if n.contains("router") { (60.0, 0.0) } else { (1.0, 0.05) };
+            let (scale, jitter) = if n.contains("router") {
+                (60.0, 0.0)
+            } else {
+                (1.0, 0.05)
+            };
             v.iter_mut().for_each(|x| *x = *x * scale + jitter * r.f());
             (n, v)
         })
@@ -577,9 +736,16 @@ fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
         let mut p = params.clone();
         let analytic = grads[name].clone();
         let mut x = p[name].clone();
-        check(&format!("moe model d{name}"), &mut x, &analytic, 1e-3, 3e-2, |v| {
-            p.insert(name.to_string(), v.to_vec());
-            model_loss_and_grads(&cfg, &p, &tokens, &targets).0
-        });
+        check(
+            &format!("moe model d{name}"),
+            &mut x,
+            &analytic,
+            1e-3,
+            3e-2,
+            |v| {
+                p.insert(name.to_string(), v.to_vec());
+                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
+            },
+        );
     }
 }
