@@ -553,21 +553,38 @@ fn attn_backward_input(
         3 * cl,
         false,
     );
-    if let Some(reduce) = reduce {
-        dln1 = reduce(dln1)?;
-    }
-    let mut dx = dout.clone();
-    layernorm_backward_input(
-        &mut dx,
-        &dln1,
-        &k.x,
-        param_of(params, &name("ln_1.weight")),
-        &k.ln1_mean,
-        &k.ln1_rstd,
-        n,
+    let (dx, dln1) = into_residual(
+        params,
+        &name("ln_1.weight"),
+        dln1,
+        reduce,
+        &dout,
+        (&k.x, &k.ln1_mean, &k.ln1_rstd),
         c,
-    );
+    )?;
     Ok((dx, AttnStash { dout, dqkv, dln1 }))
+}
+
+/// The end of a half's backward: the gradient of its layernorm's output
+/// `dln` (summed over a tensor-parallel group first), through the layernorm
+/// (`weight`; its input, mean and rstd), added to the residual's `dout`:
+/// the half's input gradient, and `dln` for the weight pass.
+fn into_residual(
+    params: &Tensors,
+    weight: &str,
+    mut dln: Vec<f32>,
+    reduce: Option<&mut Reduce<'_>>,
+    dout: &[f32],
+    (x, mean, rstd): (&[f32], &[f32], &[f32]),
+    c: usize,
+) -> Result<(Vec<f32>, Vec<f32>), String> {
+    if let Some(reduce) = reduce {
+        dln = reduce(dln)?;
+    }
+    let mut dx = dout.to_vec();
+    let n = dout.len() / c;
+    layernorm_backward_input(&mut dx, &dln, x, param_of(params, weight), mean, rstd, n, c);
+    Ok((dx, dln))
 }
 
 /// The dense MLP half's input gradient.
@@ -605,25 +622,20 @@ fn mlp_backward_input(
         hl,
         false,
     );
-    if let Some(reduce) = reduce {
-        dln2 = reduce(dln2)?;
-    }
-    let mut dx2 = dout.clone();
-    layernorm_backward_input(
-        &mut dx2,
-        &dln2,
-        &k.x2,
-        param_of(params, &name("ln_2.weight")),
-        &k.ln2_mean,
-        &k.ln2_rstd,
-        n,
+    let (dx2, dln2) = into_residual(
+        params,
+        &name("ln_2.weight"),
+        dln2,
+        reduce,
+        &dout,
+        (&k.x2, &k.ln2_mean, &k.ln2_rstd),
         c,
-    );
+    )?;
     Ok((dx2, MlpStash { dout, dfch, dln2 }))
 }
 
 /// Accumulate linear layer `w`/`bias`'s gradients from `dout[n, oc]` and `inp[n, ic]`.
-fn linear_weight(
+pub(super) fn linear_weight(
     grads: &mut Tensors,
     w: &str,
     bias: &str,
@@ -639,7 +651,7 @@ fn linear_weight(
 }
 
 /// Accumulate layernorm `w`/`bias`'s gradients.
-fn layernorm_weight(
+pub(super) fn layernorm_weight(
     grads: &mut Tensors,
     w: &str,
     bias: &str,

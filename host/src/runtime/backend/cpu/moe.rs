@@ -32,8 +32,8 @@
 //!   different row order.
 
 use super::elementwise::{gelu_backward, gelu_forward};
-use super::gpt::{grad_of, param_of, Tensors};
-use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, layernorm_forward};
+use super::gpt::{grad_of, layernorm_weight, linear_weight, param_of, Tensors};
+use super::layernorm::{layernorm_backward_input, layernorm_forward};
 use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
 use crate::model::params::expert_param;
 use crate::model::MoeConfig;
@@ -687,35 +687,11 @@ pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeSta
         if m == 0 {
             continue;
         }
-        let mut lin = |w: &str, b: &str, dout: &[f32], inp: &[f32], ic: usize, oc: usize| {
-            let mut db = std::mem::take(grad_of(grads, &expert_param(l, x_, b)));
-            matmul_backward_weight(
-                grad_of(grads, &expert_param(l, x_, w)),
-                Some(&mut db),
-                dout,
-                inp,
-                m,
-                ic,
-                oc,
-            );
-            *grad_of(grads, &expert_param(l, x_, b)) = db;
-        };
-        lin(
-            "c_proj.weight",
-            "c_proj.bias",
-            &stash.dy[i],
-            &cache.act[i],
-            hid,
-            c,
-        );
-        lin(
-            "c_fc.weight",
-            "c_fc.bias",
-            &stash.dfc[i],
-            &cache.xin[i],
-            c,
-            hid,
-        );
+        let p = |w: &str| expert_param(l, x_, w);
+        let (w2, b2) = (p("c_proj.weight"), p("c_proj.bias"));
+        linear_weight(grads, &w2, &b2, &stash.dy[i], &cache.act[i], m, hid, c);
+        let (w1, b1) = (p("c_fc.weight"), p("c_fc.bias"));
+        linear_weight(grads, &w1, &b1, &stash.dfc[i], &cache.xin[i], m, c, hid);
     }
     matmul_backward_weight(
         grad_of(grads, &name("mlp.router.weight")),
@@ -726,10 +702,10 @@ pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeSta
         c,
         e,
     );
-    let mut db = std::mem::take(grad_of(grads, &name("ln_2.bias")));
-    layernorm_backward_weight(
-        grad_of(grads, &name("ln_2.weight")),
-        &mut db,
+    layernorm_weight(
+        grads,
+        &name("ln_2.weight"),
+        &name("ln_2.bias"),
         &stash.dln,
         &cache.x,
         &cache.mean,
@@ -737,5 +713,4 @@ pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeSta
         n,
         c,
     );
-    *grad_of(grads, &name("ln_2.bias")) = db;
 }
