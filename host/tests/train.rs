@@ -111,7 +111,8 @@ fn a_moe_model_trains_to_the_same_losses_under_every_strategy() {
 
 /// Expert parallelism: the experts spread over 2 and 4 devices (tokens
 /// exchanged by all-to-all), alone, inside a pipeline, and with `dp` and
-/// DualPipeV, train like one device; each expert lives on one device only.
+/// DualPipeV, train like one device; spread experts shrink each device's
+/// model states below data parallelism's.
 #[test]
 fn expert_parallel_training_matches_one_device() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
@@ -137,20 +138,8 @@ fn expert_parallel_training_matches_one_device() {
         ),
     ];
     for (name, devices, strategy) in cases {
-        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
         let run = train(&host, &cfg, devices, strategy, steps);
         assert_same_training(name, &run, &base);
-        // Expert 0 of layer 0 on one device of its group, not on the other.
-        let holders = plan
-            .devices
-            .iter()
-            .filter(|d| {
-                d.streams.iter().flat_map(|s| &s.ops).any(|o| {
-                    o.op.is_compute() && o.group.is_some() && o.replica == 0 && o.segments[0] == 1
-                })
-            })
-            .count();
-        assert_eq!(holders, 1, "{name}: layer 0's first experts on one device");
     }
     // A quarter of the experts per device on 4: the state bytes show it.
     let one = train(

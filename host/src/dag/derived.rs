@@ -136,14 +136,14 @@ impl TrainingDag {
         placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
     ) -> (u64, u64) {
         let s = &self.segments()[seg as usize];
-        let (Some(moe), Some(_)) = (&self.model.moe, s.expert_block) else {
+        if s.expert_block.is_none() {
             return (0, 1);
-        };
-        let (c, hid) = (
-            self.model.d_model as u64,
-            moe.hidden_width(self.model.d_model) as u64,
-        );
-        let all = moe.experts as u64 * (2 * c * hid + hid + c);
+        }
+        let all: u64 = crate::model::params::segment_params(&self.model, s)
+            .iter()
+            .filter(|(n, _)| crate::model::params::expert_of(n).is_some())
+            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .sum();
         let spread = match &placement[seg as usize] {
             Some((devs, Some(r))) if self.specs[*r as usize].expert_parallel.is_some() => {
                 devs.len().max(1) as u64

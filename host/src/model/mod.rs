@@ -528,6 +528,17 @@ mod tests {
         assert_eq!(segs.len(), 17);
         assert!(segs.last().unwrap().has_head());
         assert!(segs[0].has_embedding() && segs[1].expert_block == Some(0));
+        // Expert parameter names parse back to their expert, others to none.
+        use super::params::{expert_of, expert_param, segment_params};
+        assert_eq!(expert_of(&expert_param(3, 12, "c_fc.bias")), Some(12));
+        let names = segment_params(&t, &segs[1]);
+        let experts: Vec<usize> = names.iter().filter_map(|(n, _)| expert_of(n)).collect();
+        assert_eq!(experts, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
+        assert_eq!(
+            names.len(),
+            experts.len() + 3,
+            "ln_2 and the router are nobody's"
+        );
     }
 
     #[test]

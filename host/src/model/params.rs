@@ -75,6 +75,13 @@ pub fn expert_param(l: u32, e: usize, what: &str) -> String {
     format!("h.{l}.mlp.experts.{e}.{what}")
 }
 
+/// The expert a parameter belongs to (the inverse of [`expert_param`]);
+/// `None` for every other parameter.
+pub fn expert_of(name: &str) -> Option<usize> {
+    let (_, rest) = name.split_once(".mlp.experts.")?;
+    rest.split_once('.')?.0.parse().ok()
+}
+
 /// Names and shapes of the parameters a segment reads (deduplicated, in order).
 pub fn segment_params(cfg: &ModelConfig, seg: &Segment) -> Vec<(String, Vec<usize>)> {
     let mut out: Vec<(String, Vec<usize>)> = Vec::new();

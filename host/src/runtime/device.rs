@@ -11,8 +11,7 @@ use super::zero::{self, Bucket};
 use super::TrainOptions;
 use crate::compile::human_bytes;
 use crate::compile::plan::{CommPurpose, DevicePlan, OpKind, Spread};
-use crate::model::params::{expert_param, tp_ranges, tp_split, TpSplit};
-use crate::model::Part;
+use crate::model::params::{expert_of, tp_ranges, tp_split, TpSplit};
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Condvar, Mutex, RwLock};
@@ -119,24 +118,8 @@ pub(super) struct ParamHere {
 pub(super) fn params_here(cfg: &ModelConfig, seg: &Segment, spreads: &Spreads) -> Vec<ParamHere> {
     let mut all = segment_params(cfg, seg);
     if let (Some(g), Some(moe)) = (spreads.experts.get(&seg.index), &cfg.moe) {
-        let e = moe.experts as usize;
-        let foreign: BTreeSet<String> = seg
-            .parts
-            .iter()
-            .filter_map(|p| match p {
-                Part::Experts(l) => Some(*l),
-                _ => None,
-            })
-            .flat_map(|l| {
-                (0..e)
-                    .filter(|x| !g.local(e).contains(x))
-                    .flat_map(move |x| {
-                        ["c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"]
-                            .map(|w| expert_param(l, x, w))
-                    })
-            })
-            .collect();
-        all.retain(|(n, _)| !foreign.contains(n));
+        let local = g.local(moe.experts as usize);
+        all.retain(|(n, _)| expert_of(n).is_none_or(|e| local.contains(&e)));
     }
     let tp = spreads.tensor.get(&seg.index).copied();
     all.into_iter()
@@ -162,11 +145,6 @@ pub(super) fn params_here(cfg: &ModelConfig, seg: &Segment, spreads: &Spreads) -
             }
         })
         .collect()
-}
-
-/// Is `name` an expert's parameter (not replicated when spread by `shard`)?
-pub(super) fn is_expert_param(name: &str) -> bool {
-    name.contains(".mlp.experts.")
 }
 
 /// Names of the parameters a segment owns on a device holding `held`: the
@@ -259,7 +237,10 @@ impl Device {
                 }
                 if !params.contains_key(&name) {
                     let full = init_param(cfg, opts.seed, &name, &p.full);
-                    let mine = p.piece.as_ref().map_or(full.clone(), |pc| pc.take(&full));
+                    let mine = match &p.piece {
+                        Some(pc) => pc.take(&full),
+                        None => full,
+                    };
                     params.insert(name.clone(), mine);
                 }
                 // Replicated tensors count in the norm on their first
@@ -267,7 +248,7 @@ impl Device {
                 // tensor-parallel slices on every device holding them.
                 let first = match tp_rank {
                     Some(r) => r == 0 || p.piece.is_some(),
-                    None => replica.get(&s) == Some(&0) || (spread && is_expert_param(&name)),
+                    None => replica.get(&s) == Some(&0) || (spread && expert_of(&name).is_some()),
                 };
                 if let Some(pc) = p.piece {
                     tp_pieces.insert(name.clone(), pc);

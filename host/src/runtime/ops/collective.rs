@@ -7,9 +7,10 @@
 use super::update::{local_sq, set_clip};
 use super::{comm_error, missing, owned};
 use crate::compile::plan::{CommPurpose, Op, TensorKind};
+use crate::model::params::expert_of;
 use crate::runtime::backend::cpu::gpt::Tensors;
 use crate::runtime::buffers::Buf;
-use crate::runtime::device::{is_expert_param, Device};
+use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use crate::runtime::zero;
@@ -56,7 +57,7 @@ pub(super) fn reduce_grads(
     {
         // Experts spread by `shard` live on one device each: not replicated,
         // not reduced (their router and layernorm are).
-        names.retain(|n| !is_expert_param(n));
+        names.retain(|n| expert_of(n).is_none());
     }
     // ZeRO-2/3 reduce every microbatch's gradients, which the backwards
     // hand over as buffers (freed after this op).

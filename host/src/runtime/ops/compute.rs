@@ -7,8 +7,8 @@ use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::model::Segment;
 use crate::runtime::backend::cpu::gpt::{
-    segment_backward_input_in, segment_backward_weight, segment_forward_in, Dims, SegmentCache,
-    SegmentStash, Spread, Tensors,
+    segment_backward_input_in, segment_backward_weight, segment_forward_in, Dims, Peers,
+    SegmentCache, SegmentStash, Tensors,
 };
 use crate::runtime::buffers::{vec_of, Buf};
 use crate::runtime::comm::in_op_key;
@@ -34,15 +34,14 @@ fn with_params<R>(
     f(&own)
 }
 
-/// Run `f` with the group context of a spread `op` (expert parallelism:
-/// its group's all-to-all; tensor parallelism: its group's sum, both through
-/// the step's `Comm`), or `None` when it runs alone.
-fn with_spread<R>(
+/// Run `f` with the peers of a spread `op` (expert parallelism: its group's
+/// all-to-all; tensor parallelism: its group's sum, both through the step's
+/// `Comm`), or `None` when it runs alone.
+fn with_peers<R>(
     dev: &Device,
     op: &Op,
     ctx: &StepCtx,
-    dims: &mut Dims,
-    f: impl FnOnce(Option<Spread<'_, '_>>, Dims) -> Result<R, String>,
+    f: impl FnOnce(Option<Peers<'_, '_>>) -> Result<R, String>,
 ) -> Result<R, RuntimeError> {
     let seg = op.segments[0];
     let fail = |cause: String| RuntimeError::Exchange {
@@ -71,14 +70,13 @@ fn with_spread<R>(
                 .all_to_all(what, key(phase)?, members, dev.id, chunks)
                 .map_err(|e| e.to_string())
         };
-        let spread = Spread::Experts {
+        let peers = Peers::Experts {
             group,
             exchange: &mut exchange,
         };
-        return f(Some(spread), *dims).map_err(fail);
+        return f(Some(peers)).map_err(fail);
     }
-    if let Some(&(size, _)) = dev.spreads.tensor.get(&seg) {
-        dims.tp = size;
+    if dev.spreads.tensor.contains_key(&seg) {
         let mut phase = 0u32;
         let mut reduce = |part: Vec<f32>| {
             let k = key(phase)?;
@@ -88,12 +86,12 @@ fn with_spread<R>(
                 .map(Arc::unwrap_or_clone)
                 .map_err(|e| e.to_string())
         };
-        let spread = Spread::Tensor {
+        let peers = Peers::Tensor {
             reduce: &mut reduce,
         };
-        return f(Some(spread), *dims).map_err(fail);
+        return f(Some(peers)).map_err(fail);
     }
-    f(None, *dims).map_err(fail)
+    f(None).map_err(fail)
 }
 
 pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
@@ -104,9 +102,18 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
     let piece = op.microbatch as usize * dp + op.replica as usize;
     let (tokens, targets) = ctx.batch.rows(piece * b, b);
     let input = vec_of(dev.take(op, TensorKind::Activation)?);
-    let mut dims = Dims::new(ctx.cfg, b);
+    // A tensor-parallel member holds 1/tp of the heads and MLP units; the
+    // cache keeps the shapes for backward.
+    let dims = Dims {
+        tp: dev
+            .spreads
+            .tensor
+            .get(&op.segments[0])
+            .map_or(1, |(t, _)| *t),
+        ..Dims::new(ctx.cfg, b)
+    };
     let (out, cache, loss) = with_params(dev, op, |params| {
-        with_spread(dev, op, ctx, &mut dims, |spread, dims| {
+        with_peers(dev, op, ctx, |peers| {
             segment_forward_in(
                 seg,
                 params,
@@ -114,7 +121,7 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
                 input,
                 seg.has_head().then_some(targets),
                 dims,
-                spread,
+                peers,
             )
         })
     })?;
@@ -152,10 +159,9 @@ pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(),
         unreachable!()
     };
     let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
-    let mut dims = cache.dims;
     let run = |params: &Tensors| {
-        with_spread(dev, op, ctx, &mut dims, |spread, _| {
-            segment_backward_input_in(params, cache, dout, ctx.loss_scale, spread)
+        with_peers(dev, op, ctx, |peers| {
+            segment_backward_input_in(params, cache, dout, ctx.loss_scale, peers)
         })
     };
     let (dinp, mut stash) = match gathered.as_deref() {

@@ -753,7 +753,7 @@ pub type Forward = (Option<Vec<f32>>, SegmentCache, Option<f64>);
 
 /// A segment spread over a group of devices (errors as text: the runtime
 /// names the device and op).
-pub enum Spread<'a, 'b> {
+pub enum Peers<'a, 'b> {
     /// Expert parallelism (`shard`): this device's place in the EP group and
     /// the all-to-all that reaches its members.
     Experts {
@@ -765,11 +765,11 @@ pub enum Spread<'a, 'b> {
     Tensor { reduce: &'a mut Reduce<'b> },
 }
 
-impl Spread<'_, '_> {
+impl Peers<'_, '_> {
     fn reduce(&mut self) -> Option<&mut Reduce<'_>> {
         match self {
-            Spread::Tensor { reduce } => Some(&mut **reduce),
-            Spread::Experts { .. } => None,
+            Peers::Tensor { reduce } => Some(&mut **reduce),
+            Peers::Experts { .. } => None,
         }
     }
 }
@@ -801,7 +801,7 @@ pub fn segment_forward_in(
     input: Option<Vec<f32>>,
     targets: Option<&[u32]>,
     dims: Dims,
-    mut spread: Option<Spread<'_, '_>>,
+    mut peers: Option<Peers<'_, '_>>,
 ) -> Result<Forward, String> {
     let Dims { b, t, c, v, .. } = dims;
     let n = dims.n();
@@ -834,15 +834,10 @@ pub fn segment_forward_in(
                     l,
                     inp,
                     dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
+                    peers.as_mut().and_then(|s| s.reduce()),
                 )?;
-                let (out, mlp) = mlp_forward(
-                    params,
-                    l,
-                    x2,
-                    dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
-                )?;
+                let (out, mlp) =
+                    mlp_forward(params, l, x2, dims, peers.as_mut().and_then(|s| s.reduce()))?;
                 x = out;
                 caches.push(PartCache::Block(Box::new(attn), Box::new(mlp)));
             }
@@ -853,7 +848,7 @@ pub fn segment_forward_in(
                     l,
                     inp,
                     dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
+                    peers.as_mut().and_then(|s| s.reduce()),
                 )?;
                 x = x2;
                 caches.push(PartCache::Attention(Box::new(attn)));
@@ -861,8 +856,8 @@ pub fn segment_forward_in(
             Part::Experts(l) => {
                 let (moe, d) = moe_dims(dims);
                 let inp = std::mem::take(&mut x);
-                let (out, cache, aux) = match spread.as_mut() {
-                    Some(Spread::Experts { group, exchange }) => {
+                let (out, cache, aux) = match peers.as_mut() {
+                    Some(Peers::Experts { group, exchange }) => {
                         moe_forward(params, l, &moe, inp, d, *group, *exchange)?
                     }
                     _ => moe_forward(params, l, &moe, inp, d, ExpertGroup::ALONE, &mut alone)?,
@@ -922,7 +917,7 @@ pub fn segment_backward_input_in(
     cache: &SegmentCache,
     dout: Option<Vec<f32>>,
     loss_scale: f32,
-    mut spread: Option<Spread<'_, '_>>,
+    mut peers: Option<Peers<'_, '_>>,
 ) -> Result<(Option<Vec<f32>>, SegmentStash), String> {
     let dims = cache.dims;
     let Dims { c, v, .. } = dims;
@@ -965,14 +960,14 @@ pub fn segment_backward_input_in(
                     mlp,
                     dout,
                     dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
+                    peers.as_mut().and_then(|s| s.reduce()),
                 )?;
                 let (dx, at) = attn_backward_input(
                     params,
                     attn,
                     dx2,
                     dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
+                    peers.as_mut().and_then(|s| s.reduce()),
                 )?;
                 d = dx;
                 stash.push(PartStash::Block(at, ms));
@@ -984,15 +979,15 @@ pub fn segment_backward_input_in(
                     attn,
                     dout,
                     dims,
-                    spread.as_mut().and_then(|s| s.reduce()),
+                    peers.as_mut().and_then(|s| s.reduce()),
                 )?;
                 d = dx;
                 stash.push(PartStash::Attention(at));
             }
             PartCache::Experts(m) => {
                 let dout = std::mem::take(&mut d);
-                let (dx, ms) = match spread.as_mut() {
-                    Some(Spread::Experts { exchange, .. }) => {
+                let (dx, ms) = match peers.as_mut() {
+                    Some(Peers::Experts { exchange, .. }) => {
                         moe_backward_input(params, m, dout, loss_scale, *exchange)?
                     }
                     _ => moe_backward_input(params, m, dout, loss_scale, &mut alone)?,
