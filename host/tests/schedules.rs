@@ -242,6 +242,7 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         pair: Some(node),
         group: None,
         spread: None,
+        phase: None,
         purpose: None,
         batch_div: 1,
         flops: 0.0,

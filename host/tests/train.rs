@@ -119,8 +119,11 @@ fn expert_parallel_training_matches_one_device() {
     let steps = 10;
     let cfg = small_moe();
     let base = one_device(&host, &cfg, steps);
-    let cases: [(&str, u32, Strategy); 4] = [
+    // `ep` on its own stream splits the expert passes into phases with
+    // all-to-all nodes between them; on `compute` they exchange inside the op.
+    let cases: [(&str, u32, Strategy); 7] = [
         ("ep on 2", 2, &[("ep", &[])]),
+        ("ep on 2, in op", 2, &[("ep", &[("stream", "compute")])]),
         ("ep on 4", 4, &[("ep", &[("ep", "4")])]),
         (
             "ep+1f1b",
@@ -134,6 +137,24 @@ fn expert_parallel_training_matches_one_device() {
                 ("dp", &[("degree", "2")]),
                 ("ep", &[]),
                 ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero1+ep+dualpipev",
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "dp+ep+dualpipev, no overlap",
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4"), ("overlap", "false")]),
             ],
         ),
     ];
@@ -157,6 +178,21 @@ fn expert_parallel_training_matches_one_device() {
         spread.state_bytes,
         dp.state_bytes,
         one.state_bytes
+    );
+    // ZeRO-1 under it shards the moments of what stays replicated (router,
+    // ln2, attention); the experts' stay whole. The plan counts the same.
+    let zero1: Strategy = &[
+        ("zero", &[("stage", "1"), ("dp", "4")]),
+        ("ep", &[("ep", "4")]),
+    ];
+    let sharded = train(&host, &cfg, 4, zero1, 1);
+    let plan = common::plan_with(&host, &cfg, 4, zero1).unwrap();
+    let planned: Vec<u64> = plan.devices.iter().map(|d| d.model_state_bytes).collect();
+    assert!(
+        sharded.state_bytes[0] < spread.state_bytes[0] && sharded.state_bytes == planned,
+        "states: zero1+ep {:?} (planned {planned:?}), ep {:?}",
+        sharded.state_bytes,
+        spread.state_bytes
     );
 }
 

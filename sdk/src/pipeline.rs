@@ -305,6 +305,21 @@ pub fn dual_groups(
     stage_of: [u32; 2],
     mbs: [&[u32]; 2],
 ) -> Result<Vec<Vec<Filter>>, Error> {
+    dual_groups_and_pairs(pipe, steps, stage_of, mbs).map(|(g, _)| g)
+}
+
+/// A forward and a backward the schedule overlaps: `(stage, microbatch)` each.
+pub type FbPair = ((u32, u32), (u32, u32));
+
+/// [`dual_groups`], and the overlapped F&B pairs in schedule order (for
+/// [`interleave_pair`]).
+pub fn dual_groups_and_pairs(
+    pipe: &Pipeline,
+    steps: &[DualStep],
+    stage_of: [u32; 2],
+    mbs: [&[u32]; 2],
+) -> Result<(Vec<Vec<Filter>>, Vec<FbPair>), Error> {
+    let mut pairs = Vec::new();
     let mut next_f = [0usize; 2];
     let mut next_b = [0usize; 2];
     let mut deferred: std::collections::VecDeque<(u32, u32)> = Default::default();
@@ -348,10 +363,117 @@ pub fn dual_groups(
                 let mut g = pipe.step(stage_of[f as usize], mf, Pass::F);
                 g.extend(pipe.step(stage_of[b as usize], mb, Pass::B));
                 groups.push(g);
+                pairs.push(((stage_of[f as usize], mf), (stage_of[b as usize], mb)));
             }
         }
     }
-    Ok(groups)
+    Ok((groups, pairs))
+}
+
+/// DualPipe's overlap of an F&B pair on a model whose expert passes are
+/// split into phases (`shard` on a stream of its own, tag `PART`: 0
+/// dispatch, 1 experts, 2 combine): the forward's and the backward's compute
+/// nodes are merged into one order on the device (each keeps its own: the
+/// forward by segment and phase, the backward the reverse) so that every
+/// node that starts an all-to-all is followed by a large compute node of the
+/// other pass (attention, the experts) while the exchange runs, as in the
+/// DeepSeek-V3 report's overlapped chunk: per layer pair, backward combine,
+/// forward attention, forward dispatch, backward experts, forward experts,
+/// backward dispatch, backward attention, forward combine. Returns whether
+/// the pair had expert phases (nothing is added otherwise).
+pub fn interleave_pair(dag: &mut dyn Dag, pipe: &Pipeline, pair: FbPair) -> Result<bool, Error> {
+    let ((fs, fm), (bs, bm)) = pair;
+    let mut nodes = |s: u32, m: u32, pass: Pass| -> Result<Vec<crate::NodeInfo>, Error> {
+        let mut v = Vec::new();
+        for f in pipe.step(s, m, pass) {
+            v.extend(dag.query(&f)?);
+        }
+        Ok(v)
+    };
+    let mut f = nodes(fs, fm, Pass::F)?;
+    let mut b = nodes(bs, bm, Pass::B)?;
+    if !f.iter().chain(&b).any(|n| n.tags.contains_key("PART")) {
+        return Ok(false);
+    }
+    let key = |n: &crate::NodeInfo| {
+        (
+            n.segments.first().copied().unwrap_or(0),
+            n.tags.get("PART").copied().unwrap_or(0),
+        )
+    };
+    f.sort_by_key(key);
+    b.sort_by_key(|n| std::cmp::Reverse(key(n)));
+    let seq = merge_for_overlap(
+        &f.iter()
+            .map(|n| n.tags.get("PART").copied())
+            .collect::<Vec<_>>(),
+        &b.iter()
+            .map(|n| n.tags.get("PART").copied())
+            .collect::<Vec<_>>(),
+    );
+    let ids: Vec<u32> = seq
+        .into_iter()
+        .map(|(q, i)| if q == 0 { f[i].id } else { b[i].id })
+        .collect();
+    for w in ids.windows(2) {
+        dag.add_temporal_edge(w[0], w[1])?;
+    }
+    Ok(true)
+}
+
+/// The merge of [`interleave_pair`] on the nodes' `PART` tags (`None`: a
+/// whole segment): `(0, i)` is the forward's node `i`, `(1, i)` the
+/// backward's. A node is *large* when it is a whole segment or an experts
+/// phase; it *starts an exchange* when a phase follows it in its pass
+/// (forward: dispatch, experts; backward: combine, experts). A pass whose
+/// next node waits on an exchange not yet covered by a large node of the
+/// other pass waits; among the rest, a node that starts an exchange goes
+/// first when the other pass can cover it with a large node, then a large
+/// node that covers the other's exchange, then the backward.
+pub fn merge_for_overlap(f: &[Option<u32>], b: &[Option<u32>]) -> Vec<(u8, usize)> {
+    let q = [f, b];
+    let large = |p: Option<u32>| p.is_none_or(|p| p == 1);
+    let starts = |pass: usize, p: Option<u32>| match (pass, p) {
+        (0, Some(p)) => p < 2,
+        (1, Some(p)) => p > 0,
+        _ => false,
+    };
+    let mut next = [0usize; 2];
+    let mut waits = [false; 2];
+    let mut out = Vec::with_capacity(f.len() + b.len());
+    while next[0] < f.len() || next[1] < b.len() {
+        let head = |p: usize| q[p].get(next[p]).copied();
+        let open = |p: usize| head(p).is_some() && !waits[p];
+        let score = |p: usize| -> u8 {
+            let h = head(p).flatten();
+            let other = 1 - p;
+            let other_large = head(other).is_some_and(large);
+            match () {
+                _ if !open(p) => 0,
+                _ if starts(p, h) && other_large && !waits[other] => 4,
+                _ if waits[other] && large(h) => 3,
+                _ => 1 + p as u8,
+            }
+        };
+        // Both passes waiting: the exchange is exposed; go on with the
+        // backward (or whichever is left).
+        let pick = match (score(0), score(1)) {
+            (0, 0) => usize::from(head(1).is_some()),
+            (a, b) if a > b => 0,
+            _ => 1,
+        };
+        if head(pick).is_none() {
+            break;
+        }
+        let h = head(pick).flatten();
+        out.push((pick as u8, next[pick]));
+        next[pick] += 1;
+        if large(h) {
+            waits[1 - pick] = false;
+        }
+        waits[pick] = starts(pick, h);
+    }
+    out
 }
 
 #[cfg(test)]
@@ -398,5 +520,40 @@ mod tests {
         }
         assert!(dual_schedule(4, 0, 7, false).is_err());
         assert!(dual_schedule(2, 2, 8, false).is_err());
+    }
+
+    #[test]
+    fn overlap_merge_follows_the_deepseek_chunk_order() {
+        // One layer pair: forward attention, dispatch, experts, combine;
+        // backward the reverse. DeepSeek-V3's overlapped chunk: B combine,
+        // F attention, F dispatch, B experts, F experts, B dispatch,
+        // B attention, F combine: each all-to-all (after F dispatch, F
+        // experts, B combine, B experts) runs under the other's compute.
+        let f = [None, Some(0), Some(1), Some(2)];
+        let b = [Some(2), Some(1), Some(0), None];
+        let got = merge_for_overlap(&f, &b);
+        let want = [
+            (1, 0),
+            (0, 0),
+            (0, 1),
+            (1, 1),
+            (0, 2),
+            (1, 2),
+            (1, 3),
+            (0, 3),
+        ];
+        assert_eq!(got, want);
+        // Two layers each: every node once, each pass in its own order.
+        let f2 = [f, f].concat();
+        let b2 = [b, b].concat();
+        let got = merge_for_overlap(&f2, &b2);
+        assert_eq!(got.len(), 16);
+        for pass in 0..2u8 {
+            let idx: Vec<usize> = got.iter().filter(|x| x.0 == pass).map(|x| x.1).collect();
+            assert_eq!(idx, (0..8).collect::<Vec<_>>());
+        }
+        // Whole segments only (no phases): the backward first, then in turn.
+        let got = merge_for_overlap(&[None, None], &[None]);
+        assert_eq!(got.len(), 3);
     }
 }

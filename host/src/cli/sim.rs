@@ -188,14 +188,35 @@ pub fn compare(base: &RunArgs, args: &SimArgs) -> Result<()> {
         .max()
         .unwrap_or(9)
         .max(9);
+    // Expert all-to-alls, on their stream or inside the compute ops: a
+    // column of their own when a candidate has any.
+    let a2a: Vec<Option<f64>> = plans
+        .iter()
+        .zip(&sims)
+        .map(|((_, p), s)| sim::exposed_all_to_all(p, s))
+        .collect();
+    let a2a_col = |i: usize| match a2a.iter().any(Option::is_some) {
+        true => format!("  {:>14}", a2a[i].map_or("-".into(), report::human_time)),
+        false => String::new(),
+    };
+    let a2a_head = match a2a.iter().any(Option::is_some) {
+        true => format!("  {:>14}", "of it all-to-all"),
+        false => String::new(),
+    };
     println!(
-        "  {:<width$}  {:>12}  {:>7}  {:>14}  {:>10}  {:>4}",
+        "  {:<width$}  {:>12}  {:>7}  {:>14}{a2a_head}  {:>10}  {:>4}",
         "candidate", "step", "bubble", "exposed comm", "peak mem", "fits"
     );
-    for r in &rows {
+    for (i, r) in rows.iter().enumerate() {
         println!(
-            "  {:<width$}  {:>12}  {:>7}  {:>14}  {:>10}  {:>4}",
-            r[0], r[1], r[2], r[3], r[4], r[5]
+            "  {:<width$}  {:>12}  {:>7}  {:>14}{}  {:>10}  {:>4}",
+            r[0],
+            r[1],
+            r[2],
+            r[3],
+            a2a_col(i),
+            r[4],
+            r[5]
         );
     }
     println!("  (exposed comm and peak mem: the worst device)");

@@ -278,7 +278,8 @@ fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
         | TensorKind::ActGrad
         | TensorKind::Saved
         | TensorKind::MicroGrad
-        | TensorKind::Stash => true,
+        | TensorKind::Stash
+        | TensorKind::Routed => true,
         TensorKind::ParamGrad => false,
         TensorKind::Param => matches!(
             &dag.graph[producer.ix()].kind,
@@ -466,6 +467,10 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 pair: None,
                 group: spread_group.clone(),
                 spread,
+                phase: match n.kind {
+                    NodeKind::Compute { phase, .. } => phase,
+                    _ => None,
+                },
                 purpose,
                 batch_div: div,
                 flops: cost.flops,
@@ -564,7 +569,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 continue;
             }
             // One buffer per tensor kind, however many readers it has.
-            let mut by_kind = [0u64; 7];
+            let mut by_kind = [0u64; 8];
             let mut readers_of: Vec<&[DeviceId]> = Vec::new();
             for (c, k) in dag.succs(id) {
                 if let EdgeKind::Data { tensor, bytes } = k {
@@ -696,7 +701,15 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             let shard = held.div_ceil(n);
             let params = if zero >= 3 { shard } else { held };
             let grads = if zero >= 2 { shard } else { held };
-            let moments = 2 * if zero >= 1 { shard } else { held };
+            // ZeRO-1 with expert parallelism: this device's experts keep
+            // whole moments, the replicated rest is sharded.
+            let moments = 2 * match dag.expert_elems(s as u32, &placement) {
+                (all, spread) if zero >= 1 && spread > 1 => {
+                    all / spread + (held - all / spread).div_ceil(n)
+                }
+                _ if zero >= 1 => shard,
+                _ => held,
+            };
             for d in devs {
                 states[d.0 as usize] += (params + grads + moments) * DTYPE_BYTES;
             }

@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 /// The IR vocabulary a plan is written in; the runtime reads it from here.
-pub use crate::dag::{CommPurpose, Spread, TensorKind};
+pub use crate::dag::{CommPurpose, ExpertPhase, Spread, TensorKind};
 
 /// The compiled plan of every device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -62,9 +62,13 @@ pub struct Op {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<Arc<[u32]>>,
     /// Compute ops spread over `group` (expert or tensor parallelism): the
-    /// group exchanges inside the op.
+    /// group exchanges inside the op, unless the op is one phase of a split
+    /// expert pass (the exchanges are all-to-all ops of their own).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spread: Option<Spread>,
+    /// A phase of an expert segment's pass split by `shard`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<ExpertPhase>,
     /// Why a communication op exists (`pipeline`, `grad-sync`, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub purpose: Option<CommPurpose>,
@@ -304,6 +308,7 @@ impl Plan {
                     h.word(o.pair.map_or(u64::MAX, |p| p as u64));
                     h.words(o.group.as_deref().unwrap_or(&[]));
                     h.word(o.spread.map_or(0, |s| s as u64 + 1));
+                    h.word(o.phase.map_or(0, |p| p as u64 + 1));
                     for w in &o.waits {
                         h.bytes(w.stream.as_bytes());
                         h.word(w.op as u64);

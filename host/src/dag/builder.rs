@@ -32,6 +32,7 @@ pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelEr
             kind: NodeKind::Compute {
                 pass,
                 segment: seg.index,
+                phase: None,
             },
             tags: tags.clone(),
             devices: Vec::new(),

@@ -319,8 +319,8 @@ impl TrainingDag {
         let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); nseg];
         for id in self.node_ids().collect::<Vec<_>>() {
             let n = &self.graph[id.ix()];
-            if let NodeKind::Compute { pass, segment } = n.kind {
-                if pass.makes_weight_grads() {
+            if let NodeKind::Compute { pass, segment, .. } = n.kind {
+                if n.kind.makes_weight_grads() {
                     sources[segment as usize].push((Some(self.split_key(n)), id));
                 }
                 if pass.reads_weights() {

@@ -7,8 +7,8 @@
 use super::error::{list, quote, DagError, DagErrorKind};
 use super::filter::Filter;
 use super::{
-    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Pass, ReplicaSpec,
-    StreamId, TensorKind, TrainingDag,
+    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
+    ReplicaSpec, StreamId, TensorKind, TrainingDag,
 };
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
@@ -334,6 +334,24 @@ impl TrainingDag {
         for &id in &compute {
             self.graph[id.ix()].devices = devs.clone();
         }
+        // An expert pass's all-to-alls move with its phases.
+        for &id in &compute {
+            let a2a: Vec<NodeId> = self
+                .succs(id)
+                .map(|(n, _)| n)
+                .filter(|n| {
+                    matches!(&self.graph[n.ix()].kind,
+                        NodeKind::Comm(c) if c.purpose == CommPurpose::Experts)
+                })
+                .collect();
+            for n in a2a {
+                let node = &mut self.graph[n.ix()];
+                node.devices = devs.clone();
+                if let NodeKind::Comm(c) = &mut node.kind {
+                    c.groups = vec![devs.clone()];
+                }
+            }
+        }
         for &id in &compute {
             self.rewire_p2p(id, s);
         }
@@ -453,9 +471,14 @@ impl TrainingDag {
     /// be data-parallel over exactly `devices` (EP degree = their DP degree:
     /// `dp` or `replicate` first), without ZeRO; their expert parameters then
     /// leave the data-parallel gradient sync (each lives on one device),
-    /// their router and layernorm stay in it. `stream` names where the
-    /// exchange belongs (today it runs inside the expert segment's compute
-    /// op; see docs/design-notes.md).
+    /// their router and layernorm stay in it.
+    ///
+    /// On `stream` `compute` the exchanges run inside the expert segment's
+    /// compute op. On any other stream each `F`, `B` or `BI` of the matched
+    /// segments is split into its phases ([`ExpertPhase`], tag `PART`: 0
+    /// dispatch, 1 experts, 2 combine) with an `all-to-all` node on `stream`
+    /// between consecutive phases, so that `order` can interleave another
+    /// microbatch's compute with the exchange (DualPipe's overlap).
     pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
         let call = format!(
             "shard({f}, devices {}, stream {})",
@@ -508,7 +531,9 @@ impl TrainingDag {
                     devices_str(devices)
                 ));
             };
-            if self.specs[r as usize].zero > 0 {
+            // ZeRO-1 shards the optimizer states of what stays replicated
+            // (router, ln2); each expert's states stay whole on its device.
+            if self.specs[r as usize].zero > 1 {
                 return Err(DagError::new(
                     call,
                     DagErrorKind::Unsupported {
@@ -520,6 +545,25 @@ impl TrainingDag {
                     },
                 ));
             }
+        }
+        let split = stream != "compute";
+        if split {
+            if let Some(id) = compute.iter().find(|id| {
+                matches!(
+                    self.graph[id.ix()].kind,
+                    NodeKind::Compute { phase: Some(_), .. }
+                )
+            }) {
+                return Err(DagError::new(
+                    call.clone(),
+                    DagErrorKind::AlreadySplit {
+                        dim: format!("{} into expert phases", self.label(*id)),
+                    },
+                ));
+            }
+            let passes = compute.len() as u64;
+            self.check_growth(&call, passes * 4, passes * 12)?;
+            self.charge(&call, passes * 16)?;
         }
         let s = self.stream_id(stream);
         for &id in &compute {
@@ -537,8 +581,160 @@ impl TrainingDag {
             };
             self.graph[id.ix()].replica = Some(rep);
         }
+        if split {
+            for &id in &compute {
+                self.split_expert_pass(id, s);
+            }
+        }
         self.touch();
         Ok(())
+    }
+
+    /// Split an expert segment's `F`, `B` or `BI` into its three phases with
+    /// an all-to-all on `stream` between consecutive ones (see [`shard`]).
+    /// The node becomes the first phase (keeping its inputs); its outputs
+    /// move to the last.
+    ///
+    /// [`shard`]: TrainingDag::shard
+    fn split_expert_pass(&mut self, id: NodeId, stream: StreamId) {
+        let node = self.graph[id.ix()].clone();
+        let NodeKind::Compute {
+            pass,
+            segment,
+            phase: None,
+        } = node.kind
+        else {
+            return;
+        };
+        let Some(x) = self.expert_phases else {
+            return;
+        };
+        if pass == Pass::BW {
+            return;
+        }
+        let part = self.tag_key("PART");
+        let order = ExpertPhase::order(pass);
+        let mut phases = Vec::with_capacity(3);
+        for (i, p) in order.into_iter().enumerate() {
+            let mut n = node.clone();
+            n.kind = NodeKind::Compute {
+                pass,
+                segment,
+                phase: Some(p),
+            };
+            n.tags.set(part, p.index());
+            if i == 0 {
+                self.graph[id.ix()] = n;
+                self.index_tag(id, part, p.index());
+                phases.push(id.ix());
+            } else {
+                phases.push(self.add_node(n));
+            }
+        }
+        let last = phases[2];
+        let outgoing: Vec<_> = self
+            .graph
+            .edges_directed(id.ix(), Direction::Outgoing)
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        for (e, t, k) in outgoing {
+            self.graph.remove_edge(e);
+            self.graph.add_edge(last, t, k);
+        }
+        let data = |tensor, bytes| EdgeKind::Data { tensor, bytes };
+        let routed = data(TensorKind::Routed, x.routed_bytes);
+        for (i, w) in phases.windows(2).enumerate() {
+            let mut tags = node.tags.clone();
+            tags.set(part, order[i].index());
+            let a2a = self.add_node(Node {
+                kind: NodeKind::Comm(Comm {
+                    op: CommOp::AllToAll,
+                    purpose: CommPurpose::Experts,
+                    tensor: TensorKind::Routed,
+                    bytes: x.routed_bytes,
+                    segments: vec![segment],
+                    peers: Vec::new(),
+                    groups: vec![node.devices.clone()],
+                    pair: None,
+                }),
+                tags,
+                devices: node.devices.clone(),
+                stream,
+                priority: node.priority,
+                batch_div: node.batch_div,
+                replica: None,
+                tensor_parallel: None,
+                derived: None,
+                tweaked: false,
+            });
+            self.graph.add_edge(w[0], a2a, routed);
+            self.graph.add_edge(a2a, w[1], routed);
+        }
+        if pass == Pass::F {
+            // The combine reads the routing (dispatch) and the experts'
+            // tensors; it hands backward the whole cache.
+            let (d, e) = (x.dispatch_saved, x.experts_saved);
+            self.graph
+                .add_edge(phases[0], last, data(TensorKind::Saved, d));
+            self.graph
+                .add_edge(phases[1], last, data(TensorKind::Saved, e));
+        } else {
+            // Every backward phase reads the forward's cache; the combine
+            // hands the dispatch phase its output gradient and the weights'
+            // gradients.
+            let saved: Vec<_> = self
+                .graph
+                .edges_directed(id.ix(), Direction::Incoming)
+                .filter(|e| {
+                    matches!(
+                        e.weight(),
+                        EdgeKind::Data {
+                            tensor: TensorKind::Saved,
+                            ..
+                        }
+                    )
+                })
+                .map(|e| (e.source(), *e.weight()))
+                .collect();
+            for (f, k) in saved {
+                self.graph.add_edge(f, phases[1], k);
+                self.graph.add_edge(f, last, k);
+            }
+            let hidden = self.segments()[segment as usize].cost.act_out_bytes;
+            self.graph
+                .add_edge(phases[0], last, data(TensorKind::Stash, hidden));
+            if pass == Pass::BI {
+                self.stash_expert_grads(NodeId::of(phases[1]), NodeId::of(last));
+            }
+        }
+    }
+
+    /// `BI` split into phases: the experts phase hands its output and hidden
+    /// gradients to the dispatch phase, which passes them on to `BW`.
+    fn stash_expert_grads(&mut self, experts: NodeId, dispatch: NodeId) {
+        let Some(x) = self.expert_phases else {
+            return;
+        };
+        let bytes = x.routed_bytes + x.experts_saved / 2;
+        self.graph.add_edge(
+            experts.ix(),
+            dispatch.ix(),
+            EdgeKind::Data {
+                tensor: TensorKind::Stash,
+                bytes,
+            },
+        );
+    }
+
+    /// The expert phase after `id` in its pass (through the all-to-all).
+    fn next_phase(&self, id: NodeId) -> Option<NodeId> {
+        let a2a = self.succs(id).map(|(n, _)| n).find(|n| {
+            matches!(&self.graph[n.ix()].kind,
+                NodeKind::Comm(c) if c.purpose == CommPurpose::Experts)
+        })?;
+        self.succs(a2a)
+            .map(|(n, _)| n)
+            .find(|n| matches!(self.graph[n.ix()].kind, NodeKind::Compute { .. }))
     }
 
     /// **shard-tensor** (tensor parallelism, Megatron): the matched
@@ -852,7 +1048,12 @@ impl TrainingDag {
     /// Split a fused backward node into `BI` (this node) and a new `BW`.
     fn split_backward(&mut self, b: NodeId) {
         let node = &mut self.graph[b.ix()];
-        let NodeKind::Compute { pass, segment } = &mut node.kind else {
+        let NodeKind::Compute {
+            pass,
+            segment,
+            phase,
+        } = &mut node.kind
+        else {
             return;
         };
         if *pass != Pass::B {
@@ -860,11 +1061,31 @@ impl TrainingDag {
         }
         *pass = Pass::BI;
         let segment = *segment;
+        // Of an expert backward split into phases, only the last (dispatch)
+        // gets the `BW`; the experts phase stashes for it.
+        match *phase {
+            Some(ExpertPhase::Combine) => {
+                self.index_label(b);
+                return;
+            }
+            Some(ExpertPhase::Experts) => {
+                self.index_label(b);
+                if let Some(d) = self.next_phase(b) {
+                    self.stash_expert_grads(b, d);
+                }
+                return;
+            }
+            _ => {}
+        }
         let mut bw = node.clone();
         bw.kind = NodeKind::Compute {
             pass: Pass::BW,
             segment,
+            phase: None,
         };
+        if let Some(part) = self.find_tag("PART") {
+            bw.tags.remove(part);
+        }
         self.index_label(b);
         let bw = self.add_node(bw);
         // BW needs the inputs of the segment's matmuls and layernorms and the

@@ -111,6 +111,52 @@ impl Pass {
     }
 }
 
+/// A phase of an expert segment's pass, when `shard` splits it so its
+/// all-to-alls run as nodes of their own (on the `shard` stream) that other
+/// compute can overlap. Forward runs dispatch → experts → combine, backward
+/// the reverse (combine → experts → dispatch); an all-to-all sits between
+/// consecutive phases. The backward's dispatch phase (its last) computes the
+/// segment's weight gradients (or hands `BW` its stash).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExpertPhase {
+    /// ln2, router, top-k routing, rows packed per owner (backward: the
+    /// input gradients scattered back to tokens, router and ln2).
+    Dispatch,
+    /// The local experts on every source's rows.
+    Experts,
+    /// The weighted sum of the returned rows and the residual (backward:
+    /// the output gradients of each row and of its weight).
+    Combine,
+}
+
+impl ExpertPhase {
+    pub const ALL: [ExpertPhase; 3] = [
+        ExpertPhase::Dispatch,
+        ExpertPhase::Experts,
+        ExpertPhase::Combine,
+    ];
+    /// Index in forward order (the `PART` tag plugins read).
+    pub fn index(self) -> u32 {
+        self as u32
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ExpertPhase::Dispatch => "dispatch",
+            ExpertPhase::Experts => "experts",
+            ExpertPhase::Combine => "combine",
+        }
+    }
+    /// The phases of a pass in execution order.
+    pub fn order(pass: Pass) -> [ExpertPhase; 3] {
+        let mut a = Self::ALL;
+        if pass != Pass::F {
+            a.reverse();
+        }
+        a
+    }
+}
+
 /// Communication operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -172,6 +218,9 @@ pub enum CommPurpose {
     /// parameters, so clipping uses the global norm however the gradients are
     /// spread (stages) or sharded (ZeRO).
     GradNorm,
+    /// Expert parallelism: the all-to-all between two phases of an expert
+    /// segment's pass (rows to their experts' owners and back).
+    Experts,
 }
 
 impl CommPurpose {
@@ -185,6 +234,7 @@ impl CommPurpose {
             CommPurpose::TiedGrad => "tied-grad",
             CommPurpose::CopyGrad => "copy-grad",
             CommPurpose::GradNorm => "grad-norm",
+            CommPurpose::Experts => "experts",
         }
     }
 }
@@ -210,6 +260,9 @@ pub enum TensorKind {
     Stash,
     /// Parameters (ZeRO gathers).
     Param,
+    /// Rows exchanged between the phases of an expert segment (scales with
+    /// the batch share).
+    Routed,
 }
 
 impl TensorKind {
@@ -217,7 +270,11 @@ impl TensorKind {
     pub fn scales_with_batch(self) -> bool {
         matches!(
             self,
-            TensorKind::Activation | TensorKind::ActGrad | TensorKind::Saved | TensorKind::Stash
+            TensorKind::Activation
+                | TensorKind::ActGrad
+                | TensorKind::Saved
+                | TensorKind::Stash
+                | TensorKind::Routed
         )
     }
 }
@@ -245,14 +302,29 @@ pub struct Comm {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum NodeKind {
-    Compute { pass: Pass, segment: u32 },
-    Update { segments: Vec<u32> },
+    Compute {
+        pass: Pass,
+        segment: u32,
+        /// `Some` for a phase of an expert segment split by `shard`.
+        phase: Option<ExpertPhase>,
+    },
+    Update {
+        segments: Vec<u32>,
+    },
     Comm(Comm),
     Marker,
 }
 
 impl NodeKind {
     /// The op name used in filters (`PASS`) and plans.
+    /// Does this node produce its segment's weight gradients (a `B` or
+    /// `BW`; of a split expert backward, its last phase)?
+    pub fn makes_weight_grads(&self) -> bool {
+        matches!(self, NodeKind::Compute { pass, phase, .. }
+            if pass.makes_weight_grads()
+                && phase.is_none_or(|p| p == ExpertPhase::Dispatch))
+    }
+
     pub fn label(&self) -> &'static str {
         match self {
             NodeKind::Compute { pass, .. } => pass.as_str(),
@@ -270,6 +342,9 @@ pub struct Tags(pub(crate) Vec<(TagKey, u32)>);
 impl Tags {
     pub fn get(&self, k: TagKey) -> Option<u32> {
         self.0.iter().find(|(key, _)| *key == k).map(|(_, v)| *v)
+    }
+    pub fn remove(&mut self, k: TagKey) {
+        self.0.retain(|(key, _)| *key != k);
     }
     pub fn set(&mut self, k: TagKey, v: u32) {
         match self.0.binary_search_by_key(&k, |(key, _)| *key) {
@@ -370,6 +445,8 @@ pub struct TrainingDag {
     pub(crate) index: std::cell::OnceCell<primitives::Index>,
     /// The host budget in force (plugin calls) and the work spent.
     pub(crate) meter: budget::Meter,
+    /// Phase costs of the expert segments (MoE models).
+    pub(crate) expert_phases: Option<crate::model::ExpertPhaseCost>,
 }
 
 pub(crate) const COMPUTE: StreamId = StreamId(0);
@@ -384,7 +461,6 @@ impl TrainingDag {
     pub(crate) fn empty(model: ModelConfig, segments: Vec<Segment>, cluster: Cluster) -> Self {
         TrainingDag {
             graph: StableDiGraph::new(),
-            model,
             segments,
             cluster,
             tag_names: Vec::new(),
@@ -395,6 +471,8 @@ impl TrainingDag {
             dirty: true,
             index: std::cell::OnceCell::new(),
             meter: Default::default(),
+            expert_phases: crate::model::expert_phases(&model),
+            model,
         }
     }
 

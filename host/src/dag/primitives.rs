@@ -427,15 +427,23 @@ impl TrainingDag {
         let n = &self.graph[id.ix()];
         let div = self.batch_share_div(id);
         match &n.kind {
-            NodeKind::Compute { pass, segment } => {
+            NodeKind::Compute {
+                pass,
+                segment,
+                phase,
+            } => {
                 let seg = &self.segments()[*segment as usize];
                 let c = &seg.cost;
-                let flops = match pass {
+                let mut flops = match pass {
                     super::Pass::F => c.fwd_flops,
                     super::Pass::B => c.bwd_flops,
                     super::Pass::BW => c.bwd_weight_flops,
                     super::Pass::BI => c.bwd_flops - c.bwd_weight_flops,
                 };
+                // A phase of a split expert pass does its share.
+                if let (Some(p), Some(x)) = (phase, self.expert_phases) {
+                    flops *= x.flop_share[p.index() as usize];
+                }
                 // Tensor parallelism splits a segment's FLOPs over its group
                 // (layernorms and the embedding, replicated, are small).
                 let tp = match n.tensor_parallel {
@@ -452,7 +460,17 @@ impl TrainingDag {
                     // tensor parallelism; the rest is split (as compile
                     // counts its buffers).
                     saved_bytes: (c.saved_bytes as f64 / div as f64 * (0.25 + 0.75 / tp)) as u64,
-                    comm_bytes: 0,
+                    // An expert pass that exchanges inside its op (`shard`
+                    // on `compute`): the rows of each of its two all-to-alls.
+                    comm_bytes: match (phase, self.expert_phases, n.replica) {
+                        (None, Some(x), Some(r))
+                            if *pass != super::Pass::BW
+                                && self.specs[r as usize].expert_parallel.is_some() =>
+                        {
+                            x.routed_bytes / div
+                        }
+                        _ => 0,
+                    },
                 }
             }
             NodeKind::Comm(c) => NodeCost {

@@ -257,6 +257,65 @@ fn shard_spreads_experts_and_drops_them_from_the_gradient_sync() {
 }
 
 #[test]
+fn shard_on_its_own_stream_splits_expert_passes_into_phases_around_all_to_alls() {
+    let mut dag = tiny_moe(4, 4);
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    let ep: Filter = "{EP:*}".parse().unwrap();
+    let count =
+        |dag: &mut TrainingDag, f: &str| dag.query(&f.parse().unwrap()).map_or(0, |v| v.len());
+    // On `compute` the passes stay whole.
+    let mut whole = dag.clone();
+    whole.shard(&ep, &[0, 1], "compute").unwrap();
+    assert_eq!(count(&mut whole, "{PASS:all-to-all}"), 0);
+    assert_eq!(count(&mut whole, "{PART:*}"), 0);
+    dag.shard(&ep, &[0, 1], "ep").unwrap();
+    // 8 expert segments × (F, B) × 3 phases, two all-to-alls per pass on `ep`.
+    assert_eq!(count(&mut dag, "{EP:*, PASS:F}"), 8 * 3);
+    assert_eq!(count(&mut dag, "{EP:*, PASS:B}"), 8 * 3);
+    let a2a = dag.query(&"{PASS:all-to-all}".parse().unwrap()).unwrap();
+    assert_eq!(a2a.len(), 8 * 2 * 2);
+    assert!(a2a.iter().all(|n| n.stream == "ep" && n.devices == [0, 1]));
+    // Forward: dispatch → all-to-all → experts → all-to-all → combine.
+    let f = dag.query(&"{EP:0, PASS:F}".parse().unwrap()).unwrap();
+    let part = |n: &NodeInfo| n.tags["PART"];
+    let by_part = |p: u32| f.iter().find(|n| part(n) == p).unwrap().id;
+    let next = |dag: &mut TrainingDag, id: NodeId| -> Vec<NodeId> {
+        dag.neighbours(id)
+            .unwrap()
+            .1
+            .into_iter()
+            .map(|n| n.node)
+            .collect()
+    };
+    let after_dispatch = next(&mut dag, by_part(0));
+    let x = *after_dispatch
+        .iter()
+        .find(|n| dag.node(**n).unwrap().op == "all-to-all")
+        .unwrap();
+    assert!(next(&mut dag, x).contains(&by_part(1)));
+    // A second shard of split passes is refused.
+    fails_unchanged(&mut dag, "expert phases", |d| d.shard(&ep, &[0, 1], "ep"));
+    // Splitting the backward: every phase becomes BI, one BW per segment.
+    dag.order(&[
+        vec!["{EP:0, PASS:BI}".parse().unwrap()],
+        vec!["{EP:0, PASS:BW}".parse().unwrap()],
+    ])
+    .unwrap();
+    assert_eq!(count(&mut dag, "{EP:0, PASS:BI}"), 3);
+    assert_eq!(count(&mut dag, "{EP:0, PASS:BW}"), 1);
+    assert_eq!(count(&mut dag, "{EP:0, PASS:BW, PART:*}"), 0);
+    // A pipeline moves the all-to-alls with their phases, and it compiles.
+    dag.place(&"{PP:0}".parse().unwrap(), &[2, 3], "pp")
+        .unwrap();
+    let moved = dag
+        .query(&"{PP:0, PASS:all-to-all}".parse().unwrap())
+        .unwrap();
+    assert!(moved.iter().all(|n| n.devices == [2, 3]));
+    crate::compile::compile(&dag).unwrap();
+}
+
+#[test]
 fn shard_errors_name_the_numbers_and_leave_the_dag_unchanged() {
     // A dense model has nothing to shard.
     let mut dag = tiny(2);
@@ -287,9 +346,9 @@ fn shard_errors_name_the_numbers_and_leave_the_dag_unchanged() {
         d.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
     });
     // ZeRO on the experts, and replicating after sharding.
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(1))
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(2))
         .unwrap();
-    fails_unchanged(&mut dag, "ZeRO stage 1", |d| {
+    fails_unchanged(&mut dag, "ZeRO stage 2 on expert segments", |d| {
         d.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "ep")
     });
     let mut dag = tiny_moe(2, 4);

@@ -143,3 +143,42 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         stash_bytes: stash as u64,
     }
 }
+
+/// How an expert segment's work divides between the phases `shard` splits
+/// it into for overlap (dispatch: ln2, router, routing; experts; combine:
+/// the weighted sum), over the global batch.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ExpertPhaseCost {
+    /// Share of the segment's FLOPs (forward and backward alike) per phase,
+    /// in [`crate::dag::ExpertPhase`] order: dispatch, experts, combine.
+    pub flop_share: [f64; 3],
+    /// Bytes of the rows one exchange moves: `tokens × top_k × d_model`.
+    pub routed_bytes: u64,
+    /// Bytes the dispatch phase keeps for the combine (x, ln2, probabilities,
+    /// routing) and the experts phase (their inputs and hidden tensors).
+    pub dispatch_saved: u64,
+    pub experts_saved: u64,
+}
+
+/// The phase costs of the model's expert segments (`None` for a dense model).
+pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
+    let m = cfg.moe.as_ref()?;
+    let d = cfg.d_model as f64;
+    let n = cfg.batch_size as f64 * cfg.seq_len as f64;
+    let (e, k, hid) = (
+        m.experts as f64,
+        m.top_k as f64,
+        m.hidden_width(cfg.d_model) as f64,
+    );
+    let b = DTYPE_BYTES as f64;
+    let dispatch = 2.0 * n * d * e + 10.0 * n * d;
+    let experts = 2.0 * n * k * 2.0 * d * hid;
+    let combine = 2.0 * n * k * d;
+    let total = dispatch + experts + combine;
+    Some(ExpertPhaseCost {
+        flop_share: [dispatch / total, experts / total, combine / total],
+        routed_bytes: (n * k * d * b) as u64,
+        dispatch_saved: ((2.0 * d + 2.0 + e + 3.0 * k) * n * b) as u64,
+        experts_saved: (k * (2.0 * hid + d) * n * b) as u64,
+    })
+}

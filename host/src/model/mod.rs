@@ -22,7 +22,7 @@ pub mod params;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-pub use cost::{part_cost, PartCost};
+pub use cost::{expert_phases, part_cost, ExpertPhaseCost, PartCost};
 
 /// Bytes per element: Piper trains in fp32.
 pub const DTYPE_BYTES: u64 = 4;

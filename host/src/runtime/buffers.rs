@@ -5,6 +5,7 @@
 //! collective staging) against the device's cap.
 
 use super::backend::cpu::gpt::{SegmentCache, SegmentStash, Tensors};
+use super::backend::cpu::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
 use super::device::Device;
 use super::error::{label, RuntimeError};
 use crate::compile::human_bytes;
@@ -24,6 +25,18 @@ pub(super) enum Buf {
     /// across the embedding's and the head's stages; it replaces the local
     /// `wte` gradients of that microbatch.
     Tied(Tensors),
+    /// What one phase of a split expert pass hands the next.
+    Moe(MoePart),
+}
+
+/// The state between the phases of a split expert pass.
+pub(super) enum MoePart {
+    /// Rows for (or from) each member of the EP group.
+    Chunks(Vec<Arc<Vec<f32>>>),
+    Routed(Box<MoeRouted>),
+    Experts(MoeExperts),
+    Combined(MoeCombined),
+    Grads(MoeExpertGrads),
 }
 
 impl Buf {
@@ -33,6 +46,13 @@ impl Buf {
             Buf::Params(t) | Buf::Tied(t) => t.values().map(|v| v.len() as u64 * 4).sum(),
             Buf::Saved(c) => c.bytes(),
             Buf::Stash(s) => s.bytes(),
+            Buf::Moe(m) => match m {
+                MoePart::Chunks(c) => c.iter().map(|v| v.len() as u64 * 4).sum(),
+                MoePart::Routed(r) => r.bytes(),
+                MoePart::Experts(e) => e.bytes(),
+                MoePart::Combined(c) => c.bytes(),
+                MoePart::Grads(g) => g.bytes(),
+            },
         }
     }
 }

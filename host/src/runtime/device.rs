@@ -10,7 +10,7 @@ use super::step::TraceEvent;
 use super::zero::{self, Bucket};
 use super::TrainOptions;
 use crate::compile::human_bytes;
-use crate::compile::plan::{CommPurpose, DevicePlan, OpKind, Spread};
+use crate::compile::plan::{CommPurpose, DevicePlan, Spread};
 use crate::model::params::{expert_of, tp_ranges, tp_split, TpSplit};
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -214,13 +214,6 @@ impl Device {
                     )));
                 }
             }
-        }
-        if let Some(op) = ops().find(|o| o.op == OpKind::AllToAll) {
-            return Err(RuntimeError::Unsupported(format!(
-                "device {}: {}: an all-to-all op is not supported by the CPU runtime (expert parallelism exchanges inside the expert segment's compute op)",
-                plan.device,
-                label(op)
-            )));
         }
         let has_embedding = held.iter().any(|s| segments[*s as usize].has_embedding());
         let mut params = Tensors::new();

@@ -13,6 +13,7 @@ use super::error::RuntimeError;
 use super::ops::{comm_error, missing};
 use super::step::StepCtx;
 use crate::compile::plan::{CommPurpose, DevicePlan, Op, TensorKind};
+use crate::model::params::expert_of;
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
@@ -94,9 +95,17 @@ pub(super) fn layout(
         let group = op.group.as_deref().unwrap_or(&[]);
         let n = group.len().max(1);
         let rank = group.iter().position(|d| *d == plan.device).unwrap_or(0);
+        // Experts spread by `shard` live on one device each: not replicated,
+        // so not sharded (ZeRO-1 with expert parallelism); their states
+        // stay whole.
         let mut names: Vec<String> = segs
             .iter()
-            .flat_map(|s| owned_names(cfg, segments, held, spreads, *s))
+            .flat_map(|s| {
+                let spread = spreads.experts.contains_key(s);
+                owned_names(cfg, segments, held, spreads, *s)
+                    .into_iter()
+                    .filter(move |n| !spread || expert_of(n).is_none())
+            })
             .collect();
         names.sort();
         names.dedup();
@@ -388,21 +397,24 @@ pub(super) fn param_refresh(
     ctx: &StepCtx,
     group: &[u32],
 ) -> Result<(), RuntimeError> {
+    // Locks in the update's order (parameters, then buckets): an update of
+    // another bucket may run on the compute stream meanwhile.
     let padded = {
+        let params = dev.params.read().unwrap();
         let buckets = dev.buckets.lock().unwrap();
         let b = buckets
             .iter()
             .find(|b| *b.segments == *op.segments)
             .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-        params_padded(b, &dev.params.read().unwrap())
+        params_padded(b, &params)
     };
     let full = all_gather_padded(dev, op, ctx, group, padded)?;
+    let mut params = dev.params.write().unwrap();
     let buckets = dev.buckets.lock().unwrap();
     let b = buckets
         .iter()
         .find(|b| *b.segments == *op.segments)
         .expect("found above");
-    let mut params = dev.params.write().unwrap();
     for (n, at, len) in b.offsets() {
         params
             .get_mut(n)
@@ -425,18 +437,18 @@ pub(super) fn param_gather(
         .into_iter()
         .map(|(n, _)| n)
         .collect();
+    // Parameters before buckets, as the update locks them.
+    let params = dev.params.read().unwrap();
     let buckets = dev.buckets.lock().unwrap();
     let used: Vec<&Bucket> = buckets
         .iter()
         .filter(|b| b.names.iter().any(|(n, _)| need.contains(n)))
         .collect();
     let mut padded = Vec::new();
-    {
-        let params = dev.params.read().unwrap();
-        for b in &used {
-            padded.extend(params_padded(b, &params));
-        }
+    for b in &used {
+        padded.extend(params_padded(b, &params));
     }
+    drop(params);
     let full = all_gather_padded(dev, op, ctx, group, padded)?;
     let mut out = Tensors::new();
     let mut base = 0;

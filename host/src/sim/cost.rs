@@ -2,7 +2,7 @@
 //! for checking schedules against their published bubble formulas.
 
 use super::Cluster;
-use crate::compile::plan::{Op, OpKind};
+use crate::compile::plan::{Op, OpKind, Spread};
 
 /// Seconds an op takes.
 pub trait CostModel {
@@ -12,6 +12,10 @@ pub trait CostModel {
     fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64;
     /// A collective over `group` (every device, this one included).
     fn collective(&self, op: &Op, group: &[u32]) -> f64;
+    /// The part of [`CostModel::compute`] that is communication inside the
+    /// op (an expert pass exchanging its tokens inside the op: `shard` on
+    /// `compute`). Reported as exposed communication, since the op waits on it.
+    fn in_op_exchange(&self, op: &Op) -> f64;
 }
 
 /// AdamW reads parameters, gradients and two moments and writes three of
@@ -32,7 +36,20 @@ impl CostModel for Cluster {
             }
             _ => return 0.0,
         };
-        fixed + op.flops / (self.peak_flops * eff)
+        fixed + op.flops / (self.peak_flops * eff) + self.in_op_exchange(op)
+    }
+
+    fn in_op_exchange(&self, op: &Op) -> f64 {
+        // An expert pass exchanging inside its op waits for its two
+        // all-to-alls (`shard` on `compute`; split passes have their own).
+        match (op.op, &op.group, op.spread, op.phase) {
+            (OpKind::F | OpKind::B | OpKind::BI, Some(g), Some(Spread::Experts), None)
+                if op.bytes > 0 =>
+            {
+                2.0 * self.all_to_all(op.bytes, g)
+            }
+            _ => 0.0,
+        }
     }
 
     fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {
@@ -61,12 +78,24 @@ impl CostModel for Cluster {
                 let tree = 2.0 * n.log2().ceil() * alpha + 2.0 * s / beta;
                 ring.min(tree)
             }
-            _ => (n - 1.0) * alpha + (n - 1.0) / n * s / beta,
+            _ => self.all_to_all(op.bytes, group),
         }
     }
 }
 
 impl Cluster {
+    /// Ring-style exchange of `bytes` per device over `group` (reduce-scatter,
+    /// all-gather and all-to-all alike): `(n−1)/n` of it leaves each device.
+    fn all_to_all(&self, bytes: u64, group: &[u32]) -> f64 {
+        let n = group.len() as f64;
+        if n <= 1.0 {
+            return 0.0;
+        }
+        let one_node = group.iter().all(|d| self.same_node(*d, group[0]));
+        let (beta, alpha) = self.link(one_node);
+        (n - 1.0) * alpha + (n - 1.0) / n * bytes as f64 / beta
+    }
+
     /// (bytes/s, latency) of the link between two devices.
     fn link(&self, same_node: bool) -> (f64, f64) {
         if same_node {
@@ -104,6 +133,9 @@ impl CostModel for UnitCosts {
         0.0
     }
     fn collective(&self, _: &Op, _: &[u32]) -> f64 {
+        0.0
+    }
+    fn in_op_exchange(&self, _: &Op) -> f64 {
         0.0
     }
 }

@@ -75,7 +75,9 @@ pub struct DeviceSummary {
     pub busy: f64,
     /// Step time minus `busy`.
     pub idle: f64,
-    /// Communication time not hidden under computation, per stream.
+    /// Communication time not hidden under computation, per stream (and
+    /// [`IN_OP_EXCHANGE`]: exchanges inside expert compute ops, counted
+    /// in `busy` too).
     pub exposed_comm: BTreeMap<String, f64>,
     /// Model states plus the peak of transient buffers over the step.
     pub peak_bytes: u64,
@@ -367,8 +369,49 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             label: o.label(),
         });
     }
-    Ok(assemble(plan, &ix, &start, &end))
+    let mut sim = assemble(plan, &ix, &start, &end);
+    // Exchanges inside compute ops are communication the device waits on.
+    for (dp, summary) in plan.devices.iter().zip(&mut sim.devices) {
+        let waited: f64 = dp
+            .streams
+            .iter()
+            .flat_map(|s| &s.ops)
+            .map(|o| costs.in_op_exchange(o))
+            .sum();
+        if waited > 0.0 {
+            summary
+                .exposed_comm
+                .insert(IN_OP_EXCHANGE.to_string(), waited);
+        }
+    }
+    Ok(sim)
 }
+
+/// The exposed all-to-all time of the worst device: the streams that carry
+/// the expert exchanges (`shard` on a stream of its own) and the exchanges
+/// inside compute ops ([`IN_OP_EXCHANGE`]). `None` when the plan has none.
+pub fn exposed_all_to_all(plan: &Plan, sim: &Simulation) -> Option<f64> {
+    let mut any = false;
+    let mut worst = 0.0f64;
+    for (dp, d) in plan.devices.iter().zip(&sim.devices) {
+        let mut t = d.exposed_comm.get(IN_OP_EXCHANGE).copied();
+        for s in &dp.streams {
+            if s.ops.iter().any(|o| o.op == OpKind::AllToAll) {
+                let e = d.exposed_comm.get(&*s.stream).copied().unwrap_or(0.0);
+                t = Some(t.unwrap_or(0.0) + e);
+            }
+        }
+        if let Some(t) = t {
+            any = true;
+            worst = worst.max(t);
+        }
+    }
+    any.then_some(worst)
+}
+
+/// The [`DeviceSummary::exposed_comm`] key of all-to-alls run inside expert
+/// compute ops (`shard` on `compute`): all of it is exposed.
+pub const IN_OP_EXCHANGE: &str = "all-to-all in op";
 
 /// Spans and per-device figures from every op's (start, end), in
 /// [`OpIndex`] order: the same for a simulated and a measured step.

@@ -7,8 +7,10 @@
 //! defers weight passes into the warm-up and cool-down bubbles. One copy of
 //! the parameters, unlike DualPipe.
 
-use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, pipeline_options, Pipeline};
-use piper_sdk::{export_strategy, Dag, Error, Options, PluginInfo, Strategy};
+use piper_sdk::pipeline::{
+    dual_groups_and_pairs, dual_schedule, interleave_pair, microbatches, pipeline_options, Pipeline,
+};
+use piper_sdk::{export_strategy, Dag, Error, OptionSpec, Options, PluginInfo, Strategy};
 
 pub struct DualPipeV;
 
@@ -23,6 +25,11 @@ impl Strategy for DualPipeV {
             "model stages, 2 per device (default: 2 × devices ÷ data-parallel degree)",
             "microbatches per step, at least 2 × devices (default: 2 × stages)",
         )
+        .option(OptionSpec::bool(
+            "overlap",
+            Some("true"),
+            "on a model whose expert passes are split into phases (`ep` on a stream of its own), alternate each overlapped pair's forward and backward phase by phase so each all-to-all hides behind the other's compute",
+        ))
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
@@ -55,11 +62,21 @@ impl Strategy for DualPipeV {
         pipe.split_place(dag, options, m)?;
         // 4. Per device: DeepSeek's eight-part schedule; phase 0 is the stage
         //    on the way down, phase 1 the one on the way back.
+        //    With `overlap`, each F&B pair alternates phase by phase.
+        let overlap = options.bool("overlap")?.unwrap_or(true);
         let all: Vec<u32> = (0..m).collect();
         for r in 0..p {
             let steps = dual_schedule(p, r, m, r == p - 1)?;
-            let groups = dual_groups(&pipe, &steps, [r, 2 * p - 1 - r], [&all, &all])?;
+            let (groups, pairs) =
+                dual_groups_and_pairs(&pipe, &steps, [r, 2 * p - 1 - r], [&all, &all])?;
             dag.order(&groups)?;
+            if overlap {
+                for pair in pairs {
+                    if !interleave_pair(dag, &pipe, pair)? {
+                        break;
+                    }
+                }
+            }
         }
         Ok(())
     }

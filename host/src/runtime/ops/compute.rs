@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 /// Run `f` with the parameters the op computes with: ZeRO-3's gathered
 /// buffer when the plan gathers them, otherwise the device's own.
-fn with_params<R>(
+pub(super) fn with_params<R>(
     dev: &Device,
     op: &Op,
     f: impl FnOnce(&Tensors) -> Result<R, RuntimeError>,

@@ -1,10 +1,12 @@
 //! The ops of a plan, one file per family, dispatched on the plan's enums
 //! (op kind and comm purpose): compute (`F`, `B`, `BI`, `BW`), point-to-point
-//! (`send`, `recv`), gradient collectives (norm, DP / tied / copy
+//! (`send`, `recv`), the phases of split expert passes and their
+//! all-to-alls (`experts`), gradient collectives (norm, DP / tied / copy
 //! reductions), ZeRO gathers (in `zero`), and the optimizer `update`.
 
 mod collective;
 mod compute;
+mod experts;
 mod p2p;
 mod update;
 
@@ -38,6 +40,10 @@ pub(super) fn exec_op(
             .install(|| profile::recording(on, ctx.epoch, kernels, f))
     };
     match (op.op, op.purpose) {
+        (OpKind::F | OpKind::B | OpKind::BI, _) if op.phase.is_some() => {
+            kernel(&|| experts::phase(dev, op, ctx))
+        }
+        (OpKind::AllToAll, Some(P::Experts)) => experts::all_to_all(dev, op, ctx, &group),
         (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
         (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
         (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),

@@ -48,7 +48,7 @@ impl Dims {
             tp: 1,
         }
     }
-    fn n(&self) -> usize {
+    pub fn n(&self) -> usize {
         self.b * self.t
     }
 }

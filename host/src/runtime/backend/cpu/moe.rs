@@ -324,7 +324,8 @@ fn expect_len<E: From<String>>(what: &str, got: usize, want: usize) -> Result<()
 /// Forward of layer `l`'s MoE half on `x[n, c]` in the EP group `group`
 /// (every member calls it together): the output, the cache, and the
 /// load-balancing loss to add to the summed token losses (`aux_loss_coef ×
-/// t × Σ_sequences aux`).
+/// t × Σ_sequences aux`). The three phases ([`moe_dispatch`],
+/// [`moe_experts`], [`moe_combine`]) with the two exchanges between them.
 pub fn moe_forward<E: From<String>>(
     params: &Tensors,
     l: u32,
@@ -334,7 +335,70 @@ pub fn moe_forward<E: From<String>>(
     group: ExpertGroup,
     exchange: &mut Exchange<'_, E>,
 ) -> Result<(Vec<f32>, MoeCache, f64), E> {
-    let MoeDims { n, t, c, e, k, hid } = d;
+    let (routed, chunks) = moe_dispatch(params, l, moe, x, d, group);
+    let got = exchange(0, chunks)?;
+    let (experts, back) = moe_experts(params, l, d, group, &got)?;
+    drop(got);
+    let got = exchange(1, back)?;
+    moe_combine(routed, experts, got)
+}
+
+/// What the dispatch phase keeps (this device's tokens and their routing).
+#[derive(Clone, Debug)]
+pub struct MoeRouted {
+    pub layer: u32,
+    pub dims: MoeDims,
+    pub group: ExpertGroup,
+    pub aux_coef: f64,
+    pub x: Vec<f32>,
+    pub ln: Vec<f32>,
+    pub mean: Vec<f32>,
+    pub rstd: Vec<f32>,
+    pub probs: Vec<f32>,
+    pub routing: Routing,
+}
+
+impl MoeRouted {
+    pub fn bytes(&self) -> u64 {
+        let r = &self.routing;
+        floats(&self.x)
+            + floats(&self.ln)
+            + floats(&self.mean)
+            + floats(&self.rstd)
+            + floats(&self.probs)
+            + floats(&r.weight)
+            + (r.choice.len() + r.slot.len() + r.rows.iter().map(Vec::len).sum::<usize>()) as u64
+                * 4
+    }
+}
+
+/// What the experts phase keeps (this device's experts, every source's rows).
+#[derive(Clone, Debug, Default)]
+pub struct MoeExperts {
+    pub src_rows: Vec<Vec<usize>>,
+    pub xin: Vec<Vec<f32>>,
+    pub fc: Vec<Vec<f32>>,
+    pub act: Vec<Vec<f32>>,
+}
+
+impl MoeExperts {
+    pub fn bytes(&self) -> u64 {
+        floats_each(&self.xin) + floats_each(&self.fc) + floats_each(&self.act)
+    }
+}
+
+/// Dispatch phase: ln2, the router, top-k routing with capacity; the rows
+/// for each member of the group (per expert of theirs: the row count as
+/// bits, then the rows).
+pub fn moe_dispatch(
+    params: &Tensors,
+    l: u32,
+    moe: &MoeConfig,
+    x: Vec<f32>,
+    d: MoeDims,
+    group: ExpertGroup,
+) -> (MoeRouted, Vec<Vec<f32>>) {
+    let MoeDims { n, c, e, k, .. } = d;
     let name = |s: &str| format!("h.{l}.{s}");
     let (mut ln, mut mean, mut rstd) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
     layernorm_forward(
@@ -359,8 +423,6 @@ pub fn moe_forward<E: From<String>>(
     );
     let probs = softmax_rows(&logits, e);
     let routing = route(&probs, d, moe.capacity_factor);
-    // Dispatch: each owner gets, for each of its experts, the row count
-    // (as bits) then the rows.
     let mut chunks = Vec::with_capacity(group.size);
     for p in 0..group.size {
         let experts = group.experts_of(e, p);
@@ -376,10 +438,35 @@ pub fn moe_forward<E: From<String>>(
         }
         chunks.push(chunk);
     }
-    let got = exchange(0, chunks)?;
+    let routed = MoeRouted {
+        layer: l,
+        dims: d,
+        group,
+        aux_coef: moe.aux_loss_coef,
+        x,
+        ln,
+        mean,
+        rstd,
+        probs,
+        routing,
+    };
+    (routed, chunks)
+}
+
+/// Experts phase: every source's rows (`got`, one chunk per member, as
+/// [`moe_dispatch`] packs them) through this device's experts, in group
+/// order; the outputs for each source.
+pub fn moe_experts<E: From<String>>(
+    params: &Tensors,
+    l: u32,
+    d: MoeDims,
+    group: ExpertGroup,
+    got: &[Arc<Vec<f32>>],
+) -> Result<(MoeExperts, Vec<Vec<f32>>), E> {
+    let MoeDims { c, e, hid, .. } = d;
+    expect_len("dispatch", got.len(), group.size)?;
     let local = group.local(e);
     let per = local.len();
-    // The expert side: every source's rows, in group order.
     let mut src_rows = vec![vec![0usize; group.size]; per];
     for (s, chunk) in got.iter().enumerate() {
         if chunk.len() < per {
@@ -440,10 +527,29 @@ pub fn moe_forward<E: From<String>>(
         acts.push(act);
         outs.push(y);
     }
-    drop(got);
-    // Combine: each source gets its rows' outputs back, expert by expert.
     let back = split_back(&outs, &src_rows, group.size, c);
-    let got = exchange(1, back)?;
+    let experts = MoeExperts {
+        src_rows,
+        xin,
+        fc: fcs,
+        act: acts,
+    };
+    Ok((experts, back))
+}
+
+/// Combine phase: the returned outputs (`got`, one chunk per member)
+/// weighted into the residual, and the balance loss; the output, the whole
+/// cache for backward and the loss term.
+pub fn moe_combine<E: From<String>>(
+    routed: MoeRouted,
+    experts: MoeExperts,
+    got: Vec<Arc<Vec<f32>>>,
+) -> Result<(Vec<f32>, MoeCache, f64), E> {
+    let d = routed.dims;
+    let MoeDims { n, t, c, e, k, .. } = d;
+    let group = routed.group;
+    let routing = &routed.routing;
+    expect_len("combine", got.len(), group.size)?;
     let mut ys: Vec<Arc<Vec<f32>>> = Vec::with_capacity(e);
     for (p, chunk) in got.into_iter().enumerate() {
         let experts = group.experts_of(e, p);
@@ -459,7 +565,7 @@ pub fn moe_forward<E: From<String>>(
     }
     // Combine in token order, choices in order: the same additions whatever
     // the capacity did.
-    let mut out = x.clone();
+    let mut out = routed.x.clone();
     for tok in 0..n {
         let o = &mut out[tok * c..][..c];
         for j in 0..k {
@@ -476,7 +582,8 @@ pub fn moe_forward<E: From<String>>(
         }
     }
     // Sequence-wise balance loss.
-    let f = choice_shares(&routing, d);
+    let f = choice_shares(routing, d);
+    let probs = &routed.probs;
     let mut aux = 0.0f64;
     for s in 0..n / t {
         let mut p_mean = vec![0.0f64; e];
@@ -490,12 +597,24 @@ pub fn moe_forward<E: From<String>>(
             .sum();
         aux += e as f64 * dot;
     }
-    let aux_loss = moe.aux_loss_coef * t as f64 * aux;
-    let cache = MoeCache {
-        layer: l,
-        dims: d,
+    let aux_loss = routed.aux_coef * t as f64 * aux;
+    let MoeRouted {
+        layer,
+        dims,
         group,
-        aux_coef: moe.aux_loss_coef as f32,
+        aux_coef,
+        x,
+        ln,
+        mean,
+        rstd,
+        probs,
+        routing,
+    } = routed;
+    let cache = MoeCache {
+        layer,
+        dims,
+        group,
+        aux_coef: aux_coef as f32,
         x,
         ln,
         mean,
@@ -503,10 +622,10 @@ pub fn moe_forward<E: From<String>>(
         probs,
         routing,
         ys,
-        src_rows,
-        xin,
-        fc: fcs,
-        act: acts,
+        src_rows: experts.src_rows,
+        xin: experts.xin,
+        fc: experts.fc,
+        act: experts.act,
     };
     Ok((out, cache, aux_loss))
 }
@@ -533,7 +652,9 @@ fn split_back(
 
 /// Backward for the input from `dout[n, c]` (`loss_scale` = 1 / tokens of
 /// the global batch), every member of the EP group together: the input
-/// gradient and the weight pass's stash.
+/// gradient and the weight pass's stash. The three backward phases
+/// ([`moe_back_combine`], [`moe_back_experts`], [`moe_back_dispatch`]) with
+/// the two exchanges between them.
 pub fn moe_backward_input<E: From<String>>(
     params: &Tensors,
     cache: &MoeCache,
@@ -541,14 +662,51 @@ pub fn moe_backward_input<E: From<String>>(
     loss_scale: f32,
     exchange: &mut Exchange<'_, E>,
 ) -> Result<(Vec<f32>, MoeStash), E> {
-    let d = cache.dims;
-    let MoeDims { n, t, c, e, k, hid } = d;
-    let group = cache.group;
-    let l = cache.layer;
-    let name = |s: &str| format!("h.{l}.{s}");
+    let (combined, chunks) = moe_back_combine(cache, dout);
+    let got = exchange(2, chunks)?;
+    let (grads, back) = moe_back_experts(params, cache, &got)?;
+    drop(got);
+    let got = exchange(3, back)?;
+    let (dx, mut stash) = moe_back_dispatch(params, cache, combined, &got, loss_scale)?;
+    stash.dy = grads.dy;
+    stash.dfc = grads.dfc;
+    Ok((dx, stash))
+}
+
+/// What the backward's combine phase hands its dispatch phase: the output
+/// gradient (the residual's part of the input gradient) and the gradient of
+/// each choice's weight.
+#[derive(Clone, Debug, Default)]
+pub struct MoeCombined {
+    pub dout: Vec<f32>,
+    pub dweight: Vec<f32>,
+}
+
+impl MoeCombined {
+    pub fn bytes(&self) -> u64 {
+        floats(&self.dout) + floats(&self.dweight)
+    }
+}
+
+/// What the backward's experts phase keeps for the weight gradients of the
+/// local experts: their output and hidden gradients.
+#[derive(Clone, Debug, Default)]
+pub struct MoeExpertGrads {
+    pub dy: Vec<Vec<f32>>,
+    pub dfc: Vec<Vec<f32>>,
+}
+
+impl MoeExpertGrads {
+    pub fn bytes(&self) -> u64 {
+        floats_each(&self.dy) + floats_each(&self.dfc)
+    }
+}
+
+/// Backward combine phase: each kept assignment's output gradient, for the
+/// expert's owner (one chunk per member), and the gradient of its weight.
+pub fn moe_back_combine(cache: &MoeCache, dout: Vec<f32>) -> (MoeCombined, Vec<Vec<f32>>) {
+    let MoeDims { n, c, e, k, .. } = cache.dims;
     let r = &cache.routing;
-    // Through the combine: each kept assignment's output gradient (to the
-    // expert's owner) and the gradient of its weight.
     let mut dweight = vec![0.0f32; n * k];
     let mut dys_here: Vec<Vec<f32>> = Vec::with_capacity(e);
     for (x_, rows) in r.rows.iter().enumerate() {
@@ -565,9 +723,21 @@ pub fn moe_backward_input<E: From<String>>(
         }
         dys_here.push(dy);
     }
-    let got = exchange(2, by_owner(&dys_here, group, e))?;
-    drop(dys_here);
-    // The expert side: output gradients of every source's rows.
+    let chunks = by_owner(&dys_here, cache.group, e);
+    (MoeCombined { dout, dweight }, chunks)
+}
+
+/// Backward experts phase: the output gradients of every source's rows
+/// (`got`) through this device's experts; the input gradients for each
+/// source, and what the expert weight gradients read.
+pub fn moe_back_experts<E: From<String>>(
+    params: &Tensors,
+    cache: &MoeCache,
+    got: &[Arc<Vec<f32>>],
+) -> Result<(MoeExpertGrads, Vec<Vec<f32>>), E> {
+    let MoeDims { c, e, hid, .. } = cache.dims;
+    let (l, group) = (cache.layer, cache.group);
+    expect_len("output gradients", got.len(), group.size)?;
     let local = group.local(e);
     let mut offsets = vec![0usize; group.size];
     for (s, chunk) in got.iter().enumerate() {
@@ -600,10 +770,30 @@ pub fn moe_backward_input<E: From<String>>(
         dfcs.push(dfc);
         dins.push(dinp);
     }
-    drop(got);
-    let got = exchange(3, split_back(&dins, &cache.src_rows, group.size, c))?;
-    drop(dins);
-    // Back at the tokens: scatter each row's input gradient.
+    let back = split_back(&dins, &cache.src_rows, group.size, c);
+    Ok((MoeExpertGrads { dy: dys, dfc: dfcs }, back))
+}
+
+/// Backward dispatch phase: the returned input gradients (`got`)
+/// scattered back to the tokens, then through the renormalisation, the
+/// balance loss, the router and ln2 into the residual's gradient; the input
+/// gradient and the router's and ln2's part of the stash (the experts'
+/// part comes from [`moe_back_experts`]).
+pub fn moe_back_dispatch<E: From<String>>(
+    params: &Tensors,
+    cache: &MoeCache,
+    combined: MoeCombined,
+    got: &[Arc<Vec<f32>>],
+    loss_scale: f32,
+) -> Result<(Vec<f32>, MoeStash), E> {
+    let d = cache.dims;
+    let MoeDims { n, t, c, e, k, .. } = d;
+    let (l, group) = (cache.layer, cache.group);
+    let name = |s: &str| format!("h.{l}.{s}");
+    let r = &cache.routing;
+    let MoeCombined { dout, dweight } = combined;
+    expect_len("input gradients", got.len(), group.size)?;
+    expect_len("output gradient", dout.len(), n * c)?;
     let mut dln = vec![0.0f32; n * c];
     for (p, chunk) in got.iter().enumerate() {
         let experts = group.experts_of(e, p);
@@ -668,8 +858,8 @@ pub fn moe_backward_input<E: From<String>>(
     Ok((
         dx,
         MoeStash {
-            dy: dys,
-            dfc: dfcs,
+            dy: Vec::new(),
+            dfc: Vec::new(),
             dlogits,
             dln,
         },
@@ -679,9 +869,20 @@ pub fn moe_backward_input<E: From<String>>(
 /// Backward for the weights: accumulate the router's, this device's
 /// experts' and ln2's gradients (no communication).
 pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeStash) {
-    let MoeDims { n, c, e, hid, .. } = cache.dims;
+    moe_experts_weight(grads, cache, &stash.dy, &stash.dfc);
+    moe_router_weight(grads, cache, stash);
+}
+
+/// The local experts' weight gradients from their output and hidden
+/// gradients.
+pub fn moe_experts_weight(
+    grads: &mut Tensors,
+    cache: &MoeCache,
+    dy: &[Vec<f32>],
+    dfc: &[Vec<f32>],
+) {
+    let MoeDims { c, e, hid, .. } = cache.dims;
     let l = cache.layer;
-    let name = |s: &str| format!("h.{l}.{s}");
     for (i, x_) in cache.group.local(e).enumerate() {
         let m: usize = cache.src_rows[i].iter().sum();
         if m == 0 {
@@ -689,10 +890,17 @@ pub fn moe_backward_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeSta
         }
         let p = |w: &str| expert_param(l, x_, w);
         let (w2, b2) = (p("c_proj.weight"), p("c_proj.bias"));
-        linear_weight(grads, &w2, &b2, &stash.dy[i], &cache.act[i], m, hid, c);
+        linear_weight(grads, &w2, &b2, &dy[i], &cache.act[i], m, hid, c);
         let (w1, b1) = (p("c_fc.weight"), p("c_fc.bias"));
-        linear_weight(grads, &w1, &b1, &stash.dfc[i], &cache.xin[i], m, c, hid);
+        linear_weight(grads, &w1, &b1, &dfc[i], &cache.xin[i], m, c, hid);
     }
+}
+
+/// The router's and ln2's weight gradients.
+pub fn moe_router_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeStash) {
+    let MoeDims { n, c, e, .. } = cache.dims;
+    let l = cache.layer;
+    let name = |s: &str| format!("h.{l}.{s}");
     matmul_backward_weight(
         grad_of(grads, &name("mlp.router.weight")),
         None,
