@@ -611,3 +611,38 @@ fn dualpipev_hides_expert_all_to_alls_behind_the_paired_compute() {
         "step: overlapped {t_overlap:.3e} s, split {t_split:.3e} s, in op {t_in_op:.3e} s"
     );
 }
+
+/// Tensor parallelism's sums run inside its compute ops (as Megatron's, on
+/// the critical path): the simulator counts them as exposed communication,
+/// and they cost more across nodes than over NVLink.
+#[test]
+fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
+    let model = ModelConfig {
+        layers: 4,
+        d_model: 1024,
+        heads: 16,
+        seq_len: 512,
+        batch_size: 16,
+        ..ModelConfig::tiny()
+    };
+    let plan = common::plan_with(&host(), &model, 2, &[("tp", &[("tp", "2")])]).unwrap();
+    let sums = |c: &Cluster| {
+        let s = simulate(&plan, c).unwrap();
+        let t = s.devices[0].exposed_comm[piper::sim::IN_OP_TP_SUMS];
+        (s.step_time, t)
+    };
+    let (step_nv, nv) = sums(&Cluster::h100_8x());
+    let across = Cluster {
+        devices_per_node: 1,
+        nodes: 2,
+        ..Cluster::h100_cluster(2)
+    };
+    let (step_ib, ib) = sums(&across);
+    // 4 blocks × 2 sums in forward and 2 in backward, each of the whole
+    // activation (16 × 512 × 1024 fp32 = 32 MiB), ring over 2: one copy of
+    // the bytes each way per sum, at 450 GB/s.
+    let bytes = 16.0 * 512.0 * 1024.0 * 4.0;
+    let expect = 16.0 * (2.0 * 3e-6 + bytes / 450e9);
+    assert!((nv - expect).abs() < 0.05 * expect, "NVLink: {nv:.3e} s, expected {expect:.3e} s");
+    assert!(ib > 8.0 * nv && step_ib - step_nv > 0.9 * (ib - nv), "{nv:.3e} vs {ib:.3e}");
+}

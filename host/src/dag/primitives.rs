@@ -462,10 +462,27 @@ impl TrainingDag {
                     saved_bytes: (c.saved_bytes as f64 / div as f64 * (0.25 + 0.75 / tp)) as u64,
                     // An expert pass that exchanges inside its op (`shard`
                     // on `compute`): the rows of each of its two all-to-alls.
+                    // A tensor-parallel pass: what its sums move (one
+                    // activation per sum: two per dense block, one per MoE
+                    // attention half, in forward and in backward).
                     comm_bytes: match (phase, self.expert_phases, n.replica) {
+                        _ if *pass == super::Pass::BW => 0,
+                        _ if n.tensor_parallel.is_some() => {
+                            let sums: u64 = seg
+                                .parts
+                                .iter()
+                                .map(|p| match p {
+                                    crate::model::Part::Block(_) => 2,
+                                    crate::model::Part::Attention(_) => 1,
+                                    _ => 0,
+                                })
+                                .sum();
+                            let m = &self.model;
+                            let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
+                            sums * act * DTYPE_BYTES / div
+                        }
                         (None, Some(x), Some(r))
-                            if *pass != super::Pass::BW
-                                && self.specs[r as usize].expert_parallel.is_some() =>
+                            if self.specs[r as usize].expert_parallel.is_some() =>
                         {
                             x.routed_bytes / div
                         }

@@ -41,12 +41,22 @@ impl CostModel for Cluster {
 
     fn in_op_exchange(&self, op: &Op) -> f64 {
         // An expert pass exchanging inside its op waits for its two
-        // all-to-alls (`shard` on `compute`; split passes have their own).
+        // all-to-alls (`shard` on `compute`; split passes have their own);
+        // a tensor-parallel pass for its sums (as one ring all-reduce of
+        // all their bytes: one latency, not one per sum).
         match (op.op, &op.group, op.spread, op.phase) {
             (OpKind::F | OpKind::B | OpKind::BI, Some(g), Some(Spread::Experts), None)
                 if op.bytes > 0 =>
             {
                 2.0 * self.all_to_all(op.bytes, g)
+            }
+            (OpKind::F | OpKind::B | OpKind::BI, Some(g), Some(Spread::Tensor), _)
+                if op.bytes > 0 && g.len() > 1 =>
+            {
+                let n = g.len() as f64;
+                let one_node = g.iter().all(|d| self.same_node(*d, g[0]));
+                let (beta, alpha) = self.link(one_node);
+                2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta
             }
             _ => 0.0,
         }

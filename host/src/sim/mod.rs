@@ -24,7 +24,7 @@ pub mod report;
 pub use cluster::{Cluster, ClusterError};
 pub use cost::{CostModel, UnitCosts};
 
-use crate::compile::plan::{OpKind, Plan};
+use crate::compile::plan::{OpKind, Plan, Spread};
 use std::collections::{BTreeMap, HashMap};
 
 /// What a span of a timeline shows.
@@ -76,8 +76,8 @@ pub struct DeviceSummary {
     /// Step time minus `busy`.
     pub idle: f64,
     /// Communication time not hidden under computation, per stream (and
-    /// [`IN_OP_EXCHANGE`]: exchanges inside expert compute ops, counted
-    /// in `busy` too).
+    /// [`IN_OP_EXCHANGE`], [`IN_OP_TP_SUMS`]: exchanges inside expert
+    /// and tensor-parallel compute ops, counted in `busy` too).
     pub exposed_comm: BTreeMap<String, f64>,
     /// Model states plus the peak of transient buffers over the step.
     pub peak_bytes: u64,
@@ -372,16 +372,15 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     let mut sim = assemble(plan, &ix, &start, &end);
     // Exchanges inside compute ops are communication the device waits on.
     for (dp, summary) in plan.devices.iter().zip(&mut sim.devices) {
-        let waited: f64 = dp
-            .streams
-            .iter()
-            .flat_map(|s| &s.ops)
-            .map(|o| costs.in_op_exchange(o))
-            .sum();
-        if waited > 0.0 {
-            summary
-                .exposed_comm
-                .insert(IN_OP_EXCHANGE.to_string(), waited);
+        for o in dp.streams.iter().flat_map(|s| &s.ops) {
+            let waited = costs.in_op_exchange(o);
+            if waited > 0.0 {
+                let key = match o.spread {
+                    Some(Spread::Tensor) => IN_OP_TP_SUMS,
+                    _ => IN_OP_EXCHANGE,
+                };
+                *summary.exposed_comm.entry(key.to_string()).or_default() += waited;
+            }
         }
     }
     Ok(sim)
@@ -412,6 +411,10 @@ pub fn exposed_all_to_all(plan: &Plan, sim: &Simulation) -> Option<f64> {
 /// The [`DeviceSummary::exposed_comm`] key of all-to-alls run inside expert
 /// compute ops (`shard` on `compute`): all of it is exposed.
 pub const IN_OP_EXCHANGE: &str = "all-to-all in op";
+/// The [`DeviceSummary::exposed_comm`] key of tensor parallelism's sums,
+/// run inside its compute ops (the next matmul needs them, as in Megatron):
+/// all of it is exposed.
+pub const IN_OP_TP_SUMS: &str = "tp sums in op";
 
 /// Spans and per-device figures from every op's (start, end), in
 /// [`OpIndex`] order: the same for a simulated and a measured step.
