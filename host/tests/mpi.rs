@@ -182,6 +182,36 @@ fn spread_segments_exchange_through_mpi() {
             "1f1b:microbatches=4",
         ],
     );
+    // The exchange inside the expert op (`stream=compute`), and DualPipeV's
+    // phase-by-phase overlap of split expert passes, pairs spanning ranks.
+    same_as_one_process(
+        "ep-in-op",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "2",
+            "--strategy",
+            "ep:stream=compute",
+        ],
+    );
+    same_as_one_process(
+        "dp-ep-dualpipev",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "4",
+            "--strategy",
+            "dp:degree=2",
+            "--strategy",
+            "ep",
+            "--strategy",
+            "dualpipev:microbatches=4",
+        ],
+    );
 }
 
 #[test]

@@ -643,6 +643,12 @@ fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
     // the bytes each way per sum, at 450 GB/s.
     let bytes = 16.0 * 512.0 * 1024.0 * 4.0;
     let expect = 16.0 * (2.0 * 3e-6 + bytes / 450e9);
-    assert!((nv - expect).abs() < 0.05 * expect, "NVLink: {nv:.3e} s, expected {expect:.3e} s");
-    assert!(ib > 8.0 * nv && step_ib - step_nv > 0.9 * (ib - nv), "{nv:.3e} vs {ib:.3e}");
+    assert!(
+        (nv - expect).abs() < 0.05 * expect,
+        "NVLink: {nv:.3e} s, expected {expect:.3e} s"
+    );
+    assert!(
+        ib > 8.0 * nv && step_ib - step_nv > 0.9 * (ib - nv),
+        "{nv:.3e} vs {ib:.3e}"
+    );
 }
