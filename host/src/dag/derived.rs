@@ -273,6 +273,7 @@ impl TrainingDag {
     pub(crate) fn rebuild_derived(&mut self) {
         self.dirty = false;
         self.index.take();
+        self.topo = None;
         // 1. Remember strategy tweaks, then drop the derived nodes.
         let mut tweaks: HashMap<u64, Tweak> = HashMap::new();
         let derived: Vec<NodeId> = self

@@ -169,6 +169,7 @@ impl TrainingDag {
     /// Mark derived nodes stale (rebuilt before the next read or `order`).
     pub(crate) fn touch(&mut self) {
         self.dirty = true;
+        self.topo = None;
     }
 
     /// **split**: copy the matched sub-DAG `n` times along dimension `dim`
@@ -984,19 +985,22 @@ impl TrainingDag {
             call,
             (self.node_count() + self.edge_count() + markers + planned.len()) as u64,
         )?;
-        if let Err(cycle) = self.check_acyclic_with(&planned, markers) {
-            let cycle = cycle
-                .iter()
-                .map(|&n| {
-                    if n >= bound {
-                        "marker".to_string()
-                    } else {
-                        self.label(NodeId(n as u32))
-                    }
-                })
-                .collect();
-            return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
-        }
+        let pos = match self.prove_acyclic(&planned, markers) {
+            Ok(pos) => pos,
+            Err(cycle) => {
+                let cycle = cycle
+                    .iter()
+                    .map(|&n| {
+                        if n >= bound {
+                            "marker".to_string()
+                        } else {
+                            self.label(NodeId(n as u32))
+                        }
+                    })
+                    .collect();
+                return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
+            }
+        };
         // Proven acyclic: add the markers and edges.
         let mut ids = Vec::with_capacity(markers);
         for _ in 0..markers {
@@ -1023,6 +1027,7 @@ impl TrainingDag {
         for &(a, b) in &planned {
             self.graph.add_edge(at(a), at(b), EdgeKind::Temporal);
         }
+        self.keep_edges(&planned, &ids, pos);
         Ok(())
     }
 

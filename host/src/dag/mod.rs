@@ -40,6 +40,7 @@ pub mod filter;
 mod primitives;
 #[cfg(test)]
 mod tests;
+mod topo;
 
 pub use budget::{DagBudget, MAX_NAMES_HARD};
 pub use directives::ReplicateOptions;
@@ -447,6 +448,8 @@ pub struct TrainingDag {
     pub(crate) meter: budget::Meter,
     /// Phase costs of the expert segments (MoE models).
     pub(crate) expert_phases: Option<crate::model::ExpertPhaseCost>,
+    /// A topological order kept across `order` calls (`topo.rs`).
+    pub(crate) topo: Option<topo::Topo>,
 }
 
 pub(crate) const COMPUTE: StreamId = StreamId(0);
@@ -472,6 +475,7 @@ impl TrainingDag {
             index: std::cell::OnceCell::new(),
             meter: Default::default(),
             expert_phases: crate::model::expert_phases(&model),
+            topo: None,
             model,
         }
     }
@@ -710,17 +714,20 @@ impl TrainingDag {
     /// Kahn's algorithm over every edge. `Err` holds one cycle.
     pub(crate) fn check_acyclic(&self) -> Result<(), Vec<NodeId>> {
         self.check_acyclic_with(&[], 0)
+            .map(|_| ())
             .map_err(|c| c.into_iter().map(|i| NodeId(i as u32)).collect())
     }
 
     /// Kahn's algorithm over every edge plus `extra` edges, which may name
     /// `virtual_nodes` nodes numbered from the graph's node bound up (edges
-    /// planned but not added yet). `Err` holds one cycle, as node indices.
+    /// planned but not added yet). `Ok` holds each node's position in the
+    /// order found (`u32::MAX` for vacant indices), `Err` one cycle, as node
+    /// indices.
     pub(crate) fn check_acyclic_with(
         &self,
         extra: &[(usize, usize)],
         virtual_nodes: usize,
-    ) -> Result<(), Vec<usize>> {
+    ) -> Result<Vec<u32>, Vec<usize>> {
         let bound = self.graph.node_bound();
         let total = bound + virtual_nodes;
         let mut indeg = vec![0u32; total];
@@ -745,7 +752,9 @@ impl TrainingDag {
         let live = |i: usize| i >= bound || self.graph.contains_node(NodeIndex::new(i));
         let mut stack: Vec<usize> = (0..total).filter(|&i| live(i) && indeg[i] == 0).collect();
         let mut seen = 0usize;
+        let mut pos = vec![u32::MAX; total];
         while let Some(n) = stack.pop() {
+            pos[n] = seen as u32;
             seen += 1;
             for &t in &targets[head[n] as usize..head[n + 1] as usize] {
                 indeg[t] -= 1;
@@ -767,7 +776,7 @@ impl TrainingDag {
             }
         }
         if seen == self.graph.node_count() + virtual_nodes {
-            return Ok(());
+            return Ok(pos);
         }
         // Walk predecessors among the blocked nodes until one repeats.
         // Failure path only: extra edges by target, for the walk back.

@@ -370,16 +370,22 @@ impl TrainingDag {
         // A path search may visit every node and edge; one more edge.
         self.charge(&call, (self.node_count() + self.edge_count()) as u64)?;
         self.check_growth(&call, 0, 1)?;
-        if from == to || petgraph::algo::has_path_connecting(&self.graph, to.ix(), from.ix(), None)
-        {
-            return Err(DagError::new(
+        // Against the kept topological order: only the region the edge
+        // reorders is visited (a full pass when there is none yet).
+        let edge = [(from.ix().index(), to.ix().index())];
+        let pos = self.prove_acyclic(&edge, 0).map_err(|cycle| {
+            DagError::new(
                 &call,
                 DagErrorKind::Cycle {
-                    cycle: vec![self.label(from), self.label(to), self.label(from)],
+                    cycle: cycle
+                        .into_iter()
+                        .map(|n| self.label(NodeId(n as u32)))
+                        .collect(),
                 },
-            ));
-        }
+            )
+        })?;
         self.graph.add_edge(from.ix(), to.ix(), EdgeKind::Temporal);
+        self.keep_edges(&edge, &[], pos);
         for id in [from, to] {
             let n = &mut self.graph[id.ix()];
             n.tweaked |= n.derived.is_some();

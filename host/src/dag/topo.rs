@@ -1,0 +1,435 @@
+//! Acyclicity checks for `order` and `add-temporal-edge`, against a snapshot
+//! of the graph kept between calls: its adjacency in flat arrays (a Kahn
+//! pass over them is several times faster than over petgraph's linked
+//! lists), the edges added since, and a topological order, so a single new
+//! edge is proven acyclic by visiting only the region it reorders (Pearce and
+//! Kelly, "A dynamic topological sort algorithm for directed acyclic
+//! graphs", JEA 2007). Any other change to the DAG drops the snapshot
+//! (`touch`, derived-node rebuilds) or is caught by its signature (node and
+//! edge counts); the next call takes a new one.
+
+use super::TrainingDag;
+use petgraph::stable_graph::NodeIndex;
+use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
+use petgraph::Direction;
+use std::collections::HashMap;
+
+/// Position of a vacant node index.
+const NONE: u32 = u32::MAX;
+
+#[derive(Clone, Debug)]
+pub(crate) struct Topo {
+    /// Out- and in-adjacency of the graph when the snapshot was taken
+    /// (compressed rows over node indices `0..base`).
+    out_head: Vec<u32>,
+    out: Vec<u32>,
+    in_head: Vec<u32>,
+    inc: Vec<u32>,
+    /// In-degrees then.
+    indeg: Vec<u32>,
+    /// Edges added since, both ways.
+    added_out: HashMap<u32, Vec<u32>>,
+    added_in: HashMap<u32, Vec<u32>>,
+    added: Vec<(u32, u32)>,
+    /// Live node indices now.
+    live: Vec<bool>,
+    /// Position of each node index in a topological order (`NONE` for
+    /// vacant ones): unique, not necessarily dense.
+    pos: Vec<u32>,
+    /// (node count, edge count, node bound) of the graph it describes.
+    sig: (usize, usize, usize),
+}
+
+impl Topo {
+    fn take(dag: &TrainingDag) -> Self {
+        let g = &dag.graph;
+        let bound = g.node_bound();
+        let mut out_head = vec![0u32; bound + 1];
+        let mut in_head = vec![0u32; bound + 1];
+        for e in g.edge_references() {
+            out_head[e.source().index() + 1] += 1;
+            in_head[e.target().index() + 1] += 1;
+        }
+        for i in 0..bound {
+            out_head[i + 1] += out_head[i];
+            in_head[i + 1] += in_head[i];
+        }
+        let indeg: Vec<u32> = (0..bound).map(|i| in_head[i + 1] - in_head[i]).collect();
+        let (mut of, mut inf) = (out_head.clone(), in_head.clone());
+        let mut out = vec![0u32; g.edge_count()];
+        let mut inc = vec![0u32; g.edge_count()];
+        for e in g.edge_references() {
+            let (s, t) = (e.source().index(), e.target().index());
+            out[of[s] as usize] = t as u32;
+            of[s] += 1;
+            inc[inf[t] as usize] = s as u32;
+            inf[t] += 1;
+        }
+        let live = (0..bound)
+            .map(|i| g.contains_node(NodeIndex::new(i)))
+            .collect();
+        let mut t = Topo {
+            out_head,
+            out,
+            in_head,
+            inc,
+            indeg,
+            added_out: HashMap::new(),
+            added_in: HashMap::new(),
+            added: Vec::new(),
+            live,
+            pos: Vec::new(),
+            sig: dag.topo_sig(),
+        };
+        t.pos = t.kahn(&[], 0).unwrap_or_default();
+        t
+    }
+
+    fn base(&self) -> usize {
+        self.indeg.len()
+    }
+
+    /// Out- or in-neighbours of `n` now, plus `extra` (for Kahn's pass the
+    /// caller adds those separately).
+    fn neighbours(&self, n: usize, dir: Direction) -> impl Iterator<Item = usize> + '_ {
+        let (head, list, added) = match dir {
+            Direction::Outgoing => (&self.out_head, &self.out, &self.added_out),
+            Direction::Incoming => (&self.in_head, &self.inc, &self.added_in),
+        };
+        let base: &[u32] = if n < self.base() {
+            &list[head[n] as usize..head[n + 1] as usize]
+        } else {
+            &[]
+        };
+        base.iter()
+            .chain(added.get(&(n as u32)).into_iter().flatten())
+            .map(|t| *t as usize)
+    }
+
+    /// Kahn's pass over the snapshot, the edges added since and `extra`
+    /// (which may name `virtual_nodes` nodes numbered from `live.len()` up):
+    /// each node's position, or `None` when there is a cycle.
+    fn kahn(&self, extra: &[(usize, usize)], virtual_nodes: usize) -> Option<Vec<u32>> {
+        let now = self.live.len();
+        let total = now + virtual_nodes;
+        let mut indeg = self.indeg.clone();
+        indeg.resize(total, 0);
+        let mut head = vec![0u32; total + 1];
+        let more = || {
+            self.added
+                .iter()
+                .map(|&(a, b)| (a as usize, b as usize))
+                .chain(extra.iter().copied())
+        };
+        for (a, b) in more() {
+            head[a + 1] += 1;
+            indeg[b] += 1;
+        }
+        for i in 0..total {
+            head[i + 1] += head[i];
+        }
+        let mut fill = head.clone();
+        let mut targets = vec![0u32; head[total] as usize];
+        for (a, b) in more() {
+            targets[fill[a] as usize] = b as u32;
+            fill[a] += 1;
+        }
+        let live = |i: usize| i >= now || self.live[i];
+        let mut stack: Vec<usize> = (0..total).filter(|&i| live(i) && indeg[i] == 0).collect();
+        let mut pos = vec![NONE; total];
+        let mut seen = 0u32;
+        let base = self.base();
+        while let Some(n) = stack.pop() {
+            pos[n] = seen;
+            seen += 1;
+            let own: &[u32] = if n < base {
+                &self.out[self.out_head[n] as usize..self.out_head[n + 1] as usize]
+            } else {
+                &[]
+            };
+            for &t in own
+                .iter()
+                .chain(&targets[head[n] as usize..head[n + 1] as usize])
+            {
+                let t = t as usize;
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    stack.push(t);
+                }
+            }
+        }
+        let live_count = self.live.iter().filter(|l| **l).count() + virtual_nodes;
+        (seen as usize == live_count).then_some(pos)
+    }
+}
+
+impl TrainingDag {
+    fn topo_sig(&self) -> (usize, usize, usize) {
+        (
+            self.graph.node_count(),
+            self.graph.edge_count(),
+            self.graph.node_bound(),
+        )
+    }
+
+    /// The snapshot, taken anew when the graph changed since.
+    fn topo(&mut self) -> &Topo {
+        if self.topo.as_ref().is_none_or(|t| t.sig != self.topo_sig()) {
+            self.topo = Some(Topo::take(self));
+        }
+        self.topo.as_ref().expect("set above")
+    }
+
+    /// Prove the graph plus `extra` edges acyclic (`extra` may name
+    /// `virtual_nodes` nodes numbered from the node bound up: edges planned
+    /// but not added yet); `Err` holds one cycle, as node indices. A single
+    /// edge goes against the kept order (Pearce–Kelly), several through one
+    /// Kahn pass over the snapshot. `Ok` holds the order to keep once the
+    /// edges are added ([`TrainingDag::keep_edges`]).
+    pub(crate) fn prove_acyclic(
+        &mut self,
+        extra: &[(usize, usize)],
+        virtual_nodes: usize,
+    ) -> Result<Vec<u32>, Vec<usize>> {
+        let t = self.topo();
+        let found = match (extra, virtual_nodes) {
+            (&[(a, b)], 0) if a < t.pos.len() && b < t.pos.len() => Insert::new(t).edge(a, b),
+            _ => t.kahn(extra, virtual_nodes).ok_or_else(Vec::new),
+        };
+        match found {
+            Ok(pos) => Ok(pos),
+            // Named by the full check (Kahn finds that there is a cycle,
+            // not which).
+            Err(c) if c.is_empty() => match self.check_acyclic_with(extra, virtual_nodes) {
+                Err(cycle) => Err(cycle),
+                Ok(_) => unreachable!("Kahn's pass over the snapshot found a cycle"),
+            },
+            Err(cycle) => Err(cycle),
+        }
+    }
+
+    /// Record in the snapshot the edges just added (`planned`, virtual node
+    /// `k` now the real node `nodes[k]`) and `pos` as its order.
+    pub(crate) fn keep_edges(
+        &mut self,
+        planned: &[(usize, usize)],
+        nodes: &[NodeIndex],
+        mut pos: Vec<u32>,
+    ) {
+        let sig = self.topo_sig();
+        let bound = self.graph.node_bound();
+        let Some(t) = self.topo.as_mut() else {
+            return;
+        };
+        let virt_from = pos.len() - nodes.len();
+        let real = |i: usize| {
+            if i >= virt_from {
+                nodes[i - virt_from].index()
+            } else {
+                i
+            }
+        };
+        let virt = pos.split_off(virt_from);
+        pos.resize(bound, NONE);
+        t.live.resize(bound, false);
+        for (ix, p) in nodes.iter().zip(virt) {
+            pos[ix.index()] = p;
+            t.live[ix.index()] = true;
+        }
+        for &(a, b) in planned {
+            let (a, b) = (real(a) as u32, real(b) as u32);
+            t.added.push((a, b));
+            t.added_out.entry(a).or_default().push(b);
+            t.added_in.entry(b).or_default().push(a);
+        }
+        t.pos = pos;
+        t.sig = sig;
+    }
+}
+
+/// Pearce–Kelly insertion of one edge into a copy of the kept order.
+struct Insert<'a> {
+    t: &'a Topo,
+    pos: Vec<u32>,
+    /// Visit stamps, the forward search's parents (for the cycle), and
+    /// scratch for a node's neighbours.
+    seen: Vec<u32>,
+    stamp: u32,
+    parent: Vec<u32>,
+    buf: Vec<usize>,
+}
+
+impl<'a> Insert<'a> {
+    fn new(t: &'a Topo) -> Self {
+        let n = t.pos.len();
+        Insert {
+            t,
+            pos: t.pos.clone(),
+            seen: vec![0; n],
+            stamp: 0,
+            parent: vec![NONE; n],
+            buf: Vec::new(),
+        }
+    }
+
+    /// The order with `x → y` in it, or the cycle it would close.
+    fn edge(mut self, x: usize, y: usize) -> Result<Vec<u32>, Vec<usize>> {
+        if x == y {
+            return Err(vec![x, x]);
+        }
+        let (ub, lb) = (self.pos[x], self.pos[y]);
+        if lb < ub {
+            // Reorder the affected region: what y reaches below x goes
+            // after what reaches x above y, in the same slots.
+            let forward = self.search(y, Direction::Outgoing, |p| p < ub, Some(x))?;
+            let backward = self.search(x, Direction::Incoming, |p| p > lb, None)?;
+            let mut slots: Vec<u32> = forward
+                .iter()
+                .chain(&backward)
+                .map(|n| self.pos[*n])
+                .collect();
+            slots.sort_unstable();
+            let by_pos = |mut v: Vec<usize>| {
+                v.sort_unstable_by_key(|n| self.pos[*n]);
+                v
+            };
+            let (backward, forward) = (by_pos(backward), by_pos(forward));
+            for (n, p) in backward.into_iter().chain(forward).zip(slots) {
+                self.pos[n] = p;
+            }
+        }
+        Ok(self.pos)
+    }
+
+    /// Depth-first from `from` along `dir` through nodes whose position
+    /// passes `within`; reaching `target` is a cycle, returned as
+    /// `target → from → … → target`.
+    fn search(
+        &mut self,
+        from: usize,
+        dir: Direction,
+        within: impl Fn(u32) -> bool,
+        target: Option<usize>,
+    ) -> Result<Vec<usize>, Vec<usize>> {
+        self.stamp += 1;
+        let stamp = self.stamp;
+        self.seen[from] = stamp;
+        let mut stack = vec![from];
+        let mut found = Vec::new();
+        let mut next = std::mem::take(&mut self.buf);
+        while let Some(n) = stack.pop() {
+            found.push(n);
+            next.clear();
+            next.extend(self.t.neighbours(n, dir));
+            for &s in &next {
+                if Some(s) == target {
+                    let mut path = vec![n];
+                    let mut c = n;
+                    while c != from {
+                        c = self.parent[c] as usize;
+                        path.push(c);
+                    }
+                    path.reverse();
+                    let mut cycle = vec![s];
+                    cycle.extend(path);
+                    cycle.push(s);
+                    return Err(cycle);
+                }
+                if self.seen[s] != stamp && within(self.pos[s]) {
+                    self.seen[s] = stamp;
+                    self.parent[s] = n as u32;
+                    stack.push(s);
+                }
+            }
+        }
+        self.buf = next;
+        Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dag::{Cluster, DagErrorKind, NodeId};
+    use crate::model::ModelConfig;
+
+    /// The kept order is a topological order of the whole graph.
+    fn assert_kept_order_valid(dag: &TrainingDag) {
+        let t = dag.topo.as_ref().expect("kept");
+        assert_eq!(t.sig, dag.topo_sig());
+        for e in dag.graph.edge_references() {
+            let (a, b) = (e.source().index(), e.target().index());
+            assert!(
+                t.pos[a] < t.pos[b],
+                "edge {a} -> {b} against the kept order"
+            );
+        }
+    }
+
+    /// Random temporal edges on a split DAG: each is refused exactly when
+    /// petgraph finds a path back (a cycle), the cycle named is a real one,
+    /// and the kept order stays topological; `order` over a schedule
+    /// afterwards agrees with a full Kahn pass.
+    #[test]
+    fn kept_order_accepts_exactly_the_acyclic_edges() {
+        let model = ModelConfig {
+            layers: 4,
+            ..ModelConfig::tiny()
+        };
+        let mut dag = TrainingDag::build(&model, Cluster::new(1)).unwrap();
+        dag.split(&crate::dag::Filter::all(), "MB", 4).unwrap();
+        dag.sync();
+        let ids: Vec<NodeId> = dag.node_ids().collect();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (mut accepted, mut refused) = (0, 0);
+        for round in 0..400 {
+            let a = ids[next() as usize % ids.len()];
+            let b = ids[next() as usize % ids.len()];
+            let cyclic =
+                a == b || petgraph::algo::has_path_connecting(&dag.graph, b.ix(), a.ix(), None);
+            match dag.add_temporal_edge(a, b) {
+                Ok(()) => {
+                    assert!(!cyclic, "{a:?} -> {b:?} closes a cycle but was accepted");
+                    accepted += 1;
+                }
+                Err(e) => {
+                    assert!(cyclic, "{a:?} -> {b:?} refused: {e}");
+                    let DagErrorKind::Cycle { cycle } = &e.kind else {
+                        panic!("not a cycle error: {e}");
+                    };
+                    assert_eq!(cycle.first(), cycle.last());
+                    assert!(cycle.len() >= 2, "{cycle:?}");
+                    refused += 1;
+                }
+            }
+            if round % 50 == 0 {
+                assert_kept_order_valid(&dag);
+            }
+        }
+        assert!(
+            accepted > 50 && refused > 50,
+            "{accepted} accepted, {refused} refused"
+        );
+        assert_kept_order_valid(&dag);
+        assert!(petgraph::algo::toposort(&dag.graph, None).is_ok());
+        // A batch (Kahn over the snapshot) agrees with the full pass.
+        let pairs: Vec<(usize, usize)> = (0..40)
+            .map(|_| {
+                let a = ids[next() as usize % ids.len()].ix().index();
+                let b = ids[next() as usize % ids.len()].ix().index();
+                (a, b)
+            })
+            .collect();
+        for k in 1..pairs.len() {
+            let batch = &pairs[..k];
+            let full = dag.check_acyclic_with(batch, 0).is_ok();
+            assert_eq!(dag.prove_acyclic(batch, 0).is_ok(), full, "batch of {k}");
+        }
+    }
+}
