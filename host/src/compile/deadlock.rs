@@ -8,7 +8,8 @@
 //! devices and ops that wait on each other.
 
 use super::plan::{DevicePlan, Op};
-use std::collections::{HashMap, HashSet, VecDeque};
+use foldhash::{HashMap, HashSet, HashSetExt};
+use std::collections::VecDeque;
 
 /// A plan that cannot finish.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

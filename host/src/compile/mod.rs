@@ -30,9 +30,10 @@ use crate::dag::{
     CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, Spread, TensorKind, TrainingDag,
 };
 use crate::model::DTYPE_BYTES;
+use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::NodeIndexable;
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::sync::Arc;
 
 /// Why a DAG cannot be compiled.

@@ -31,9 +31,10 @@ use super::{
     TensorKind, TrainingDag, COMPUTE,
 };
 use crate::model::DTYPE_BYTES;
+use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 /// A strategy's changes to a derived node, carried over a rebuild.

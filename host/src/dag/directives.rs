@@ -10,9 +10,9 @@ use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
     ReplicaSpec, StreamId, TensorKind, TrainingDag,
 };
+use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
-use std::collections::{HashMap, HashSet};
 
 /// Options of `replicate` (data parallelism and ZeRO).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -7,8 +7,9 @@ use super::error::{DagError, DagErrorKind};
 use super::filter::{Filter, TagMatch, PASS_VALUES};
 use super::{EdgeKind, NodeId, NodeKind, TagKey, TrainingDag};
 use crate::model::DTYPE_BYTES;
+use foldhash::HashMap;
 use serde::Serialize;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
 /// Cost hints of one node as one device runs it (its share of the batch).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]

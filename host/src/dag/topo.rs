@@ -9,10 +9,10 @@
 //! edge counts); the next call takes a new one.
 
 use super::TrainingDag;
+use foldhash::{HashMap, HashMapExt};
 use petgraph::stable_graph::NodeIndex;
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
-use std::collections::HashMap;
 
 /// Position of a vacant node index.
 const NONE: u32 = u32::MAX;
