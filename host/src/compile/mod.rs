@@ -32,6 +32,7 @@ use crate::dag::{
 use crate::model::DTYPE_BYTES;
 use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::NodeIndexable;
+use rayon::prelude::*;
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
@@ -290,10 +291,13 @@ fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
 }
 
 fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
+    let t0 = std::time::Instant::now();
     validate(dag)?;
+    let t1 = std::time::Instant::now();
     let g = &dag.graph;
     let bound = g.node_bound();
     let order = schedule(dag);
+    let t2 = std::time::Instant::now();
 
     // Markers are pass-through: each node's effective local predecessors.
     let real_preds = |id: NodeId| -> Vec<(NodeId, EdgeKind)> {
@@ -346,34 +350,40 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         derived.insert((n.stream.0, send, peer.0), s);
         s
     };
-    // Count ops per (device, stream) first so the lists never reallocate.
-    let mut streams: Vec<Vec<(u16, Vec<Op>)>> = vec![Vec::new(); ndev];
-    {
-        let mut counts: Vec<Vec<(u16, usize)>> = vec![Vec::new(); ndev];
-        for &id in &order {
-            let n = &g[id.ix()];
-            if matches!(n.kind, NodeKind::Marker) {
-                continue;
-            }
-            for (i, dev) in n.devices.iter().enumerate() {
-                let sid = op_stream(&mut stream_names, n, i);
-                let c = &mut counts[dev.0 as usize];
-                match c.iter_mut().find(|(s, _)| *s == sid) {
-                    Some(e) => e.1 += 1,
-                    None => c.push((sid, 1)),
-                }
-            }
-        }
-        for (d, c) in counts.into_iter().enumerate() {
-            streams[d] = c
-                .into_iter()
-                .map(|(s, n)| (s, Vec::with_capacity(n)))
-                .collect();
-        }
-    }
+    // Positions first, in one pass over the order: each (node, device)'s
+    // (stream, index), each device's nodes and its streams in first-use
+    // order (`pos[pos_base[node] + i]` for the node's i-th device).
     let mut pos_base = vec![u32::MAX; bound];
     let mut pos: Vec<(u16, u32)> =
         Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
+    // Per device: its (node, device index in the node) in order, and its
+    // streams with their op counts.
+    let mut dev_nodes: Vec<Vec<(NodeId, u32)>> = vec![Vec::new(); ndev];
+    let mut counts: Vec<Vec<(u16, u32)>> = vec![Vec::new(); ndev];
+    for &id in &order {
+        let n = &g[id.ix()];
+        if matches!(n.kind, NodeKind::Marker) {
+            continue;
+        }
+        pos_base[id.ix().index()] = pos.len() as u32;
+        for (i, dev) in n.devices.iter().enumerate() {
+            let d = dev.0 as usize;
+            let sid = op_stream(&mut stream_names, n, i);
+            let c = &mut counts[d];
+            let idx = match c.iter_mut().find(|(s, _)| *s == sid) {
+                Some(e) => {
+                    e.1 += 1;
+                    e.1 - 1
+                }
+                None => {
+                    c.push((sid, 1));
+                    0
+                }
+            };
+            pos.push((sid, idx));
+            dev_nodes[d].push((id, i as u32));
+        }
+    }
     let no_segments: Arc<[u32]> = Arc::from(Vec::new());
     let placement = dag.segment_placement();
     // Split dimensions and their sizes, outermost first.
@@ -383,177 +393,215 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         .iter()
         .map(|k| (*k, extents.get(dag.tag_name(*k)).copied().unwrap_or(1)))
         .collect();
-    for &id in &order {
-        let n = &g[id.ix()];
-        if matches!(n.kind, NodeKind::Marker) {
-            continue;
-        }
-        let preds = real_preds(id);
-        let cost = dag.cost(id);
-        let div = dag.batch_share_div(id);
-        // Shared by all devices of the node.
-        let tags = Arc::new(dag.tag_map(&n.tags));
-        let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
-            NodeKind::Compute { segment, .. } => (Arc::from(vec![*segment]), None),
-            NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
-            NodeKind::Comm(c) => (Arc::from(c.segments.clone()), Some(c.purpose)),
-            NodeKind::Marker => (no_segments.clone(), None),
-        };
-        let groups: Vec<Arc<[u32]>> = match &n.kind {
-            NodeKind::Comm(c) if !c.op.is_p2p() => {
-                c.groups.iter().map(|grp| Arc::from(ids(grp))).collect()
+    let microbatches: u32 = split_sizes.iter().map(|(_, s)| *s).product();
+    // What every device's op of a node shares, once per node, in parallel.
+    let input_of = |(p, k): &(NodeId, EdgeKind)| match k {
+        EdgeKind::Data { tensor, .. } => Some(Input {
+            node: p.0,
+            tensor: *tensor,
+        }),
+        _ => None,
+    };
+    let shared: Vec<Option<Shared>> = order
+        .par_iter()
+        .map(|&id| {
+            let n = &g[id.ix()];
+            if matches!(n.kind, NodeKind::Marker) {
+                return None;
             }
-            _ => Vec::new(),
-        };
-        let input_of = |(p, k): &(NodeId, EdgeKind)| match k {
-            EdgeKind::Data { tensor, .. } => Some(Input {
-                node: p.0,
-                tensor: *tensor,
-            }),
-            _ => None,
-        };
-        let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
-        inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
-        inputs.dedup();
-        let all_inputs: Arc<[Input]> = Arc::from(inputs);
-        let microbatch = split_sizes.iter().fold(0u32, |acc, (k, size)| {
-            acc * size + n.tags.get(*k).unwrap_or(0)
-        });
-        let microbatches: u32 = split_sizes.iter().map(|(_, s)| *s).product();
-        let tensor = match &n.kind {
-            NodeKind::Comm(c) => Some(c.tensor),
-            _ => None,
-        };
-        // ZeRO stage of the segments involved (from their replication spec).
-        let zero = {
-            let segs: &[u32] = match &n.kind {
-                NodeKind::Compute { segment, .. } => std::slice::from_ref(segment),
-                NodeKind::Update { segments } => segments,
-                NodeKind::Comm(c) => &c.segments,
-                NodeKind::Marker => &[],
+            let preds = real_preds(id);
+            let cost = dag.cost(id);
+            let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
+                NodeKind::Compute { segment, .. } => (Arc::from(vec![*segment]), None),
+                NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
+                NodeKind::Comm(c) => (Arc::from(c.segments.clone()), Some(c.purpose)),
+                NodeKind::Marker => (no_segments.clone(), None),
             };
-            segs.iter()
-                .filter_map(|s| placement[*s as usize].as_ref())
-                .filter(|(devs, _)| devs.len() > 1)
-                .filter_map(|(_, rep)| rep.map(|r| dag.specs[r as usize].zero))
-                .max()
-                .unwrap_or(0)
-        };
-        let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
-        // Expert- or tensor-parallel compute: its group exchanges inside the
-        // op, so the op meets its group like a collective.
-        let spread = match (&n.kind, n.replica) {
-            (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
-                Some(Spread::Tensor)
-            }
-            (NodeKind::Compute { .. }, Some(r))
-                if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
-            {
-                Some(Spread::Experts)
-            }
-            _ => None,
-        };
-        let spread_group: Option<Arc<[u32]>> =
-            spread.map(|_| n.devices.iter().map(|d| d.0).collect());
-        pos_base[id.ix().index()] = pos.len() as u32;
-        for (i, dev) in n.devices.iter().enumerate() {
-            let d = dev.0 as usize;
-            let sid = op_stream(&mut stream_names, n, i);
-            let mut op = Op {
+            let groups: Vec<Arc<[u32]>> = match &n.kind {
+                NodeKind::Comm(c) if !c.op.is_p2p() => {
+                    c.groups.iter().map(|grp| Arc::from(ids(grp))).collect()
+                }
+                _ => Vec::new(),
+            };
+            let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
+            inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+            inputs.dedup();
+            let microbatch = split_sizes.iter().fold(0u32, |acc, (k, size)| {
+                acc * size + n.tags.get(*k).unwrap_or(0)
+            });
+            // ZeRO stage of the segments involved (from their replication spec).
+            let zero = {
+                let segs: &[u32] = match &n.kind {
+                    NodeKind::Compute { segment, .. } => std::slice::from_ref(segment),
+                    NodeKind::Update { segments } => segments,
+                    NodeKind::Comm(c) => &c.segments,
+                    NodeKind::Marker => &[],
+                };
+                segs.iter()
+                    .filter_map(|s| placement[*s as usize].as_ref())
+                    .filter(|(devs, _)| devs.len() > 1)
+                    .filter_map(|(_, rep)| rep.map(|r| dag.specs[r as usize].zero))
+                    .max()
+                    .unwrap_or(0)
+            };
+            let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
+            // Expert- or tensor-parallel compute: its group exchanges inside
+            // the op, so the op meets its group like a collective (a phase of
+            // a split expert pass carries it too; its exchanges are ops).
+            let spread = match (&n.kind, n.replica) {
+                (NodeKind::Compute { .. }, _)
+                    if n.devices.len() > 1 && n.tensor_parallel.is_some() =>
+                {
+                    Some(Spread::Tensor)
+                }
+                (NodeKind::Compute { .. }, Some(r))
+                    if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
+                {
+                    Some(Spread::Experts)
+                }
+                _ => None,
+            };
+            Some(Shared {
                 op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
-                node: id.0,
-                tags: tags.clone(),
-                segments: segments.clone(),
-                peer: None,
-                pair: None,
-                group: spread_group.clone(),
+                preds,
+                tags: Arc::new(dag.tag_map(&n.tags)),
+                segments,
+                purpose,
+                groups,
+                inputs: Arc::from(inputs),
+                microbatch,
+                tensor: match &n.kind {
+                    NodeKind::Comm(c) => Some(c.tensor),
+                    _ => None,
+                },
+                zero,
+                single_device_inputs,
                 spread,
+                spread_group: spread.map(|_| n.devices.iter().map(|d| d.0).collect()),
                 phase: match n.kind {
                     NodeKind::Compute { phase, .. } => phase,
                     _ => None,
                 },
-                purpose,
-                batch_div: div,
+                div: dag.batch_share_div(id),
                 flops: cost.flops,
-                bytes: cost.comm_bytes,
-                waits: Vec::new(),
-                inputs: all_inputs.clone(),
-                // A tensor-parallel group runs one batch share.
-                replica: if spread == Some(Spread::Tensor) {
-                    0
-                } else {
-                    i as u32
-                },
-                microbatch,
-                microbatches,
-                tensor,
-                zero,
+                comm_bytes: cost.comm_bytes,
                 param_bytes: cost.param_bytes,
-                out_bytes: 0,
-            };
-            if let NodeKind::Comm(c) = &n.kind {
-                if c.op.is_p2p() {
-                    op.peer = c.peers.get(i).map(|p| p.0);
-                    op.pair = Some(match c.op {
-                        crate::dag::CommOp::Send => id.0,
-                        _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
-                    });
-                } else {
-                    op.group = c
-                        .groups
-                        .iter()
-                        .position(|grp| grp.contains(dev))
-                        .map(|gi| groups[gi].clone());
-                }
-            }
-            // Cross-stream waits (latest op per stream) and local inputs.
-            let mut waits: Vec<(u16, u32)> = Vec::new();
-            let mut local_inputs: Vec<Input> = Vec::new();
-            for (p, k) in &preds {
-                let pn = &g[p.ix()];
-                let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
-                    continue;
-                };
-                let (ps, pidx) = pos[pos_base[p.ix().index()] as usize + pi];
-                if ps != sid {
-                    match waits.iter_mut().find(|(s, _)| *s == ps) {
-                        Some(w) => w.1 = w.1.max(pidx),
-                        None => waits.push((ps, pidx)),
-                    }
-                }
-                if !single_device_inputs {
-                    if let Some(inp) = input_of(&(*p, *k)) {
-                        local_inputs.push(inp);
-                    }
-                }
-            }
-            if !single_device_inputs {
-                local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
-                local_inputs.dedup();
-                op.inputs = Arc::from(local_inputs);
-            }
-            waits.sort_unstable();
-            op.waits = waits
-                .into_iter()
-                .map(|(s, i)| Wait {
-                    stream: stream_names[s as usize].clone(),
-                    op: i as usize,
-                })
-                .collect();
-            let list = &mut streams[d];
-            let si = match list.iter().position(|(s, _)| *s == sid) {
-                Some(si) => si,
-                None => {
-                    list.push((sid, Vec::new()));
-                    list.len() - 1
-                }
-            };
-            let idx = list[si].1.len() as u32;
-            list[si].1.push(op);
-            pos.push((sid, idx));
-        }
+            })
+        })
+        .collect();
+    let mut order_ix = vec![u32::MAX; bound];
+    for (k, id) in order.iter().enumerate() {
+        order_ix[id.ix().index()] = k as u32;
     }
-
+    // Each device's ops, in parallel: the same ops in the same order as one
+    // pass would give.
+    let stream_names = &stream_names;
+    let (pos, pos_base) = (&pos, &pos_base);
+    let mut streams: Vec<Vec<(u16, Vec<Op>)>> = dev_nodes
+        .par_iter()
+        .zip(counts.par_iter())
+        .enumerate()
+        .map(|(d, (nodes, counts))| {
+            let mut list: Vec<(u16, Vec<Op>)> = counts
+                .iter()
+                .map(|&(s, n)| (s, Vec::with_capacity(n as usize)))
+                .collect();
+            let dev = DeviceId(d as u32);
+            for &(id, i) in nodes {
+                let n = &g[id.ix()];
+                let sh = shared[order_ix[id.ix().index()] as usize]
+                    .as_ref()
+                    .expect("markers have no position");
+                let i = i as usize;
+                let (sid, _) = pos[pos_base[id.ix().index()] as usize + i];
+                let mut op = Op {
+                    op: sh.op,
+                    node: id.0,
+                    tags: sh.tags.clone(),
+                    segments: sh.segments.clone(),
+                    peer: None,
+                    pair: None,
+                    group: sh.spread_group.clone(),
+                    spread: sh.spread,
+                    phase: sh.phase,
+                    purpose: sh.purpose,
+                    batch_div: sh.div,
+                    flops: sh.flops,
+                    bytes: sh.comm_bytes,
+                    waits: Vec::new(),
+                    inputs: sh.inputs.clone(),
+                    // A tensor-parallel group runs one batch share.
+                    replica: if sh.spread == Some(Spread::Tensor) {
+                        0
+                    } else {
+                        i as u32
+                    },
+                    microbatch: sh.microbatch,
+                    microbatches,
+                    tensor: sh.tensor,
+                    zero: sh.zero,
+                    param_bytes: sh.param_bytes,
+                    out_bytes: 0,
+                };
+                if let NodeKind::Comm(c) = &n.kind {
+                    if c.op.is_p2p() {
+                        op.peer = c.peers.get(i).map(|p| p.0);
+                        op.pair = Some(match c.op {
+                            crate::dag::CommOp::Send => id.0,
+                            _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
+                        });
+                    } else {
+                        op.group = c
+                            .groups
+                            .iter()
+                            .position(|grp| grp.contains(&dev))
+                            .map(|gi| sh.groups[gi].clone());
+                    }
+                }
+                // Cross-stream waits (latest op per stream) and local inputs.
+                let mut waits: Vec<(u16, u32)> = Vec::new();
+                let mut local_inputs: Vec<Input> = Vec::new();
+                for (p, k) in &sh.preds {
+                    let pn = &g[p.ix()];
+                    let Some(pi) = pn.devices.iter().position(|x| *x == dev) else {
+                        continue;
+                    };
+                    let (ps, pidx) = pos[pos_base[p.ix().index()] as usize + pi];
+                    if ps != sid {
+                        match waits.iter_mut().find(|(s, _)| *s == ps) {
+                            Some(w) => w.1 = w.1.max(pidx),
+                            None => waits.push((ps, pidx)),
+                        }
+                    }
+                    if !sh.single_device_inputs {
+                        if let Some(inp) = input_of(&(*p, *k)) {
+                            local_inputs.push(inp);
+                        }
+                    }
+                }
+                if !sh.single_device_inputs {
+                    local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+                    local_inputs.dedup();
+                    op.inputs = Arc::from(local_inputs);
+                }
+                waits.sort_unstable();
+                op.waits = waits
+                    .into_iter()
+                    .map(|(s, i)| Wait {
+                        stream: stream_names[s as usize].clone(),
+                        op: i as usize,
+                    })
+                    .collect();
+                let si = list
+                    .iter()
+                    .position(|(s, _)| *s == sid)
+                    .expect("counted above");
+                list[si].1.push(op);
+            }
+            list
+        })
+        .collect();
+    let t3 = std::time::Instant::now();
     // Memory per device, walking the global order. Buffers are per
     // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
     let mut devices = Vec::with_capacity(ndev);
@@ -731,7 +779,9 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 .collect(),
         });
     }
+    let t4 = std::time::Instant::now();
     check_deadlock(&devices)?;
+    let t5 = std::time::Instant::now();
     let mut plan = Plan {
         hash: String::new(),
         model: dag.model().name.clone(),
@@ -739,7 +789,34 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         devices,
     };
     plan.hash = plan.compute_hash();
+    let t6 = std::time::Instant::now();
+    if std::env::var_os("PIPER_COMPILE_TIMES").is_some() {
+        let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
+        eprintln!("compile: validate {:.1} schedule {:.1} ops {:.1} memory+states {:.1} deadlock {:.1} hash {:.1}", ms(t0,t1), ms(t1,t2), ms(t2,t3), ms(t3,t4), ms(t4,t5), ms(t5,t6));
+    }
     Ok(plan)
+}
+
+/// What every device's op of one node shares.
+struct Shared {
+    op: OpKind,
+    preds: Vec<(NodeId, EdgeKind)>,
+    tags: Arc<std::collections::BTreeMap<String, u32>>,
+    segments: Arc<[u32]>,
+    purpose: Option<CommPurpose>,
+    groups: Vec<Arc<[u32]>>,
+    inputs: Arc<[Input]>,
+    microbatch: u32,
+    tensor: Option<TensorKind>,
+    zero: u8,
+    single_device_inputs: bool,
+    spread: Option<Spread>,
+    spread_group: Option<Arc<[u32]>>,
+    phase: Option<crate::dag::ExpertPhase>,
+    div: u64,
+    flops: f64,
+    comm_bytes: u64,
+    param_bytes: u64,
 }
 
 /// The global list schedule (see the module docs).

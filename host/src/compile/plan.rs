@@ -248,6 +248,41 @@ impl StableHasher {
             self.word(*w as u64);
         }
     }
+    /// One op; `shared`: also what every device's op of its node shares.
+    fn op(&mut self, o: &Op, shared: bool) {
+        self.bytes(o.op.as_str().as_bytes());
+        self.word(o.node as u64);
+        if shared {
+            for (k, v) in o.tags.iter() {
+                self.bytes(k.as_bytes());
+                self.word(*v as u64);
+            }
+            self.words(&o.segments);
+            self.bytes(o.purpose.map_or("", |p| p.as_str()).as_bytes());
+            self.word(o.batch_div);
+            self.word(o.flops.to_bits());
+            self.word(o.bytes);
+        }
+        self.word(o.peer.map_or(u64::MAX, |p| p as u64));
+        self.word(o.pair.map_or(u64::MAX, |p| p as u64));
+        self.words(o.group.as_deref().unwrap_or(&[]));
+        self.word(o.spread.map_or(0, |s| s as u64 + 1));
+        self.word(o.phase.map_or(0, |p| p as u64 + 1));
+        for w in &o.waits {
+            self.bytes(w.stream.as_bytes());
+            self.word(w.op as u64);
+        }
+        self.word(o.inputs.len() as u64);
+        for i in o.inputs.iter() {
+            self.word(i.node as u64);
+            self.word(i.tensor as u64);
+        }
+        self.word(o.replica as u64);
+        self.word(o.microbatch as u64);
+        self.word(o.microbatches as u64);
+        self.word(o.tensor.map_or(u64::MAX, |t| t as u64));
+        self.word(o.zero as u64);
+    }
 }
 
 impl Op {
@@ -269,62 +304,55 @@ impl Op {
 }
 
 impl Plan {
-    /// Hash of the plan body (everything but `hash`).
+    /// Hash of the plan body (everything but `hash`): each device's part
+    /// hashed on its own (in parallel), then the parts in device order.
     pub fn compute_hash(&self) -> String {
+        use rayon::prelude::*;
+        // What every device of a node shares is hashed at its first op (the
+        // first device in plan order that runs the node).
+        let bound = self
+            .devices
+            .iter()
+            .flat_map(|d| d.streams.iter().flat_map(|s| s.ops.iter()))
+            .map(|o| o.node as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut first = vec![u32::MAX; bound];
+        for (di, d) in self.devices.iter().enumerate() {
+            for o in d.streams.iter().flat_map(|s| s.ops.iter()) {
+                let f = &mut first[o.node as usize];
+                if *f == u32::MAX {
+                    *f = di as u32;
+                }
+            }
+        }
+        let parts: Vec<[u64; 2]> = self
+            .devices
+            .par_iter()
+            .enumerate()
+            .map(|(di, d)| {
+                let mut h = StableHasher([0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344]);
+                h.word(d.device as u64);
+                h.word(d.peak_bytes);
+                h.word(d.model_state_bytes);
+                h.word(d.transient_peak_bytes);
+                for s in &d.streams {
+                    h.bytes(s.stream.as_bytes());
+                    h.word(s.ops.len() as u64);
+                    for o in &s.ops {
+                        h.op(o, first[o.node as usize] == di as u32);
+                    }
+                }
+                h.0
+            })
+            .collect();
         let mut h = StableHasher([0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344]);
         h.bytes(self.model.as_bytes());
         h.word(self.batch_size as u64);
-        let mut seen: Vec<bool> = Vec::new();
-        for d in &self.devices {
-            h.word(d.device as u64);
-            h.word(d.peak_bytes);
-            h.word(d.model_state_bytes);
-            h.word(d.transient_peak_bytes);
-            for s in &d.streams {
-                h.bytes(s.stream.as_bytes());
-                h.word(s.ops.len() as u64);
-                for o in &s.ops {
-                    h.bytes(o.op.as_str().as_bytes());
-                    h.word(o.node as u64);
-                    // What every device of a node shares is hashed at its
-                    // first op (a deterministic position in the plan).
-                    let n = o.node as usize;
-                    if n >= seen.len() {
-                        seen.resize(n + 1, false);
-                    }
-                    if !seen[n] {
-                        seen[n] = true;
-                        for (k, v) in o.tags.iter() {
-                            h.bytes(k.as_bytes());
-                            h.word(*v as u64);
-                        }
-                        h.words(&o.segments);
-                        h.bytes(o.purpose.map_or("", |p| p.as_str()).as_bytes());
-                        h.word(o.batch_div);
-                        h.word(o.flops.to_bits());
-                        h.word(o.bytes);
-                    }
-                    h.word(o.peer.map_or(u64::MAX, |p| p as u64));
-                    h.word(o.pair.map_or(u64::MAX, |p| p as u64));
-                    h.words(o.group.as_deref().unwrap_or(&[]));
-                    h.word(o.spread.map_or(0, |s| s as u64 + 1));
-                    h.word(o.phase.map_or(0, |p| p as u64 + 1));
-                    for w in &o.waits {
-                        h.bytes(w.stream.as_bytes());
-                        h.word(w.op as u64);
-                    }
-                    h.word(o.inputs.len() as u64);
-                    for i in o.inputs.iter() {
-                        h.word(i.node as u64);
-                        h.word(i.tensor as u64);
-                    }
-                    h.word(o.replica as u64);
-                    h.word(o.microbatch as u64);
-                    h.word(o.microbatches as u64);
-                    h.word(o.tensor.map_or(u64::MAX, |t| t as u64));
-                    h.word(o.zero as u64);
-                }
-            }
+        h.word(self.devices.len() as u64);
+        for p in parts {
+            h.word(p[0]);
+            h.word(p[1]);
         }
         format!("{:016x}", h.0[0] ^ h.0[1].rotate_left(32))
     }

@@ -16,7 +16,7 @@
 
 use super::error::{DagError, DagErrorKind};
 use super::TrainingDag;
-use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Interned names (tag keys, streams) per kind can never exceed their `u16` ids.
 pub const MAX_NAMES_HARD: u64 = u16::MAX as u64;
@@ -35,11 +35,21 @@ pub struct DagBudget {
 }
 
 /// The budget in force and the work spent against it. Interior mutability:
-/// read-only primitives (`select`) charge too.
-#[derive(Clone, Debug, Default)]
+/// read-only primitives (`select`) charge too (an atomic, so a DAG can be
+/// read from several threads, as the compiler does).
+#[derive(Debug, Default)]
 pub(crate) struct Meter {
     budget: Option<DagBudget>,
-    used: Cell<u64>,
+    used: AtomicU64,
+}
+
+impl Clone for Meter {
+    fn clone(&self) -> Self {
+        Meter {
+            budget: self.budget.clone(),
+            used: AtomicU64::new(self.used.load(Ordering::Relaxed)),
+        }
+    }
 }
 
 fn limit(call: &str, budget: &'static str, limit: u64, request: String) -> DagError {
@@ -58,7 +68,7 @@ impl TrainingDag {
     pub fn set_budget(&mut self, budget: Option<DagBudget>) {
         self.meter = Meter {
             budget,
-            used: Cell::new(0),
+            used: AtomicU64::new(0),
         };
     }
 
@@ -69,12 +79,12 @@ impl TrainingDag {
 
     /// Host work units spent since the budget was set.
     pub fn work_used(&self) -> u64 {
-        self.meter.used.get()
+        self.meter.used.load(Ordering::Relaxed)
     }
 
     /// Spend `work` units, or refuse before doing the work.
     pub(crate) fn charge(&self, call: &str, work: u64) -> Result<(), DagError> {
-        let used = self.meter.used.get();
+        let used = self.meter.used.load(Ordering::Relaxed);
         if let Some(b) = &self.meter.budget {
             let left = b.max_work.saturating_sub(used);
             if work > left {
@@ -86,7 +96,9 @@ impl TrainingDag {
                 ));
             }
         }
-        self.meter.used.set(used.saturating_add(work));
+        self.meter
+            .used
+            .store(used.saturating_add(work), Ordering::Relaxed);
         Ok(())
     }
 

@@ -443,7 +443,7 @@ pub struct TrainingDag {
     /// Derived nodes are stale: rebuilt before the next read or directive.
     pub(crate) dirty: bool,
     /// Filter index, built on first use after a structural change.
-    pub(crate) index: std::cell::OnceCell<primitives::Index>,
+    pub(crate) index: std::sync::OnceLock<primitives::Index>,
     /// The host budget in force (plugin calls) and the work spent.
     pub(crate) meter: budget::Meter,
     /// Phase costs of the expert segments (MoE models).
@@ -472,7 +472,7 @@ impl TrainingDag {
             split_dims: Vec::new(),
             tied_stream: COMPUTE,
             dirty: true,
-            index: std::cell::OnceCell::new(),
+            index: std::sync::OnceLock::new(),
             meter: Default::default(),
             expert_phases: crate::model::expert_phases(&model),
             topo: None,

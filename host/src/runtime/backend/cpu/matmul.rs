@@ -15,13 +15,15 @@ fn parallelism() -> Parallelism {
     }
 }
 
-/// `dst[m,n] (+)= a[m,k] · b[k,n]`, every matrix given by (row stride, col stride).
+/// `dst[m,n] (+)= a[m,k] · b[k,n]`, every matrix given by (row stride, col
+/// stride); `dst` row-major with row stride `dst_rs`.
 #[allow(clippy::too_many_arguments)]
 fn mm(
     m: usize,
     n: usize,
     k: usize,
     dst: &mut [f32],
+    dst_rs: usize,
     accumulate: bool,
     a: &[f32],
     a_rs: usize,
@@ -31,13 +33,15 @@ fn mm(
     b_cs: usize,
     parallelism: Parallelism,
 ) {
-    assert!(dst.len() >= m * n);
     if m == 0 || n == 0 {
         return;
     }
+    assert!(dst_rs >= n && dst.len() >= (m - 1) * dst_rs + n);
     if k == 0 {
         if !accumulate {
-            dst[..m * n].fill(0.0);
+            for row in dst.chunks_mut(dst_rs).take(m) {
+                row[..n].fill(0.0);
+            }
         }
         return;
     }
@@ -50,7 +54,7 @@ fn mm(
             k,
             dst.as_mut_ptr(),
             1,
-            n as isize,
+            dst_rs as isize,
             accumulate,
             a.as_ptr(),
             a_cs as isize,
@@ -83,7 +87,21 @@ pub fn matmul_forward(
     assert_eq!(weight.len(), oc * c);
     assert_eq!(out.len(), n * oc);
     // out[n,oc] = inp[n,c] · Wᵀ[c,oc]  (Wᵀ: row stride 1, col stride c)
-    mm(n, oc, c, out, false, inp, c, 1, weight, 1, c, parallelism());
+    mm(
+        n,
+        oc,
+        c,
+        out,
+        oc,
+        false,
+        inp,
+        c,
+        1,
+        weight,
+        1,
+        c,
+        parallelism(),
+    );
     if let Some(b) = bias {
         par::rows_mut(out, oc, |_, block| {
             for row in block.chunks_exact_mut(oc) {
@@ -113,6 +131,7 @@ pub fn matmul_backward_input(
         c,
         oc,
         dinp,
+        c,
         accumulate,
         dout,
         oc,
@@ -142,6 +161,7 @@ pub fn matmul_backward_weight(
         c,
         n,
         dweight,
+        c,
         true,
         dout,
         1,
@@ -164,13 +184,15 @@ pub fn matmul_backward_weight(
 }
 
 /// `dst[m,n] (+)= a[m,k] · b[k,n]` with `a` and `b` given by row and column
-/// strides into their slices (attention reads heads out of the packed `qkv`),
-/// on the calling thread (attention runs its heads in parallel instead).
+/// strides into their slices (attention reads heads out of the packed `qkv`)
+/// and `dst` by its row stride, on the calling thread (attention runs its
+/// heads in parallel instead).
+#[allow(clippy::too_many_arguments)]
 pub fn matmul_strided(
     m: usize,
     n: usize,
     k: usize,
-    dst: &mut [f32],
+    (dst, dst_rs): (&mut [f32], usize),
     accumulate: bool,
     a: &[f32],
     (a_rs, a_cs): (usize, usize),
@@ -192,6 +214,7 @@ pub fn matmul_strided(
         n,
         k,
         dst,
+        dst_rs,
         accumulate,
         a,
         a_rs,
@@ -205,5 +228,5 @@ pub fn matmul_strided(
 
 /// `out[m,n] = a[m,k] · b[k,n]` for plain row-major matrices.
 pub fn matmul_plain(out: &mut [f32], a: &[f32], b: &[f32], m: usize, k: usize, n: usize) {
-    mm(m, n, k, out, false, a, k, 1, b, n, 1, parallelism());
+    mm(m, n, k, out, n, false, a, k, 1, b, n, 1, parallelism());
 }

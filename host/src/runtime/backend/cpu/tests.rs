@@ -132,6 +132,75 @@ fn attention_gradients_match_finite_differences() {
     assert_eq!(o[..c], o2[..c]);
 }
 
+/// Past one block of the causal products (T = 150: blocks of 64, 64, 22),
+/// output, probabilities and input gradient equal a naive reference in f64
+/// (every score, softmax and sum written out), to float rounding.
+#[test]
+fn blocked_attention_matches_a_naive_reference_past_one_block() {
+    let (b, t, c, nh) = (2, 150, 8, 2);
+    let hs = c / nh;
+    let mut r = Rng(11);
+    let (qkv, dout) = (r.vec(b * t * 3 * c), r.vec(b * t * c));
+    let (mut o, mut a) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+    attention_forward(&mut o, &mut a, &qkv, b, t, c, nh);
+    let mut dqkv = vec![0.0; qkv.len()];
+    attention_backward(&mut dqkv, &dout, &qkv, &a, b, t, c, nh);
+    let at = |bi: usize, ti: usize, part: usize, h: usize, i: usize| {
+        qkv[(bi * t + ti) * 3 * c + part * c + h * hs + i] as f64
+    };
+    let scale = 1.0 / (hs as f64).sqrt();
+    let mut want_dqkv = vec![0.0f64; qkv.len()];
+    let close = |x: f32, y: f64, what: &str| {
+        assert!(
+            (x as f64 - y).abs() <= 1e-5 * (1.0 + y.abs()),
+            "{what}: {x} vs {y}"
+        );
+    };
+    for bi in 0..b {
+        for h in 0..nh {
+            for ti in 0..t {
+                let s: Vec<f64> = (0..=ti)
+                    .map(|tj| {
+                        (0..hs)
+                            .map(|i| at(bi, ti, 0, h, i) * at(bi, tj, 1, h, i))
+                            .sum::<f64>()
+                            * scale
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|v| (v - m).exp()).sum();
+                let p: Vec<f64> = s.iter().map(|v| (v - m).exp() / z).collect();
+                let row = &a[((bi * nh + h) * t + ti) * t..][..t];
+                for tj in 0..t {
+                    close(row[tj], if tj <= ti { p[tj] } else { 0.0 }, "probability");
+                }
+                let d = |i: usize| dout[(bi * t + ti) * c + h * hs + i] as f64;
+                for i in 0..hs {
+                    let y: f64 = (0..=ti).map(|tj| p[tj] * at(bi, tj, 2, h, i)).sum();
+                    close(o[(bi * t + ti) * c + h * hs + i], y, "output");
+                }
+                // dp = dout·v ; ds = p ⊙ (dp − Σ p·dp)
+                let dp: Vec<f64> = (0..=ti)
+                    .map(|tj| (0..hs).map(|i| d(i) * at(bi, tj, 2, h, i)).sum())
+                    .collect();
+                let dot: f64 = (0..=ti).map(|tj| p[tj] * dp[tj]).sum();
+                for tj in 0..=ti {
+                    let ds = p[tj] * (dp[tj] - dot) * scale;
+                    for i in 0..hs {
+                        want_dqkv[(bi * t + ti) * 3 * c + h * hs + i] += ds * at(bi, tj, 1, h, i);
+                        want_dqkv[(bi * t + tj) * 3 * c + c + h * hs + i] +=
+                            ds * at(bi, ti, 0, h, i);
+                        want_dqkv[(bi * t + tj) * 3 * c + 2 * c + h * hs + i] += p[tj] * d(i);
+                    }
+                }
+            }
+        }
+    }
+    for (x, y) in dqkv.iter().zip(&want_dqkv) {
+        close(*x, *y, "dqkv");
+    }
+}
+
 #[test]
 fn gelu_residual_embedding_and_loss_gradients_match_finite_differences() {
     let mut r = Rng(4);
