@@ -50,6 +50,31 @@ pub fn gelu_forward(out: &mut [f32], inp: &[f32]) {
     });
 }
 
+/// The fc layer's bias fused into GELU: by rows of `width`, `pre += bias`,
+/// then `out = gelu(pre)`, in one pass over both (the same operations as
+/// adding the bias and then [`gelu_forward`], so the same bits).
+pub fn bias_gelu_forward(pre: &mut [f32], out: &mut [f32], bias: &[f32], width: usize) {
+    let _k = super::profile::span("bias_gelu_forward");
+    let n = pre.len().min(out.len());
+    par::rows_mut2(
+        &mut pre[..n],
+        width,
+        &mut out[..n],
+        width,
+        2 * width,
+        |_, pre, out| {
+            for (prow, orow) in pre.chunks_exact_mut(width).zip(out.chunks_exact_mut(width)) {
+                for ((p, o), b) in prow.iter_mut().zip(orow.iter_mut()).zip(bias) {
+                    let x = *p + b;
+                    *p = x;
+                    let cube = 0.044715 * x * x * x;
+                    *o = 0.5 * x * (1.0 + tanh(GELU_SCALE * (x + cube)));
+                }
+            }
+        },
+    );
+}
+
 /// `dinp += gelu'(x) · dout`.
 pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
     let _k = super::profile::span("gelu_backward");

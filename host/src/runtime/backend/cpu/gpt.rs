@@ -5,11 +5,13 @@
 //! backward-for-weights, composed from the kernels of this folder.
 
 use super::attention::{attention_backward, attention_forward};
-use super::elementwise::{gelu_backward, gelu_forward, residual_forward};
+use super::elementwise::{bias_gelu_forward, gelu_backward, residual_forward};
 use super::embedding::{embedding_backward_weight, embedding_forward};
 use super::layernorm::{layernorm_backward_input, layernorm_backward_weight, layernorm_forward};
 use super::loss::{crossentropy_backward, crossentropy_forward};
-use super::matmul::{matmul_backward_input, matmul_backward_weight, matmul_forward};
+use super::matmul::{
+    matmul_backward_input, matmul_backward_weight, matmul_forward, matmul_forward_residual,
+};
 use super::moe::{
     alone, moe_backward_input, moe_backward_weight, moe_forward, Exchange, ExpertGroup, MoeCache,
     MoeDims, MoeStash,
@@ -410,6 +412,39 @@ fn row_parallel(
     Ok(out)
 }
 
+/// A block's projection back onto the residual stream: `res + inp · Wᵀ +
+/// bias`, the residual fused into the GEMM ([`matmul_forward_residual`]);
+/// under tensor parallelism the row-parallel product is summed over the
+/// group first ([`row_parallel`]), then the residual added.
+fn onto_residual(
+    params: &Tensors,
+    w: &str,
+    bias: &str,
+    inp: &[f32],
+    res: &[f32],
+    (n, ic, oc): (usize, usize, usize),
+    reduce: Option<&mut Reduce<'_>>,
+) -> Result<Vec<f32>, String> {
+    let mut out = vec![0.0; n * oc];
+    match reduce {
+        None => matmul_forward_residual(
+            &mut out,
+            res,
+            inp,
+            param_of(params, w),
+            param_of(params, bias),
+            n,
+            ic,
+            oc,
+        ),
+        reduce => {
+            let proj = row_parallel(params, w, bias, inp, n, ic, oc, reduce)?;
+            residual_forward(&mut out, res, &proj);
+        }
+    }
+    Ok(out)
+}
+
 /// Attention half of layer `l`: `x2 = x + attproj(attention(qkv(ln1(x))))`;
 /// under tensor parallelism this device's heads only.
 fn attn_forward(
@@ -439,18 +474,15 @@ fn attn_forward(
     let mut att = vec![0.0; b * nhl * t * t];
     let mut atty = vec![0.0; n * cl];
     attention_forward(&mut atty, &mut att, &qkv, b, t, cl, nhl);
-    let attproj = row_parallel(
+    let x2 = onto_residual(
         params,
         &name("attn.c_proj.weight"),
         &name("attn.c_proj.bias"),
         &atty,
-        n,
-        cl,
-        c,
+        &x,
+        (n, cl, c),
         reduce,
     )?;
-    let mut x2 = vec![0.0; n * c];
-    residual_forward(&mut x2, &x, &attproj);
     let cache = AttnCache {
         layer: l,
         x,
@@ -479,29 +511,32 @@ fn mlp_forward(
     let name = |s: &str| format!("h.{l}.{s}");
     let (ln2, ln2_mean, ln2_rstd) =
         layernorm(params, &name("ln_2.weight"), &name("ln_2.bias"), &x2, n, c);
-    let fch = linear(
-        params,
-        &name("mlp.c_fc.weight"),
-        &name("mlp.c_fc.bias"),
+    let mut fch = vec![0.0; n * hl];
+    matmul_forward(
+        &mut fch,
         &ln2,
+        param_of(params, &name("mlp.c_fc.weight")),
+        None,
         n,
         c,
         hl,
     );
     let mut fch_gelu = vec![0.0; n * hl];
-    gelu_forward(&mut fch_gelu, &fch);
-    let fcproj = row_parallel(
+    bias_gelu_forward(
+        &mut fch,
+        &mut fch_gelu,
+        param_of(params, &name("mlp.c_fc.bias")),
+        hl,
+    );
+    let out = onto_residual(
         params,
         &name("mlp.c_proj.weight"),
         &name("mlp.c_proj.bias"),
         &fch_gelu,
-        n,
-        hl,
-        c,
+        &x2,
+        (n, hl, c),
         reduce,
     )?;
-    let mut out = vec![0.0; n * c];
-    residual_forward(&mut out, &x2, &fcproj);
     let cache = MlpCache {
         layer: l,
         x2,

@@ -113,6 +113,52 @@ pub fn matmul_forward(
     }
 }
 
+/// A linear layer onto a residual: `out = res + bias + inp · Wᵀ`. The
+/// residual and the bias go in first (one pass), the GEMM accumulates onto
+/// them in its epilogue, so neither the layer's output nor the residual sum
+/// is a pass of its own.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_forward_residual(
+    out: &mut [f32],
+    res: &[f32],
+    inp: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+) {
+    let _k = super::profile::span("matmul_forward_residual");
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), oc * c);
+    assert_eq!(out.len(), n * oc);
+    assert_eq!(res.len(), n * oc);
+    assert_eq!(bias.len(), oc);
+    par::rows_mut(out, oc, |r0, block| {
+        for (k, row) in block.chunks_exact_mut(oc).enumerate() {
+            let x = &res[(r0 + k) * oc..][..oc];
+            for ((o, x), b) in row.iter_mut().zip(x).zip(bias) {
+                *o = x + b;
+            }
+        }
+    });
+    mm(
+        n,
+        oc,
+        c,
+        out,
+        oc,
+        true,
+        inp,
+        c,
+        1,
+        weight,
+        1,
+        c,
+        parallelism(),
+    );
+}
+
 /// Backward for the input: `dinp (+)= dout · W`.
 pub fn matmul_backward_input(
     dinp: &mut [f32],
