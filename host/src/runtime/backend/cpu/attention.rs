@@ -9,6 +9,7 @@
 //! parallel on the device's threads, each into its own buffers; results are
 //! then added into the packed outputs in the one-thread order.
 
+use super::elementwise::exp_small;
 use super::matmul::matmul_strided;
 use super::par;
 
@@ -63,11 +64,12 @@ pub fn attention_forward(
                     *v *= scale;
                     maxv = maxv.max(*v);
                 }
-                let mut sum = 0.0f32;
+                // e^(v − max) ≤ 1 without libm (its loop vectorizes); below
+                // e^-80 a probability is 0 to f32 anyway.
                 for v in row.iter_mut().take(ti + 1) {
-                    *v = (*v - maxv).exp();
-                    sum += *v;
+                    *v = exp_small((*v - maxv).max(-80.0));
                 }
+                let sum: f32 = row[..=ti].iter().sum();
                 let inv = 1.0 / sum;
                 for v in row.iter_mut().take(ti + 1) {
                     *v *= inv;

@@ -11,7 +11,7 @@ const GELU_SCALE: f32 = 0.797_884_6; // √(2/π)
 /// and Cephes' degree-6 polynomial for `e^r` (relative error < 2e-7): only
 /// multiplies, adds and bit operations, which the compiler vectorizes.
 #[inline(always)]
-fn exp_small(x: f32) -> f32 {
+pub(super) fn exp_small(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split in two so that k·LN2_HI is exact.
     const LN2_HI: f32 = 0.693_359_4;
