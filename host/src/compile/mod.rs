@@ -291,13 +291,10 @@ fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind) -> bool {
 }
 
 fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
-    let t0 = std::time::Instant::now();
     validate(dag)?;
-    let t1 = std::time::Instant::now();
     let g = &dag.graph;
     let bound = g.node_bound();
     let order = schedule(dag);
-    let t2 = std::time::Instant::now();
 
     // Markers are pass-through: each node's effective local predecessors.
     let real_preds = |id: NodeId| -> Vec<(NodeId, EdgeKind)> {
@@ -601,7 +598,6 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             list
         })
         .collect();
-    let t3 = std::time::Instant::now();
     // Memory per device, walking the global order. Buffers are per
     // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
     let mut devices = Vec::with_capacity(ndev);
@@ -779,9 +775,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 .collect(),
         });
     }
-    let t4 = std::time::Instant::now();
     check_deadlock(&devices)?;
-    let t5 = std::time::Instant::now();
     let mut plan = Plan {
         hash: String::new(),
         model: dag.model().name.clone(),
@@ -789,11 +783,6 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         devices,
     };
     plan.hash = plan.compute_hash();
-    let t6 = std::time::Instant::now();
-    if std::env::var_os("PIPER_COMPILE_TIMES").is_some() {
-        let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
-        eprintln!("compile: validate {:.1} schedule {:.1} ops {:.1} memory+states {:.1} deadlock {:.1} hash {:.1}", ms(t0,t1), ms(t1,t2), ms(t2,t3), ms(t3,t4), ms(t4,t5), ms(t5,t6));
-    }
     Ok(plan)
 }
 
