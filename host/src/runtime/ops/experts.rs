@@ -46,11 +46,41 @@ pub(super) fn all_to_all(
     dev.put(op, TensorKind::Routed, Buf::Moe(MoePart::Chunks(got)))
 }
 
+/// A plan that asks for what an expert phase cannot do.
+fn plan_error(dev: &Device, op: &Op, m: &str) -> RuntimeError {
+    RuntimeError::Plan(format!("device {}: {}: {m}", dev.id, label(op)))
+}
+
+/// An exchange whose rows do not fit the routing.
+fn exchange_error(dev: &Device, op: &Op, cause: String) -> RuntimeError {
+    RuntimeError::Exchange {
+        device: dev.id,
+        op: label(op),
+        cause,
+    }
+}
+
+/// Rows for (or from) each member, as a buffer.
+fn chunks(v: Vec<Vec<f32>>) -> Buf {
+    Buf::Moe(MoePart::Chunks(v.into_iter().map(Arc::new).collect()))
+}
+
+/// The rows the all-to-all before this phase delivered.
+fn received(dev: &Device, op: &Op) -> Result<Vec<Arc<Vec<f32>>>, RuntimeError> {
+    let b = dev
+        .take(op, TensorKind::Routed)?
+        .ok_or_else(|| missing(dev, op, "the exchanged rows"))?;
+    match &*b {
+        Buf::Moe(MoePart::Chunks(c)) => Ok(c.clone()),
+        _ => Err(plan_error(dev, op, "the exchanged rows are not rows")),
+    }
+}
+
 /// One phase of a split expert pass.
 pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
     let s = op.segments[0];
     let seg = &ctx.segments[s as usize];
-    let plan_error = |m: &str| RuntimeError::Plan(format!("device {}: {}: {m}", dev.id, label(op)));
+    let plan_error = |m: &str| plan_error(dev, op, m);
     let (Some(&Part::Experts(l)), Some(moe)) = (seg.parts.first(), ctx.cfg.moe.as_ref()) else {
         return Err(plan_error("an expert phase on a segment without experts"));
     };
@@ -63,21 +93,7 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
     let b = ctx.batch.b / op.batch_div.max(1) as usize;
     let dims = Dims::new(ctx.cfg, b);
     let d = MoeDims::new(moe, dims.n(), dims.t, dims.c);
-    let fail = |cause: String| RuntimeError::Exchange {
-        device: dev.id,
-        op: label(op),
-        cause,
-    };
-    let chunks =
-        |v: Vec<Vec<f32>>| Buf::Moe(MoePart::Chunks(v.into_iter().map(Arc::new).collect()));
-    let received = || -> Result<Arc<Buf>, RuntimeError> {
-        dev.take(op, TensorKind::Routed)?
-            .ok_or_else(|| missing(dev, op, "the exchanged rows"))
-    };
-    let rows = |b: &Buf| match b {
-        Buf::Moe(MoePart::Chunks(c)) => Ok(c.clone()),
-        _ => Err(plan_error("the exchanged rows are not rows")),
-    };
+    let fail = |cause| exchange_error(dev, op, cause);
     let phase = op.phase.ok_or_else(|| plan_error("no phase"))?;
     match (op.op, phase) {
         (OpKind::F, ExpertPhase::Dispatch) => {
@@ -97,7 +113,7 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
             )
         }
         (OpKind::F, ExpertPhase::Experts) => {
-            let got = rows(&*received()?)?;
+            let got = received(dev, op)?;
             let (experts, back) = with_params(dev, op, |p| {
                 moe_experts::<String>(p, l, d, group, &got).map_err(fail)
             })?;
@@ -106,7 +122,7 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
             dev.put(op, TensorKind::Saved, Buf::Moe(MoePart::Experts(experts)))
         }
         (OpKind::F, ExpertPhase::Combine) => {
-            let got = rows(&*received()?)?;
+            let got = received(dev, op)?;
             let (mut routed, mut experts) = (None, None);
             for buf in dev.take_all(op, TensorKind::Saved)? {
                 match Arc::try_unwrap(buf) {
@@ -161,23 +177,8 @@ fn backward_phase(
     cache: &MoeCache,
     saved: &Arc<Buf>,
 ) -> Result<(), RuntimeError> {
-    let plan_error = |m: &str| RuntimeError::Plan(format!("device {}: {}: {m}", dev.id, label(op)));
-    let fail = |cause: String| RuntimeError::Exchange {
-        device: dev.id,
-        op: label(op),
-        cause,
-    };
-    let chunks =
-        |v: Vec<Vec<f32>>| Buf::Moe(MoePart::Chunks(v.into_iter().map(Arc::new).collect()));
-    let received = || -> Result<Vec<Arc<Vec<f32>>>, RuntimeError> {
-        let b = dev
-            .take(op, TensorKind::Routed)?
-            .ok_or_else(|| missing(dev, op, "the exchanged rows"))?;
-        match &*b {
-            Buf::Moe(MoePart::Chunks(c)) => Ok(c.clone()),
-            _ => Err(plan_error("the exchanged rows are not rows")),
-        }
-    };
+    let plan_error = |m: &str| plan_error(dev, op, m);
+    let fail = |cause| exchange_error(dev, op, cause);
     let fused = op.op == OpKind::B;
     if fused && op.zero >= 2 {
         return Err(plan_error("ZeRO-2/3 on a split expert pass"));
@@ -191,7 +192,7 @@ fn backward_phase(
             dev.put(op, TensorKind::Stash, Buf::Moe(MoePart::Combined(combined)))
         }
         ExpertPhase::Experts => {
-            let got = received()?;
+            let got = received(dev, op)?;
             let (grads, back) = with_params(dev, op, |p| {
                 moe_back_experts::<String>(p, cache, &got).map_err(fail)
             })?;
@@ -205,7 +206,7 @@ fn backward_phase(
             }
         }
         ExpertPhase::Dispatch => {
-            let got = received()?;
+            let got = received(dev, op)?;
             let (mut combined, mut grads) = (None, None);
             for buf in dev.take_all(op, TensorKind::Stash)? {
                 match Arc::try_unwrap(buf) {

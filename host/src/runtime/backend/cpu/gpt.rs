@@ -224,7 +224,10 @@ impl SegmentCache {
     /// (zero without experts).
     pub fn moe_counts(&self) -> (u64, u64) {
         self.parts.iter().fold((0, 0), |(r, d), p| match p {
-            PartCache::Experts(m) => (r + m.routing.choice.len() as u64, d + m.routing.dropped),
+            PartCache::Experts(m) => (
+                r + m.routed.routing.choice.len() as u64,
+                d + m.routed.routing.dropped,
+            ),
             _ => (r, d),
         })
     }

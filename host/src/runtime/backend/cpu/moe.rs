@@ -112,30 +112,15 @@ pub struct Routing {
     pub dropped: u64,
 }
 
-/// What the MoE half keeps from forward for backward: the routing side
-/// (this device's tokens) and the expert side (this device's experts, the
-/// rows of every source).
+/// What the MoE half keeps from forward for backward: the dispatch phase's
+/// routing side (this device's tokens), the combine's inputs, and the
+/// experts phase's side (this device's experts, the rows of every source).
 #[derive(Clone, Debug)]
 pub struct MoeCache {
-    pub layer: u32,
-    pub dims: MoeDims,
-    pub group: ExpertGroup,
-    pub aux_coef: f32,
-    pub x: Vec<f32>,
-    pub ln: Vec<f32>,
-    pub mean: Vec<f32>,
-    pub rstd: Vec<f32>,
-    /// `[n, e]` router probabilities.
-    pub probs: Vec<f32>,
-    pub routing: Routing,
+    pub routed: MoeRouted,
     /// Per expert (all of them): the outputs of this device's rows.
     pub ys: Vec<Arc<Vec<f32>>>,
-    /// Per local expert: rows from each member of the group.
-    pub src_rows: Vec<Vec<usize>>,
-    /// Per local expert: its input rows, `c_fc` output and GELU.
-    pub xin: Vec<Vec<f32>>,
-    pub fc: Vec<Vec<f32>>,
-    pub act: Vec<Vec<f32>>,
+    pub experts: MoeExperts,
 }
 
 fn floats(v: &[f32]) -> u64 {
@@ -148,31 +133,14 @@ fn floats_each<T: AsRef<[f32]>>(v: &[T]) -> u64 {
 
 impl MoeCache {
     pub fn bytes(&self) -> u64 {
-        let r = &self.routing;
-        [
-            &self.x,
-            &self.ln,
-            &self.mean,
-            &self.rstd,
-            &self.probs,
-            &r.weight,
-        ]
-        .iter()
-        .map(|v| floats(v))
-        .sum::<u64>()
-            + (r.choice.len() + r.slot.len() + r.rows.iter().map(Vec::len).sum::<usize>()) as u64
-                * 4
-            + self.ys.iter().map(|y| floats(y)).sum::<u64>()
-            + floats_each(&self.xin)
-            + floats_each(&self.fc)
-            + floats_each(&self.act)
+        self.routed.bytes() + self.ys.iter().map(|y| floats(y)).sum::<u64>() + self.experts.bytes()
     }
 
     /// What the weight pass reads (inputs of the matmuls and the layernorm,
     /// the routing); the rest is freed at `BI`.
     pub fn keep_for_weights(mut self) -> Self {
-        self.probs = Vec::new();
-        self.fc = Vec::new();
+        self.routed.probs = Vec::new();
+        self.experts.fc = Vec::new();
         self.ys = Vec::new();
         self
     }
@@ -598,34 +566,10 @@ pub fn moe_combine<E: From<String>>(
         aux += e as f64 * dot;
     }
     let aux_loss = routed.aux_coef * t as f64 * aux;
-    let MoeRouted {
-        layer,
-        dims,
-        group,
-        aux_coef,
-        x,
-        ln,
-        mean,
-        rstd,
-        probs,
-        routing,
-    } = routed;
     let cache = MoeCache {
-        layer,
-        dims,
-        group,
-        aux_coef: aux_coef as f32,
-        x,
-        ln,
-        mean,
-        rstd,
-        probs,
-        routing,
+        routed,
         ys,
-        src_rows: experts.src_rows,
-        xin: experts.xin,
-        fc: experts.fc,
-        act: experts.act,
+        experts,
     };
     Ok((out, cache, aux_loss))
 }
@@ -705,8 +649,8 @@ impl MoeExpertGrads {
 /// Backward combine phase: each kept assignment's output gradient, for the
 /// expert's owner (one chunk per member), and the gradient of its weight.
 pub fn moe_back_combine(cache: &MoeCache, dout: Vec<f32>) -> (MoeCombined, Vec<Vec<f32>>) {
-    let MoeDims { n, c, e, k, .. } = cache.dims;
-    let r = &cache.routing;
+    let MoeDims { n, c, e, k, .. } = cache.routed.dims;
+    let r = &cache.routed.routing;
     let mut dweight = vec![0.0f32; n * k];
     let mut dys_here: Vec<Vec<f32>> = Vec::with_capacity(e);
     for (x_, rows) in r.rows.iter().enumerate() {
@@ -723,7 +667,7 @@ pub fn moe_back_combine(cache: &MoeCache, dout: Vec<f32>) -> (MoeCombined, Vec<V
         }
         dys_here.push(dy);
     }
-    let chunks = by_owner(&dys_here, cache.group, e);
+    let chunks = by_owner(&dys_here, cache.routed.group, e);
     (MoeCombined { dout, dweight }, chunks)
 }
 
@@ -735,13 +679,15 @@ pub fn moe_back_experts<E: From<String>>(
     cache: &MoeCache,
     got: &[Arc<Vec<f32>>],
 ) -> Result<(MoeExpertGrads, Vec<Vec<f32>>), E> {
-    let MoeDims { c, e, hid, .. } = cache.dims;
-    let (l, group) = (cache.layer, cache.group);
+    let MoeDims { c, e, hid, .. } = cache.routed.dims;
+    let (l, group) = (cache.routed.layer, cache.routed.group);
     expect_len("output gradients", got.len(), group.size)?;
     let local = group.local(e);
     let mut offsets = vec![0usize; group.size];
     for (s, chunk) in got.iter().enumerate() {
-        let want: usize = (0..local.len()).map(|i| cache.src_rows[i][s] * c).sum();
+        let want: usize = (0..local.len())
+            .map(|i| cache.experts.src_rows[i][s] * c)
+            .sum();
         expect_len(
             &format!("output gradients from member {s}"),
             chunk.len(),
@@ -750,10 +696,10 @@ pub fn moe_back_experts<E: From<String>>(
     }
     let (mut dys, mut dfcs, mut dins) = (Vec::new(), Vec::new(), Vec::new());
     for (i, x_) in local.clone().enumerate() {
-        let m: usize = cache.src_rows[i].iter().sum();
+        let m: usize = cache.experts.src_rows[i].iter().sum();
         let mut dy = Vec::with_capacity(m * c);
         for (s, chunk) in got.iter().enumerate() {
-            let len = cache.src_rows[i][s] * c;
+            let len = cache.experts.src_rows[i][s] * c;
             dy.extend_from_slice(&chunk[offsets[s]..offsets[s] + len]);
             offsets[s] += len;
         }
@@ -763,14 +709,14 @@ pub fn moe_back_experts<E: From<String>>(
             let w = |s: &str| param_of(params, &expert_param(l, x_, s));
             let mut dact = vec![0.0f32; m * hid];
             matmul_backward_input(&mut dact, &dy, w("c_proj.weight"), m, hid, c, false);
-            gelu_backward(&mut dfc, &cache.fc[i], &dact);
+            gelu_backward(&mut dfc, &cache.experts.fc[i], &dact);
             matmul_backward_input(&mut dinp, &dfc, w("c_fc.weight"), m, c, hid, false);
         }
         dys.push(dy);
         dfcs.push(dfc);
         dins.push(dinp);
     }
-    let back = split_back(&dins, &cache.src_rows, group.size, c);
+    let back = split_back(&dins, &cache.experts.src_rows, group.size, c);
     Ok((MoeExpertGrads { dy: dys, dfc: dfcs }, back))
 }
 
@@ -786,11 +732,11 @@ pub fn moe_back_dispatch<E: From<String>>(
     got: &[Arc<Vec<f32>>],
     loss_scale: f32,
 ) -> Result<(Vec<f32>, MoeStash), E> {
-    let d = cache.dims;
+    let d = cache.routed.dims;
     let MoeDims { n, t, c, e, k, .. } = d;
-    let (l, group) = (cache.layer, cache.group);
+    let (l, group) = (cache.routed.layer, cache.routed.group);
     let name = |s: &str| format!("h.{l}.{s}");
-    let r = &cache.routing;
+    let r = &cache.routed.routing;
     let MoeCombined { dout, dweight } = combined;
     expect_len("input gradients", got.len(), group.size)?;
     expect_len("output gradient", dout.len(), n * c)?;
@@ -817,10 +763,10 @@ pub fn moe_back_dispatch<E: From<String>>(
     // Through the renormalisation w_j = p_j / Σ p, the balance loss and the
     // softmax, to the router logits.
     let f = choice_shares(r, d);
-    let aux = cache.aux_coef * e as f32 * loss_scale;
+    let aux = cache.routed.aux_coef as f32 * e as f32 * loss_scale;
     let mut dlogits = vec![0.0f32; n * e];
     for tok in 0..n {
-        let p = &cache.probs[tok * e..][..e];
+        let p = &cache.routed.probs[tok * e..][..e];
         let mut dp: Vec<f32> = f[(tok / t) * e..][..e].iter().map(|fx| aux * fx).collect();
         let ch = &r.choice[tok * k..][..k];
         let w = &r.weight[tok * k..][..k];
@@ -848,10 +794,10 @@ pub fn moe_back_dispatch<E: From<String>>(
     layernorm_backward_input(
         &mut dx,
         &dln,
-        &cache.x,
+        &cache.routed.x,
         param_of(params, &name("ln_2.weight")),
-        &cache.mean,
-        &cache.rstd,
+        &cache.routed.mean,
+        &cache.routed.rstd,
         n,
         c,
     );
@@ -881,31 +827,31 @@ pub fn moe_experts_weight(
     dy: &[Vec<f32>],
     dfc: &[Vec<f32>],
 ) {
-    let MoeDims { c, e, hid, .. } = cache.dims;
-    let l = cache.layer;
-    for (i, x_) in cache.group.local(e).enumerate() {
-        let m: usize = cache.src_rows[i].iter().sum();
+    let MoeDims { c, e, hid, .. } = cache.routed.dims;
+    let l = cache.routed.layer;
+    for (i, x_) in cache.routed.group.local(e).enumerate() {
+        let m: usize = cache.experts.src_rows[i].iter().sum();
         if m == 0 {
             continue;
         }
         let p = |w: &str| expert_param(l, x_, w);
         let (w2, b2) = (p("c_proj.weight"), p("c_proj.bias"));
-        linear_weight(grads, &w2, &b2, &dy[i], &cache.act[i], m, hid, c);
+        linear_weight(grads, &w2, &b2, &dy[i], &cache.experts.act[i], m, hid, c);
         let (w1, b1) = (p("c_fc.weight"), p("c_fc.bias"));
-        linear_weight(grads, &w1, &b1, &dfc[i], &cache.xin[i], m, c, hid);
+        linear_weight(grads, &w1, &b1, &dfc[i], &cache.experts.xin[i], m, c, hid);
     }
 }
 
 /// The router's and ln2's weight gradients.
 pub fn moe_router_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeStash) {
-    let MoeDims { n, c, e, .. } = cache.dims;
-    let l = cache.layer;
+    let MoeDims { n, c, e, .. } = cache.routed.dims;
+    let l = cache.routed.layer;
     let name = |s: &str| format!("h.{l}.{s}");
     matmul_backward_weight(
         grad_of(grads, &name("mlp.router.weight")),
         None,
         &stash.dlogits,
-        &cache.ln,
+        &cache.routed.ln,
         n,
         c,
         e,
@@ -915,9 +861,9 @@ pub fn moe_router_weight(grads: &mut Tensors, cache: &MoeCache, stash: &MoeStash
         &name("ln_2.weight"),
         &name("ln_2.bias"),
         &stash.dln,
-        &cache.x,
-        &cache.mean,
-        &cache.rstd,
+        &cache.routed.x,
+        &cache.routed.mean,
+        &cache.routed.rstd,
         n,
         c,
     );

@@ -555,11 +555,14 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
         .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
         .collect();
     moe_backward_weight(&mut grads, &cache, &stash);
-    let routing = cache.routing.choice.clone();
+    let routing = cache.routed.routing.choice.clone();
     // Every probe keeps the routing (else the loss is not differentiable there).
     let probe = |p: &Tensors, x: &[f32]| {
         let (l, c) = moe_loss(&moe, d, p, x, &r);
-        assert_eq!(c.routing.choice, routing, "a probe changed the routing");
+        assert_eq!(
+            c.routed.routing.choice, routing,
+            "a probe changed the routing"
+        );
         l
     };
     check("moe dx", &mut x.clone(), &dx, 1e-3, 2e-2, |v| {
@@ -603,8 +606,20 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
 #[test]
 fn moe_gradients_match_finite_differences() {
     let cache = check_moe_gradients(None);
-    assert_eq!(cache.routing.dropped, 0, "dropless routes every choice");
-    assert_eq!(cache.routing.rows.iter().map(Vec::len).sum::<usize>(), 20);
+    assert_eq!(
+        cache.routed.routing.dropped, 0,
+        "dropless routes every choice"
+    );
+    assert_eq!(
+        cache
+            .routed
+            .routing
+            .rows
+            .iter()
+            .map(Vec::len)
+            .sum::<usize>(),
+        20
+    );
 }
 
 /// Largest |a − b| over the larger magnitude of the two vectors.
@@ -724,7 +739,7 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
     // Capacity ceil(0.5 × 10 × 2 / 4) = 3 per expert: some of the 20
     // choices must go.
     let cache = check_moe_gradients(Some(0.5));
-    let r = &cache.routing;
+    let r = &cache.routed.routing;
     let mut per_expert = [0u64; 4];
     for x in &r.choice {
         per_expert[*x as usize] += 1;
@@ -748,7 +763,8 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
     let (out, c, _) = moe_fwd(&params, &moe, &x, d);
     let slots_dropped = |t: usize| {
         (0..2).all(|j| {
-            !c.routing
+            !c.routed
+                .routing
                 .rows
                 .iter()
                 .flatten()
@@ -766,7 +782,7 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
     let mut loose = moe;
     loose.capacity_factor = Some(2.0);
     let (_, c2, _) = moe_fwd(&params, &loose, &x, d);
-    assert_eq!(c2.routing.dropped, 0);
+    assert_eq!(c2.routed.routing.dropped, 0);
     assert!(seen > 0, "some token lost both choices");
 }
 
