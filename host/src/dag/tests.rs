@@ -536,3 +536,19 @@ fn primitives_read_and_tweak_the_dag() {
     let json = dag.snapshot();
     assert!(json["nodes"].as_array().unwrap().len() > 30);
 }
+
+/// A cycle that reaches the compiler (no directive makes one: this edge is
+/// added behind the directives' back) is an error naming the nodes on it,
+/// found by the schedule's own pass.
+#[test]
+fn compile_names_a_cycle_it_is_given() {
+    let mut dag = tiny(1);
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.sync();
+    let f = dag.query(&"{PP:0, PASS:F}".parse().unwrap()).unwrap()[0].id;
+    let b = dag.query(&"{PP:0, PASS:B}".parse().unwrap()).unwrap()[0].id;
+    dag.graph.add_edge(b.ix(), f.ix(), EdgeKind::Temporal);
+    let e = crate::compile::compile(&dag).unwrap_err().to_string();
+    assert!(e.starts_with("the DAG has a cycle: "), "{e}");
+    assert!(e.contains("B{PP:0}#1 -> F{PP:0}#0"), "{e}");
+}
