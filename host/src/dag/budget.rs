@@ -102,6 +102,24 @@ impl TrainingDag {
         Ok(())
     }
 
+    /// Refuse, before doing it, work that may take up to `bound` units;
+    /// charge what it took afterwards ([`charge`](Self::charge)).
+    pub(crate) fn fits(&self, call: &str, bound: u64) -> Result<(), DagError> {
+        let used = self.meter.used.load(Ordering::Relaxed);
+        if let Some(b) = &self.meter.budget {
+            let left = b.max_work.saturating_sub(used);
+            if bound > left {
+                return Err(limit(
+                    call,
+                    "sandbox.max_host_work",
+                    b.max_work,
+                    format!("the call may need up to {bound} units of host work, {left} are left"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// [`charge`](Self::charge) for the plugin host's own reads of the DAG.
     pub fn charge_public(&self, call: &str, work: u64) -> Result<(), DagError> {
         self.charge(call, work)

@@ -368,23 +368,33 @@ impl TrainingDag {
                 },
             ));
         }
-        // A path search may visit every node and edge; one more edge.
-        self.charge(&call, (self.node_count() + self.edge_count()) as u64)?;
+        // The proof may visit every node and edge (twice, when it takes a
+        // new snapshot); it is charged what it visits. One more edge.
+        self.fits(
+            &call,
+            2 * (self.node_count() + self.edge_count()) as u64 + 2,
+        )?;
         self.check_growth(&call, 0, 1)?;
         // Against the kept topological order: only the region the edge
         // reorders is visited (a full pass when there is none yet).
         let edge = [(from.ix().index(), to.ix().index())];
-        let pos = self.prove_acyclic(&edge, 0).map_err(|cycle| {
-            DagError::new(
-                &call,
-                DagErrorKind::Cycle {
-                    cycle: cycle
-                        .into_iter()
-                        .map(|n| self.label(NodeId(n as u32)))
-                        .collect(),
-                },
-            )
-        })?;
+        let pos = match self.prove_acyclic(&edge, 0) {
+            Ok(pos) => pos,
+            Err(cycle) => {
+                // A refused edge is charged as a full search.
+                self.charge(&call, (self.node_count() + self.edge_count()) as u64)?;
+                return Err(DagError::new(
+                    &call,
+                    DagErrorKind::Cycle {
+                        cycle: cycle
+                            .into_iter()
+                            .map(|n| self.label(NodeId(n as u32)))
+                            .collect(),
+                    },
+                ));
+            }
+        };
+        self.charge(&call, pos.work)?;
         self.graph.add_edge(from.ix(), to.ix(), EdgeKind::Temporal);
         self.keep_edges(&edge, &[], pos);
         for id in [from, to] {

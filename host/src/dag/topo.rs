@@ -38,6 +38,18 @@ pub(crate) struct Topo {
     pos: Vec<u32>,
     /// (node count, edge count, node bound) of the graph it describes.
     sig: (usize, usize, usize),
+    /// Pearce–Kelly's visit stamps and parents, kept so an insertion costs
+    /// what it visits, not a pass over every node.
+    seen: Vec<u32>,
+    parent: Vec<u32>,
+    stamp: u32,
+}
+
+/// What [`TrainingDag::prove_acyclic`] proved: the order to keep (`None`: the
+/// kept one, updated in place) and the host work it took, in budget units.
+pub(crate) struct Proven {
+    pos: Option<Vec<u32>>,
+    pub(crate) work: u64,
 }
 
 impl Topo {
@@ -80,6 +92,9 @@ impl Topo {
             live,
             pos: Vec::new(),
             sig: dag.topo_sig(),
+            seen: Vec::new(),
+            parent: Vec::new(),
+            stamp: 0,
         };
         t.pos = t.kahn(&[], 0).unwrap_or_default();
         t
@@ -172,52 +187,78 @@ impl TrainingDag {
         )
     }
 
-    /// The snapshot, taken anew when the graph changed since.
-    fn topo(&mut self) -> &Topo {
+    /// The snapshot, taken anew when the graph changed since; the work
+    /// that took (a pass over every node and edge, or none).
+    fn topo(&mut self) -> u64 {
         if self.topo.as_ref().is_none_or(|t| t.sig != self.topo_sig()) {
             self.topo = Some(Topo::take(self));
+            return (self.graph.node_count() + self.graph.edge_count()) as u64;
         }
-        self.topo.as_ref().expect("set above")
+        0
     }
 
     /// Prove the graph plus `extra` edges acyclic (`extra` may name
     /// `virtual_nodes` nodes numbered from the node bound up: edges planned
     /// but not added yet); `Err` holds one cycle, as node indices. A single
-    /// edge goes against the kept order (Pearce–Kelly), several through one
-    /// Kahn pass over the snapshot. `Ok` holds the order to keep once the
-    /// edges are added ([`TrainingDag::keep_edges`]).
+    /// edge goes into the kept order in place (Pearce–Kelly), several
+    /// through one Kahn pass over the snapshot. Add the edges, then
+    /// [`TrainingDag::keep_edges`].
     pub(crate) fn prove_acyclic(
         &mut self,
         extra: &[(usize, usize)],
         virtual_nodes: usize,
-    ) -> Result<Vec<u32>, Vec<usize>> {
-        let t = self.topo();
+    ) -> Result<Proven, Vec<usize>> {
+        let took = self.topo();
+        let pass = (self.graph.node_count() + self.graph.edge_count() + extra.len()) as u64;
+        let t = self.topo.as_mut().expect("taken above");
         let found = match (extra, virtual_nodes) {
-            (&[(a, b)], 0) if a < t.pos.len() && b < t.pos.len() => Insert::new(t).edge(a, b),
-            _ => t.kahn(extra, virtual_nodes).ok_or_else(Vec::new),
+            (&[(a, b)], 0) if a < t.pos.len() && b < t.pos.len() => {
+                insert(t, a, b).map(|visited| Proven {
+                    pos: None,
+                    work: took + visited + 1,
+                })
+            }
+            _ => t
+                .kahn(extra, virtual_nodes)
+                .map(|pos| Proven {
+                    pos: Some(pos),
+                    work: took + pass,
+                })
+                .ok_or_else(Vec::new),
         };
         match found {
-            Ok(pos) => Ok(pos),
+            Ok(p) => Ok(p),
             // Named by the full check (Kahn finds that there is a cycle,
-            // not which).
-            // (Were the snapshot ever wrong, the full pass's answer stands.)
-            Err(c) if c.is_empty() => self.check_acyclic_with(extra, virtual_nodes),
+            // not which; were the snapshot ever wrong, the full pass's
+            // answer stands).
+            Err(c) if c.is_empty() => {
+                self.topo = None;
+                self.check_acyclic_with(extra, virtual_nodes)
+                    .map(|pos| Proven {
+                        pos: Some(pos),
+                        work: took + 2 * pass,
+                    })
+            }
             Err(cycle) => Err(cycle),
         }
     }
 
     /// Record in the snapshot the edges just added (`planned`, virtual node
-    /// `k` now the real node `nodes[k]`) and `pos` as its order.
+    /// `k` now the real node `nodes[k]`) and the proven order.
     pub(crate) fn keep_edges(
         &mut self,
         planned: &[(usize, usize)],
         nodes: &[NodeIndex],
-        mut pos: Vec<u32>,
+        proven: Proven,
     ) {
         let sig = self.topo_sig();
         let bound = self.graph.node_bound();
         let Some(t) = self.topo.as_mut() else {
             return;
+        };
+        let mut pos = match proven.pos {
+            Some(pos) => pos,
+            None => std::mem::take(&mut t.pos),
         };
         let virt_from = pos.len() - nodes.len();
         let real = |i: usize| {
@@ -245,104 +286,86 @@ impl TrainingDag {
     }
 }
 
-/// Pearce–Kelly insertion of one edge into a copy of the kept order.
-struct Insert<'a> {
-    t: &'a Topo,
-    pos: Vec<u32>,
-    /// Visit stamps, the forward search's parents (for the cycle), and
-    /// scratch for a node's neighbours.
-    seen: Vec<u32>,
-    stamp: u32,
-    parent: Vec<u32>,
-    buf: Vec<usize>,
+/// Pearce–Kelly: put `x → y` into the kept order in place, or return the
+/// cycle it would close (the order untouched). `Ok` holds how many nodes it
+/// visited.
+fn insert(t: &mut Topo, x: usize, y: usize) -> Result<u64, Vec<usize>> {
+    if x == y {
+        return Err(vec![x, x]);
+    }
+    let (ub, lb) = (t.pos[x], t.pos[y]);
+    if lb > ub {
+        return Ok(0);
+    }
+    let n = t.pos.len();
+    if t.seen.len() < n {
+        t.seen.resize(n, 0);
+        t.parent.resize(n, NONE);
+    }
+    // What y reaches below x (reaching x: a cycle), then what reaches x
+    // above y; the first goes after the second, in the same slots.
+    let forward = search(t, y, Direction::Outgoing, |p| p < ub, Some(x))?;
+    let backward = search(t, x, Direction::Incoming, |p| p > lb, None)?;
+    let visited = (forward.len() + backward.len()) as u64;
+    let mut slots: Vec<u32> = forward.iter().chain(&backward).map(|n| t.pos[*n]).collect();
+    slots.sort_unstable();
+    let by_pos = |mut v: Vec<usize>| {
+        v.sort_unstable_by_key(|n| t.pos[*n]);
+        v
+    };
+    let (backward, forward) = (by_pos(backward), by_pos(forward));
+    for (n, p) in backward.into_iter().chain(forward).zip(slots) {
+        t.pos[n] = p;
+    }
+    Ok(visited)
 }
 
-impl<'a> Insert<'a> {
-    fn new(t: &'a Topo) -> Self {
-        let n = t.pos.len();
-        Insert {
-            t,
-            pos: t.pos.clone(),
-            seen: vec![0; n],
-            stamp: 0,
-            parent: vec![NONE; n],
-            buf: Vec::new(),
-        }
+/// Depth-first from `from` along `dir` through nodes whose position passes
+/// `within`; reaching `target` is a cycle, returned as `target → from → … →
+/// target`.
+fn search(
+    t: &mut Topo,
+    from: usize,
+    dir: Direction,
+    within: impl Fn(u32) -> bool,
+    target: Option<usize>,
+) -> Result<Vec<usize>, Vec<usize>> {
+    t.stamp = t.stamp.wrapping_add(1);
+    if t.stamp == 0 {
+        t.seen.fill(0);
+        t.stamp = 1;
     }
-
-    /// The order with `x → y` in it, or the cycle it would close.
-    fn edge(mut self, x: usize, y: usize) -> Result<Vec<u32>, Vec<usize>> {
-        if x == y {
-            return Err(vec![x, x]);
-        }
-        let (ub, lb) = (self.pos[x], self.pos[y]);
-        if lb < ub {
-            // Reorder the affected region: what y reaches below x goes
-            // after what reaches x above y, in the same slots.
-            let forward = self.search(y, Direction::Outgoing, |p| p < ub, Some(x))?;
-            let backward = self.search(x, Direction::Incoming, |p| p > lb, None)?;
-            let mut slots: Vec<u32> = forward
-                .iter()
-                .chain(&backward)
-                .map(|n| self.pos[*n])
-                .collect();
-            slots.sort_unstable();
-            let by_pos = |mut v: Vec<usize>| {
-                v.sort_unstable_by_key(|n| self.pos[*n]);
-                v
-            };
-            let (backward, forward) = (by_pos(backward), by_pos(forward));
-            for (n, p) in backward.into_iter().chain(forward).zip(slots) {
-                self.pos[n] = p;
+    let stamp = t.stamp;
+    t.seen[from] = stamp;
+    let mut stack = vec![from];
+    let mut found = Vec::new();
+    let mut next = Vec::new();
+    while let Some(n) = stack.pop() {
+        found.push(n);
+        next.clear();
+        next.extend(t.neighbours(n, dir));
+        for &s in &next {
+            if Some(s) == target {
+                let mut path = vec![n];
+                let mut c = n;
+                while c != from {
+                    c = t.parent[c] as usize;
+                    path.push(c);
+                }
+                path.reverse();
+                let mut cycle = vec![s];
+                cycle.extend(path);
+                cycle.push(s);
+                return Err(cycle);
+            }
+            if t.seen[s] != stamp && within(t.pos[s]) {
+                t.seen[s] = stamp;
+                t.parent[s] = n as u32;
+                stack.push(s);
             }
         }
-        Ok(self.pos)
     }
-
-    /// Depth-first from `from` along `dir` through nodes whose position
-    /// passes `within`; reaching `target` is a cycle, returned as
-    /// `target → from → … → target`.
-    fn search(
-        &mut self,
-        from: usize,
-        dir: Direction,
-        within: impl Fn(u32) -> bool,
-        target: Option<usize>,
-    ) -> Result<Vec<usize>, Vec<usize>> {
-        self.stamp += 1;
-        let stamp = self.stamp;
-        self.seen[from] = stamp;
-        let mut stack = vec![from];
-        let mut found = Vec::new();
-        let mut next = std::mem::take(&mut self.buf);
-        while let Some(n) = stack.pop() {
-            found.push(n);
-            next.clear();
-            next.extend(self.t.neighbours(n, dir));
-            for &s in &next {
-                if Some(s) == target {
-                    let mut path = vec![n];
-                    let mut c = n;
-                    while c != from {
-                        c = self.parent[c] as usize;
-                        path.push(c);
-                    }
-                    path.reverse();
-                    let mut cycle = vec![s];
-                    cycle.extend(path);
-                    cycle.push(s);
-                    return Err(cycle);
-                }
-                if self.seen[s] != stamp && within(self.pos[s]) {
-                    self.seen[s] = stamp;
-                    self.parent[s] = n as u32;
-                    stack.push(s);
-                }
-            }
-        }
-        self.buf = next;
-        Ok(found)
-    }
+    Ok(found)
 }
 
 #[cfg(test)]

@@ -3,8 +3,8 @@
 //! the host survives, and that the next plugin runs normally.
 
 use piper_sdk::{
-    export_strategy, log, Dag, Error, Filter, LogLevel, OptionSpec, Options, Pass, PluginInfo,
-    Strategy,
+    export_strategy, log, Dag, DagErrorKind, Error, Filter, LogLevel, OptionSpec, Options, Pass,
+    PluginInfo, Strategy,
 };
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -149,12 +149,20 @@ impl Strategy for Hostile {
                 Ok(())
             }
             "path-flood" => {
-                // Each temporal edge costs the host a path search.
+                // Each refused temporal edge (it would close a cycle) costs
+                // the host a search of the graph; the cycle errors are
+                // ignored, the budget's is not.
                 place_all(dag)?;
-                dag.split(&Filter::all(), "MB", 64)?;
-                let ids = dag.query_ids(&Filter::all().pass(Pass::F))?;
+                dag.split(&Filter::all(), "MB", 256)?;
+                // Microbatch 0's first forward reaches every one of its
+                // backwards.
+                let f = dag.query_ids(&Filter::tag("MB", 0).pass(Pass::F))?;
+                let b = dag.query_ids(&Filter::tag("MB", 0).pass(Pass::B))?;
                 for _ in 0..10_000_000u64 {
-                    dag.add_temporal_edge(black_box(ids[0]), ids[1])?;
+                    match black_box(dag.add_temporal_edge(black_box(b[0]), f[0])) {
+                        Err(e) if e.kind == DagErrorKind::Cycle => {}
+                        other => other?,
+                    }
                 }
                 Ok(())
             }
