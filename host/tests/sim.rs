@@ -275,8 +275,11 @@ fn a_2048_gpu_plan_compiles_and_simulates_in_seconds() {
     );
     assert_eq!(s.devices.len(), 2048);
     assert!(s.step_time > 0.0 && s.bubble > 0.0 && s.bubble < 1.0);
-    // The 5 s goal is for a release build (`cargo bench --bench sim`); a debug test allows 4×.
-    assert!(took.as_secs_f64() < 20.0, "took {took:?}");
+    // The 5 s goal is measured by `cargo bench --bench sim` (release).
+    // This debug test takes ~9 s alone on 2 cores and twice that when the
+    // other tests share them: its bound only catches a blow-up (a pass
+    // gone quadratic takes minutes), not a slowdown.
+    assert!(took.as_secs_f64() < 60.0, "took {took:?}");
 }
 
 #[test]
