@@ -627,8 +627,13 @@ fn step1_gradients_under_zero3_inside_1f1b_are_complete_and_match_one_device() {
                 .iter()
                 .zip(want)
                 .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            // Split runs sum the batch in another grouping (half batches,
+            // then the reduce-scatter): in f32 that moves entries by up to
+            // ~1e-6 of the largest (measured: 5e-7 to 1.0e-6 over these
+            // parameters); a lost microbatch or a wrong shard is off by
+            // 1e-2 or more.
             assert!(
-                worst / scale < 1e-6,
+                worst / scale < 1e-5,
                 "{name}: gradient of {n} differs by {worst} (scale {scale})"
             );
         }
