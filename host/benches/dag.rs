@@ -11,6 +11,10 @@ use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
 use std::time::{Duration, Instant};
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn model() -> ModelConfig {
     ModelConfig::bench_128()
 }

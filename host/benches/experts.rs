@@ -16,6 +16,10 @@ use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::sim::{exposed_all_to_all, simulate, Cluster};
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 type Strategy<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
 
 fn main() {

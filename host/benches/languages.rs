@@ -13,6 +13,10 @@ use piper::plugin::{PluginHost, SandboxLimits};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn model() -> ModelConfig {
     ModelConfig::bench_128()
 }

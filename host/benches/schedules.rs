@@ -13,6 +13,10 @@ use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// (label, plugin, options)
 type Case<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
 

@@ -10,6 +10,10 @@ use piper::plugin::{PluginHost, SandboxLimits};
 use piper::sim::{simulate, Cluster};
 use std::time::Instant;
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() {
     let model = ModelConfig {
         layers: 64,

@@ -11,6 +11,10 @@ use piper::runtime::backend::cpu::matmul::matmul_forward;
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 use std::time::Instant;
 
+/// The `piper` binary's allocator, so the figures are the binary's.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn pool(threads: usize) -> rayon::ThreadPool {
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

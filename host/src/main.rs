@@ -1,5 +1,10 @@
 //! The `piper` command.
 
+/// mimalloc: the planner's many small allocations (docs/design-notes.md,
+/// "Plan compile at scale"); the benches use it too.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     piper::cli::main()
 }

@@ -368,9 +368,26 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
     )
     .unwrap();
     assert_ne!(h1, compile(&dag).unwrap().hash);
-    // The JSON round-trips and keeps the hash.
-    let back = piper::compile::Plan::from_json(&a.to_json()).unwrap();
-    assert_eq!(back.compute_hash(), a.hash);
+    // The JSON round-trips and keeps the hash; the hash the compiler
+    // builds stream by stream is the finished plan's, SPMD nodes (ZeRO-3
+    // gathers, reduce-scatters on several devices) included.
+    let mut zero3 = tiny(4);
+    let groups = stage_groups(2, 2);
+    replicate_stages(&mut zero3, &groups, Some(3)).unwrap();
+    pipeline_place(&mut zero3, &groups, 4).unwrap();
+    let zero3 = compile(&zero3).unwrap();
+    assert!(zero3.devices[0].streams.iter().any(|s| s
+        .ops
+        .iter()
+        .any(|o| o.group.as_ref().is_some_and(|g| g.len() == 2))));
+    let mut dp = tiny(2);
+    dp.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0))
+        .unwrap();
+    for plan in [a, compile(&dp).unwrap(), zero3] {
+        assert_eq!(plan.compute_hash(), plan.hash);
+        let back = piper::compile::Plan::from_json(&plan.to_json()).unwrap();
+        assert_eq!(back.compute_hash(), plan.hash);
+    }
 }
 
 #[test]

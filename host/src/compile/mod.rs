@@ -453,7 +453,14 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                     .max()
                     .unwrap_or(0)
             };
-            let single_device_inputs = preds.iter().all(|(p, _)| g[p.ix()].devices == n.devices);
+            // Each predecessor's first position, and whether it runs on
+            // exactly this node's devices (then its op on this node's i-th
+            // device is its i-th: no search of its device list per device).
+            let pred_pos: Vec<(u32, bool)> = preds
+                .iter()
+                .map(|(p, _)| (pos_base[p.ix().index()], g[p.ix()].devices == n.devices))
+                .collect();
+            let single_device_inputs = pred_pos.iter().all(|(_, same)| *same);
             // Expert- or tensor-parallel compute: its group exchanges inside
             // the op, so the op meets its group like a collective (a phase of
             // a split expert pass carries it too; its exchanges are ops).
@@ -473,6 +480,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             Some(Shared {
                 op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
                 preds,
+                pred_pos,
                 tags: Arc::new(dag.tag_map(&n.tags)),
                 segments,
                 purpose,
@@ -495,6 +503,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 flops: cost.flops,
                 comm_bytes: cost.comm_bytes,
                 param_bytes: cost.param_bytes,
+                first_device: n.devices.iter().map(|d| d.0).min().unwrap_or(0),
             })
         })
         .collect();
@@ -506,16 +515,25 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     // pass would give.
     let stream_names = &stream_names;
     let (pos, pos_base) = (&pos, &pos_base);
-    let mut streams: Vec<Vec<(u16, Vec<Op>)>> = dev_nodes
+    let mut streams: Vec<Vec<(u16, Vec<Op>, plan::StreamHasher)>> = dev_nodes
         .par_iter()
         .zip(counts.par_iter())
         .enumerate()
         .map(|(d, (nodes, counts))| {
-            let mut list: Vec<(u16, Vec<Op>)> = counts
+            // Each stream hashed as it is built (`Plan::compute_hash`'s
+            // definition), while its ops are in cache.
+            let mut list: Vec<(u16, Vec<Op>, plan::StreamHasher)> = counts
                 .iter()
-                .map(|&(s, n)| (s, Vec::with_capacity(n as usize)))
+                .map(|&(s, n)| {
+                    let h = plan::StreamHasher::new(&stream_names[s as usize]);
+                    (s, Vec::with_capacity(n as usize), h)
+                })
                 .collect();
             let dev = DeviceId(d as u32);
+            // This device's own copies of the stream names its waits point
+            // at: one shared `Arc` cloned by every op on both threads was a
+            // contended counter.
+            let names: Vec<Arc<str>> = stream_names.iter().map(|s| Arc::from(&**s)).collect();
             for &(id, i) in nodes {
                 let n = &g[id.ix()];
                 let sh = shared[order_ix[id.ix().index()] as usize]
@@ -570,12 +588,16 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 // Cross-stream waits (latest op per stream) and local inputs.
                 let mut waits: Vec<(u16, u32)> = Vec::new();
                 let mut local_inputs: Vec<Input> = Vec::new();
-                for (p, k) in &sh.preds {
-                    let pn = &g[p.ix()];
-                    let Some(pi) = pn.devices.iter().position(|x| *x == dev) else {
-                        continue;
+                for ((p, k), &(base, same)) in sh.preds.iter().zip(&sh.pred_pos) {
+                    let pi = if same {
+                        i
+                    } else {
+                        match g[p.ix()].devices.iter().position(|x| *x == dev) {
+                            Some(pi) => pi,
+                            None => continue,
+                        }
                     };
-                    let (ps, pidx) = pos[pos_base[p.ix().index()] as usize + pi];
+                    let (ps, pidx) = pos[base as usize + pi];
                     if ps != sid {
                         match waits.iter_mut().find(|(s, _)| *s == ps) {
                             Some(w) => w.1 = w.1.max(pidx),
@@ -597,14 +619,15 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 op.waits = waits
                     .into_iter()
                     .map(|(s, i)| Wait {
-                        stream: stream_names[s as usize].clone(),
+                        stream: names[s as usize].clone(),
                         op: i as usize,
                     })
                     .collect();
                 let si = list
                     .iter()
-                    .position(|(s, _)| *s == sid)
+                    .position(|(s, _, _)| *s == sid)
                     .expect("counted above");
+                list[si].2.op(&op, d as u32 == sh.first_device);
                 list[si].1.push(op);
             }
             list
@@ -734,7 +757,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             }
         }
         for (d, (stream, idx), bytes) in outputs {
-            if let Some((_, ops)) = streams[d].iter_mut().find(|(s, _)| *s == stream) {
+            if let Some((_, ops, _)) = streams[d].iter_mut().find(|(s, _, _)| *s == stream) {
                 ops[idx as usize].out_bytes = bytes;
             }
         }
@@ -772,19 +795,26 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             }
         }
     }
+    let mut parts: Vec<Vec<[u64; 2]>> = Vec::with_capacity(ndev);
     for (d, list) in streams.into_iter().enumerate() {
+        let mut hashes = Vec::with_capacity(list.len());
+        let streams = list
+            .into_iter()
+            .map(|(s, ops, h)| {
+                hashes.push(h.finish(ops.len()));
+                StreamPlan {
+                    stream: stream_names[s as usize].to_string(),
+                    ops,
+                }
+            })
+            .collect();
+        parts.push(hashes);
         devices.push(DevicePlan {
             device: d as u32,
             peak_bytes: states[d] + transient_peak[d],
             model_state_bytes: states[d],
             transient_peak_bytes: transient_peak[d],
-            streams: list
-                .into_iter()
-                .map(|(s, ops)| StreamPlan {
-                    stream: stream_names[s as usize].to_string(),
-                    ops,
-                })
-                .collect(),
+            streams,
         });
     }
     check_deadlock(&devices)?;
@@ -794,7 +824,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         batch_size: dag.model().batch_size,
         devices,
     };
-    plan.hash = plan.compute_hash();
+    plan.hash = plan.hash_of(&parts);
     Ok(plan)
 }
 
@@ -802,6 +832,9 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
 struct Shared {
     op: OpKind,
     preds: Vec<(NodeId, EdgeKind)>,
+    /// Per predecessor: its first position and whether it runs on exactly
+    /// this node's devices.
+    pred_pos: Vec<(u32, bool)>,
     tags: Arc<std::collections::BTreeMap<String, u32>>,
     segments: Arc<[u32]>,
     purpose: Option<CommPurpose>,
@@ -818,6 +851,9 @@ struct Shared {
     flops: f64,
     comm_bytes: u64,
     param_bytes: u64,
+    /// The lowest device running the node: its op there is the node's
+    /// first in plan order (the plan hash covers the shared fields there).
+    first_device: u32,
 }
 
 /// The global list schedule (see the module docs).

@@ -228,6 +228,28 @@ pub struct Wait {
 /// different seeds for 128 bits): stable across runs, builds and machines.
 struct StableHasher([u64; 2]);
 
+const SEED: [u64; 2] = [0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344];
+
+/// One stream's part of the plan hash: its name, its ops in order, their
+/// count. `shared`: the op is its node's first in plan order (what every
+/// device's op of the node shares is hashed there only).
+pub(crate) struct StreamHasher(StableHasher);
+
+impl StreamHasher {
+    pub(crate) fn new(stream: &str) -> Self {
+        let mut h = StableHasher(SEED);
+        h.bytes(stream.as_bytes());
+        StreamHasher(h)
+    }
+    pub(crate) fn op(&mut self, o: &Op, shared: bool) {
+        self.0.op(o, shared);
+    }
+    pub(crate) fn finish(mut self, ops: usize) -> [u64; 2] {
+        self.0.word(ops as u64);
+        self.0 .0
+    }
+}
+
 impl StableHasher {
     const K: u64 = 0x51_7c_c1_b7_27_22_0a_95;
     fn word(&mut self, w: u64) {
@@ -304,8 +326,10 @@ impl Op {
 }
 
 impl Plan {
-    /// Hash of the plan body (everything but `hash`): each device's part
-    /// hashed on its own (in parallel), then the parts in device order.
+    /// Hash of the plan body (everything but `hash`): each stream's ops
+    /// hashed on their own ([`StreamHasher`], in parallel), then each
+    /// device's sizes and stream hashes, then the devices in order. The
+    /// compiler hashes each stream as it builds it, the same way.
     pub fn compute_hash(&self) -> String {
         use rayon::prelude::*;
         // What every device of a node shares is hashed at its first op (the
@@ -326,33 +350,43 @@ impl Plan {
                 }
             }
         }
-        let parts: Vec<[u64; 2]> = self
+        let parts: Vec<Vec<[u64; 2]>> = self
             .devices
             .par_iter()
             .enumerate()
             .map(|(di, d)| {
-                let mut h = StableHasher([0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344]);
-                h.word(d.device as u64);
-                h.word(d.peak_bytes);
-                h.word(d.model_state_bytes);
-                h.word(d.transient_peak_bytes);
-                for s in &d.streams {
-                    h.bytes(s.stream.as_bytes());
-                    h.word(s.ops.len() as u64);
-                    for o in &s.ops {
-                        h.op(o, first[o.node as usize] == di as u32);
-                    }
-                }
-                h.0
+                d.streams
+                    .iter()
+                    .map(|s| {
+                        let mut h = StreamHasher::new(&s.stream);
+                        for o in &s.ops {
+                            h.op(o, first[o.node as usize] == di as u32);
+                        }
+                        h.finish(s.ops.len())
+                    })
+                    .collect()
             })
             .collect();
-        let mut h = StableHasher([0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344]);
+        self.hash_of(&parts)
+    }
+
+    /// The plan hash from each device's stream hashes (`parts[device]`, in
+    /// stream order).
+    pub(crate) fn hash_of(&self, parts: &[Vec<[u64; 2]>]) -> String {
+        let mut h = StableHasher(SEED);
         h.bytes(self.model.as_bytes());
         h.word(self.batch_size as u64);
         h.word(self.devices.len() as u64);
-        for p in parts {
-            h.word(p[0]);
-            h.word(p[1]);
+        for (d, streams) in self.devices.iter().zip(parts) {
+            h.word(d.device as u64);
+            h.word(d.peak_bytes);
+            h.word(d.model_state_bytes);
+            h.word(d.transient_peak_bytes);
+            h.word(streams.len() as u64);
+            for p in streams {
+                h.word(p[0]);
+                h.word(p[1]);
+            }
         }
         format!("{:016x}", h.0[0] ^ h.0[1].rotate_left(32))
     }

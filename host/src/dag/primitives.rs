@@ -54,11 +54,20 @@ pub struct Neighbour {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
     by_tag: HashMap<(TagKey, u32), Vec<NodeId>>,
-    by_label: HashMap<&'static str, Vec<NodeId>>,
-    by_label_tag: HashMap<(&'static str, TagKey, u32), Vec<NodeId>>,
+    by_label: HashMap<u8, Vec<NodeId>>,
+    by_label_tag: HashMap<(u8, TagKey, u32), Vec<NodeId>>,
     /// Nodes by label and two exact tags (`F`, PP=3, MB=7): the usual
     /// strategy filter hits a list of one.
-    by_label_pair: HashMap<(&'static str, TagKey, u32, TagKey, u32), Vec<NodeId>>,
+    by_label_pair: HashMap<(u8, TagKey, u32, TagKey, u32), Vec<NodeId>>,
+}
+
+/// A label as its index in [`PASS_VALUES`] (the index's keys are plain
+/// integers: no string hashing or comparing per node).
+fn label_key(label: &str) -> u8 {
+    PASS_VALUES
+        .iter()
+        .position(|v| *v == label)
+        .map_or(u8::MAX, |i| i as u8)
 }
 
 impl Index {
@@ -71,7 +80,7 @@ impl Index {
     }
     pub(crate) fn add(&mut self, dag: &TrainingDag, id: NodeId) {
         let n = &dag.graph[id.ix()];
-        let label = n.kind.label();
+        let label = label_key(n.kind.label());
         for (i, (k, v)) in n.tags.0.iter().enumerate() {
             self.by_tag.entry((*k, *v)).or_default().push(id);
             self.by_label_tag
@@ -89,7 +98,7 @@ impl Index {
     }
     pub(crate) fn add_tag(&mut self, dag: &TrainingDag, id: NodeId, k: TagKey, v: u32) {
         let n = &dag.graph[id.ix()];
-        let label = n.kind.label();
+        let label = label_key(n.kind.label());
         self.by_tag.entry((k, v)).or_default().push(id);
         self.by_label_tag.entry((label, k, v)).or_default().push(id);
         for (k2, v2) in &n.tags.0 {
@@ -180,10 +189,7 @@ impl TrainingDag {
         // Scan the smallest candidate list among the exact constraints.
         let mut best: Option<&Vec<NodeId>> = None;
         let empty = Vec::new();
-        let label = r
-            .pass
-            .as_deref()
-            .and_then(|p| PASS_VALUES.iter().find(|v| **v == p).copied());
+        let label = r.pass.as_deref().map(label_key).filter(|l| *l != u8::MAX);
         for (k, m) in &r.tags {
             if let TagMatch::Index(i) = m {
                 let list = match label {
@@ -220,8 +226,7 @@ impl TrainingDag {
                     }
                 }
             }
-            let p = l;
-            let list = index.by_label.get(p).unwrap_or(&empty);
+            let list = index.by_label.get(&l).unwrap_or(&empty);
             if best.is_none_or(|b| list.len() < b.len()) {
                 best = Some(list);
             }
