@@ -84,6 +84,16 @@ impl TrainingDag {
 
     /// Spend `work` units, or refuse before doing the work.
     pub(crate) fn charge(&self, call: &str, work: u64) -> Result<(), DagError> {
+        let used = self.within(call, work, "needs about")?;
+        self.meter
+            .used
+            .store(used.saturating_add(work), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The units used so far, or the refusal when `work` more do not fit
+    /// what is left (`needs`: how the message words the call's need).
+    fn within(&self, call: &str, work: u64, needs: &str) -> Result<u64, DagError> {
         let used = self.meter.used.load(Ordering::Relaxed);
         if let Some(b) = &self.meter.budget {
             let left = b.max_work.saturating_sub(used);
@@ -92,32 +102,17 @@ impl TrainingDag {
                     call,
                     "sandbox.max_host_work",
                     b.max_work,
-                    format!("the call needs about {work} units of host work, {left} are left"),
+                    format!("the call {needs} {work} units of host work, {left} are left"),
                 ));
             }
         }
-        self.meter
-            .used
-            .store(used.saturating_add(work), Ordering::Relaxed);
-        Ok(())
+        Ok(used)
     }
 
     /// Refuse, before doing it, work that may take up to `bound` units;
     /// charge what it took afterwards ([`charge`](Self::charge)).
     pub(crate) fn fits(&self, call: &str, bound: u64) -> Result<(), DagError> {
-        let used = self.meter.used.load(Ordering::Relaxed);
-        if let Some(b) = &self.meter.budget {
-            let left = b.max_work.saturating_sub(used);
-            if bound > left {
-                return Err(limit(
-                    call,
-                    "sandbox.max_host_work",
-                    b.max_work,
-                    format!("the call may need up to {bound} units of host work, {left} are left"),
-                ));
-            }
-        }
-        Ok(())
+        self.within(call, bound, "may need up to").map(|_| ())
     }
 
     /// [`charge`](Self::charge) for the plugin host's own reads of the DAG.

@@ -72,6 +72,38 @@ fn mm(
     }
 }
 
+/// `out[n,oc] (+)= inp[n,c] · Wᵀ[c,oc]` (Wᵀ: row stride 1, column stride
+/// c): the product of both forward linear layers.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    out: &mut [f32],
+    inp: &[f32],
+    weight: &[f32],
+    n: usize,
+    c: usize,
+    oc: usize,
+    accumulate: bool,
+) {
+    assert_eq!(inp.len(), n * c);
+    assert_eq!(weight.len(), oc * c);
+    assert_eq!(out.len(), n * oc);
+    mm(
+        n,
+        oc,
+        c,
+        out,
+        oc,
+        accumulate,
+        inp,
+        c,
+        1,
+        weight,
+        1,
+        c,
+        parallelism(),
+    );
+}
+
 /// Forward: `out = inp · Wᵀ + bias`.
 pub fn matmul_forward(
     out: &mut [f32],
@@ -83,25 +115,7 @@ pub fn matmul_forward(
     oc: usize,
 ) {
     let _k = super::profile::span("matmul_forward");
-    assert_eq!(inp.len(), n * c);
-    assert_eq!(weight.len(), oc * c);
-    assert_eq!(out.len(), n * oc);
-    // out[n,oc] = inp[n,c] · Wᵀ[c,oc]  (Wᵀ: row stride 1, col stride c)
-    mm(
-        n,
-        oc,
-        c,
-        out,
-        oc,
-        false,
-        inp,
-        c,
-        1,
-        weight,
-        1,
-        c,
-        parallelism(),
-    );
+    linear(out, inp, weight, n, c, oc, false);
     if let Some(b) = bias {
         par::rows_mut(out, oc, |_, block| {
             for row in block.chunks_exact_mut(oc) {
@@ -129,9 +143,6 @@ pub fn matmul_forward_residual(
     oc: usize,
 ) {
     let _k = super::profile::span("matmul_forward_residual");
-    assert_eq!(inp.len(), n * c);
-    assert_eq!(weight.len(), oc * c);
-    assert_eq!(out.len(), n * oc);
     assert_eq!(res.len(), n * oc);
     assert_eq!(bias.len(), oc);
     par::rows_mut(out, oc, |r0, block| {
@@ -142,21 +153,7 @@ pub fn matmul_forward_residual(
             }
         }
     });
-    mm(
-        n,
-        oc,
-        c,
-        out,
-        oc,
-        true,
-        inp,
-        c,
-        1,
-        weight,
-        1,
-        c,
-        parallelism(),
-    );
+    linear(out, inp, weight, n, c, oc, true);
 }
 
 /// Backward for the input: `dinp (+)= dout · W`.
