@@ -247,7 +247,7 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
         batch_div: 1,
         flops: 0.0,
         bytes: 0,
-        waits: vec![],
+        waits: Default::default(),
         inputs: Default::default(),
         replica: 0,
         microbatch: 0,
@@ -318,6 +318,16 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     let err = check_deadlock(&bad).unwrap_err().to_string();
     assert!(err.contains("device 0 stream pp→1 waits at recv"), "{err}");
     // Two collectives issued in opposite orders on a DP pair deadlock too.
+    let mut bad = dp_pair_plan();
+    let dp = dp_stream(&mut bad[1]);
+    assert!(dp.ops.len() >= 2);
+    dp.ops.swap(0, 1);
+    let err = check_deadlock(&bad).unwrap_err().to_string();
+    assert!(err.contains("all-reduce"), "{err}");
+}
+
+/// A DP pair's compiled plan, one gradient all-reduce per segment.
+fn dp_pair_plan() -> Vec<DevicePlan> {
     let mut dag = tiny(2);
     dag.replicate(
         &Filter::all(),
@@ -328,17 +338,33 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
         },
     )
     .unwrap();
-    let plan = compile(&dag).unwrap();
-    let mut bad = plan.devices.clone();
-    let dp = bad[1]
-        .streams
+    compile(&dag).unwrap().devices
+}
+
+fn dp_stream(d: &mut DevicePlan) -> &mut StreamPlan {
+    d.streams.iter_mut().find(|s| s.stream == "dp").unwrap()
+}
+
+#[test]
+fn a_collective_whose_devices_disagree_on_its_group_is_rejected() {
+    // A DP pair's gradient all-reduce: device 1's copy of the op names a
+    // group that is not device 0's. Each device reaching the op is not
+    // enough: the runtime would hang in a collective nobody else joins.
+    let mut bad = dp_pair_plan();
+    check_deadlock(&bad).unwrap();
+    let op = dp_stream(&mut bad[1])
+        .ops
         .iter_mut()
-        .find(|s| s.stream == "dp")
+        .find(|o| o.group.is_some())
         .unwrap();
-    assert!(dp.ops.len() >= 2);
-    dp.ops.swap(0, 1);
+    assert_eq!(op.group.as_deref(), Some(&[0, 1][..]));
+    op.group = Some(std::sync::Arc::from(vec![1, 2]));
     let err = check_deadlock(&bad).unwrap_err().to_string();
     assert!(err.contains("all-reduce"), "{err}");
+    assert!(
+        err.contains("with group [0, 1], but device 1 runs it with group [1, 2]"),
+        "{err}"
+    );
 }
 
 #[test]

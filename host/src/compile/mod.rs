@@ -367,13 +367,40 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
     // Per device: its (node, device index in the node) in order, and its
     // streams with their op counts.
-    let mut dev_nodes: Vec<Vec<(NodeId, u32)>> = vec![Vec::new(); ndev];
     let mut counts: Vec<Vec<(u16, u32)>> = vec![Vec::new(); ndev];
-    for &id in &order {
+    // Devices are built in contiguous chunks, node by node within a chunk
+    // (a node's ops on its devices one after another, while what they share
+    // is in cache); `chunks_of[k]`: which chunks the k-th node in order has
+    // devices in (a bit per chunk).
+    let nchunks = (rayon::current_num_threads() * 4)
+        .clamp(1, 64)
+        .min(ndev.max(1));
+    let chunk_of = |d: usize| d * nchunks / ndev.max(1);
+    let mut chunks_of: Vec<u64> = vec![0; order.len()];
+    // Tag maps built once each: the F and B of a stage's microbatch carry
+    // the same tags.
+    // `tag_of[k]`: the k-th node's map in `tag_list`.
+    let mut tag_ids: HashMap<&crate::dag::Tags, u32> = HashMap::new();
+    let mut tag_list: Vec<Arc<std::collections::BTreeMap<String, u32>>> = Vec::new();
+    let mut tag_of: Vec<u32> = vec![0; order.len()];
+    let mut last_tags: Option<(&crate::dag::Tags, u32)> = None;
+    for (k, &id) in order.iter().enumerate() {
         let n = &g[id.ix()];
         if matches!(n.kind, NodeKind::Marker) {
             continue;
         }
+        tag_of[k] = match last_tags {
+            // Consecutive nodes mostly share their tags: no hash then.
+            Some((t, i)) if *t == n.tags => i,
+            _ => {
+                let i = *tag_ids.entry(&n.tags).or_insert_with(|| {
+                    tag_list.push(Arc::new(dag.tag_map(&n.tags)));
+                    (tag_list.len() - 1) as u32
+                });
+                last_tags = Some((&n.tags, i));
+                i
+            }
+        };
         pos_base[id.ix().index()] = pos.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
             let d = dev.0 as usize;
@@ -390,10 +417,14 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 }
             };
             pos.push((sid, idx));
-            dev_nodes[d].push((id, i as u32));
+            chunks_of[k] |= 1 << chunk_of(d);
         }
     }
     let no_segments: Arc<[u32]> = Arc::from(Vec::new());
+    // One-segment lists, built once each.
+    let one_segment: Vec<Arc<[u32]>> = (0..dag.segments().len() as u32)
+        .map(|s| Arc::from(vec![s]))
+        .collect();
     let placement = dag.segment_placement();
     // Split dimensions and their sizes, outermost first.
     let extents = dag.tag_extents();
@@ -413,7 +444,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     };
     let shared: Vec<Option<Shared>> = order
         .par_iter()
-        .map(|&id| {
+        .enumerate()
+        .map(|(k, &id)| {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {
                 return None;
@@ -421,7 +453,13 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             let preds = real_preds(id);
             let cost = dag.cost(id);
             let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
-                NodeKind::Compute { segment, .. } => (Arc::from(vec![*segment]), None),
+                NodeKind::Compute { segment, .. } => (
+                    one_segment
+                        .get(*segment as usize)
+                        .cloned()
+                        .unwrap_or_else(|| Arc::from(vec![*segment])),
+                    None,
+                ),
                 NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
                 NodeKind::Comm(c) => (Arc::from(c.segments.clone()), Some(c.purpose)),
                 NodeKind::Marker => (no_segments.clone(), None),
@@ -481,7 +519,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
                 preds,
                 pred_pos,
-                tags: Arc::new(dag.tag_map(&n.tags)),
+                tags: tag_list[tag_of[k] as usize].clone(),
                 segments,
                 purpose,
                 groups,
@@ -507,132 +545,157 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             })
         })
         .collect();
-    let mut order_ix = vec![u32::MAX; bound];
-    for (k, id) in order.iter().enumerate() {
-        order_ix[id.ix().index()] = k as u32;
-    }
-    // Each device's ops, in parallel: the same ops in the same order as one
-    // pass would give.
+    // Each chunk of devices' ops, in parallel: the same ops in the same order
+    // as one pass would give.
     let stream_names = &stream_names;
     let (pos, pos_base) = (&pos, &pos_base);
-    let mut streams: Vec<Vec<(u16, Vec<Op>, plan::StreamHasher)>> = dev_nodes
-        .par_iter()
-        .zip(counts.par_iter())
-        .enumerate()
-        .map(|(d, (nodes, counts))| {
+    type Streams = Vec<(u16, Vec<Op>, plan::StreamHasher)>;
+    let built: Vec<Vec<Streams>> = (0..nchunks)
+        .into_par_iter()
+        .map(|c| {
+            let lo = (0..ndev).find(|&d| chunk_of(d) == c).unwrap_or(ndev);
+            let hi = (lo..ndev).find(|&d| chunk_of(d) != c).unwrap_or(ndev);
             // Each stream hashed as it is built (`Plan::compute_hash`'s
             // definition), while its ops are in cache.
-            let mut list: Vec<(u16, Vec<Op>, plan::StreamHasher)> = counts
+            let mut lists: Vec<Streams> = counts[lo..hi]
                 .iter()
-                .map(|&(s, n)| {
-                    let h = plan::StreamHasher::new(&stream_names[s as usize]);
-                    (s, Vec::with_capacity(n as usize), h)
+                .map(|counts| {
+                    counts
+                        .iter()
+                        .map(|&(s, n)| {
+                            let h = plan::StreamHasher::new(&stream_names[s as usize]);
+                            (s, Vec::with_capacity(n as usize), h)
+                        })
+                        .collect()
                 })
                 .collect();
-            let dev = DeviceId(d as u32);
-            // This device's own copies of the stream names its waits point
+            // This chunk's own copies of the stream names its waits point
             // at: one shared `Arc` cloned by every op on both threads was a
             // contended counter.
             let names: Vec<Arc<str>> = stream_names.iter().map(|s| Arc::from(&**s)).collect();
-            for &(id, i) in nodes {
-                let n = &g[id.ix()];
-                let sh = shared[order_ix[id.ix().index()] as usize]
-                    .as_ref()
-                    .expect("markers have no position");
-                let i = i as usize;
-                let (sid, _) = pos[pos_base[id.ix().index()] as usize + i];
-                let mut op = Op {
-                    op: sh.op,
-                    node: id.0,
-                    tags: sh.tags.clone(),
-                    segments: sh.segments.clone(),
-                    peer: None,
-                    pair: None,
-                    group: sh.spread_group.clone(),
-                    spread: sh.spread,
-                    phase: sh.phase,
-                    purpose: sh.purpose,
-                    batch_div: sh.div,
-                    flops: sh.flops,
-                    bytes: sh.comm_bytes,
-                    waits: Vec::new(),
-                    inputs: sh.inputs.clone(),
-                    // A tensor-parallel group runs one batch share.
-                    replica: if sh.spread == Some(Spread::Tensor) {
-                        0
-                    } else {
-                        i as u32
-                    },
-                    microbatch: sh.microbatch,
-                    microbatches,
-                    tensor: sh.tensor,
-                    zero: sh.zero,
-                    param_bytes: sh.param_bytes,
-                    out_bytes: 0,
-                };
-                if let NodeKind::Comm(c) = &n.kind {
-                    if c.op.is_p2p() {
-                        op.peer = c.peers.get(i).map(|p| p.0);
-                        op.pair = Some(match c.op {
-                            crate::dag::CommOp::Send => id.0,
-                            _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
-                        });
-                    } else {
-                        op.group = c
-                            .groups
-                            .iter()
-                            .position(|grp| grp.contains(&dev))
-                            .map(|gi| sh.groups[gi].clone());
-                    }
+            let bit = 1u64 << c;
+            let no_waits: Arc<[Wait]> = Arc::from(Vec::new());
+            let mut waits: Vec<(u16, u32)> = Vec::new();
+            // The last node's waits list, to share with its next device.
+            let mut last_waits: (NodeId, Vec<(u16, u32)>, Arc<[Wait]>) =
+                (NodeId(u32::MAX), Vec::new(), no_waits.clone());
+            for (k, &id) in order.iter().enumerate() {
+                if chunks_of[k] & bit == 0 {
+                    continue;
                 }
-                // Cross-stream waits (latest op per stream) and local inputs.
-                let mut waits: Vec<(u16, u32)> = Vec::new();
-                let mut local_inputs: Vec<Input> = Vec::new();
-                for ((p, k), &(base, same)) in sh.preds.iter().zip(&sh.pred_pos) {
-                    let pi = if same {
-                        i
-                    } else {
-                        match g[p.ix()].devices.iter().position(|x| *x == dev) {
-                            Some(pi) => pi,
-                            None => continue,
-                        }
+                let n = &g[id.ix()];
+                let sh = shared[k].as_ref().expect("markers have no position");
+                for (i, &dev) in n.devices.iter().enumerate() {
+                    let d = dev.0 as usize;
+                    if chunk_of(d) != c {
+                        continue;
+                    }
+                    let list = &mut lists[d - lo];
+                    let (sid, _) = pos[pos_base[id.ix().index()] as usize + i];
+                    let mut op = Op {
+                        op: sh.op,
+                        node: id.0,
+                        tags: sh.tags.clone(),
+                        segments: sh.segments.clone(),
+                        peer: None,
+                        pair: None,
+                        group: sh.spread_group.clone(),
+                        spread: sh.spread,
+                        phase: sh.phase,
+                        purpose: sh.purpose,
+                        batch_div: sh.div,
+                        flops: sh.flops,
+                        bytes: sh.comm_bytes,
+                        waits: no_waits.clone(),
+                        inputs: sh.inputs.clone(),
+                        // A tensor-parallel group runs one batch share.
+                        replica: if sh.spread == Some(Spread::Tensor) {
+                            0
+                        } else {
+                            i as u32
+                        },
+                        microbatch: sh.microbatch,
+                        microbatches,
+                        tensor: sh.tensor,
+                        zero: sh.zero,
+                        param_bytes: sh.param_bytes,
+                        out_bytes: 0,
                     };
-                    let (ps, pidx) = pos[base as usize + pi];
-                    if ps != sid {
-                        match waits.iter_mut().find(|(s, _)| *s == ps) {
-                            Some(w) => w.1 = w.1.max(pidx),
-                            None => waits.push((ps, pidx)),
+                    if let NodeKind::Comm(c) = &n.kind {
+                        if c.op.is_p2p() {
+                            op.peer = c.peers.get(i).map(|p| p.0);
+                            op.pair = Some(match c.op {
+                                crate::dag::CommOp::Send => id.0,
+                                _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
+                            });
+                        } else {
+                            op.group = c
+                                .groups
+                                .iter()
+                                .position(|grp| grp.contains(&dev))
+                                .map(|gi| sh.groups[gi].clone());
+                        }
+                    }
+                    // Cross-stream waits (latest op per stream) and local inputs.
+                    waits.clear();
+                    let mut local_inputs: Vec<Input> = Vec::new();
+                    for ((p, k), &(base, same)) in sh.preds.iter().zip(&sh.pred_pos) {
+                        let pi = if same {
+                            i
+                        } else {
+                            match g[p.ix()].devices.iter().position(|x| *x == dev) {
+                                Some(pi) => pi,
+                                None => continue,
+                            }
+                        };
+                        let (ps, pidx) = pos[base as usize + pi];
+                        if ps != sid {
+                            match waits.iter_mut().find(|(s, _)| *s == ps) {
+                                Some(w) => w.1 = w.1.max(pidx),
+                                None => waits.push((ps, pidx)),
+                            }
+                        }
+                        if !sh.single_device_inputs {
+                            if let Some(inp) = input_of(&(*p, *k)) {
+                                local_inputs.push(inp);
+                            }
                         }
                     }
                     if !sh.single_device_inputs {
-                        if let Some(inp) = input_of(&(*p, *k)) {
-                            local_inputs.push(inp);
-                        }
+                        local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+                        local_inputs.dedup();
+                        op.inputs = Arc::from(local_inputs);
                     }
+                    waits.sort_unstable();
+                    // The devices of an SPMD node mostly wait on the same
+                    // positions: one list for them (no allocation per op).
+                    op.waits = if waits.is_empty() {
+                        no_waits.clone()
+                    } else if last_waits.0 == id && last_waits.1 == waits {
+                        last_waits.2.clone()
+                    } else {
+                        let list: Arc<[Wait]> = waits
+                            .iter()
+                            .map(|&(s, i)| Wait {
+                                stream: names[s as usize].clone(),
+                                op: i as usize,
+                            })
+                            .collect();
+                        last_waits = (id, waits.clone(), list.clone());
+                        list
+                    };
+                    let si = list
+                        .iter()
+                        .position(|(s, _, _)| *s == sid)
+                        .expect("counted above");
+                    list[si].2.op(&op, d as u32 == sh.first_device);
+                    list[si].1.push(op);
                 }
-                if !sh.single_device_inputs {
-                    local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
-                    local_inputs.dedup();
-                    op.inputs = Arc::from(local_inputs);
-                }
-                waits.sort_unstable();
-                op.waits = waits
-                    .into_iter()
-                    .map(|(s, i)| Wait {
-                        stream: names[s as usize].clone(),
-                        op: i as usize,
-                    })
-                    .collect();
-                let si = list
-                    .iter()
-                    .position(|(s, _, _)| *s == sid)
-                    .expect("counted above");
-                list[si].2.op(&op, d as u32 == sh.first_device);
-                list[si].1.push(op);
             }
-            list
+            lists
         })
         .collect();
+    let mut streams: Vec<Streams> = built.into_iter().flatten().collect();
     // Memory per device, walking the global order. Buffers are per
     // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
     let mut devices = Vec::with_capacity(ndev);
@@ -650,7 +713,10 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             }
             // One buffer per tensor kind, however many readers it has.
             let mut by_kind = [0u64; 8];
+            // Readers on other device lists than this node's (a reader on
+            // exactly this node's devices reads on each of them).
             let mut readers_of: Vec<&[DeviceId]> = Vec::new();
+            let mut same_readers = 0u32;
             for (c, k) in dag.succs(id) {
                 if let EdgeKind::Data { tensor, bytes } = k {
                     if transient(dag, id, tensor) {
@@ -669,7 +735,12 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         }
                         let slot = &mut by_kind[tensor as usize];
                         *slot = (*slot).max(b);
-                        readers_of.push(&g[c.ix()].devices);
+                        let rd = &g[c.ix()].devices;
+                        if *rd == n.devices {
+                            same_readers += 1;
+                        } else {
+                            readers_of.push(rd);
+                        }
                     }
                 }
             }
@@ -714,7 +785,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             for (i, dev) in n.devices.iter().enumerate() {
                 let d = dev.0 as usize;
                 transient_peak[d] = transient_peak[d].max(live[d] + staging);
-                let readers = readers_of.iter().filter(|r| r.contains(dev)).count() as u32;
+                let readers =
+                    same_readers + readers_of.iter().filter(|r| r.contains(dev)).count() as u32;
                 if readers > 0 {
                     live[d] += out_bytes;
                     bufs[base + i] = (out_bytes, readers);
@@ -731,9 +803,15 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 }
                 let pn = &g[p.ix()];
                 let pbase = pos_base[p.ix().index()] as usize;
-                for dev in &n.devices {
-                    let Some(pi) = pn.devices.iter().position(|x| x == dev) else {
-                        continue;
+                let same = pn.devices == n.devices;
+                for (i, dev) in n.devices.iter().enumerate() {
+                    let pi = if same {
+                        i
+                    } else {
+                        match pn.devices.iter().position(|x| x == dev) {
+                            Some(pi) => pi,
+                            None => continue,
+                        }
                     };
                     let entry = &mut bufs[pbase + pi];
                     if entry.1 > 0 {

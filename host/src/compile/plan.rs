@@ -81,8 +81,9 @@ pub struct Op {
     #[serde(default)]
     pub bytes: u64,
     /// Ops of other streams on this device that must finish first.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub waits: Vec<Wait>,
+    /// Shared by the devices of an SPMD node whose waits are the same.
+    #[serde(default, skip_serializing_if = "no_waits")]
+    pub waits: Arc<[Wait]>,
     /// Local producers of the tensors this op reads, with the tensor kind.
     #[serde(default, skip_serializing_if = "no_inputs")]
     pub inputs: Arc<[Input]>,
@@ -119,6 +120,10 @@ fn is_zero(v: &u64) -> bool {
 
 fn one() -> u32 {
     1
+}
+
+fn no_waits(v: &Arc<[Wait]>) -> bool {
+    v.is_empty()
 }
 
 fn no_inputs(v: &Arc<[Input]>) -> bool {
@@ -290,7 +295,7 @@ impl StableHasher {
         self.words(o.group.as_deref().unwrap_or(&[]));
         self.word(o.spread.map_or(0, |s| s as u64 + 1));
         self.word(o.phase.map_or(0, |p| p as u64 + 1));
-        for w in &o.waits {
+        for w in o.waits.iter() {
             self.bytes(w.stream.as_bytes());
             self.word(w.op as u64);
         }

@@ -128,7 +128,7 @@ fn run_stream(
     let stream = &dp.streams[si];
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
-        for w in &op.waits {
+        for w in op.waits.iter() {
             let ws = dp
                 .streams
                 .iter()

@@ -251,7 +251,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
                 if i > 0 {
                     deps.push(g - 1);
                 }
-                for w in &o.waits {
+                for w in o.waits.iter() {
                     let Some(wsi) = dp.streams.iter().position(|x| *x.stream == *w.stream) else {
                         return Err(err(
                             g,
