@@ -365,6 +365,11 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     let mut pos_base = vec![u32::MAX; bound];
     let mut pos: Vec<(u16, u32)> =
         Vec::with_capacity(order.iter().map(|id| g[id.ix()].devices.len()).sum());
+    // The device of each position, and each node's positions by its index in
+    // the order (`spans[k]` = (first, count)): the op loop reads these in
+    // sequence instead of each node's device list.
+    let mut pos_dev: Vec<u32> = Vec::with_capacity(pos.capacity());
+    let mut spans: Vec<(u32, u32)> = vec![(0, 0); order.len()];
     // Per device: its (node, device index in the node) in order, and its
     // streams with their op counts.
     let mut counts: Vec<Vec<(u16, u32)>> = vec![Vec::new(); ndev];
@@ -377,31 +382,13 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         .min(ndev.max(1));
     let chunk_of = |d: usize| d * nchunks / ndev.max(1);
     let mut chunks_of: Vec<u64> = vec![0; order.len()];
-    // Tag maps built once each: the F and B of a stage's microbatch carry
-    // the same tags.
-    // `tag_of[k]`: the k-th node's map in `tag_list`.
-    let mut tag_ids: HashMap<&crate::dag::Tags, u32> = HashMap::new();
-    let mut tag_list: Vec<Arc<std::collections::BTreeMap<String, u32>>> = Vec::new();
-    let mut tag_of: Vec<u32> = vec![0; order.len()];
-    let mut last_tags: Option<(&crate::dag::Tags, u32)> = None;
     for (k, &id) in order.iter().enumerate() {
         let n = &g[id.ix()];
         if matches!(n.kind, NodeKind::Marker) {
             continue;
         }
-        tag_of[k] = match last_tags {
-            // Consecutive nodes mostly share their tags: no hash then.
-            Some((t, i)) if *t == n.tags => i,
-            _ => {
-                let i = *tag_ids.entry(&n.tags).or_insert_with(|| {
-                    tag_list.push(Arc::new(dag.tag_map(&n.tags)));
-                    (tag_list.len() - 1) as u32
-                });
-                last_tags = Some((&n.tags, i));
-                i
-            }
-        };
         pos_base[id.ix().index()] = pos.len() as u32;
+        spans[k] = (pos.len() as u32, n.devices.len() as u32);
         for (i, dev) in n.devices.iter().enumerate() {
             let d = dev.0 as usize;
             let sid = op_stream(&mut stream_names, n, i);
@@ -417,6 +404,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 }
             };
             pos.push((sid, idx));
+            pos_dev.push(dev.0);
             chunks_of[k] |= 1 << chunk_of(d);
         }
     }
@@ -442,10 +430,12 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         }),
         _ => None,
     };
+    // Tag maps are built once per distinct tag set and rayon task (the F
+    // and B of a stage's microbatch carry the same tags).
+    type TagMaps<'a> = HashMap<&'a crate::dag::Tags, Arc<std::collections::BTreeMap<String, u32>>>;
     let shared: Vec<Option<Shared>> = order
         .par_iter()
-        .enumerate()
-        .map(|(k, &id)| {
+        .map_init(TagMaps::new, |tag_maps, &id| {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {
                 return None;
@@ -515,11 +505,58 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 }
                 _ => None,
             };
+            // What the op leaves for local readers: one buffer per tensor
+            // kind, however many readers it has; readers on exactly this
+            // node's devices read on each of them, others where they run.
+            let mut by_kind = [0u64; 8];
+            let mut other_readers: Vec<&[DeviceId]> = Vec::new();
+            let mut same_readers = 0u32;
+            for (c, k) in dag.succs(id) {
+                if let EdgeKind::Data { tensor, bytes } = k {
+                    if transient(dag, id, tensor) {
+                        let mut b = if tensor.scales_with_batch() {
+                            bytes / dag.batch_share_div(id)
+                        } else {
+                            bytes
+                        };
+                        // Tensor parallelism splits about three quarters of
+                        // what a segment saves and stashes (heads, MLP units).
+                        if n.tensor_parallel.is_some()
+                            && matches!(tensor, TensorKind::Saved | TensorKind::Stash)
+                        {
+                            let t = n.devices.len().max(1) as u64;
+                            b = b / 4 + (b - b / 4) / t;
+                        }
+                        let slot = &mut by_kind[tensor as usize];
+                        *slot = (*slot).max(b);
+                        let rd = &g[c.ix()].devices;
+                        if *rd == n.devices {
+                            same_readers += 1;
+                        } else {
+                            other_readers.push(rd);
+                        }
+                    }
+                }
+            }
+            // Direct data producers (the memory walk releases their buffers).
+            let data_preds = dag
+                .preds(id)
+                .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+                .map(|(p, _)| (p, pos_base[p.ix().index()], g[p.ix()].devices == n.devices))
+                .collect();
             Some(Shared {
+                comm: matches!(n.kind, NodeKind::Comm(_)),
+                data_preds,
+                out_bytes: by_kind.iter().sum(),
+                same_readers,
+                other_readers,
                 op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
                 preds,
                 pred_pos,
-                tags: tag_list[tag_of[k] as usize].clone(),
+                tags: tag_maps
+                    .entry(&n.tags)
+                    .or_insert_with(|| Arc::new(dag.tag_map(&n.tags)))
+                    .clone(),
                 segments,
                 purpose,
                 groups,
@@ -583,15 +620,16 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 if chunks_of[k] & bit == 0 {
                     continue;
                 }
-                let n = &g[id.ix()];
                 let sh = shared[k].as_ref().expect("markers have no position");
-                for (i, &dev) in n.devices.iter().enumerate() {
-                    let d = dev.0 as usize;
+                let (base, count) = spans[k];
+                for i in 0..count as usize {
+                    let d = pos_dev[base as usize + i] as usize;
                     if chunk_of(d) != c {
                         continue;
                     }
+                    let dev = DeviceId(d as u32);
                     let list = &mut lists[d - lo];
-                    let (sid, _) = pos[pos_base[id.ix().index()] as usize + i];
+                    let (sid, _) = pos[base as usize + i];
                     let mut op = Op {
                         op: sh.op,
                         node: id.0,
@@ -619,9 +657,14 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         tensor: sh.tensor,
                         zero: sh.zero,
                         param_bytes: sh.param_bytes,
-                        out_bytes: 0,
+                        out_bytes: if sh.out_bytes > 0 && sh.readers_on(dev) > 0 {
+                            sh.out_bytes
+                        } else {
+                            0
+                        },
                     };
-                    if let NodeKind::Comm(c) = &n.kind {
+                    let kind = sh.comm.then(|| &g[id.ix()].kind);
+                    if let Some(NodeKind::Comm(c)) = kind {
                         if c.op.is_p2p() {
                             op.peer = c.peers.get(i).map(|p| p.0);
                             op.pair = Some(match c.op {
@@ -695,7 +738,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             lists
         })
         .collect();
-    let mut streams: Vec<Streams> = built.into_iter().flatten().collect();
+    let streams: Vec<Streams> = built.into_iter().flatten().collect();
     // Memory per device, walking the global order. Buffers are per
     // (producer, device): `bufs[pos_base[producer] + i]` = (bytes, readers left).
     let mut devices = Vec::with_capacity(ndev);
@@ -704,47 +747,13 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         let mut live = vec![0u64; ndev];
         let mut in_flight: HashMap<NodeId, (Vec<DeviceId>, u64)> = HashMap::new();
         let mut bufs: Vec<(u64, u32)> = vec![(0, 0); pos.len()];
-        // (device, (stream, index), bytes) of every op leaving a local buffer.
-        let mut outputs: Vec<(usize, (u16, u32), u64)> = Vec::new();
-        for &id in &order {
+        for (k, &id) in order.iter().enumerate() {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {
                 continue;
             }
-            // One buffer per tensor kind, however many readers it has.
-            let mut by_kind = [0u64; 8];
-            // Readers on other device lists than this node's (a reader on
-            // exactly this node's devices reads on each of them).
-            let mut readers_of: Vec<&[DeviceId]> = Vec::new();
-            let mut same_readers = 0u32;
-            for (c, k) in dag.succs(id) {
-                if let EdgeKind::Data { tensor, bytes } = k {
-                    if transient(dag, id, tensor) {
-                        let mut b = if tensor.scales_with_batch() {
-                            bytes / dag.batch_share_div(id)
-                        } else {
-                            bytes
-                        };
-                        // Tensor parallelism splits about three quarters of
-                        // what a segment saves and stashes (heads, MLP units).
-                        if n.tensor_parallel.is_some()
-                            && matches!(tensor, TensorKind::Saved | TensorKind::Stash)
-                        {
-                            let t = n.devices.len().max(1) as u64;
-                            b = b / 4 + (b - b / 4) / t;
-                        }
-                        let slot = &mut by_kind[tensor as usize];
-                        *slot = (*slot).max(b);
-                        let rd = &g[c.ix()].devices;
-                        if *rd == n.devices {
-                            same_readers += 1;
-                        } else {
-                            readers_of.push(rd);
-                        }
-                    }
-                }
-            }
-            let out_bytes: u64 = by_kind.iter().sum();
+            let sh = shared[k].as_ref().expect("markers are skipped");
+            let out_bytes = sh.out_bytes;
             // A collective stages this device's contribution and the result
             // while it runs (the runtime accounts both against the cap).
             let staging = match &n.kind {
@@ -785,30 +794,21 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             for (i, dev) in n.devices.iter().enumerate() {
                 let d = dev.0 as usize;
                 transient_peak[d] = transient_peak[d].max(live[d] + staging);
-                let readers =
-                    same_readers + readers_of.iter().filter(|r| r.contains(dev)).count() as u32;
+                let readers = sh.readers_on(*dev);
                 if readers > 0 {
                     live[d] += out_bytes;
                     bufs[base + i] = (out_bytes, readers);
-                    if out_bytes > 0 {
-                        outputs.push((d, pos[base + i], out_bytes));
-                    }
                 }
                 transient_peak[d] = transient_peak[d].max(live[d]);
             }
             // Release inputs whose last local reader this was.
-            for (p, k) in dag.preds(id) {
-                if !matches!(k, EdgeKind::Data { .. }) {
-                    continue;
-                }
-                let pn = &g[p.ix()];
-                let pbase = pos_base[p.ix().index()] as usize;
-                let same = pn.devices == n.devices;
+            for &(p, pbase, same) in &sh.data_preds {
+                let pbase = pbase as usize;
                 for (i, dev) in n.devices.iter().enumerate() {
                     let pi = if same {
                         i
                     } else {
-                        match pn.devices.iter().position(|x| x == dev) {
+                        match g[p.ix()].devices.iter().position(|x| x == dev) {
                             Some(pi) => pi,
                             None => continue,
                         }
@@ -832,11 +832,6 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                         }
                     }
                 }
-            }
-        }
-        for (d, (stream, idx), bytes) in outputs {
-            if let Some((_, ops, _)) = streams[d].iter_mut().find(|(s, _, _)| *s == stream) {
-                ops[idx as usize].out_bytes = bytes;
             }
         }
     }
@@ -907,7 +902,18 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
 }
 
 /// What every device's op of one node shares.
-struct Shared {
+struct Shared<'a> {
+    /// Direct data producers: (node, first position, on exactly this
+    /// node's devices).
+    data_preds: Vec<(NodeId, u32, bool)>,
+    /// A communication op (its peers, pair and groups are read from the node).
+    comm: bool,
+    /// Bytes of the transient buffers the op leaves for local readers.
+    out_bytes: u64,
+    /// Transient readers on exactly this node's devices, and the device
+    /// lists of the others.
+    same_readers: u32,
+    other_readers: Vec<&'a [DeviceId]>,
     op: OpKind,
     preds: Vec<(NodeId, EdgeKind)>,
     /// Per predecessor: its first position and whether it runs on exactly
@@ -932,6 +938,18 @@ struct Shared {
     /// The lowest device running the node: its op there is the node's
     /// first in plan order (the plan hash covers the shared fields there).
     first_device: u32,
+}
+
+impl Shared<'_> {
+    /// Local readers of the op's transient buffers on `dev`.
+    fn readers_on(&self, dev: DeviceId) -> u32 {
+        self.same_readers
+            + self
+                .other_readers
+                .iter()
+                .filter(|r| r.contains(&dev))
+                .count() as u32
+    }
 }
 
 /// The global list schedule (see the module docs).
