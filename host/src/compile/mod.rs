@@ -435,6 +435,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     type TagMaps<'a> = HashMap<&'a crate::dag::Tags, Arc<std::collections::BTreeMap<String, u32>>>;
     let shared: Vec<Option<Shared>> = order
         .par_iter()
+        // Long runs per task: each task's tag maps are its own.
+        .with_min_len(4096)
         .map_init(TagMaps::new, |tag_maps, &id| {
             let n = &g[id.ix()];
             if matches!(n.kind, NodeKind::Marker) {

@@ -14,6 +14,10 @@ use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
 
+/// The most nodes or edges a directive reserves room for at once (it grows
+/// past that as usual).
+const RESERVE_MAX: usize = 1 << 24;
+
 /// Options of `replicate` (data parallelism and ZeRO).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ReplicateOptions {
@@ -279,7 +283,13 @@ impl TrainingDag {
         let add_edges = copies.saturating_mul(edges.len() as u64).saturating_mul(2);
         self.check_growth(&call, add_nodes, add_edges)?;
         self.charge(&call, add_nodes.saturating_add(add_edges))?;
-        // Validated: from here on nothing fails.
+        // Validated: from here on nothing fails. The copies' room up front
+        // (no growth by doubling, each step copying the graph), bounded.
+        let room = |x: u64| usize::try_from(x).unwrap_or(usize::MAX).min(RESERVE_MAX);
+        self.graph
+            .reserve_nodes(room(copies.saturating_mul(ids.len() as u64)));
+        self.graph
+            .reserve_edges(room(copies.saturating_mul(edges.len() as u64)));
         let key = self.tag_key(dim);
         for &id in &ids {
             let node = &mut self.graph[id.ix()];
