@@ -151,8 +151,8 @@ impl<'a> Machine<'a> {
 #[derive(Clone, Copy)]
 struct Step {
     node: u32,
-    /// `send`: peer; `recv`: pair; collective: its group's index in
-    /// [`Prog::groups`].
+    /// `recv`: pair; collective: its group's index in [`Prog::groups`]
+    /// (a send is keyed by its node and device alone).
     a: u32,
     /// `recv`: peer.
     b: u32,
@@ -206,7 +206,7 @@ fn prog(d: &DevicePlan) -> Prog<'_> {
                     .map(|w| (index(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
             );
             let (kind, a, b) = match op.op {
-                OpKind::Send => (Kind::Send, op.peer.unwrap_or(u32::MAX), 0),
+                OpKind::Send => (Kind::Send, 0, 0),
                 OpKind::Recv => (
                     Kind::Recv,
                     op.pair.unwrap_or(u32::MAX),

@@ -370,8 +370,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     // sequence instead of each node's device list.
     let mut pos_dev: Vec<u32> = Vec::with_capacity(pos.capacity());
     let mut spans: Vec<(u32, u32)> = vec![(0, 0); order.len()];
-    // Per device: its (node, device index in the node) in order, and its
-    // streams with their op counts.
+    // Per device: its streams with their op counts.
     let mut counts: Vec<Vec<(u16, u32)>> = vec![Vec::new(); ndev];
     // Devices are built in contiguous chunks, node by node within a chunk
     // (a node's ops on its devices one after another, while what they share
@@ -540,15 +539,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                     }
                 }
             }
-            // Direct data producers (the memory walk releases their buffers).
-            let data_preds = dag
-                .preds(id)
-                .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
-                .map(|(p, _)| (p, pos_base[p.ix().index()], g[p.ix()].devices == n.devices))
-                .collect();
             Some(Shared {
-                comm: matches!(n.kind, NodeKind::Comm(_)),
-                data_preds,
                 out_bytes: by_kind.iter().sum(),
                 same_readers,
                 other_readers,
@@ -623,15 +614,15 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                     continue;
                 }
                 let sh = shared[k].as_ref().expect("markers have no position");
-                let (base, count) = spans[k];
+                let (first, count) = spans[k];
                 for i in 0..count as usize {
-                    let d = pos_dev[base as usize + i] as usize;
+                    let d = pos_dev[first as usize + i] as usize;
                     if chunk_of(d) != c {
                         continue;
                     }
                     let dev = DeviceId(d as u32);
                     let list = &mut lists[d - lo];
-                    let (sid, _) = pos[base as usize + i];
+                    let (sid, _) = pos[first as usize + i];
                     let mut op = Op {
                         op: sh.op,
                         node: id.0,
@@ -665,7 +656,8 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                             0
                         },
                     };
-                    let kind = sh.comm.then(|| &g[id.ix()].kind);
+                    // Peers, pair and groups are read from the node.
+                    let kind = sh.op.is_comm().then(|| &g[id.ix()].kind);
                     if let Some(NodeKind::Comm(c)) = kind {
                         if c.op.is_p2p() {
                             op.peer = c.peers.get(i).map(|p| p.0);
@@ -804,7 +796,12 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
                 transient_peak[d] = transient_peak[d].max(live[d]);
             }
             // Release inputs whose last local reader this was.
-            for &(p, pbase, same) in &sh.data_preds {
+            // Data edges never pass through markers (they carry order
+            // only), so the data predecessors are the direct producers.
+            let data_preds = sh.preds.iter().zip(&sh.pred_pos);
+            for ((p, _), &(pbase, same)) in
+                data_preds.filter(|((_, k), _)| matches!(k, EdgeKind::Data { .. }))
+            {
                 let pbase = pbase as usize;
                 for (i, dev) in n.devices.iter().enumerate() {
                     let pi = if same {
@@ -905,11 +902,6 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
 
 /// What every device's op of one node shares.
 struct Shared<'a> {
-    /// Direct data producers: (node, first position, on exactly this
-    /// node's devices).
-    data_preds: Vec<(NodeId, u32, bool)>,
-    /// A communication op (its peers, pair and groups are read from the node).
-    comm: bool,
     /// Bytes of the transient buffers the op leaves for local readers.
     out_bytes: u64,
     /// Transient readers on exactly this node's devices, and the device

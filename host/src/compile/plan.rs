@@ -198,6 +198,10 @@ impl OpKind {
     pub fn is_compute(self) -> bool {
         matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
     }
+    /// Send, receive or a collective.
+    pub fn is_comm(self) -> bool {
+        matches!(self, OpKind::Send | OpKind::Recv) || self.is_collective()
+    }
     pub fn is_collective(self) -> bool {
         matches!(
             self,
