@@ -5,7 +5,9 @@
 mod common;
 
 use common::*;
-use piper::compile::{check_deadlock, compile, CompileError, DevicePlan, Op, OpKind, StreamPlan};
+use piper::compile::{
+    check_deadlock, compile, CompileError, DevicePlan, Op, OpCommon, OpKind, StreamPlan,
+};
 use piper::dag::{Cluster, Filter, ReplicateOptions, TrainingDag};
 use piper::model::ModelConfig;
 
@@ -236,25 +238,27 @@ fn op(op: &str, node: u32, peer: u32) -> Op {
     Op {
         op: OpKind::from_label(op).unwrap(),
         node,
-        tags: Default::default(),
-        segments: Default::default(),
+        common: std::sync::Arc::new(OpCommon {
+            tags: Default::default(),
+            segments: Default::default(),
+            spread: None,
+            phase: None,
+            purpose: None,
+            batch_div: 1,
+            flops: 0.0,
+            bytes: 0,
+            microbatch: 0,
+            microbatches: 1,
+            tensor: None,
+            zero: 0,
+            param_bytes: 0,
+        }),
         peer: Some(peer),
         pair: Some(node),
         group: None,
-        spread: None,
-        phase: None,
-        purpose: None,
-        batch_div: 1,
-        flops: 0.0,
-        bytes: 0,
         waits: Default::default(),
         inputs: Default::default(),
         replica: 0,
-        microbatch: 0,
-        microbatches: 1,
-        tensor: None,
-        zero: 0,
-        param_bytes: 0,
         out_bytes: 0,
     }
 }
@@ -413,7 +417,33 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
         assert_eq!(plan.compute_hash(), plan.hash);
         let back = piper::compile::Plan::from_json(&plan.to_json()).unwrap();
         assert_eq!(back.compute_hash(), plan.hash);
+        assert_eq!(back, plan);
     }
+}
+
+#[test]
+fn editing_one_devices_op_leaves_the_nodes_other_ops_alone() {
+    // The ops of one node share their common part; an edit through one op
+    // copies it for that op, and the plan hash sees the edit.
+    let mut dp = tiny(2);
+    dp.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0))
+        .unwrap();
+    let mut plan = compile(&dp).unwrap();
+    let op = plan.devices[0].streams[0].ops[0].clone();
+    plan.devices[1].streams[0].ops[0] = op.clone();
+    let hash = plan.compute_hash();
+    let (a, b) = (
+        &plan.devices[0].streams[0].ops[0],
+        &plan.devices[1].streams[0].ops[0],
+    );
+    assert!(std::sync::Arc::ptr_eq(&a.common, &b.common));
+    let mut edited = plan.clone();
+    edited.devices[0].streams[0].ops[0].flops *= 2.0;
+    assert_eq!(edited.devices[0].streams[0].ops[0].flops, 2.0 * op.flops);
+    assert_eq!(edited.devices[1].streams[0].ops[0].flops, op.flops);
+    assert_eq!(plan.devices[0].streams[0].ops[0].flops, op.flops);
+    // (What a node's ops share is hashed at its first device's op.)
+    assert_ne!(edited.compute_hash(), hash);
 }
 
 #[test]

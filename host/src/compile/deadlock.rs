@@ -146,144 +146,149 @@ impl<'a> Machine<'a> {
     }
 }
 
-/// One op as the check sees it: 20 bytes, built once per plan in parallel
-/// (the check itself is one sequential pass).
+/// One op as the check sees it: 16 bytes. The compiler builds these while it
+/// builds the ops ([`super::build`]); [`check_deadlock`] builds them from a
+/// plan it is given.
 #[derive(Clone, Copy)]
-struct Step {
-    node: u32,
-    /// `recv`: pair; collective: its group's index in [`Prog::groups`]
-    /// (a send is keyed by its node and device alone).
-    a: u32,
-    /// `recv`: peer.
-    b: u32,
+pub(super) struct Step {
+    /// `send`: its message; `recv`: the message it takes (the key of its
+    /// send); collective: its meeting. Keys are dense, below the key count
+    /// given to [`simulate`]; sends' and meetings' keys never coincide.
+    pub key: u32,
+    /// Collective: how many devices meet.
+    pub need: u32,
     /// End of this op's waits in its stream's wait list (they start where
     /// the previous op's end).
-    waits_end: u32,
-    kind: Kind,
+    pub waits_end: u32,
+    pub kind: Kind,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     Send,
     Recv,
     Collective,
     /// Runs on its own once its waits are done.
     Local,
+    /// Can never run (a receive with no send, a collective its device is not
+    /// part of, or one it joins twice).
+    Never,
 }
 
 /// A wait on a stream that does not exist: never done.
-const NO_STREAM: u32 = u32::MAX;
+pub(super) const NO_STREAM: u32 = u32::MAX;
 
-/// One device's plan as steps.
-struct Prog<'a> {
-    steps: Vec<Vec<Step>>,
-    /// Per stream: (stream index, op index) of each op's waits, in op order.
-    waits: Vec<Vec<(u32, u32)>>,
-    groups: Vec<&'a [u32]>,
-    /// Each stream's name.
-    names: Vec<&'a str>,
+/// One stream as steps, with the (stream index, op index) of each step's
+/// waits, in op order.
+#[derive(Default)]
+pub(super) struct StreamSteps {
+    pub steps: Vec<Step>,
+    pub waits: Vec<(u32, u32)>,
 }
 
-fn prog(d: &DevicePlan) -> Prog<'_> {
-    let names: Vec<&str> = d.streams.iter().map(|s| &*s.stream).collect();
-    // The first stream of a name is the one a wait means (as `stream_ix`).
-    let index = |name: &str| {
-        names
-            .iter()
-            .position(|n| *n == name)
-            .map_or(NO_STREAM, |i| i as u32)
+/// A plan given from outside (read from a file, edited by hand) as steps:
+/// messages keyed by (send node, sending device), meetings by (node, stream
+/// name, group); the number of keys.
+fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize) {
+    let mut keys = 0u32;
+    let mut next = || {
+        keys += 1;
+        keys - 1
     };
-    let mut groups = Vec::new();
-    let mut steps = Vec::with_capacity(d.streams.len());
-    let mut waits = Vec::with_capacity(d.streams.len());
-    for st in &d.streams {
-        let mut list = Vec::with_capacity(st.ops.len());
-        let mut ws: Vec<(u32, u32)> = Vec::new();
-        for op in &st.ops {
-            ws.extend(
-                op.waits
-                    .iter()
-                    .map(|w| (index(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
-            );
-            let (kind, a, b) = match op.op {
-                OpKind::Send => (Kind::Send, 0, 0),
-                OpKind::Recv => (
-                    Kind::Recv,
-                    op.pair.unwrap_or(u32::MAX),
-                    op.peer.unwrap_or(u32::MAX),
-                ),
-                _ => match op.group.as_deref() {
-                    Some(g) if g.len() > 1 => {
-                        groups.push(g);
-                        (Kind::Collective, (groups.len() - 1) as u32, 0)
-                    }
-                    _ => (Kind::Local, 0, 0),
-                },
-            };
-            list.push(Step {
-                node: op.node,
-                a,
-                b,
-                waits_end: ws.len() as u32,
-                kind,
-            });
+    let mut sends: HashMap<(u32, u32), u32> = HashMap::default();
+    for d in devices {
+        for op in d.streams.iter().flat_map(|s| s.ops.iter()) {
+            if op.op == OpKind::Send {
+                sends.entry((op.node, d.device)).or_insert_with(&mut next);
+            }
         }
-        steps.push(list);
-        waits.push(ws);
     }
-    Prog {
-        steps,
-        waits,
-        groups,
-        names,
+    type Meeting<'a> = (u32, &'a str, &'a [u32]);
+    let mut meetings: HashMap<Meeting, u32> = HashMap::default();
+    let mut progs = Vec::with_capacity(devices.len());
+    for d in devices {
+        let me = d.device;
+        let names: Vec<&str> = d.streams.iter().map(|s| &*s.stream).collect();
+        // The first stream of a name is the one a wait means (as `stream_ix`).
+        let index = |name: &str| {
+            names
+                .iter()
+                .position(|n| *n == name)
+                .map_or(NO_STREAM, |i| i as u32)
+        };
+        let mut joined: HashSet<u32> = HashSet::new();
+        let mut prog = Vec::with_capacity(d.streams.len());
+        for st in &d.streams {
+            let mut out = StreamSteps {
+                steps: Vec::with_capacity(st.ops.len()),
+                waits: Vec::new(),
+            };
+            for op in &st.ops {
+                out.waits.extend(
+                    op.waits
+                        .iter()
+                        .map(|w| (index(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
+                );
+                let (kind, key, need) = match op.op {
+                    OpKind::Send => (Kind::Send, sends[&(op.node, me)], 0),
+                    OpKind::Recv => {
+                        let send = (op.pair.unwrap_or(u32::MAX), op.peer.unwrap_or(u32::MAX));
+                        match sends.get(&send) {
+                            Some(&k) => (Kind::Recv, k, 0),
+                            None => (Kind::Never, 0, 0),
+                        }
+                    }
+                    _ => match op.group.as_deref() {
+                        Some(g) if g.len() > 1 => {
+                            let key = *meetings
+                                .entry((op.node, &*st.stream, g))
+                                .or_insert_with(&mut next);
+                            if g.contains(&me) && joined.insert(key) {
+                                (Kind::Collective, key, g.len() as u32)
+                            } else {
+                                (Kind::Never, 0, 0)
+                            }
+                        }
+                        _ => (Kind::Local, 0, 0),
+                    },
+                };
+                out.steps.push(Step {
+                    key,
+                    need,
+                    waits_end: out.waits.len() as u32,
+                    kind,
+                });
+            }
+            prog.push(out);
+        }
+        progs.push(prog);
     }
+    (progs, keys as usize)
 }
 
-/// Execute the plans abstractly; `Err` names the waits that can never end.
+/// Execute the steps abstractly: each stream's program counter where it
+/// stopped (at its end when it finished).
 ///
 /// One pass: each stream runs until it blocks, and a blocked stream is
 /// parked where what it waits on will wake it (the stream it waits on, the
-/// send it needs, the collective it joined), so each op is looked at a
-/// bounded number of times. A collective completes when every device of its
-/// group (the same group, on a stream of the same name) has joined it.
-pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
-    use rayon::prelude::*;
-    let progs: Vec<Prog> = devices.par_iter().map(prog).collect();
-    let dev_ix: HashMap<u32, usize> = devices
-        .iter()
-        .enumerate()
-        .map(|(i, d)| (d.device, i))
-        .collect();
-    // Stream names across devices, as numbers.
-    let mut name_ids: HashMap<&str, u32> = HashMap::default();
-    let gid: Vec<Vec<u32>> = progs
-        .iter()
-        .map(|p| {
-            p.names
-                .iter()
-                .map(|n| {
-                    let next = name_ids.len() as u32;
-                    *name_ids.entry(n).or_insert(next)
-                })
-                .collect()
-        })
-        .collect();
-    let mut pc: Vec<Vec<u32>> = progs.iter().map(|p| vec![0; p.steps.len()]).collect();
+/// send it needs, the meeting it joined), so each op is looked at a bounded
+/// number of times. A collective completes when `need` devices joined it.
+pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>> {
+    const NIL: u32 = u32::MAX;
+    let mut pc: Vec<Vec<u32>> = progs.iter().map(|p| vec![0; p.len()]).collect();
     // Streams of a device parked on one of its streams: (needed pc, stream).
-    let mut waiters: Vec<Vec<Vec<(u32, u32)>>> = progs
-        .iter()
-        .map(|p| vec![Vec::new(); p.steps.len()])
-        .collect();
-    let mut sent: HashSet<(u32, u32)> = HashSet::new();
-    let mut pending: HashMap<(u32, u32), Vec<(u32, u32)>> = HashMap::default();
-    // (node, stream name, group's first device, group size) → the group and
-    // who has joined.
-    type Joined<'a> = (&'a [u32], Vec<(u32, u32)>);
-    let mut joined: HashMap<(u32, u32, u32, u32), Joined> = HashMap::default();
+    let mut waiters: Vec<Vec<Vec<(u32, u32)>>> =
+        progs.iter().map(|p| vec![Vec::new(); p.len()]).collect();
+    let mut sent = vec![false; keys];
+    let mut joined = vec![0u32; keys];
+    // Per key, a list of parked streams (receives waiting for the send, or
+    // the members of a meeting) threaded through `links`.
+    let mut parked = vec![NIL; keys];
+    let mut links: Vec<(u32, u32, u32)> = Vec::new();
     let mut queue: VecDeque<(u32, u32)> = progs
         .iter()
         .enumerate()
-        .flat_map(|(d, p)| (0..p.steps.len() as u32).map(move |s| (d as u32, s)))
+        .flat_map(|(d, p)| (0..p.len() as u32).map(move |s| (d as u32, s)))
         .collect();
     // Advance (d, s) past its head and wake what waited on it.
     fn advance(
@@ -309,20 +314,19 @@ pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
     }
     while let Some((d, s)) = queue.pop_front() {
         let (d, s) = (d as usize, s as usize);
-        let p = &progs[d];
-        let me = devices[d].device;
+        let st = &progs[d][s];
         'run: loop {
             let at = pc[d][s] as usize;
-            let Some(step) = p.steps[s].get(at) else {
+            let Some(step) = st.steps.get(at) else {
                 break;
             };
             let from = if at == 0 {
                 0
             } else {
-                p.steps[s][at - 1].waits_end as usize
+                st.steps[at - 1].waits_end as usize
             };
-            for &(ws, need) in &p.waits[s][from..step.waits_end as usize] {
-                if ws == NO_STREAM {
+            for &(ws, need) in &st.waits[from..step.waits_end as usize] {
+                if ws == NO_STREAM || ws as usize >= pc[d].len() {
                     break 'run;
                 }
                 if pc[d][ws as usize] <= need {
@@ -330,53 +334,67 @@ pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
                     break 'run;
                 }
             }
+            let key = step.key as usize;
             match step.kind {
                 Kind::Send => {
-                    sent.insert((step.node, me));
-                    if let Some(list) = pending.remove(&(step.node, me)) {
-                        queue.extend(list);
+                    sent[key] = true;
+                    let mut l = std::mem::replace(&mut parked[key], NIL);
+                    while l != NIL {
+                        let (pd, ps, next) = links[l as usize];
+                        queue.push_back((pd, ps));
+                        l = next;
                     }
                     advance(&mut pc, &mut waiters, &mut queue, d, s);
                 }
                 Kind::Recv => {
-                    let key = (step.a, step.b);
-                    if !sent.contains(&key) {
-                        pending.entry(key).or_default().push((d as u32, s as u32));
+                    if !sent[key] {
+                        links.push((d as u32, s as u32, parked[key]));
+                        parked[key] = (links.len() - 1) as u32;
                         break;
                     }
                     advance(&mut pc, &mut waiters, &mut queue, d, s);
                 }
                 Kind::Collective => {
-                    let group = p.groups[step.a as usize];
-                    if !group.contains(&me) {
+                    joined[key] += 1;
+                    links.push((d as u32, s as u32, parked[key]));
+                    parked[key] = (links.len() - 1) as u32;
+                    if joined[key] < step.need {
                         break;
                     }
-                    let key = (step.node, gid[d][s], group[0], group.len() as u32);
-                    let entry = joined.entry(key).or_insert_with(|| (group, Vec::new()));
-                    // Another group under the same key, or this device's
-                    // second stream of the name: never completes.
-                    if entry.0 != group || entry.1.iter().any(|&(jd, _)| jd as usize == d) {
-                        break;
-                    }
-                    entry.1.push((d as u32, s as u32));
-                    if entry.1.len() < group.len() {
-                        break;
-                    }
-                    let (_, members) = joined.remove(&key).expect("just joined");
-                    for (jd, js) in members {
+                    let mut l = std::mem::replace(&mut parked[key], NIL);
+                    while l != NIL {
+                        let (jd, js, next) = links[l as usize];
                         advance(&mut pc, &mut waiters, &mut queue, jd as usize, js as usize);
                         if (jd as usize, js as usize) != (d, s) {
                             queue.push_back((jd, js));
                         }
+                        l = next;
                     }
                 }
                 Kind::Local => advance(&mut pc, &mut waiters, &mut queue, d, s),
+                Kind::Never => break,
             }
         }
     }
+    pc
+}
+
+/// Execute the plans abstractly; `Err` names the waits that can never end.
+pub fn check_deadlock(devices: &[DevicePlan]) -> Result<(), DeadlockError> {
+    let (progs, keys) = steps_of(devices);
+    explain(devices, &simulate(&progs, keys))
+}
+
+/// `Ok` when every stream finished; else the wait-for chain from the first
+/// blocked stream, named from the plan.
+pub(super) fn explain(devices: &[DevicePlan], pc: &[Vec<u32>]) -> Result<(), DeadlockError> {
     let m = Machine {
         devices,
-        dev_ix,
+        dev_ix: devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.device, i))
+            .collect(),
         pc: pc
             .iter()
             .map(|p| p.iter().map(|&x| x as usize).collect())

@@ -42,76 +42,189 @@ pub struct StreamPlan {
     pub ops: Vec<Op>,
 }
 
-/// One instruction. Fields shared by the devices of an SPMD node are
-/// reference-counted, so a plan over many devices stays cheap to build.
+/// One instruction. What every device's op of a node shares is one
+/// reference-counted [`OpCommon`], read through `Deref` (`op.tags`,
+/// `op.flops`, …), so a plan over many devices stays cheap to build; in JSON
+/// an op is one flat object.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(from = "FlatOp", into = "FlatOp")]
 pub struct Op {
     pub op: OpKind,
     /// The DAG node this op runs.
     pub node: u32,
-    pub tags: Arc<BTreeMap<String, u32>>,
-    #[serde(default, skip_serializing_if = "is_empty")]
-    pub segments: Arc<[u32]>,
+    /// What the node's op on every device shares.
+    pub common: Arc<OpCommon>,
     /// `send`: destination device; `recv`: source device.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<u32>,
     /// `send`/`recv`: the send node's id, the same on both sides.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pair: Option<u32>,
     /// Collectives: the devices that run it together (this device included).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<Arc<[u32]>>,
+    /// Ops of other streams on this device that must finish first.
+    /// Shared by the devices of an SPMD node whose waits are the same.
+    pub waits: Arc<[Wait]>,
+    /// Local producers of the tensors this op reads, with the tensor kind.
+    pub inputs: Arc<[Input]>,
+    /// Compute ops: this device's index in the node's data-parallel group.
+    pub replica: u32,
+    /// Bytes of the transient buffers this op leaves on its device for local
+    /// readers (the simulator's memory over time). Derived: not hashed.
+    pub out_bytes: u64,
+}
+
+/// What the ops of one node share on every device that runs it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpCommon {
+    pub tags: Arc<BTreeMap<String, u32>>,
+    pub segments: Arc<[u32]>,
     /// Compute ops spread over `group` (expert or tensor parallelism): the
     /// group exchanges inside the op, unless the op is one phase of a split
     /// expert pass (the exchanges are all-to-all ops of their own).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spread: Option<Spread>,
     /// A phase of an expert segment's pass split by `shard`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<ExpertPhase>,
     /// Why a communication op exists (`pipeline`, `grad-sync`, …).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub purpose: Option<CommPurpose>,
     /// Microbatch split factor × data-parallel degree: the op runs
     /// `1/batch_div` of the global batch.
     pub batch_div: u64,
     /// Compute: FLOPs; communication: bytes moved per device.
-    #[serde(default)]
     pub flops: f64,
-    #[serde(default)]
     pub bytes: u64,
-    /// Ops of other streams on this device that must finish first.
-    /// Shared by the devices of an SPMD node whose waits are the same.
-    #[serde(default, skip_serializing_if = "no_waits")]
-    pub waits: Arc<[Wait]>,
-    /// Local producers of the tensors this op reads, with the tensor kind.
-    #[serde(default, skip_serializing_if = "no_inputs")]
-    pub inputs: Arc<[Input]>,
-    /// Compute ops: this device's index in the node's data-parallel group.
-    #[serde(default)]
-    pub replica: u32,
     /// Compute ops: the microbatch (linear index over every split dimension)
     /// and how many there are; the op runs batch piece
     /// `microbatch × DP degree + replica` of `batch_div`.
-    #[serde(default)]
     pub microbatch: u32,
-    #[serde(default = "one")]
     pub microbatches: u32,
     /// Communication ops: what they move.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tensor: Option<TensorKind>,
     /// The ZeRO stage of the segments this op computes or reduces (0: plain
     /// DP or none), so the runtime knows how their states are sharded.
-    #[serde(default)]
     pub zero: u8,
     /// Compute and update ops: parameter bytes of their segments (the
     /// simulator costs an optimizer step from it). Derived: not hashed.
-    #[serde(default, skip_serializing_if = "is_zero")]
     pub param_bytes: u64,
-    /// Bytes of the transient buffers this op leaves on its device for local
-    /// readers (the simulator's memory over time). Derived: not hashed.
+}
+
+impl std::ops::Deref for Op {
+    type Target = OpCommon;
+    fn deref(&self) -> &OpCommon {
+        &self.common
+    }
+}
+
+/// Editing a shared field (`op.flops *= 2.0`) copies the node's common part
+/// for this op first, so the node's ops on other devices are unchanged.
+impl std::ops::DerefMut for Op {
+    fn deref_mut(&mut self) -> &mut OpCommon {
+        Arc::make_mut(&mut self.common)
+    }
+}
+
+/// An op as one flat JSON object (the plan's file format).
+#[derive(Clone, Serialize, Deserialize)]
+struct FlatOp {
+    op: OpKind,
+    node: u32,
+    tags: Arc<BTreeMap<String, u32>>,
+    #[serde(default, skip_serializing_if = "is_empty")]
+    segments: Arc<[u32]>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    peer: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pair: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    group: Option<Arc<[u32]>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    spread: Option<Spread>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    phase: Option<ExpertPhase>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    purpose: Option<CommPurpose>,
+    batch_div: u64,
+    #[serde(default)]
+    flops: f64,
+    #[serde(default)]
+    bytes: u64,
+    #[serde(default, skip_serializing_if = "no_waits")]
+    waits: Arc<[Wait]>,
+    #[serde(default, skip_serializing_if = "no_inputs")]
+    inputs: Arc<[Input]>,
+    #[serde(default)]
+    replica: u32,
+    #[serde(default)]
+    microbatch: u32,
+    #[serde(default = "one")]
+    microbatches: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tensor: Option<TensorKind>,
+    #[serde(default)]
+    zero: u8,
     #[serde(default, skip_serializing_if = "is_zero")]
-    pub out_bytes: u64,
+    param_bytes: u64,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    out_bytes: u64,
+}
+
+impl From<FlatOp> for Op {
+    fn from(f: FlatOp) -> Op {
+        Op {
+            op: f.op,
+            node: f.node,
+            common: Arc::new(OpCommon {
+                tags: f.tags,
+                segments: f.segments,
+                spread: f.spread,
+                phase: f.phase,
+                purpose: f.purpose,
+                batch_div: f.batch_div,
+                flops: f.flops,
+                bytes: f.bytes,
+                microbatch: f.microbatch,
+                microbatches: f.microbatches,
+                tensor: f.tensor,
+                zero: f.zero,
+                param_bytes: f.param_bytes,
+            }),
+            peer: f.peer,
+            pair: f.pair,
+            group: f.group,
+            waits: f.waits,
+            inputs: f.inputs,
+            replica: f.replica,
+            out_bytes: f.out_bytes,
+        }
+    }
+}
+
+impl From<Op> for FlatOp {
+    fn from(o: Op) -> FlatOp {
+        let c = &*o.common;
+        FlatOp {
+            op: o.op,
+            node: o.node,
+            tags: c.tags.clone(),
+            segments: c.segments.clone(),
+            peer: o.peer,
+            pair: o.pair,
+            group: o.group,
+            spread: c.spread,
+            phase: c.phase,
+            purpose: c.purpose,
+            batch_div: c.batch_div,
+            flops: c.flops,
+            bytes: c.bytes,
+            waits: o.waits,
+            inputs: o.inputs,
+            replica: o.replica,
+            microbatch: c.microbatch,
+            microbatches: c.microbatches,
+            tensor: c.tensor,
+            zero: c.zero,
+            param_bytes: c.param_bytes,
+            out_bytes: o.out_bytes,
+        }
+    }
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -240,8 +353,10 @@ struct StableHasher([u64; 2]);
 const SEED: [u64; 2] = [0x243f_6a88_85a3_08d3, 0x1319_8a2e_0370_7344];
 
 /// One stream's part of the plan hash: its name, its ops in order, their
-/// count. `shared`: the op is its node's first in plan order (what every
-/// device's op of the node shares is hashed there only).
+/// count. Each op is a few packed words: enums by their codes, ids in pairs,
+/// a wait by its stream's position among the device's streams (the first
+/// stream of its name). What every device's op of a node shares is hashed at
+/// the node's first op in plan order (`shared`).
 pub(crate) struct StreamHasher(StableHasher);
 
 impl StreamHasher {
@@ -250,13 +365,24 @@ impl StreamHasher {
         h.bytes(stream.as_bytes());
         StreamHasher(h)
     }
-    pub(crate) fn op(&mut self, o: &Op, shared: bool) {
-        self.0.op(o, shared);
+    /// `waits`: each of the op's waits as (stream position, op index).
+    pub(crate) fn op(
+        &mut self,
+        o: &Op,
+        shared: bool,
+        waits: impl ExactSizeIterator<Item = (u32, u32)>,
+    ) {
+        self.0.op(o, shared, waits);
     }
     pub(crate) fn finish(mut self, ops: usize) -> [u64; 2] {
         self.0.word(ops as u64);
         self.0 .0
     }
+}
+
+/// Two 32-bit values as one word.
+fn pair(a: u32, b: u32) -> u64 {
+    a as u64 | (b as u64) << 32
 }
 
 impl StableHasher {
@@ -275,44 +401,44 @@ impl StableHasher {
     }
     fn words(&mut self, ws: &[u32]) {
         self.word(ws.len() as u64);
-        for w in ws {
-            self.word(*w as u64);
+        for c in ws.chunks(2) {
+            self.word(pair(c[0], c.get(1).copied().unwrap_or(0)));
         }
     }
     /// One op; `shared`: also what every device's op of its node shares.
-    fn op(&mut self, o: &Op, shared: bool) {
-        self.bytes(o.op.as_str().as_bytes());
-        self.word(o.node as u64);
+    fn op(&mut self, o: &Op, shared: bool, waits: impl ExactSizeIterator<Item = (u32, u32)>) {
+        let code = |x: Option<u8>| x.map_or(0, |v| v as u64 + 1);
+        self.word(
+            o.op as u64
+                | code(o.spread.map(|s| s as u8)) << 8
+                | code(o.phase.map(|p| p as u8)) << 16
+                | code(o.tensor.map(|t| t as u8)) << 24
+                | (o.zero as u64) << 32
+                | code(o.purpose.map(|p| p as u8)) << 40
+                | (shared as u64) << 48,
+        );
+        self.word(pair(o.node, o.replica));
+        self.word(pair(o.peer.unwrap_or(u32::MAX), o.pair.unwrap_or(u32::MAX)));
+        self.word(pair(o.microbatch, o.microbatches));
         if shared {
             for (k, v) in o.tags.iter() {
                 self.bytes(k.as_bytes());
                 self.word(*v as u64);
             }
             self.words(&o.segments);
-            self.bytes(o.purpose.map_or("", |p| p.as_str()).as_bytes());
             self.word(o.batch_div);
             self.word(o.flops.to_bits());
             self.word(o.bytes);
         }
-        self.word(o.peer.map_or(u64::MAX, |p| p as u64));
-        self.word(o.pair.map_or(u64::MAX, |p| p as u64));
         self.words(o.group.as_deref().unwrap_or(&[]));
-        self.word(o.spread.map_or(0, |s| s as u64 + 1));
-        self.word(o.phase.map_or(0, |p| p as u64 + 1));
-        for w in o.waits.iter() {
-            self.bytes(w.stream.as_bytes());
-            self.word(w.op as u64);
+        self.word(waits.len() as u64);
+        for (s, i) in waits {
+            self.word(pair(s, i));
         }
         self.word(o.inputs.len() as u64);
         for i in o.inputs.iter() {
-            self.word(i.node as u64);
-            self.word(i.tensor as u64);
+            self.word(pair(i.node, i.tensor as u32));
         }
-        self.word(o.replica as u64);
-        self.word(o.microbatch as u64);
-        self.word(o.microbatches as u64);
-        self.word(o.tensor.map_or(u64::MAX, |t| t as u64));
-        self.word(o.zero as u64);
     }
 }
 
@@ -359,23 +485,34 @@ impl Plan {
                 }
             }
         }
-        let parts: Vec<Vec<[u64; 2]>> = self
-            .devices
-            .par_iter()
-            .enumerate()
-            .map(|(di, d)| {
-                d.streams
-                    .iter()
-                    .map(|s| {
-                        let mut h = StreamHasher::new(&s.stream);
-                        for o in &s.ops {
-                            h.op(o, first[o.node as usize] == di as u32);
-                        }
-                        h.finish(s.ops.len())
-                    })
-                    .collect()
-            })
-            .collect();
+        let parts: Vec<Vec<[u64; 2]>> =
+            self.devices
+                .par_iter()
+                .enumerate()
+                .map(|(di, d)| {
+                    // A wait names its stream; it is hashed as the position of
+                    // the device's first stream of that name.
+                    let at = |name: &str| {
+                        d.streams
+                            .iter()
+                            .position(|s| s.stream == name)
+                            .map_or(u32::MAX, |p| p as u32)
+                    };
+                    d.streams
+                        .iter()
+                        .map(|s| {
+                            let mut h = StreamHasher::new(&s.stream);
+                            for o in &s.ops {
+                                let waits = o.waits.iter().map(|w| {
+                                    (at(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))
+                                });
+                                h.op(o, first[o.node as usize] == di as u32, waits);
+                            }
+                            h.finish(s.ops.len())
+                        })
+                        .collect()
+                })
+                .collect();
         self.hash_of(&parts)
     }
 

@@ -68,10 +68,13 @@ impl TrainingDag {
 
     /// Group and replication of each segment when all its compute nodes agree.
     pub(crate) fn segment_placement(&self) -> Vec<Placement> {
-        let mut out: Vec<Option<Placement>> = vec![None; self.segments().len()];
+        // Per segment: unseen, the group all its nodes agree on so far
+        // (`None`: unplaced), or disagreement. Borrowed until the end.
+        type Agreed<'a> = Option<(&'a [DeviceId], Option<u32>)>;
+        let mut out: Vec<Option<Agreed>> = vec![None; self.segments().len()];
         for n in self.graph.node_weights() {
             if let NodeKind::Compute { segment, .. } = n.kind {
-                let this = (!n.devices.is_empty()).then(|| (n.devices.clone(), n.replica));
+                let this = (!n.devices.is_empty()).then_some((&n.devices[..], n.replica));
                 let slot = &mut out[segment as usize];
                 match slot {
                     None => *slot = Some(this),
@@ -80,30 +83,35 @@ impl TrainingDag {
                 }
             }
         }
-        out.into_iter().map(|s| s.flatten()).collect()
+        out.into_iter()
+            .map(|s| s.flatten().map(|(d, r)| (d.to_vec(), r)))
+            .collect()
     }
 
     /// Every distinct (group, replication) a segment's compute nodes run on,
     /// sorted: one entry normally, one per parameter copy when duplicated.
     pub(crate) fn segment_copies(&self) -> Vec<Vec<(Vec<DeviceId>, Option<u32>)>> {
-        let mut out: Vec<Vec<(Vec<DeviceId>, Option<u32>)>> =
-            vec![Vec::new(); self.segments().len()];
+        let mut out: Vec<Vec<(&[DeviceId], Option<u32>)>> = vec![Vec::new(); self.segments().len()];
         for n in self.graph.node_weights() {
             if let NodeKind::Compute { segment, .. } = n.kind {
                 if n.devices.is_empty() {
                     continue;
                 }
-                let this = (n.devices.clone(), n.replica);
+                let this = (&n.devices[..], n.replica);
                 let list = &mut out[segment as usize];
                 if !list.contains(&this) {
                     list.push(this);
                 }
             }
         }
-        for l in &mut out {
-            l.sort();
-        }
-        out
+        out.into_iter()
+            .map(|l| {
+                let mut l: Vec<(Vec<DeviceId>, Option<u32>)> =
+                    l.into_iter().map(|(d, r)| (d.to_vec(), r)).collect();
+                l.sort();
+                l
+            })
+            .collect()
     }
 
     /// Copies of a segment that can be paired element-wise (equal group
