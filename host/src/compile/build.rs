@@ -235,9 +235,16 @@ fn describe<'a>(
 ) -> Described<'a> {
     let dag = cx.dag;
     let my_gid = cx.groups.gid[id.ix().index()];
-    let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
-    inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
-    inputs.dedup();
+    // The inputs every device reads, when they are the same everywhere
+    // (otherwise each device lists its own).
+    let inputs: Arc<[Input]> = if single_device_inputs {
+        let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
+        inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+        inputs.dedup();
+        Arc::from(inputs)
+    } else {
+        Arc::from(Vec::new())
+    };
     let cost = dag.cost(id);
     let div = dag.batch_share_div(id);
     let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
@@ -372,11 +379,7 @@ fn describe<'a>(
         pair: None,
         group: spread.map(|_| Arc::from(ids(&n.devices))),
         waits: sh.no_waits.clone(),
-        inputs: if single_device_inputs {
-            Arc::from(inputs)
-        } else {
-            Arc::from(Vec::new())
-        },
+        inputs,
         replica: 0,
         out_bytes: 0,
     };

@@ -50,24 +50,93 @@ pub struct Neighbour {
 ///
 /// Lists only grow between full rebuilds (each sync of derived nodes): a
 /// removed or changed node may linger in a list, so candidates are always
-/// re-checked against the filter.
+/// re-checked against the filter. Keys are packed integers and a list of
+/// one node is held inline: most keys name one node (`F`, PP=3, MB=7).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
-    by_tag: HashMap<(TagKey, u32), Vec<NodeId>>,
-    by_label: HashMap<u8, Vec<NodeId>>,
-    by_label_tag: HashMap<(u8, TagKey, u32), Vec<NodeId>>,
+    /// (tag, index)
+    by_tag: HashMap<u64, Ids>,
+    /// Per label: every node.
+    by_label: [Vec<NodeId>; PASS_VALUES.len()],
+    /// (label, tag, index)
+    by_label_tag: HashMap<u64, Ids>,
     /// Nodes by label and two exact tags (`F`, PP=3, MB=7): the usual
     /// strategy filter hits a list of one.
-    by_label_pair: HashMap<(u8, TagKey, u32, TagKey, u32), Vec<NodeId>>,
+    by_label_pair: HashMap<u128, Ids>,
 }
 
-/// A label as its index in [`PASS_VALUES`] (the index's keys are plain
-/// integers: no string hashing or comparing per node).
+/// A node list, one id inline.
+#[derive(Clone, Debug)]
+enum Ids {
+    One(NodeId),
+    Many(Vec<NodeId>),
+}
+
+impl Ids {
+    fn push(&mut self, id: NodeId) {
+        match self {
+            Ids::One(first) => *self = Ids::Many(vec![*first, id]),
+            Ids::Many(v) => v.push(id),
+        }
+    }
+    fn as_slice(&self) -> &[NodeId] {
+        match self {
+            Ids::One(id) => std::slice::from_ref(id),
+            Ids::Many(v) => v,
+        }
+    }
+}
+
+fn add_to<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Ids>, key: K, id: NodeId) {
+    match map.entry(key) {
+        std::collections::hash_map::Entry::Occupied(mut e) => e.get_mut().push(id),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            e.insert(Ids::One(id));
+        }
+    }
+}
+
+fn tag_key(k: TagKey, v: u32) -> u64 {
+    (k.0 as u64) << 32 | v as u64
+}
+
+fn label_tag_key(label: u8, k: TagKey, v: u32) -> u64 {
+    (label as u64) << 48 | tag_key(k, v)
+}
+
+fn pair_key(label: u8, (k, v): (TagKey, u32), (k2, v2): (TagKey, u32)) -> u128 {
+    (label_tag_key(label, k, v) as u128) << 64 | tag_key(k2, v2) as u128
+}
+
+/// A label as its index in [`PASS_VALUES`] (`u8::MAX`: none).
 fn label_key(label: &str) -> u8 {
     PASS_VALUES
         .iter()
         .position(|v| *v == label)
         .map_or(u8::MAX, |i| i as u8)
+}
+
+/// A node's label as its index in [`PASS_VALUES`], from its kind.
+pub(crate) fn label_of(kind: &NodeKind) -> u8 {
+    use super::{CommOp, Pass};
+    match kind {
+        NodeKind::Compute { pass, .. } => match pass {
+            Pass::F => 0,
+            Pass::B => 1,
+            Pass::BI => 2,
+            Pass::BW => 3,
+        },
+        NodeKind::Update { .. } => 4,
+        NodeKind::Comm(c) => match c.op {
+            CommOp::Send => 5,
+            CommOp::Recv => 6,
+            CommOp::AllReduce => 7,
+            CommOp::ReduceScatter => 8,
+            CommOp::AllGather => 9,
+            CommOp::AllToAll => 10,
+        },
+        NodeKind::Marker => 11,
+    }
 }
 
 impl Index {
@@ -80,38 +149,34 @@ impl Index {
     }
     pub(crate) fn add(&mut self, dag: &TrainingDag, id: NodeId) {
         let n = &dag.graph[id.ix()];
-        let label = label_key(n.kind.label());
-        for (i, (k, v)) in n.tags.0.iter().enumerate() {
-            self.by_tag.entry((*k, *v)).or_default().push(id);
-            self.by_label_tag
-                .entry((label, *k, *v))
-                .or_default()
-                .push(id);
-            for (k2, v2) in &n.tags.0[i + 1..] {
-                self.by_label_pair
-                    .entry((label, *k, *v, *k2, *v2))
-                    .or_default()
-                    .push(id);
+        let label = label_of(&n.kind);
+        for (i, &(k, v)) in n.tags.0.iter().enumerate() {
+            add_to(&mut self.by_tag, tag_key(k, v), id);
+            add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
+            for &second in &n.tags.0[i + 1..] {
+                add_to(&mut self.by_label_pair, pair_key(label, (k, v), second), id);
             }
         }
-        self.by_label.entry(label).or_default().push(id);
+        self.by_label[label as usize].push(id);
     }
     pub(crate) fn add_tag(&mut self, dag: &TrainingDag, id: NodeId, k: TagKey, v: u32) {
         let n = &dag.graph[id.ix()];
-        let label = label_key(n.kind.label());
-        self.by_tag.entry((k, v)).or_default().push(id);
-        self.by_label_tag.entry((label, k, v)).or_default().push(id);
-        for (k2, v2) in &n.tags.0 {
-            if *k2 < k {
-                self.by_label_pair
-                    .entry((label, *k2, *v2, k, v))
-                    .or_default()
-                    .push(id);
-            } else if *k2 > k {
-                self.by_label_pair
-                    .entry((label, k, v, *k2, *v2))
-                    .or_default()
-                    .push(id);
+        let label = label_of(&n.kind);
+        add_to(&mut self.by_tag, tag_key(k, v), id);
+        add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
+        for &(k2, v2) in &n.tags.0 {
+            if k2 < k {
+                add_to(
+                    &mut self.by_label_pair,
+                    pair_key(label, (k2, v2), (k, v)),
+                    id,
+                );
+            } else if k2 > k {
+                add_to(
+                    &mut self.by_label_pair,
+                    pair_key(label, (k, v), (k2, v2)),
+                    id,
+                );
             }
         }
     }
@@ -120,7 +185,8 @@ impl Index {
 /// A filter with names resolved to keys.
 pub(crate) struct Resolved {
     tags: Vec<(TagKey, TagMatch)>,
-    pass: Option<String>,
+    /// The pass as its index in [`PASS_VALUES`].
+    label: Option<u8>,
 }
 
 impl TrainingDag {
@@ -147,29 +213,28 @@ impl TrainingDag {
                 }
             }
         }
-        if let Some(p) = &f.pass {
-            if !PASS_VALUES.contains(&p.as_str()) {
-                return Err(DagError::new(
-                    call,
-                    DagErrorKind::InvalidArgument(format!(
-                        "PASS {} is not one of {PASS_VALUES:?}",
-                        super::error::quote(p)
-                    )),
-                ));
-            }
-        }
-        Ok(Resolved {
-            tags,
-            pass: f.pass.clone(),
-        })
+        let label = match &f.pass {
+            Some(p) => match label_key(p) {
+                u8::MAX => {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::InvalidArgument(format!(
+                            "PASS {} is not one of {PASS_VALUES:?}",
+                            super::error::quote(p)
+                        )),
+                    ))
+                }
+                l => Some(l),
+            },
+            None => None,
+        };
+        Ok(Resolved { tags, label })
     }
 
     pub(crate) fn matches(&self, id: NodeId, r: &Resolved) -> bool {
         let n = &self.graph[id.ix()];
-        if let Some(p) = &r.pass {
-            if n.kind.label() != p {
-                return false;
-            }
+        if r.label.is_some_and(|l| l != label_of(&n.kind)) {
+            return false;
         }
         r.tags.iter().all(|(k, m)| match (n.tags.get(*k), m) {
             (None, _) => false,
@@ -187,49 +252,34 @@ impl TrainingDag {
     ) -> Result<Vec<NodeId>, DagError> {
         let index = self.index.get_or_init(|| Index::build(self));
         // Scan the smallest candidate list among the exact constraints.
-        let mut best: Option<&Vec<NodeId>> = None;
-        let empty = Vec::new();
-        let label = r.pass.as_deref().map(label_key).filter(|l| *l != u8::MAX);
+        let mut best: Option<&[NodeId]> = None;
+        fn consider<'a>(best: &mut Option<&'a [NodeId]>, list: Option<&'a [NodeId]>) {
+            let list = list.unwrap_or(&[]);
+            if best.is_none_or(|b| list.len() < b.len()) {
+                *best = Some(list);
+            }
+        }
+        let label = r.label;
+        let mut exact: Vec<(TagKey, u32)> = Vec::with_capacity(r.tags.len());
         for (k, m) in &r.tags {
             if let TagMatch::Index(i) = m {
+                exact.push((*k, *i));
                 let list = match label {
-                    Some(l) => index.by_label_tag.get(&(l, *k, *i)),
-                    None => index.by_tag.get(&(*k, *i)),
-                }
-                .unwrap_or(&empty);
-                if best.is_none_or(|b| list.len() < b.len()) {
-                    best = Some(list);
-                }
+                    Some(l) => index.by_label_tag.get(&label_tag_key(l, *k, *i)),
+                    None => index.by_tag.get(&tag_key(*k, *i)),
+                };
+                consider(&mut best, list.map(Ids::as_slice));
             }
         }
         if let Some(l) = label {
-            let exact: Vec<(TagKey, u32)> = {
-                let mut e: Vec<(TagKey, u32)> = r
-                    .tags
-                    .iter()
-                    .filter_map(|(k, m)| match m {
-                        TagMatch::Index(i) => Some((*k, *i)),
-                        TagMatch::Any => None,
-                    })
-                    .collect();
-                e.sort_unstable();
-                e
-            };
-            for (i, (k, v)) in exact.iter().enumerate() {
-                for (k2, v2) in &exact[i + 1..] {
-                    let list = index
-                        .by_label_pair
-                        .get(&(l, *k, *v, *k2, *v2))
-                        .unwrap_or(&empty);
-                    if best.is_none_or(|b| list.len() < b.len()) {
-                        best = Some(list);
-                    }
+            exact.sort_unstable();
+            for (i, &first) in exact.iter().enumerate() {
+                for &second in &exact[i + 1..] {
+                    let list = index.by_label_pair.get(&pair_key(l, first, second));
+                    consider(&mut best, list.map(Ids::as_slice));
                 }
             }
-            let list = index.by_label.get(&l).unwrap_or(&empty);
-            if best.is_none_or(|b| list.len() < b.len()) {
-                best = Some(list);
-            }
+            consider(&mut best, Some(&index.by_label[l as usize]));
         }
         let scan = best.map_or(self.node_count(), |b| b.len()) as u64;
         self.charge(call, scan.saturating_mul(r.tags.len() as u64 + 1))?;
@@ -548,6 +598,53 @@ impl TrainingDag {
             priority: n.priority,
             segments,
             cost: self.cost(id),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dag::{Comm, CommOp, CommPurpose, Pass, TensorKind};
+
+    /// The index's label codes are the positions of the labels filters name.
+    #[test]
+    fn label_codes_are_the_pass_values_positions() {
+        let comm = |op| {
+            NodeKind::Comm(Comm {
+                op,
+                purpose: CommPurpose::Pipeline,
+                tensor: TensorKind::Activation,
+                bytes: 0,
+                segments: Vec::new(),
+                peers: Vec::new(),
+                groups: Vec::new(),
+                pair: None,
+            })
+        };
+        let compute = |pass| NodeKind::Compute {
+            pass,
+            segment: 0,
+            phase: None,
+        };
+        let kinds = [
+            compute(Pass::F),
+            compute(Pass::B),
+            compute(Pass::BI),
+            compute(Pass::BW),
+            NodeKind::Update { segments: vec![0] },
+            comm(CommOp::Send),
+            comm(CommOp::Recv),
+            comm(CommOp::AllReduce),
+            comm(CommOp::ReduceScatter),
+            comm(CommOp::AllGather),
+            comm(CommOp::AllToAll),
+            NodeKind::Marker,
+        ];
+        assert_eq!(kinds.len(), PASS_VALUES.len());
+        for k in &kinds {
+            assert_eq!(PASS_VALUES[label_of(k) as usize], k.label());
+            assert_eq!(label_key(k.label()), label_of(k));
         }
     }
 }

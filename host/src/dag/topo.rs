@@ -31,8 +31,9 @@ pub(crate) struct Topo {
     added_out: HashMap<u32, Vec<u32>>,
     added_in: HashMap<u32, Vec<u32>>,
     added: Vec<(u32, u32)>,
-    /// Live node indices now.
+    /// Live node indices now, and how many.
     live: Vec<bool>,
+    live_count: usize,
     /// Position of each node index in a topological order (`NONE` for
     /// vacant ones): unique, not necessarily dense.
     pos: Vec<u32>,
@@ -77,9 +78,10 @@ impl Topo {
             inc[inf[t] as usize] = s as u32;
             inf[t] += 1;
         }
-        let live = (0..bound)
+        let live: Vec<bool> = (0..bound)
             .map(|i| g.contains_node(NodeIndex::new(i)))
             .collect();
+        let live_count = g.node_count();
         let mut t = Topo {
             out_head,
             out,
@@ -90,6 +92,7 @@ impl Topo {
             added_in: HashMap::new(),
             added: Vec::new(),
             live,
+            live_count,
             pos: Vec::new(),
             sig: dag.topo_sig(),
             seen: Vec::new(),
@@ -127,15 +130,18 @@ impl Topo {
     fn kahn(&self, extra: &[(usize, usize)], virtual_nodes: usize) -> Option<Vec<u32>> {
         let now = self.live.len();
         let total = now + virtual_nodes;
-        let mut indeg = self.indeg.clone();
+        let base = self.base();
+        let mut indeg = Vec::with_capacity(total);
+        indeg.extend_from_slice(&self.indeg);
         indeg.resize(total, 0);
-        let mut head = vec![0u32; total + 1];
+        // The edges beyond the snapshot, by source (counting sort).
         let more = || {
             self.added
                 .iter()
                 .map(|&(a, b)| (a as usize, b as usize))
                 .chain(extra.iter().copied())
         };
+        let mut head = vec![0u32; total + 1];
         for (a, b) in more() {
             head[a + 1] += 1;
             indeg[b] += 1;
@@ -149,32 +155,36 @@ impl Topo {
             targets[fill[a] as usize] = b as u32;
             fill[a] += 1;
         }
-        let live = |i: usize| i >= now || self.live[i];
-        let mut stack: Vec<usize> = (0..total).filter(|&i| live(i) && indeg[i] == 0).collect();
+        let mut stack: Vec<u32> = Vec::with_capacity(1024);
+        stack.extend(
+            (0..total)
+                .filter(|&i| indeg[i] == 0 && (i >= now || self.live[i]))
+                .map(|i| i as u32),
+        );
         let mut pos = vec![NONE; total];
         let mut seen = 0u32;
-        let base = self.base();
+        let mut visit = |t: u32, stack: &mut Vec<u32>| {
+            let d = &mut indeg[t as usize];
+            *d -= 1;
+            if *d == 0 {
+                stack.push(t);
+            }
+        };
         while let Some(n) = stack.pop() {
+            let n = n as usize;
             pos[n] = seen;
             seen += 1;
-            let own: &[u32] = if n < base {
-                &self.out[self.out_head[n] as usize..self.out_head[n + 1] as usize]
-            } else {
-                &[]
-            };
-            for &t in own
-                .iter()
-                .chain(&targets[head[n] as usize..head[n + 1] as usize])
-            {
-                let t = t as usize;
-                indeg[t] -= 1;
-                if indeg[t] == 0 {
-                    stack.push(t);
+            if n < base {
+                let (a, b) = (self.out_head[n] as usize, self.out_head[n + 1] as usize);
+                for &t in &self.out[a..b] {
+                    visit(t, &mut stack);
                 }
             }
+            for &t in &targets[head[n] as usize..head[n + 1] as usize] {
+                visit(t, &mut stack);
+            }
         }
-        let live_count = self.live.iter().filter(|l| **l).count() + virtual_nodes;
-        (seen as usize == live_count).then_some(pos)
+        (seen as usize == self.live_count + virtual_nodes).then_some(pos)
     }
 }
 
@@ -273,7 +283,10 @@ impl TrainingDag {
         t.live.resize(bound, false);
         for (ix, p) in nodes.iter().zip(virt) {
             pos[ix.index()] = p;
-            t.live[ix.index()] = true;
+            if !t.live[ix.index()] {
+                t.live[ix.index()] = true;
+                t.live_count += 1;
+            }
         }
         for &(a, b) in planned {
             let (a, b) = (real(a) as u32, real(b) as u32);
