@@ -275,48 +275,55 @@ fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize) {
 /// number of times. A collective completes when `need` devices joined it.
 pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>> {
     const NIL: u32 = u32::MAX;
-    let mut pc: Vec<Vec<u32>> = progs.iter().map(|p| vec![0; p.len()]).collect();
-    // Streams of a device parked on one of its streams: (needed pc, stream).
-    let mut waiters: Vec<Vec<Vec<(u32, u32)>>> =
-        progs.iter().map(|p| vec![Vec::new(); p.len()]).collect();
+    // Streams numbered across devices: device d's stream s is `base[d] + s`.
+    let mut base = Vec::with_capacity(progs.len() + 1);
+    let mut streams: Vec<&StreamSteps> = Vec::new();
+    for p in progs {
+        base.push(streams.len() as u32);
+        streams.extend(p.iter());
+    }
+    base.push(streams.len() as u32);
+    let mut dev_of = vec![0u32; streams.len()];
+    for d in 0..progs.len() {
+        dev_of[base[d] as usize..base[d + 1] as usize].fill(d as u32);
+    }
+    let mut pc = vec![0u32; streams.len()];
+    // Streams parked on a stream of their device: (needed pc, stream).
+    let mut waiters: Vec<Vec<(u32, u32)>> = vec![Vec::new(); streams.len()];
     let mut sent = vec![false; keys];
     let mut joined = vec![0u32; keys];
     // Per key, a list of parked streams (receives waiting for the send, or
     // the members of a meeting) threaded through `links`.
     let mut parked = vec![NIL; keys];
-    let mut links: Vec<(u32, u32, u32)> = Vec::new();
-    let mut queue: VecDeque<(u32, u32)> = progs
-        .iter()
-        .enumerate()
-        .flat_map(|(d, p)| (0..p.len() as u32).map(move |s| (d as u32, s)))
-        .collect();
-    // Advance (d, s) past its head and wake what waited on it.
+    let mut links: Vec<(u32, u32)> = Vec::new();
+    let mut queue: VecDeque<u32> = (0..streams.len() as u32).collect();
+    // Advance stream `x` past its head and wake what waited on it.
     fn advance(
-        pc: &mut [Vec<u32>],
-        waiters: &mut [Vec<Vec<(u32, u32)>>],
-        queue: &mut VecDeque<(u32, u32)>,
-        d: usize,
-        s: usize,
+        pc: &mut [u32],
+        waiters: &mut [Vec<(u32, u32)>],
+        queue: &mut VecDeque<u32>,
+        x: usize,
     ) {
-        pc[d][s] += 1;
-        let now = pc[d][s];
-        let w = &mut waiters[d][s];
-        if !w.is_empty() {
-            w.retain(|&(need, ws)| {
-                if now > need {
-                    queue.push_back((d as u32, ws));
-                    false
-                } else {
-                    true
-                }
-            });
+        pc[x] += 1;
+        let now = pc[x];
+        let w = &mut waiters[x];
+        let mut i = 0;
+        while i < w.len() {
+            if now > w[i].0 {
+                queue.push_back(w[i].1);
+                w.swap_remove(i);
+            } else {
+                i += 1;
+            }
         }
     }
-    while let Some((d, s)) = queue.pop_front() {
-        let (d, s) = (d as usize, s as usize);
-        let st = &progs[d][s];
+    while let Some(x) = queue.pop_front() {
+        let x = x as usize;
+        let st = streams[x];
+        let first = base[dev_of[x] as usize] as usize;
+        let count = streams_of(&base, dev_of[x]);
         'run: loop {
-            let at = pc[d][s] as usize;
+            let at = pc[x] as usize;
             let Some(step) = st.steps.get(at) else {
                 break;
             };
@@ -326,11 +333,12 @@ pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>>
                 st.steps[at - 1].waits_end as usize
             };
             for &(ws, need) in &st.waits[from..step.waits_end as usize] {
-                if ws == NO_STREAM || ws as usize >= pc[d].len() {
+                if ws == NO_STREAM || ws as usize >= count {
                     break 'run;
                 }
-                if pc[d][ws as usize] <= need {
-                    waiters[d][ws as usize].push((need, s as u32));
+                let w = first + ws as usize;
+                if pc[w] <= need {
+                    waiters[w].push((need, x as u32));
                     break 'run;
                 }
             }
@@ -340,43 +348,50 @@ pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>>
                     sent[key] = true;
                     let mut l = std::mem::replace(&mut parked[key], NIL);
                     while l != NIL {
-                        let (pd, ps, next) = links[l as usize];
-                        queue.push_back((pd, ps));
+                        let (y, next) = links[l as usize];
+                        queue.push_back(y);
                         l = next;
                     }
-                    advance(&mut pc, &mut waiters, &mut queue, d, s);
+                    advance(&mut pc, &mut waiters, &mut queue, x);
                 }
                 Kind::Recv => {
                     if !sent[key] {
-                        links.push((d as u32, s as u32, parked[key]));
+                        links.push((x as u32, parked[key]));
                         parked[key] = (links.len() - 1) as u32;
                         break;
                     }
-                    advance(&mut pc, &mut waiters, &mut queue, d, s);
+                    advance(&mut pc, &mut waiters, &mut queue, x);
                 }
                 Kind::Collective => {
                     joined[key] += 1;
-                    links.push((d as u32, s as u32, parked[key]));
+                    links.push((x as u32, parked[key]));
                     parked[key] = (links.len() - 1) as u32;
                     if joined[key] < step.need {
                         break;
                     }
                     let mut l = std::mem::replace(&mut parked[key], NIL);
                     while l != NIL {
-                        let (jd, js, next) = links[l as usize];
-                        advance(&mut pc, &mut waiters, &mut queue, jd as usize, js as usize);
-                        if (jd as usize, js as usize) != (d, s) {
-                            queue.push_back((jd, js));
+                        let (y, next) = links[l as usize];
+                        advance(&mut pc, &mut waiters, &mut queue, y as usize);
+                        if y as usize != x {
+                            queue.push_back(y);
                         }
                         l = next;
                     }
                 }
-                Kind::Local => advance(&mut pc, &mut waiters, &mut queue, d, s),
+                Kind::Local => advance(&mut pc, &mut waiters, &mut queue, x),
                 Kind::Never => break,
             }
         }
     }
-    pc
+    (0..progs.len())
+        .map(|d| pc[base[d] as usize..base[d + 1] as usize].to_vec())
+        .collect()
+}
+
+/// How many streams device `d` has.
+fn streams_of(base: &[u32], d: u32) -> usize {
+    (base[d as usize + 1] - base[d as usize]) as usize
 }
 
 /// Execute the plans abstractly; `Err` names the waits that can never end.

@@ -22,13 +22,23 @@ impl<'a> Groups<'a> {
         let mut gid = vec![0u32; g.node_bound()];
         let mut lists: Vec<&[DeviceId]> = Vec::new();
         let mut ix: HashMap<&[DeviceId], u32> = HashMap::new();
+        // Neighbouring nodes (a split's copies, a group's derived nodes)
+        // mostly share their group: the last one is checked first.
+        let mut last: Option<(&[DeviceId], u32)> = None;
         for i in g.node_indices() {
             let n = &g[i];
-            let next = lists.len() as u32;
-            let id = *ix.entry(&n.devices).or_insert(next);
-            if id == next {
-                lists.push(&n.devices);
-            }
+            let id = match last {
+                Some((devs, id)) if devs == &n.devices[..] => id,
+                _ => {
+                    let next = lists.len() as u32;
+                    let id = *ix.entry(&n.devices).or_insert(next);
+                    if id == next {
+                        lists.push(&n.devices);
+                    }
+                    last = Some((&n.devices, id));
+                    id
+                }
+            };
             gid[i.index()] = id
                 | if matches!(n.kind, NodeKind::Marker) {
                     MARKER

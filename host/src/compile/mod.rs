@@ -105,10 +105,17 @@ fn ids(devs: &[DeviceId]) -> Vec<u32> {
     devs.iter().map(|d| d.0).collect()
 }
 
+/// Each segment's group when its nodes agree, and every group it runs on.
+struct Segments {
+    placement: Vec<Option<(Vec<DeviceId>, Option<u32>)>>,
+    copies: Vec<Vec<(Vec<DeviceId>, Option<u32>)>>,
+}
+
 fn validate(
     dag: &TrainingDag,
     flat: &flat::Flat,
     groups: &groups::Groups,
+    segs: &Segments,
 ) -> Result<(), CompileError> {
     let g = &dag.graph;
     let nodes = || {
@@ -129,7 +136,7 @@ fn validate(
             node: dag.label(id),
         });
     }
-    validate_segments(dag, groups)?;
+    validate_segments(dag, groups, &segs.copies)?;
     let batch = dag.model().batch_size as u64;
     let check = |(id, n): (NodeId, &crate::dag::Node)| -> Option<CompileError> {
         if matches!(n.kind, NodeKind::Marker) {
@@ -171,13 +178,17 @@ fn validate(
     if let Some(e) = nodes().map(check).find_first(Option::is_some).flatten() {
         return Err(e);
     }
-    validate_edges(dag, flat, groups)
+    validate_edges(dag, flat, groups, &segs.placement)
 }
 
 /// A segment's compute nodes of one microbatch share one group; different
 /// microbatches may run on different groups only as paired parameter copies
 /// (equal sizes, no device in common).
-fn validate_segments(dag: &TrainingDag, groups: &groups::Groups) -> Result<(), CompileError> {
+fn validate_segments(
+    dag: &TrainingDag,
+    groups: &groups::Groups,
+    copies: &[Vec<(Vec<DeviceId>, Option<u32>)>],
+) -> Result<(), CompileError> {
     let g = &dag.graph;
     let split = |segment: u32, a: NodeId, b: NodeId| {
         let (na, nb) = (&g[a.ix()], &g[b.ix()]);
@@ -223,7 +234,6 @@ fn validate_segments(dag: &TrainingDag, groups: &groups::Groups) -> Result<(), C
             }
         }
     }
-    let copies = dag.segment_copies();
     for (segment, nodes) in any.into_iter().enumerate() {
         let segment = segment as u32;
         let list = &copies[segment as usize];
@@ -258,6 +268,7 @@ fn validate_edges(
     dag: &TrainingDag,
     flat: &flat::Flat,
     groups: &groups::Groups,
+    placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
 ) -> Result<(), CompileError> {
     let g = &dag.graph;
     let check = |&(s, t, kind): &(u32, u32, EdgeKind)| -> Option<CompileError> {
@@ -307,7 +318,6 @@ fn validate_edges(
         return Err(e);
     }
     // Tied embedding / head on different groups need their all-reduce.
-    let placement = dag.segment_placement();
     let segs = dag.segments();
     if let (Some(e), Some(h)) = (
         segs.iter().position(|s| s.has_embedding()),
@@ -341,7 +351,11 @@ fn cycle_error(dag: &TrainingDag) -> CompileError {
 fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
     let flat = flat::Flat::of(dag);
     let groups = groups::Groups::of(dag);
-    validate(dag, &flat, &groups)?;
+    let segs = Segments {
+        placement: dag.segment_placement(),
+        copies: dag.segment_copies(),
+    };
+    validate(dag, &flat, &groups, &segs)?;
     let g = &dag.graph;
     let bound = g.node_bound();
     let order = schedule(dag, &flat);
@@ -407,7 +421,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             i => group_chunks[groups.of_node(i) as usize],
         })
         .collect();
-    let placement = dag.segment_placement();
+    let placement = &segs.placement;
     // Split dimensions and their sizes, outermost first.
     let extents = dag.tag_extents();
     let split_sizes: Vec<(crate::dag::TagKey, u32)> = dag
@@ -426,7 +440,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         by_rank: &by_rank,
         chunk: &chunk,
         nchunks,
-        placement: &placement,
+        placement,
         groups: &groups,
         split_sizes: &split_sizes,
         microbatches: split_sizes.iter().map(|(_, s)| *s).product(),
@@ -446,7 +460,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         let d = b.device as usize;
         by_device[d] = Some(b);
     }
-    let states = model_states(dag, &placement, ndev);
+    let states = model_states(dag, &segs, ndev);
     let mut devices = Vec::with_capacity(ndev);
     let mut parts: Vec<Vec<[u64; 2]>> = Vec::with_capacity(ndev);
     let mut steps = Vec::with_capacity(ndev);
@@ -491,13 +505,9 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
 
 /// Resident model states per device: fp32 Adam (4 B params + 4 B grads +
 /// 8 B moments per parameter), sharded as the ZeRO stage says.
-fn model_states(
-    dag: &TrainingDag,
-    placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
-    ndev: usize,
-) -> Vec<u64> {
+fn model_states(dag: &TrainingDag, segs: &Segments, ndev: usize) -> Vec<u64> {
+    let (placement, copies) = (&segs.placement[..], &segs.copies);
     let mut states = vec![0u64; ndev];
-    let copies = dag.segment_copies();
     for (s, p) in placement.iter().enumerate() {
         // A segment held once, or once per parameter copy.
         let held_on: Vec<(Vec<crate::dag::DeviceId>, Option<u32>)> = match p {

@@ -35,7 +35,7 @@ use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use std::collections::BTreeMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::hash::Hash;
 
 /// A strategy's changes to a derived node, carried over a rebuild.
 struct Tweak {
@@ -45,10 +45,11 @@ struct Tweak {
     after: Vec<NodeId>,
 }
 
+/// A derived node's identity across rebuilds (within one process: a fixed
+/// seed, so equal parts give equal keys).
 fn key_of(parts: impl Hash) -> u64 {
-    let mut h = DefaultHasher::new();
-    parts.hash(&mut h);
-    h.finish()
+    use std::hash::BuildHasher;
+    foldhash::fast::FixedState::with_seed(0x9e37_79b9_7f4a_7c15).hash_one(parts)
 }
 
 /// Where a segment's gradient comes from: the node and its split key (the
