@@ -175,7 +175,8 @@ fn validate(
         }
         None
     };
-    if let Some(e) = nodes().map(check).find_first(Option::is_some).flatten() {
+    // The first failing node found in parallel, its error built once.
+    if let Some(e) = nodes().find_first(|n| check(*n).is_some()).and_then(check) {
         return Err(e);
     }
     validate_edges(dag, flat, groups, &segs.placement)
@@ -311,9 +312,8 @@ fn validate_edges(
         .edges
         .par_iter()
         .with_min_len(4096)
-        .map(check)
-        .find_first(Option::is_some)
-        .flatten()
+        .find_first(|e| check(e).is_some())
+        .and_then(check)
     {
         return Err(e);
     }
@@ -590,6 +590,6 @@ fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
             (key[i as usize], std::cmp::Reverse(priority), i)
         })
         .collect();
-    keyed.par_sort_unstable();
+    keyed.sort_unstable();
     keyed.into_iter().map(|(_, _, i)| NodeId(i)).collect()
 }

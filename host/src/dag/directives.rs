@@ -10,7 +10,7 @@ use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
     ReplicaSpec, StreamId, TensorKind, TrainingDag,
 };
-use foldhash::{HashMap, HashMapExt, HashSet, HashSetExt};
+use foldhash::{HashSet, HashSetExt};
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
 
@@ -297,25 +297,38 @@ impl TrainingDag {
             node.batch_div *= n; // checked above
             self.index_tag(id, key, 0);
         }
+        // Each edge's ends as positions in `ids` (sorted), once: a copy's
+        // node is then found by position, not by a map per copy.
+        debug_assert!(ids.windows(2).all(|w| w[0] < w[1]));
+        let at = |x: NodeId| ids.binary_search(&x).ok();
+        let ends: Vec<(Option<usize>, Option<usize>)> =
+            edges.iter().map(|&(s, t, _)| (at(s), at(t))).collect();
+        let pairs: Vec<(usize, Option<usize>)> = ids
+            .iter()
+            .enumerate()
+            .filter_map(|(p, id)| match &self.graph[id.ix()].kind {
+                NodeKind::Comm(c) => Some((p, c.pair.and_then(at))),
+                _ => None,
+            })
+            .collect();
+        let mut copy: Vec<NodeId> = Vec::with_capacity(ids.len());
         for i in 1..n {
-            let mut map: HashMap<NodeId, NodeId> = HashMap::with_capacity(ids.len());
+            copy.clear();
             for &id in &ids {
                 let mut node = self.graph[id.ix()].clone();
                 node.tags.set(key, i);
-                map.insert(id, NodeId::of(self.add_node(node)));
+                copy.push(NodeId::of(self.add_node(node)));
             }
-            for &id in &ids {
-                if let NodeKind::Comm(c) = &mut self.graph[map[&id].ix()].kind {
-                    if let Some(p) = c.pair {
-                        c.pair = map.get(&p).copied().or(Some(p));
+            for &(p, pair) in &pairs {
+                if let NodeKind::Comm(c) = &mut self.graph[copy[p].ix()].kind {
+                    if let Some(q) = pair {
+                        c.pair = Some(copy[q]);
                     }
                 }
             }
-            for &(s, t, k) in &edges {
-                let (s2, t2) = (
-                    map.get(&s).copied().unwrap_or(s),
-                    map.get(&t).copied().unwrap_or(t),
-                );
+            for (&(s, t, k), &(ps, pt)) in edges.iter().zip(&ends) {
+                let s2 = ps.map_or(s, |p| copy[p]);
+                let t2 = pt.map_or(t, |p| copy[p]);
                 self.graph.add_edge(s2.ix(), t2.ix(), k);
             }
         }
@@ -1041,10 +1054,10 @@ impl TrainingDag {
         Ok(())
     }
 
-    /// Nodes of `set` with no successor (Outgoing) / predecessor (Incoming)
-    /// inside the set.
+    /// Nodes of `set` (sorted) with no successor (Outgoing) / predecessor
+    /// (Incoming) inside the set.
     fn boundary(&self, set: &[NodeId], dir: Direction) -> Vec<NodeId> {
-        let members: HashSet<NodeId> = set.iter().copied().collect();
+        debug_assert!(set.windows(2).all(|w| w[0] < w[1]));
         set.iter()
             .copied()
             .filter(|id| {
@@ -1054,7 +1067,7 @@ impl TrainingDag {
                     } else {
                         e.source()
                     };
-                    members.contains(&NodeId::of(other))
+                    set.binary_search(&NodeId::of(other)).is_ok()
                 })
             })
             .collect()

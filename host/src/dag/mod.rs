@@ -507,26 +507,23 @@ impl TrainingDag {
     /// Add a node, keeping the filter index (if built) up to date.
     pub(crate) fn add_node(&mut self, node: Node) -> NodeIndex {
         let ix = self.graph.add_node(node);
-        if let Some(mut index) = self.index.take() {
-            index.add(self, NodeId::of(ix));
-            let _ = self.index.set(index);
+        if let Some(index) = self.index.get_mut() {
+            index.add(NodeId::of(ix), &self.graph[ix]);
         }
         ix
     }
 
     /// Record in the index that `id` now carries `key = v`.
     pub(crate) fn index_tag(&mut self, id: NodeId, key: TagKey, v: u32) {
-        if let Some(mut index) = self.index.take() {
-            index.add_tag(self, id, key, v);
-            let _ = self.index.set(index);
+        if let Some(index) = self.index.get_mut() {
+            index.add_tag(id, &self.graph[id.ix()], key, v);
         }
     }
 
     /// Record in the index that `id` changed its op label.
     pub(crate) fn index_label(&mut self, id: NodeId) {
-        if let Some(mut index) = self.index.take() {
-            index.add(self, id);
-            let _ = self.index.set(index);
+        if let Some(index) = self.index.get_mut() {
+            index.add(id, &self.graph[id.ix()]);
         }
     }
 

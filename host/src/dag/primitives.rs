@@ -54,8 +54,6 @@ pub struct Neighbour {
 /// one node is held inline: most keys name one node (`F`, PP=3, MB=7).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
-    /// (tag, index)
-    by_tag: HashMap<u64, Ids>,
     /// Per label: every node.
     by_label: [Vec<NodeId>; PASS_VALUES.len()],
     /// (label, tag, index)
@@ -96,24 +94,31 @@ fn add_to<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Ids>, key: K, id: NodeId
     }
 }
 
-fn tag_key(k: TagKey, v: u32) -> u64 {
-    (k.0 as u64) << 32 | v as u64
-}
-
 fn label_tag_key(label: u8, k: TagKey, v: u32) -> u64 {
-    (label as u64) << 48 | tag_key(k, v)
+    (label as u64) << 48 | (k.0 as u64) << 32 | v as u64
 }
 
 fn pair_key(label: u8, (k, v): (TagKey, u32), (k2, v2): (TagKey, u32)) -> u128 {
-    (label_tag_key(label, k, v) as u128) << 64 | tag_key(k2, v2) as u128
+    (label_tag_key(label, k, v) as u128) << 64 | label_tag_key(0, k2, v2) as u128
 }
 
 /// A label as its index in [`PASS_VALUES`] (`u8::MAX`: none).
 fn label_key(label: &str) -> u8 {
-    PASS_VALUES
-        .iter()
-        .position(|v| *v == label)
-        .map_or(u8::MAX, |i| i as u8)
+    match label {
+        "F" => 0,
+        "B" => 1,
+        "BI" => 2,
+        "BW" => 3,
+        "update" => 4,
+        "send" => 5,
+        "recv" => 6,
+        "all-reduce" => 7,
+        "reduce-scatter" => 8,
+        "all-gather" => 9,
+        "all-to-all" => 10,
+        "marker" => 11,
+        _ => u8::MAX,
+    }
 }
 
 /// A node's label as its index in [`PASS_VALUES`], from its kind.
@@ -143,15 +148,13 @@ impl Index {
     fn build(dag: &TrainingDag) -> Self {
         let mut ix = Index::default();
         for id in dag.node_ids() {
-            ix.add(dag, id);
+            ix.add(id, &dag.graph[id.ix()]);
         }
         ix
     }
-    pub(crate) fn add(&mut self, dag: &TrainingDag, id: NodeId) {
-        let n = &dag.graph[id.ix()];
+    pub(crate) fn add(&mut self, id: NodeId, n: &super::Node) {
         let label = label_of(&n.kind);
         for (i, &(k, v)) in n.tags.0.iter().enumerate() {
-            add_to(&mut self.by_tag, tag_key(k, v), id);
             add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
             for &second in &n.tags.0[i + 1..] {
                 add_to(&mut self.by_label_pair, pair_key(label, (k, v), second), id);
@@ -159,10 +162,8 @@ impl Index {
         }
         self.by_label[label as usize].push(id);
     }
-    pub(crate) fn add_tag(&mut self, dag: &TrainingDag, id: NodeId, k: TagKey, v: u32) {
-        let n = &dag.graph[id.ix()];
+    pub(crate) fn add_tag(&mut self, id: NodeId, n: &super::Node, k: TagKey, v: u32) {
         let label = label_of(&n.kind);
-        add_to(&mut self.by_tag, tag_key(k, v), id);
         add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
         for &(k2, v2) in &n.tags.0 {
             if k2 < k {
@@ -251,7 +252,9 @@ impl TrainingDag {
         call: &str,
     ) -> Result<Vec<NodeId>, DagError> {
         let index = self.index.get_or_init(|| Index::build(self));
-        // Scan the smallest candidate list among the exact constraints.
+        // Scan the smallest candidate list among the exact constraints:
+        // a label and two exact tags first (the usual strategy filter, a
+        // list of one), then single tags, then the label alone.
         let mut best: Option<&[NodeId]> = None;
         fn consider<'a>(best: &mut Option<&'a [NodeId]>, list: Option<&'a [NodeId]>) {
             let list = list.unwrap_or(&[]);
@@ -260,26 +263,54 @@ impl TrainingDag {
             }
         }
         let label = r.label;
-        let mut exact: Vec<(TagKey, u32)> = Vec::with_capacity(r.tags.len());
-        for (k, m) in &r.tags {
-            if let TagMatch::Index(i) = m {
-                exact.push((*k, *i));
-                let list = match label {
-                    Some(l) => index.by_label_tag.get(&label_tag_key(l, *k, *i)),
-                    None => index.by_tag.get(&tag_key(*k, *i)),
-                };
-                consider(&mut best, list.map(Ids::as_slice));
-            }
-        }
-        if let Some(l) = label {
-            exact.sort_unstable();
-            for (i, &first) in exact.iter().enumerate() {
-                for &second in &exact[i + 1..] {
-                    let list = index.by_label_pair.get(&pair_key(l, first, second));
-                    consider(&mut best, list.map(Ids::as_slice));
+        let unlabelled: Vec<NodeId>;
+        let mut exact: Vec<(TagKey, u32)> = r
+            .tags
+            .iter()
+            .filter_map(|(k, m)| match m {
+                TagMatch::Index(i) => Some((*k, *i)),
+                TagMatch::Any => None,
+            })
+            .collect();
+        exact.sort_unstable();
+        'pick: {
+            if let Some(l) = label {
+                for (i, &first) in exact.iter().enumerate() {
+                    for &second in &exact[i + 1..] {
+                        let list = index.by_label_pair.get(&pair_key(l, first, second));
+                        consider(&mut best, list.map(Ids::as_slice));
+                        if best.is_some_and(|b| b.len() <= 1) {
+                            break 'pick;
+                        }
+                    }
                 }
             }
-            consider(&mut best, Some(&index.by_label[l as usize]));
+            match label {
+                Some(l) => {
+                    for &(k, i) in &exact {
+                        let list = index.by_label_tag.get(&label_tag_key(l, k, i));
+                        consider(&mut best, list.map(Ids::as_slice));
+                    }
+                    consider(&mut best, Some(&index.by_label[l as usize]));
+                }
+                // No label: a tag's nodes are its lists under every label
+                // (the rarer query; every node added would pay for a list
+                // without the label).
+                None => {
+                    let lists = |k, i| {
+                        (0..PASS_VALUES.len() as u8)
+                            .filter_map(move |l| index.by_label_tag.get(&label_tag_key(l, k, i)))
+                            .map(Ids::as_slice)
+                    };
+                    if let Some(&(k, i)) = exact
+                        .iter()
+                        .min_by_key(|&&(k, i)| lists(k, i).map(|l| l.len()).sum::<usize>())
+                    {
+                        unlabelled = lists(k, i).flatten().copied().collect();
+                        best = Some(&unlabelled);
+                    }
+                }
+            }
         }
         let scan = best.map_or(self.node_count(), |b| b.len()) as u64;
         self.charge(call, scan.saturating_mul(r.tags.len() as u64 + 1))?;
@@ -646,5 +677,9 @@ mod tests {
             assert_eq!(PASS_VALUES[label_of(k) as usize], k.label());
             assert_eq!(label_key(k.label()), label_of(k));
         }
+        for (i, v) in PASS_VALUES.iter().enumerate() {
+            assert_eq!(label_key(v), i as u8);
+        }
+        assert_eq!(label_key("G"), u8::MAX);
     }
 }
