@@ -279,10 +279,25 @@ impl TrainingDag {
             .add_edge(from.ix(), to.ix(), EdgeKind::Data { tensor, bytes });
     }
 
-    /// Remove and recreate every derived node.
+    /// Remove and recreate every derived node (debug builds then check the
+    /// kept filter index against a fresh one).
     pub(crate) fn rebuild_derived(&mut self) {
+        self.rebuild_derived_nodes();
+        #[cfg(debug_assertions)]
+        if let Some(index) = self.index.get() {
+            let missing = index.missing_from(&super::primitives::Index::build(self));
+            assert!(
+                missing.is_empty(),
+                "the kept filter index lacks {} entries: {:?}",
+                missing.len(),
+                &missing[..missing.len().min(8)]
+            );
+        }
+    }
+
+    /// Remove and recreate every derived node.
+    fn rebuild_derived_nodes(&mut self) {
         self.dirty = false;
-        self.index.take();
         self.topo = None;
         // 1. Remember strategy tweaks, then drop the derived nodes.
         let mut tweaks: HashMap<u64, Tweak> = HashMap::new();
@@ -318,6 +333,14 @@ impl TrainingDag {
                     },
                 );
             }
+        }
+        // The filter index keeps its lists, less the nodes removed here.
+        if let Some(index) = self.index.get_mut() {
+            let mut gone = vec![false; petgraph::visit::NodeIndexable::node_bound(&self.graph)];
+            for id in &derived {
+                gone[id.ix().index()] = true;
+            }
+            index.forget(&gone);
         }
         for id in derived {
             self.graph.remove_node(id.ix());

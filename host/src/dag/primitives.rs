@@ -48,10 +48,14 @@ pub struct Neighbour {
 
 /// Node lists by tag value and by op label, for fast filter evaluation.
 ///
-/// Lists only grow between full rebuilds (each sync of derived nodes): a
-/// removed or changed node may linger in a list, so candidates are always
-/// re-checked against the filter. Keys are packed integers and a list of
-/// one node is held inline: most keys name one node (`F`, PP=3, MB=7).
+/// Built at the first query, then kept: every added node, tag and label
+/// change is added to it, and a sync of derived nodes drops the derived
+/// nodes it removes ([`Index::forget`]) before adding the new ones. Nothing
+/// else is removed: a removed or changed node may linger in a list, so
+/// candidates are always re-checked against the filter (and deduplicated).
+/// Debug builds check at each sync that it lists every node a fresh build
+/// would. Keys are packed integers and a list of one node is held inline:
+/// most keys name one node (`F`, PP=3, MB=7).
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Index {
     /// Per label: every node.
@@ -145,7 +149,7 @@ pub(crate) fn label_of(kind: &NodeKind) -> u8 {
 }
 
 impl Index {
-    fn build(dag: &TrainingDag) -> Self {
+    pub(crate) fn build(dag: &TrainingDag) -> Self {
         let mut ix = Index::default();
         for id in dag.node_ids() {
             ix.add(id, &dag.graph[id.ix()]);
@@ -162,6 +166,57 @@ impl Index {
         }
         self.by_label[label as usize].push(id);
     }
+    /// Drop the nodes `gone` marks (by node index) from every list.
+    pub(crate) fn forget(&mut self, gone: &[bool]) {
+        let keep = |id: &NodeId| !gone.get(id.ix().index()).copied().unwrap_or(false);
+        for list in &mut self.by_label {
+            list.retain(keep);
+        }
+        let kept = |ids: &mut Ids| match ids {
+            Ids::One(id) => keep(id),
+            Ids::Many(v) => {
+                v.retain(keep);
+                if let [one] = v[..] {
+                    *ids = Ids::One(one);
+                }
+                !matches!(ids, Ids::Many(v) if v.is_empty())
+            }
+        };
+        self.by_label_tag.retain(|_, ids| kept(ids));
+        self.by_label_pair.retain(|_, ids| kept(ids));
+    }
+
+    /// The (key, node) entries of `fresh` this index lacks (debug checks:
+    /// a kept index may list more, never less).
+    #[cfg(debug_assertions)]
+    pub(crate) fn missing_from(&self, fresh: &Index) -> Vec<String> {
+        let mut out = Vec::new();
+        for (l, list) in fresh.by_label.iter().enumerate() {
+            for id in list {
+                if !self.by_label[l].contains(id) {
+                    out.push(format!("label {} node {}", PASS_VALUES[l], id.0));
+                }
+            }
+        }
+        for (k, ids) in &fresh.by_label_tag {
+            let have = self.by_label_tag.get(k).map_or(&[][..], Ids::as_slice);
+            for id in ids.as_slice() {
+                if !have.contains(id) {
+                    out.push(format!("label-tag key {k:#x} node {}", id.0));
+                }
+            }
+        }
+        for (k, ids) in &fresh.by_label_pair {
+            let have = self.by_label_pair.get(k).map_or(&[][..], Ids::as_slice);
+            for id in ids.as_slice() {
+                if !have.contains(id) {
+                    out.push(format!("pair key {k:#x} node {}", id.0));
+                }
+            }
+        }
+        out
+    }
+
     pub(crate) fn add_tag(&mut self, id: NodeId, n: &super::Node, k: TagKey, v: u32) {
         let label = label_of(&n.kind);
         add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
