@@ -358,8 +358,14 @@ impl TrainingDag {
         for &id in &compute {
             self.graph[id.ix()].devices = devs.clone();
         }
-        // An expert pass's all-to-alls move with its phases.
-        for &id in &compute {
+        // An expert pass's all-to-alls move with its phases (only a model
+        // with experts has them).
+        let experts = if self.expert_phases.is_some() {
+            &compute[..]
+        } else {
+            &[]
+        };
+        for &id in experts {
             let a2a: Vec<NodeId> = self
                 .succs(id)
                 .map(|(n, _)| n)
@@ -1164,16 +1170,39 @@ impl TrainingDag {
     /// Replace the send/recv pairs around `id` and insert the ones its data
     /// edges now need.
     pub(crate) fn rewire_p2p(&mut self, id: NodeId, stream: StreamId) {
-        // Collapse existing pipeline pairs adjacent to `id`.
-        let adjacent: Vec<NodeId> = self
-            .preds(id)
-            .chain(self.succs(id))
-            .map(|(n, _)| n)
-            .filter(|n| {
-                matches!(&self.graph[n.ix()].kind, NodeKind::Comm(c) if c.purpose == CommPurpose::Pipeline)
-            })
-            .collect();
-        for c in adjacent {
+        // One pass over the edges: pipeline pairs adjacent to `id` and the
+        // data edges that cross groups of equal size; the pairs are
+        // collapsed first (and the edges then read again).
+        type Crossing = Vec<(petgraph::stable_graph::EdgeIndex, NodeId, NodeId, EdgeKind)>;
+        let scan = |dag: &TrainingDag| -> (Vec<NodeId>, Crossing) {
+            let (mut adjacent, mut crossing) = (Vec::new(), Vec::new());
+            let edges = dag
+                .graph
+                .edges_directed(id.ix(), Direction::Incoming)
+                .chain(dag.graph.edges_directed(id.ix(), Direction::Outgoing));
+            for e in edges {
+                let (u, v) = (e.source(), e.target());
+                let (a, b) = (&dag.graph[u], &dag.graph[v]);
+                let other = if u == id.ix() { (v, b) } else { (u, a) };
+                if matches!(&other.1.kind, NodeKind::Comm(c) if c.purpose == CommPurpose::Pipeline)
+                {
+                    adjacent.push(NodeId::of(other.0));
+                }
+                if matches!(e.weight(), EdgeKind::Data { .. })
+                    && matches!(a.kind, NodeKind::Compute { .. })
+                    && matches!(b.kind, NodeKind::Compute { .. })
+                    && !a.devices.is_empty()
+                    && !b.devices.is_empty()
+                    && a.devices != b.devices
+                    && a.devices.len() == b.devices.len()
+                {
+                    crossing.push((e.id(), NodeId::of(u), NodeId::of(v), *e.weight()));
+                }
+            }
+            (adjacent, crossing)
+        };
+        let (adjacent, mut cross) = scan(self);
+        for &c in &adjacent {
             if self.graph.node_weight(c.ix()).is_none() {
                 continue;
             }
@@ -1200,36 +1229,16 @@ impl TrainingDag {
             self.graph.remove_node(send.ix());
             self.graph.remove_node(recv.ix());
         }
-        // Insert pairs for data edges that cross groups of equal size.
-        let crossing: Vec<(petgraph::stable_graph::EdgeIndex, NodeId, NodeId, EdgeKind)> = self
-            .graph
-            .edges_directed(id.ix(), Direction::Incoming)
-            .chain(self.graph.edges_directed(id.ix(), Direction::Outgoing))
-            .filter(|e| matches!(e.weight(), EdgeKind::Data { .. }))
-            .map(|e| {
-                (
-                    e.id(),
-                    NodeId::of(e.source()),
-                    NodeId::of(e.target()),
-                    *e.weight(),
-                )
-            })
-            .filter(|(_, u, v, _)| {
-                let (a, b) = (&self.graph[u.ix()], &self.graph[v.ix()]);
-                matches!(a.kind, NodeKind::Compute { .. })
-                    && matches!(b.kind, NodeKind::Compute { .. })
-                    && !a.devices.is_empty()
-                    && !b.devices.is_empty()
-                    && a.devices != b.devices
-                    && a.devices.len() == b.devices.len()
-            })
-            .collect();
-        for (e, u, v, k) in crossing {
+        if !adjacent.is_empty() {
+            cross = scan(self).1;
+        }
+        // Insert pairs for the crossing data edges.
+        for (e, u, v, k) in cross {
             let EdgeKind::Data { tensor, bytes } = k else {
                 continue;
             };
             self.graph.remove_edge(e);
-            let (un, vn) = (self.graph[u.ix()].clone(), self.graph[v.ix()].clone());
+            let (un, vn) = (&self.graph[u.ix()], &self.graph[v.ix()]);
             let seg = |n: &Node| match n.kind {
                 NodeKind::Compute { segment, .. } => vec![segment],
                 _ => vec![],
@@ -1255,8 +1264,11 @@ impl TrainingDag {
                 derived: None,
                 tweaked: false,
             };
-            let send = self.add_node(mk(CommOp::Send, &un, &vn.devices, seg(&un)));
-            let recv = self.add_node(mk(CommOp::Recv, &vn, &un.devices, seg(&vn)));
+            let (send, recv) = (
+                mk(CommOp::Send, un, &vn.devices, seg(un)),
+                mk(CommOp::Recv, vn, &un.devices, seg(vn)),
+            );
+            let (send, recv) = (self.add_node(send), self.add_node(recv));
             if let NodeKind::Comm(c) = &mut self.graph[send].kind {
                 c.pair = Some(NodeId::of(recv));
             }
