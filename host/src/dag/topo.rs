@@ -224,9 +224,12 @@ impl TrainingDag {
 
     /// Prove the graph plus `extra` edges acyclic (`extra` may name
     /// `virtual_nodes` nodes numbered from the node bound up: edges planned
-    /// but not added yet); `Err` holds one cycle, as node indices. A single
-    /// edge goes into the kept order in place (Pearce–Kelly), several
-    /// through one Kahn pass over the snapshot. Add the edges, then
+    /// but not added yet); `Err` holds one cycle, as node indices. Edges
+    /// between existing nodes go into the kept order in place
+    /// ([`insert_all`]); a batch that reorders too much, or one with new
+    /// nodes, takes one Kahn pass over the snapshot. The work returned is at
+    /// most the snapshot (when taken), the graph once, a sixteenth of it and
+    /// one edge's visits more. Add the edges, then
     /// [`TrainingDag::keep_edges`].
     pub(crate) fn prove_acyclic(
         &mut self,
@@ -329,8 +332,10 @@ impl TrainingDag {
 /// agrees with as they are, each other one by [`insert`] (in the graph with
 /// the batch's earlier edges). `Ok(Ok(visited))`: proven, the order updated;
 /// `Ok(Err(cycle))`: the cycle the batch closes, the order still one of the
-/// graph without the batch. `Err(visited)`: the insertions visited more than
-/// `limit` nodes, given up (a Kahn pass costs about that). The snapshot's
+/// graph without the batch. `Err(visited)`: the insertions had visited more
+/// than `limit` nodes with edges still to go, given up (a Kahn pass costs
+/// about that); a single edge is never given up (Pearce–Kelly visits at most
+/// the graph once). The snapshot's
 /// edge lists are as before in every case ([`TrainingDag::keep_edges`]
 /// records the batch).
 fn insert_all(
@@ -356,16 +361,17 @@ fn insert_all(
     let mut visited = 0u64;
     let mut outcome = Ok(Ok(0));
     for (a, b) in against {
+        // Given up only before an edge: the last one's work is done.
+        if visited > limit {
+            outcome = Err(visited);
+            break;
+        }
         match insert(t, a, b) {
             Ok(v) => visited += v,
             Err(cycle) => {
                 outcome = Ok(Err(cycle));
                 break;
             }
-        }
-        if visited > limit {
-            outcome = Err(visited);
-            break;
         }
         push(t, a, b);
     }
