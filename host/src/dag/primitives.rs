@@ -98,12 +98,16 @@ fn add_to<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Ids>, key: K, id: NodeId
     }
 }
 
+fn tag_key(k: TagKey, v: u32) -> u64 {
+    (k.0 as u64) << 32 | v as u64
+}
+
 fn label_tag_key(label: u8, k: TagKey, v: u32) -> u64 {
-    (label as u64) << 48 | (k.0 as u64) << 32 | v as u64
+    (label as u64) << 48 | tag_key(k, v)
 }
 
 fn pair_key(label: u8, (k, v): (TagKey, u32), (k2, v2): (TagKey, u32)) -> u128 {
-    (label_tag_key(label, k, v) as u128) << 64 | label_tag_key(0, k2, v2) as u128
+    (label_tag_key(label, k, v) as u128) << 64 | tag_key(k2, v2) as u128
 }
 
 /// A label as its index in [`PASS_VALUES`] (`u8::MAX`: none).
@@ -191,28 +195,26 @@ impl Index {
     #[cfg(debug_assertions)]
     pub(crate) fn missing_from(&self, fresh: &Index) -> Vec<String> {
         let mut out = Vec::new();
-        for (l, list) in fresh.by_label.iter().enumerate() {
-            for id in list {
-                if !self.by_label[l].contains(id) {
-                    out.push(format!("label {} node {}", PASS_VALUES[l], id.0));
+        // Entries of `want` not in `have`, each list sorted once.
+        let mut lack = |what: String, have: &[NodeId], want: &[NodeId]| {
+            let mut have = have.to_vec();
+            have.sort_unstable();
+            for id in want {
+                if have.binary_search(id).is_err() {
+                    out.push(format!("{what} node {}", id.0));
                 }
             }
+        };
+        for (l, list) in fresh.by_label.iter().enumerate() {
+            lack(format!("label {}", PASS_VALUES[l]), &self.by_label[l], list);
         }
         for (k, ids) in &fresh.by_label_tag {
             let have = self.by_label_tag.get(k).map_or(&[][..], Ids::as_slice);
-            for id in ids.as_slice() {
-                if !have.contains(id) {
-                    out.push(format!("label-tag key {k:#x} node {}", id.0));
-                }
-            }
+            lack(format!("label-tag key {k:#x}"), have, ids.as_slice());
         }
         for (k, ids) in &fresh.by_label_pair {
             let have = self.by_label_pair.get(k).map_or(&[][..], Ids::as_slice);
-            for id in ids.as_slice() {
-                if !have.contains(id) {
-                    out.push(format!("pair key {k:#x} node {}", id.0));
-                }
-            }
+            lack(format!("pair key {k:#x}"), have, ids.as_slice());
         }
         out
     }

@@ -117,6 +117,27 @@ impl Topo {
         self.indeg.len()
     }
 
+    /// Record an edge added since the snapshot (both ways).
+    fn record(&mut self, a: u32, b: u32) {
+        self.added.push((a, b));
+        self.added_out.entry(a).or_default().push(b);
+        self.added_in.entry(b).or_default().push(a);
+    }
+
+    /// Forget the edges recorded since `mark` (the lists are stacks).
+    fn forget_since(&mut self, mark: usize) {
+        for (a, b) in self.added.split_off(mark).into_iter().rev() {
+            for (map, key) in [(&mut self.added_out, a), (&mut self.added_in, b)] {
+                if let Some(list) = map.get_mut(&key) {
+                    list.pop();
+                    if list.is_empty() {
+                        map.remove(&key);
+                    }
+                }
+            }
+        }
+    }
+
     /// Out- or in-neighbours of `n` now, plus `extra` (for Kahn's pass the
     /// caller adds those separately).
     fn neighbours(&self, n: usize, dir: Direction) -> impl Iterator<Item = usize> + '_ {
@@ -318,10 +339,7 @@ impl TrainingDag {
             }
         }
         for &(a, b) in planned {
-            let (a, b) = (real(a) as u32, real(b) as u32);
-            t.added.push((a, b));
-            t.added_out.entry(a).or_default().push(b);
-            t.added_in.entry(b).or_default().push(a);
+            t.record(real(a) as u32, real(b) as u32);
         }
         t.pos = pos;
         t.sig = sig;
@@ -335,25 +353,18 @@ impl TrainingDag {
 /// graph without the batch. `Err(visited)`: the insertions had visited more
 /// than `limit` nodes with edges still to go, given up (a Kahn pass costs
 /// about that); a single edge is never given up (Pearce–Kelly visits at most
-/// the graph once). The snapshot's
-/// edge lists are as before in every case ([`TrainingDag::keep_edges`]
-/// records the batch).
+/// the graph once). The snapshot's edge lists are as before in every case
+/// ([`TrainingDag::keep_edges`] records the batch).
 fn insert_all(
     t: &mut Topo,
     edges: &[(usize, usize)],
     limit: u64,
 ) -> Result<Result<u64, Vec<usize>>, u64> {
     let mark = t.added.len();
-    let push = |t: &mut Topo, a: usize, b: usize| {
-        let (a, b) = (a as u32, b as u32);
-        t.added.push((a, b));
-        t.added_out.entry(a).or_default().push(b);
-        t.added_in.entry(b).or_default().push(a);
-    };
     let mut against = Vec::new();
     for &(a, b) in edges {
         if t.pos[a] < t.pos[b] {
-            push(t, a, b);
+            t.record(a as u32, b as u32);
         } else {
             against.push((a, b));
         }
@@ -373,20 +384,11 @@ fn insert_all(
                 break;
             }
         }
-        push(t, a, b);
+        t.record(a as u32, b as u32);
     }
     // Back to the snapshot's edges: the order stays valid for them (it is
     // one of a graph with more edges).
-    for (a, b) in t.added.split_off(mark).into_iter().rev() {
-        for (map, key) in [(&mut t.added_out, a), (&mut t.added_in, b)] {
-            if let Some(list) = map.get_mut(&key) {
-                list.pop();
-                if list.is_empty() {
-                    map.remove(&key);
-                }
-            }
-        }
-    }
+    t.forget_since(mark);
     outcome.map(|o| o.map(|_| visited))
 }
 
@@ -590,10 +592,12 @@ mod tests {
     }
 
     /// An `order` whose edges mostly agree with the kept order is proven
-    /// by moving the few that do not (no Kahn pass), and the result is the
-    /// same as a full check: 1F1B on a pipeline of 4, stage after stage,
-    /// with the kept order valid after each; then an order that contradicts
-    /// the schedules already set is refused with a cycle.
+    /// by moving the few that do not (no Kahn pass): 1F1B on a pipeline of
+    /// 4, stage after stage, every order accepted, the kept order valid
+    /// after each and the graph acyclic by petgraph's own sort; then an
+    /// order that contradicts the schedules already set is refused with a
+    /// cycle. (The groups are built here as in `tests/common`, which unit
+    /// tests cannot reach.)
     #[test]
     fn orders_that_mostly_agree_are_proven_in_place() {
         let model = ModelConfig {
@@ -636,8 +640,9 @@ mod tests {
             assert_kept_order_valid(&dag);
             in_place += u32::from(passes(&dag) == before);
         }
-        // The first order reorders most of the graph (a Kahn pass); the
-        // later ones mostly agree with the order it left.
+        // The first order reorders most of the graph (a Kahn pass); of the
+        // later ones at least two go in place (on a graph this small the
+        // 1/16 budget is a few dozen nodes; at PP=16 all but the first do).
         assert!(in_place >= stages - 2, "{in_place} of {stages} in place");
         assert!(petgraph::algo::toposort(&dag.graph, None).is_ok());
         // The last stage runs F0 B0 F1 B1 …: microbatch 1's backward before
