@@ -187,10 +187,17 @@ impl Readers<'_> {
     }
 }
 
-/// What every device's op of one node shares, and the op on its first
-/// device of the chunk (the others are copies with their own fields set).
+/// What every device's op of one node shares. Each op is put together
+/// field by field from these (not cloned from a template and then
+/// overwritten): every `Arc` an op holds is counted once, and a count is a
+/// locked instruction that waits for the stores before it.
 struct Described<'a> {
-    template: Op,
+    kind: OpKind,
+    common: Arc<OpCommon>,
+    /// The inputs every device reads (when `single_device_inputs`).
+    inputs: Arc<[Input]>,
+    /// Expert- or tensor-parallel compute: the node's devices.
+    spread_group: Option<Arc<[u32]>>,
     /// The node's effective predecessors (markers passed through) and,
     /// per predecessor, its local slot base and whether it runs on exactly
     /// this node's devices (then its op on this node's i-th device is its
@@ -351,9 +358,8 @@ fn describe<'a>(
         .entry(&n.tags)
         .or_insert_with(|| Arc::new(dag.tag_map(&n.tags)))
         .clone();
-    let template = Op {
-        op: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
-        node: id.0,
+    Described {
+        kind: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
         common: Arc::new(OpCommon {
             tags,
             segments,
@@ -375,16 +381,8 @@ fn describe<'a>(
             zero,
             param_bytes: cost.param_bytes,
         }),
-        peer: None,
-        pair: None,
-        group: spread.map(|_| Arc::from(ids(&n.devices))),
-        waits: sh.no_waits.clone(),
         inputs,
-        replica: 0,
-        out_bytes: 0,
-    };
-    Described {
-        template,
+        spread_group: spread.map(|_| Arc::from(ids(&n.devices))),
         single_device_inputs,
         readers,
         groups,
@@ -626,27 +624,21 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             } else {
                 desc.readers.on(dev)
             };
-            let mut op = desc.template.clone();
-            // A tensor-parallel group runs one batch share.
-            if desc.spread != Some(Spread::Tensor) {
-                op.replica = i as u32;
-            }
-            if desc.readers.out_bytes > 0 && on_dev > 0 {
-                op.out_bytes = desc.readers.out_bytes;
-            }
             // Peers, pair and groups; the deadlock check's view of the op.
             let (mut kind, mut key, mut need) = match desc.spread {
                 Some(_) => (Kind::Collective, gbase, n.devices.len() as u32),
                 None => (Kind::Local, 0, 0),
             };
+            let (mut peer, mut pair) = (None, None);
+            let mut group = None;
             if let Some(cm) = comm {
                 if cm.op.is_p2p() {
-                    op.peer = cm.peers.get(i).map(|p| p.0);
-                    op.pair = Some(match cm.op {
+                    peer = cm.peers.get(i).map(|p| p.0);
+                    pair = Some(match cm.op {
                         CommOp::Send => id.0,
                         _ => cm.pair.map(|p| p.0).unwrap_or(u32::MAX),
                     });
-                    (kind, key) = match (cm.op, cm.pair, op.peer) {
+                    (kind, key) = match (cm.op, cm.pair, peer) {
                         (CommOp::Send, _, _) => (Kind::Send, gbase + i as u32),
                         (_, Some(pair), Some(peer)) if g.contains_node(pair.ix()) => {
                             let at = cx
@@ -662,7 +654,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                     };
                 } else {
                     let gi = cm.groups.iter().position(|grp| grp.contains(&dev));
-                    op.group = gi.map(|gi| desc.groups[gi].clone());
+                    group = gi.map(|gi| desc.groups[gi].clone());
                     (kind, key, need) = match gi {
                         Some(gi) if cm.groups[gi].len() > 1 => (
                             Kind::Collective,
@@ -672,34 +664,59 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                         _ => (Kind::Local, 0, 0),
                     };
                 }
+            } else {
+                group = desc.spread_group.clone();
             }
             let (waits, local_inputs) = &mut acc[h];
-            if !desc.single_device_inputs {
+            let inputs = if desc.single_device_inputs {
+                desc.inputs.clone()
+            } else {
                 local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
                 local_inputs.dedup();
-                op.inputs = Arc::from(&local_inputs[..]);
-            }
+                Arc::from(&local_inputs[..])
+            };
             if waits.len() > 1 {
                 waits.sort_unstable_by_key(|&(s, i)| (names.keys[s as usize], i));
             }
             // The devices of an SPMD node mostly wait on the same positions:
             // one list for them (no allocation per op).
-            if !waits.is_empty() {
-                op.waits = if last_waits.0 == *waits {
-                    last_waits.1.clone()
+            let waits_list = if waits.is_empty() {
+                sh.no_waits.clone()
+            } else if last_waits.0 == *waits {
+                last_waits.1.clone()
+            } else {
+                let list: Arc<[Wait]> = waits
+                    .iter()
+                    .map(|&(s, i)| Wait {
+                        stream: names.names[s as usize].clone(),
+                        op: i as usize,
+                    })
+                    .collect();
+                last_waits.0.clone_from(waits);
+                last_waits.1 = list.clone();
+                list
+            };
+            let op = Op {
+                op: desc.kind,
+                node: id.0,
+                common: desc.common.clone(),
+                peer,
+                pair,
+                group,
+                waits: waits_list,
+                inputs,
+                // A tensor-parallel group runs one batch share.
+                replica: if desc.spread == Some(Spread::Tensor) {
+                    0
                 } else {
-                    let list: Arc<[Wait]> = waits
-                        .iter()
-                        .map(|&(s, i)| Wait {
-                            stream: names.names[s as usize].clone(),
-                            op: i as usize,
-                        })
-                        .collect();
-                    last_waits.0.clone_from(waits);
-                    last_waits.1 = list.clone();
-                    list
-                };
-            }
+                    i as u32
+                },
+                out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
+                    desc.readers.out_bytes
+                } else {
+                    0
+                },
+            };
             let dv = &mut devs[dl];
             let si = dv.own[sid as usize] as usize;
             let (_, hasher, steps) = &mut dv.lists[si];
@@ -772,7 +789,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                     .get(pair.ix().index())
                     .copied()
                     .unwrap_or(u32::MAX);
-                let b = comm_bytes(cm, desc.template.batch_div);
+                let b = comm_bytes(cm, desc.common.batch_div);
                 for dev in &n.devices {
                     let d = dev.0 as usize;
                     if !whole && !here(d) {

@@ -349,16 +349,23 @@ fn cycle_error(dag: &TrainingDag) -> CompileError {
 }
 
 fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
-    let flat = flat::Flat::of(dag);
-    let groups = groups::Groups::of(dag);
-    let segs = Segments {
-        placement: dag.segment_placement(),
-        copies: dag.segment_copies(),
-    };
-    validate(dag, &flat, &groups, &segs)?;
+    // The passes that only read the DAG run side by side (each is mostly
+    // serial): the snapshots first, then validation and the schedule. A
+    // validation error is reported before a cycle, as when they ran in turn.
+    let ((flat, groups), segs) = rayon::join(
+        || rayon::join(|| flat::Flat::of(dag), || groups::Groups::of(dag)),
+        || Segments {
+            placement: dag.segment_placement(),
+            copies: dag.segment_copies(),
+        },
+    );
+    let (valid, order) = rayon::join(
+        || validate(dag, &flat, &groups, &segs),
+        || schedule(dag, &flat),
+    );
+    valid?;
     let g = &dag.graph;
     let bound = g.node_bound();
-    let order = schedule(dag, &flat);
     if order.len() != g.node_count() {
         return Err(cycle_error(dag));
     }
