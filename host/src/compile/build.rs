@@ -97,7 +97,8 @@ pub(super) fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind)
     }
 }
 
-fn ids(devs: &[DeviceId]) -> Vec<u32> {
+/// A device list as a shared list of ids (one allocation).
+fn id_list(devs: &[DeviceId]) -> Arc<[u32]> {
     devs.iter().map(|d| d.0).collect()
 }
 
@@ -219,6 +220,7 @@ struct Shared<'a> {
     /// microbatch carry the same tags).
     tag_maps: HashMap<&'a Tags, Arc<BTreeMap<String, u32>>>,
     no_waits: Arc<[Wait]>,
+    no_inputs: Arc<[Input]>,
 }
 
 fn input_of((p, ek): &(NodeId, EdgeKind)) -> Option<Input> {
@@ -248,9 +250,13 @@ fn describe<'a>(
         let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
         inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
         inputs.dedup();
-        Arc::from(inputs)
+        if inputs.is_empty() {
+            sh.no_inputs.clone()
+        } else {
+            Arc::from(inputs)
+        }
     } else {
-        Arc::from(Vec::new())
+        sh.no_inputs.clone()
     };
     let cost = dag.cost(id);
     let div = dag.batch_share_div(id);
@@ -262,14 +268,12 @@ fn describe<'a>(
                 .unwrap_or_else(|| Arc::from(vec![*segment])),
             None,
         ),
-        NodeKind::Update { segments } => (Arc::from(segments.clone()), None),
-        NodeKind::Comm(c) => (Arc::from(c.segments.clone()), Some(c.purpose)),
+        NodeKind::Update { segments } => (Arc::from(&segments[..]), None),
+        NodeKind::Comm(c) => (Arc::from(&c.segments[..]), Some(c.purpose)),
         NodeKind::Marker => (sh.no_segments.clone(), None),
     };
     let groups: Vec<Arc<[u32]>> = match &n.kind {
-        NodeKind::Comm(c) if !c.op.is_p2p() => {
-            c.groups.iter().map(|grp| Arc::from(ids(grp))).collect()
-        }
+        NodeKind::Comm(c) if !c.op.is_p2p() => c.groups.iter().map(|grp| id_list(grp)).collect(),
         _ => Vec::new(),
     };
     let microbatch = cx.split_sizes.iter().fold(0u32, |acc, (key, size)| {
@@ -382,7 +386,7 @@ fn describe<'a>(
             param_bytes: cost.param_bytes,
         }),
         inputs,
-        spread_group: spread.map(|_| Arc::from(ids(&n.devices))),
+        spread_group: spread.map(|_| id_list(&n.devices)),
         single_device_inputs,
         readers,
         groups,
@@ -497,6 +501,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             .collect(),
         tag_maps: HashMap::new(),
         no_waits: Arc::from(Vec::new()),
+        no_inputs: Arc::from(Vec::new()),
     };
     // The last waits list, to share with the next op that waits on the
     // same positions (a node's next device, mostly).

@@ -552,3 +552,25 @@ fn compile_names_a_cycle_it_is_given() {
     assert!(e.starts_with("the DAG has a cycle: "), "{e}");
     assert!(e.contains("B{PP:0}#1 -> F{PP:0}#0"), "{e}");
 }
+
+/// Validation and the schedule run side by side in compile; a DAG that is
+/// both invalid and cyclic still gets the validation error (as when they ran
+/// in turn), and the cycle once the node is placed again.
+#[test]
+fn compile_reports_an_invalid_node_before_a_cycle() {
+    let mut dag = tiny(1);
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.sync();
+    let f = dag.query(&"{PP:0, PASS:F}".parse().unwrap()).unwrap()[0].id;
+    let b = dag.query(&"{PP:0, PASS:B}".parse().unwrap()).unwrap()[0].id;
+    dag.graph.add_edge(b.ix(), f.ix(), EdgeKind::Temporal);
+    let devices = std::mem::take(&mut dag.graph[b.ix()].devices);
+    let e = crate::compile::compile(&dag).unwrap_err().to_string();
+    assert!(
+        e.starts_with("B{PP:0}#1 is not placed on any device"),
+        "{e}"
+    );
+    dag.graph[b.ix()].devices = devices;
+    let e = crate::compile::compile(&dag).unwrap_err().to_string();
+    assert!(e.starts_with("the DAG has a cycle: "), "{e}");
+}
