@@ -537,17 +537,24 @@ fn primitives_read_and_tweak_the_dag() {
     assert!(json["nodes"].as_array().unwrap().len() > 30);
 }
 
-/// A cycle that reaches the compiler (no directive makes one: this edge is
-/// added behind the directives' back) is an error naming the nodes on it,
-/// found by the schedule's own pass.
-#[test]
-fn compile_names_a_cycle_it_is_given() {
+/// The tiny model on one device with a temporal edge from its first stage's
+/// B back to its F, added behind the directives' back (no directive makes a
+/// cycle); and that B.
+fn tiny_with_a_cycle() -> (TrainingDag, NodeId) {
     let mut dag = tiny(1);
     dag.place(&Filter::all(), &[0], "pp").unwrap();
     dag.sync();
     let f = dag.query(&"{PP:0, PASS:F}".parse().unwrap()).unwrap()[0].id;
     let b = dag.query(&"{PP:0, PASS:B}".parse().unwrap()).unwrap()[0].id;
     dag.graph.add_edge(b.ix(), f.ix(), EdgeKind::Temporal);
+    (dag, b)
+}
+
+/// A cycle that reaches the compiler is an error naming the nodes on it,
+/// found by the schedule's own pass.
+#[test]
+fn compile_names_a_cycle_it_is_given() {
+    let (dag, _) = tiny_with_a_cycle();
     let e = crate::compile::compile(&dag).unwrap_err().to_string();
     assert!(e.starts_with("the DAG has a cycle: "), "{e}");
     assert!(e.contains("B{PP:0}#1 -> F{PP:0}#0"), "{e}");
@@ -558,12 +565,7 @@ fn compile_names_a_cycle_it_is_given() {
 /// in turn), and the cycle once the node is placed again.
 #[test]
 fn compile_reports_an_invalid_node_before_a_cycle() {
-    let mut dag = tiny(1);
-    dag.place(&Filter::all(), &[0], "pp").unwrap();
-    dag.sync();
-    let f = dag.query(&"{PP:0, PASS:F}".parse().unwrap()).unwrap()[0].id;
-    let b = dag.query(&"{PP:0, PASS:B}".parse().unwrap()).unwrap()[0].id;
-    dag.graph.add_edge(b.ix(), f.ix(), EdgeKind::Temporal);
+    let (mut dag, b) = tiny_with_a_cycle();
     let devices = std::mem::take(&mut dag.graph[b.ix()].devices);
     let e = crate::compile::compile(&dag).unwrap_err().to_string();
     assert!(
