@@ -199,10 +199,9 @@ struct Described<'a> {
     inputs: Arc<[Input]>,
     /// Expert- or tensor-parallel compute: the node's devices.
     spread_group: Option<Arc<[u32]>>,
-    /// The node's effective predecessors (markers passed through) and,
-    /// per predecessor, its local slot base and whether it runs on exactly
-    /// this node's devices (then its op on this node's i-th device is its
-    /// i-th).
+    /// Every effective predecessor (markers passed through) runs on exactly
+    /// this node's devices, so each device reads the same `inputs`
+    /// (otherwise each lists its own).
     single_device_inputs: bool,
     readers: Readers<'a>,
     /// Collectives: each group as a list.
