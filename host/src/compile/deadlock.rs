@@ -9,7 +9,6 @@
 
 use super::plan::{DevicePlan, Op, OpKind};
 use foldhash::{HashMap, HashSet, HashSetExt};
-use std::collections::VecDeque;
 
 /// A plan that cannot finish.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -273,6 +272,10 @@ fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize) {
 /// parked where what it waits on will wake it (the stream it waits on, the
 /// send it needs, the meeting it joined), so each op is looked at a bounded
 /// number of times. A collective completes when `need` devices joined it.
+/// Woken streams run last in, first out: the members of a meeting that just
+/// completed run next, while their steps are still in cache (the streams
+/// stop where they stop whatever the order; a first-in first-out queue
+/// measured ~13% slower at ZeRO-3 x 8, 128 devices).
 pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>> {
     const NIL: u32 = u32::MAX;
     // Streams numbered across devices: device d's stream s is `base[d] + s`.
@@ -296,28 +299,23 @@ pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>>
     // the members of a meeting) threaded through `links`.
     let mut parked = vec![NIL; keys];
     let mut links: Vec<(u32, u32)> = Vec::new();
-    let mut queue: VecDeque<u32> = (0..streams.len() as u32).collect();
+    let mut queue: Vec<u32> = (0..streams.len() as u32).rev().collect();
     // Advance stream `x` past its head and wake what waited on it.
-    fn advance(
-        pc: &mut [u32],
-        waiters: &mut [Vec<(u32, u32)>],
-        queue: &mut VecDeque<u32>,
-        x: usize,
-    ) {
+    fn advance(pc: &mut [u32], waiters: &mut [Vec<(u32, u32)>], queue: &mut Vec<u32>, x: usize) {
         pc[x] += 1;
         let now = pc[x];
         let w = &mut waiters[x];
         let mut i = 0;
         while i < w.len() {
             if now > w[i].0 {
-                queue.push_back(w[i].1);
+                queue.push(w[i].1);
                 w.swap_remove(i);
             } else {
                 i += 1;
             }
         }
     }
-    while let Some(x) = queue.pop_front() {
+    while let Some(x) = queue.pop() {
         let x = x as usize;
         let st = streams[x];
         let first = base[dev_of[x] as usize] as usize;
@@ -349,7 +347,7 @@ pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>>
                     let mut l = std::mem::replace(&mut parked[key], NIL);
                     while l != NIL {
                         let (y, next) = links[l as usize];
-                        queue.push_back(y);
+                        queue.push(y);
                         l = next;
                     }
                     advance(&mut pc, &mut waiters, &mut queue, x);
@@ -374,7 +372,7 @@ pub(super) fn simulate(progs: &[Vec<StreamSteps>], keys: usize) -> Vec<Vec<u32>>
                         let (y, next) = links[l as usize];
                         advance(&mut pc, &mut waiters, &mut queue, y as usize);
                         if y as usize != x {
-                            queue.push_back(y);
+                            queue.push(y);
                         }
                         l = next;
                     }

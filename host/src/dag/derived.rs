@@ -525,7 +525,7 @@ impl TrainingDag {
             let Some(spec) = spec.filter(|_| n > 1) else {
                 for &s in &segs {
                     let b = grad_bytes(self, s);
-                    for (_, src) in sources[s as usize].clone() {
+                    for &(_, src) in &sources[s as usize] {
                         self.data(src, update, TensorKind::ParamGrad, b);
                     }
                 }
@@ -582,32 +582,33 @@ impl TrainingDag {
                     );
                     for &s in &bucket {
                         let b = grad_bytes(self, s);
-                        for (_, src) in sources[s as usize].clone() {
+                        for &(_, src) in &sources[s as usize] {
                             self.data(src, sync, TensorKind::ParamGrad, b);
                         }
                     }
                     self.data(sync, update, TensorKind::ParamGrad, out_bytes);
                 } else {
-                    // Reduce-scatter every microbatch's gradients.
-                    let mut by_key: BTreeMap<Option<Vec<u32>>, Vec<(u32, NodeId)>> =
-                        BTreeMap::new();
-                    for &s in &bucket {
-                        for (k, src) in &sources[s as usize] {
-                            by_key.entry(k.clone()).or_default().push((s, *src));
-                        }
-                    }
-                    for (k, srcs) in by_key {
+                    // Reduce-scatter every microbatch's gradients: the
+                    // sources by split key (a stable sort keeps the bucket's
+                    // order within a key), one reduce-scatter per key.
+                    let mut by_key: Vec<(&Option<Vec<u32>>, u32, NodeId)> = bucket
+                        .iter()
+                        .flat_map(|&s| sources[s as usize].iter().map(move |(k, id)| (k, s, *id)))
+                        .collect();
+                    by_key.sort_by(|a, b| a.0.cmp(b.0));
+                    for srcs in by_key.chunk_by(|a, b| a.0 == b.0) {
+                        let k = srcs[0].0;
                         let mut t = tags.clone();
-                        for (dim, v) in self.split_dims.clone().iter().zip(k.iter().flatten()) {
+                        for (dim, v) in self.split_dims.iter().zip(k.iter().flatten()) {
                             t.set(*dim, *v);
                         }
                         let div = srcs
                             .iter()
-                            .map(|(_, id)| self.graph[id.ix()].batch_div)
+                            .map(|(_, _, id)| self.graph[id.ix()].batch_div)
                             .max()
                             .unwrap_or(1);
                         let sync = self.add_derived(
-                            key_of(("sync", &bucket, &k)),
+                            key_of(("sync", &bucket, k)),
                             sync_kind(&bucket),
                             t,
                             devs.clone(),
@@ -615,7 +616,7 @@ impl TrainingDag {
                             div,
                             &tweaks,
                         );
-                        for (s, src) in srcs {
+                        for &(_, s, src) in srcs {
                             let b = grad_bytes(self, s);
                             self.data(src, sync, TensorKind::MicroGrad, b);
                         }
@@ -647,6 +648,7 @@ impl TrainingDag {
             }
             if spec.zero == 3 {
                 // Gather full parameters before every use.
+                let mut split_key: Vec<u32> = Vec::new();
                 for &s in &segs {
                     let bytes = grad_bytes(self, s);
                     let gather = || {
@@ -667,8 +669,13 @@ impl TrainingDag {
                             let rn = &self.graph[r.ix()];
                             let (tags, div, label) =
                                 (rn.tags.clone(), rn.batch_div, rn.kind.label());
+                            // The split key hashed from a kept buffer (as
+                            // the list `split_key` gives: the same key).
+                            split_key.clear();
+                            split_key
+                                .extend(self.split_dims.iter().map(|k| tags.get(*k).unwrap_or(0)));
                             let ag = self.add_derived(
-                                key_of(("gather", s, label, self.split_key(&self.graph[r.ix()]))),
+                                key_of(("gather", s, label, &split_key[..])),
                                 gather(),
                                 tags,
                                 devs.clone(),

@@ -63,6 +63,8 @@ pub(crate) struct Proven {
 }
 
 impl Topo {
+    /// The graph's adjacency now; no order yet (`pos` empty: the caller's
+    /// first Kahn pass gives it, with the edges it proves).
     fn take(dag: &TrainingDag) -> Self {
         let g = &dag.graph;
         let bound = g.node_bound();
@@ -91,7 +93,7 @@ impl Topo {
             .map(|i| g.contains_node(NodeIndex::new(i)))
             .collect();
         let live_count = g.node_count();
-        let mut t = Topo {
+        Topo {
             out_head,
             out,
             in_head,
@@ -108,9 +110,7 @@ impl Topo {
             parent: Vec::new(),
             stamp: 0,
             passes: 0,
-        };
-        t.pos = t.kahn(&[], 0).unwrap_or_default();
-        t
+        }
     }
 
     fn base(&self) -> usize {
@@ -234,7 +234,8 @@ impl TrainingDag {
     }
 
     /// The snapshot, taken anew when the graph changed since; the work
-    /// that took (a pass over every node and edge, or none).
+    /// that took (a pass over every node and edge, or none). A new one has
+    /// no order yet.
     fn topo(&mut self) -> u64 {
         if self.topo.as_ref().is_none_or(|t| t.sig != self.topo_sig()) {
             self.topo = Some(Topo::take(self));
@@ -260,7 +261,12 @@ impl TrainingDag {
         let took = self.topo();
         let pass = (self.graph.node_count() + self.graph.edge_count() + extra.len()) as u64;
         let t = self.topo.as_mut().expect("taken above");
-        let incremental = if virtual_nodes == 0
+        // A new snapshot has no order to update in place: its first Kahn
+        // pass takes the batch with it (one pass, not one for the order and
+        // another when the batch reorders it).
+        let incremental = if took > 0 {
+            Err(0)
+        } else if virtual_nodes == 0
             && extra
                 .iter()
                 .all(|&(a, b)| a < t.pos.len() && b < t.pos.len())
