@@ -283,13 +283,14 @@ impl TrainingDag {
         let add_edges = copies.saturating_mul(edges.len() as u64).saturating_mul(2);
         self.check_growth(&call, add_nodes, add_edges)?;
         self.charge(&call, add_nodes.saturating_add(add_edges))?;
-        // Validated: from here on nothing fails. The copies' room up front
-        // (no growth by doubling, each step copying the graph), bounded.
+        // Validated: from here on nothing fails. Room up front for the
+        // copies and the derived nodes they may bring (the growth charged),
+        // bounded: no growth by doubling, each step copying the graph (the
+        // next rebuild's nodes then go into room already there; pages never
+        // written cost nothing).
         let room = |x: u64| usize::try_from(x).unwrap_or(usize::MAX).min(RESERVE_MAX);
-        self.graph
-            .reserve_nodes(room(copies.saturating_mul(ids.len() as u64)));
-        self.graph
-            .reserve_edges(room(copies.saturating_mul(edges.len() as u64)));
+        self.graph.reserve_nodes(room(add_nodes));
+        self.graph.reserve_edges(room(add_edges));
         let key = self.tag_key(dim);
         for &id in &ids {
             let node = &mut self.graph[id.ix()];
