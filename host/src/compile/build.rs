@@ -381,13 +381,6 @@ fn describe<'a>(
                 NodeKind::Comm(c) => Some(c.tensor),
                 _ => None,
             },
-            pair: match &n.kind {
-                NodeKind::Comm(c) if c.op.is_p2p() => Some(match c.op {
-                    CommOp::Send => id.0,
-                    _ => c.pair.map(|p| p.0).unwrap_or(u32::MAX),
-                }),
-                _ => None,
-            },
             zero,
             param_bytes: cost.param_bytes,
         }),
@@ -640,11 +633,15 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                 Some(_) => (Kind::Collective, gbase, n.devices.len() as u32),
                 None => (Kind::Local, 0, 0),
             };
-            let mut peer = None;
+            let (mut peer, mut pair) = (None, None);
             let mut group = None;
             if let Some(cm) = comm {
                 if cm.op.is_p2p() {
                     peer = cm.peers.get(i).map(|p| p.0);
+                    pair = Some(match cm.op {
+                        CommOp::Send => id.0,
+                        _ => cm.pair.map(|p| p.0).unwrap_or(u32::MAX),
+                    });
                     (kind, key) = match (cm.op, cm.pair, peer) {
                         (CommOp::Send, _, _) => (Kind::Send, gbase + i as u32),
                         (_, Some(pair), Some(peer)) if g.contains_node(pair.ix()) => {
@@ -708,6 +705,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                 node: id.0,
                 common: desc.common.clone(),
                 peer,
+                pair,
                 group,
                 waits: waits_list,
                 inputs,

@@ -56,6 +56,8 @@ pub struct Op {
     pub common: Arc<OpCommon>,
     /// `send`: destination device; `recv`: source device.
     pub peer: Option<u32>,
+    /// `send`/`recv`: the send node's id, the same on both sides.
+    pub pair: Option<u32>,
     /// Collectives: the devices that run it together (this device included).
     pub group: Option<Arc<[u32]>>,
     /// Ops of other streams on this device that must finish first.
@@ -96,9 +98,6 @@ pub struct OpCommon {
     pub microbatches: u32,
     /// Communication ops: what they move.
     pub tensor: Option<TensorKind>,
-    /// `send`/`recv`: the send node's id, the same on both sides (and on
-    /// every device of the pair's nodes).
-    pub pair: Option<u32>,
     /// The ZeRO stage of the segments this op computes or reduces (0: plain
     /// DP or none), so the runtime knows how their states are sharded.
     pub zero: u8,
@@ -184,11 +183,11 @@ impl From<FlatOp> for Op {
                 microbatch: f.microbatch,
                 microbatches: f.microbatches,
                 tensor: f.tensor,
-                pair: f.pair,
                 zero: f.zero,
                 param_bytes: f.param_bytes,
             }),
             peer: f.peer,
+            pair: f.pair,
             group: f.group,
             waits: f.waits,
             inputs: f.inputs,
@@ -207,7 +206,7 @@ impl From<Op> for FlatOp {
             tags: c.tags.clone(),
             segments: c.segments.clone(),
             peer: o.peer,
-            pair: c.pair,
+            pair: o.pair,
             group: o.group,
             spread: c.spread,
             phase: c.phase,
