@@ -63,8 +63,8 @@ pub(crate) struct Proven {
 }
 
 impl Topo {
-    /// The graph's adjacency now; no order yet (`pos` empty: the caller's
-    /// first Kahn pass gives it, with the edges it proves).
+    /// The graph's adjacency now; no order yet (`pos` empty until a proof's
+    /// Kahn pass is kept, see [`TrainingDag::prove_acyclic`]).
     fn take(dag: &TrainingDag) -> Self {
         let g = &dag.graph;
         let bound = g.node_bound();
@@ -261,10 +261,11 @@ impl TrainingDag {
         let took = self.topo();
         let pass = (self.graph.node_count() + self.graph.edge_count() + extra.len()) as u64;
         let t = self.topo.as_mut().expect("taken above");
-        // A new snapshot has no order to update in place: its first Kahn
-        // pass takes the batch with it (one pass, not one for the order and
-        // another when the batch reorders it).
-        let incremental = if took > 0 {
+        // A snapshot without a kept order (just taken, or its first proof
+        // not kept) gets one from a Kahn pass that takes the batch with it:
+        // one pass, not one for the order and another when the batch
+        // reorders it.
+        let incremental = if t.pos.len() != t.live.len() {
             Err(0)
         } else if virtual_nodes == 0
             && extra
@@ -502,6 +503,29 @@ mod tests {
                 "edge {a} -> {b} against the kept order"
             );
         }
+    }
+
+    /// A proof on a new snapshot whose result is not kept (its caller
+    /// refused after it, e.g. over budget) leaves no order behind: the next
+    /// proof takes a Kahn pass, the order it keeps is topological, and a
+    /// cycle is still refused.
+    #[test]
+    fn a_proof_not_kept_leaves_no_order_behind() {
+        let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(1)).unwrap();
+        dag.split(&crate::dag::Filter::all(), "MB", 2).unwrap();
+        dag.sync();
+        assert!(dag.topo.is_none(), "a rebuild drops the snapshot");
+        let proven = dag.prove_acyclic(&[], 0);
+        assert!(proven.is_ok());
+        drop(proven);
+        let proven = dag.prove_acyclic(&[], 0).expect("acyclic");
+        dag.keep_edges(&[], &[], proven);
+        assert_kept_order_valid(&dag);
+        let e = dag.graph.edge_references().next().expect("an edge");
+        let (a, b) = (NodeId::of(e.source()), NodeId::of(e.target()));
+        let err = dag.add_temporal_edge(b, a).unwrap_err();
+        assert!(matches!(err.kind, DagErrorKind::Cycle { .. }), "{err}");
+        assert_kept_order_valid(&dag);
     }
 
     /// Random temporal edges on a split DAG: each is refused exactly when
