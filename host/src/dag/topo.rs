@@ -248,11 +248,11 @@ impl TrainingDag {
     /// `virtual_nodes` nodes numbered from the node bound up: edges planned
     /// but not added yet); `Err` holds one cycle, as node indices. Edges
     /// between existing nodes go into the kept order in place
-    /// ([`insert_all`]); a batch that reorders too much, or one with new
-    /// nodes, takes one Kahn pass over the snapshot. The work returned is at
-    /// most the snapshot (when taken), the graph once, a sixteenth of it and
-    /// one edge's visits more. Add the edges, then
-    /// [`TrainingDag::keep_edges`].
+    /// ([`insert_all`]); a batch that reorders too much, one with new
+    /// nodes, or any batch on a snapshot with no kept order yet takes one
+    /// Kahn pass over the snapshot. The work returned is at most the
+    /// snapshot (when taken), the graph once (twice when a new snapshot's
+    /// batch was refused), a sixteenth of it and one edge's visits more. Add the edges, then [`TrainingDag::keep_edges`].
     pub(crate) fn prove_acyclic(
         &mut self,
         extra: &[(usize, usize)],
@@ -264,10 +264,23 @@ impl TrainingDag {
         // A snapshot without a kept order (just taken, or its first proof
         // not kept) gets one from a Kahn pass that takes the batch with it:
         // one pass, not one for the order and another when the batch
-        // reorders it.
-        let incremental = if t.pos.len() != t.live.len() {
-            Err(0)
-        } else if virtual_nodes == 0
+        // reorders it. When the batch closes a cycle, the order without it
+        // is kept (later proofs, refused ones too, stay in place: a plugin
+        // flooding cycle-closing edges must not cost a snapshot per call)
+        // and the cycle is named below.
+        let mut failed = 0;
+        if t.pos.len() != t.live.len() {
+            t.passes += 1;
+            if let Some(pos) = t.kahn(extra, virtual_nodes) {
+                return Ok(Proven {
+                    pos: Some(pos),
+                    work: took + pass,
+                });
+            }
+            t.pos = t.kahn(&[], 0).unwrap_or_default();
+            failed = pass;
+        }
+        let incremental = if virtual_nodes == 0
             && extra
                 .iter()
                 .all(|&(a, b)| a < t.pos.len() && b < t.pos.len())
@@ -279,7 +292,7 @@ impl TrainingDag {
         let found = match incremental {
             Ok(Ok(visited)) => Ok(Proven {
                 pos: None,
-                work: took + visited + extra.len() as u64,
+                work: took + failed + visited + extra.len() as u64,
             }),
             Ok(Err(cycle)) => Err(cycle),
             // Too much reordering (or new nodes): one Kahn pass.
@@ -288,7 +301,7 @@ impl TrainingDag {
                 t.kahn(extra, virtual_nodes)
                     .map(|pos| Proven {
                         pos: Some(pos),
-                        work: took + visited + pass,
+                        work: took + failed + visited + pass,
                     })
                     .ok_or_else(Vec::new)
             }
