@@ -237,10 +237,15 @@ impl TrainingDag {
     }
 
     pub(crate) fn split_key(&self, n: &Node) -> Vec<u32> {
-        self.split_dims
-            .iter()
-            .map(|k| n.tags.get(*k).unwrap_or(0))
-            .collect()
+        let mut key = Vec::new();
+        self.split_key_into(&n.tags, &mut key);
+        key
+    }
+
+    /// [`split_key`](Self::split_key) of these tags into a kept buffer.
+    fn split_key_into(&self, tags: &Tags, key: &mut Vec<u32>) {
+        key.clear();
+        key.extend(self.split_dims.iter().map(|k| tags.get(*k).unwrap_or(0)));
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -669,11 +674,7 @@ impl TrainingDag {
                             let rn = &self.graph[r.ix()];
                             let (tags, div, label) =
                                 (rn.tags.clone(), rn.batch_div, rn.kind.label());
-                            // The split key hashed from a kept buffer (as
-                            // the list `split_key` gives: the same key).
-                            split_key.clear();
-                            split_key
-                                .extend(self.split_dims.iter().map(|k| tags.get(*k).unwrap_or(0)));
+                            self.split_key_into(&tags, &mut split_key);
                             let ag = self.add_derived(
                                 key_of(("gather", s, label, &split_key[..])),
                                 gather(),

@@ -252,7 +252,8 @@ impl TrainingDag {
     /// nodes, or any batch on a snapshot with no kept order yet takes one
     /// Kahn pass over the snapshot. The work returned is at most the
     /// snapshot (when taken), the graph once (twice when a new snapshot's
-    /// batch was refused), a sixteenth of it and one edge's visits more. Add the edges, then [`TrainingDag::keep_edges`].
+    /// batch was refused), a sixteenth of it and one edge's visits more.
+    /// Add the edges, then [`TrainingDag::keep_edges`].
     pub(crate) fn prove_acyclic(
         &mut self,
         extra: &[(usize, usize)],
@@ -521,7 +522,7 @@ mod tests {
     /// A proof on a new snapshot whose result is not kept (its caller
     /// refused after it, e.g. over budget) leaves no order behind: the next
     /// proof takes a Kahn pass, the order it keeps is topological, and a
-    /// cycle is still refused.
+    /// cycle is still refused, keeping the snapshot.
     #[test]
     fn a_proof_not_kept_leaves_no_order_behind() {
         let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(1)).unwrap();
@@ -538,6 +539,13 @@ mod tests {
         let (a, b) = (NodeId::of(e.source()), NodeId::of(e.target()));
         let err = dag.add_temporal_edge(b, a).unwrap_err();
         assert!(matches!(err.kind, DagErrorKind::Cycle { .. }), "{err}");
+        assert_kept_order_valid(&dag);
+        // Refused on a new snapshot: the snapshot and an order without the
+        // edge are kept (a flood of refused edges costs no snapshot each).
+        dag.topo = None;
+        let err = dag.add_temporal_edge(b, a).unwrap_err();
+        assert!(matches!(err.kind, DagErrorKind::Cycle { .. }), "{err}");
+        assert!(dag.topo.is_some(), "a refusal dropped the snapshot");
         assert_kept_order_valid(&dag);
     }
 
