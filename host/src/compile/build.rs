@@ -222,6 +222,17 @@ struct Shared<'a> {
     no_inputs: Arc<[Input]>,
 }
 
+impl Shared<'_> {
+    /// A node's segments: a one-segment list is shared.
+    fn segments(&self, segments: &[u32]) -> Arc<[u32]> {
+        match segments {
+            [s] => self.one_segment.get(*s as usize).cloned(),
+            _ => None,
+        }
+        .unwrap_or_else(|| Arc::from(segments))
+    }
+}
+
 fn input_of((p, ek): &(NodeId, EdgeKind)) -> Option<Input> {
     match ek {
         EdgeKind::Data { tensor, .. } => Some(Input {
@@ -260,15 +271,9 @@ fn describe<'a>(
     let cost = dag.cost(id);
     let div = dag.batch_share_div(id);
     let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
-        NodeKind::Compute { segment, .. } => (
-            sh.one_segment
-                .get(*segment as usize)
-                .cloned()
-                .unwrap_or_else(|| Arc::from(vec![*segment])),
-            None,
-        ),
-        NodeKind::Update { segments } => (Arc::from(&segments[..]), None),
-        NodeKind::Comm(c) => (Arc::from(&c.segments[..]), Some(c.purpose)),
+        NodeKind::Compute { segment, .. } => (sh.segments(std::slice::from_ref(segment)), None),
+        NodeKind::Update { segments } => (sh.segments(segments), None),
+        NodeKind::Comm(c) => (sh.segments(&c.segments), Some(c.purpose)),
         NodeKind::Marker => (sh.no_segments.clone(), None),
     };
     let groups: Vec<Arc<[u32]>> = match &n.kind {

@@ -30,6 +30,8 @@ mod deadlock;
 mod flat;
 mod groups;
 pub mod plan;
+#[cfg(test)]
+mod tests;
 
 pub use deadlock::{check_deadlock, DeadlockError};
 pub use plan::{human_bytes, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamPlan, Wait};
@@ -202,22 +204,29 @@ fn validate_segments(
             b_devices: ids(&nb.devices),
         }
     };
-    // A node's microbatch as one key with its segment: up to two split
-    // dimensions packed (the usual case), more as a list.
-    let dims = &dag.split_dims;
-    let packed = dims.len() <= 2;
-    let key = |segment: u32, n: &crate::dag::Node| -> (u128, Vec<u32>) {
-        let v = |k: &crate::dag::TagKey| n.tags.get(*k).unwrap_or(0);
-        if packed {
-            let at = |i: usize| dims.get(i).map_or(0, v) as u128;
-            (segment as u128 | at(0) << 32 | at(1) << 64, Vec::new())
-        } else {
-            (segment as u128, dims.iter().map(v).collect())
-        }
-    };
     // (node, device group, replication)
     type Seen = (NodeId, u32, Option<u32>);
-    let mut first: HashMap<(u128, Vec<u32>), Seen> = HashMap::with_capacity(g.node_count());
+    // A node's microbatch as one key with its segment: up to two split
+    // dimensions packed in a word (the usual case), more as a list.
+    let dims = &dag.split_dims;
+    let mut packed: HashMap<u128, Seen> = HashMap::new();
+    let mut listed: HashMap<(u32, Vec<u32>), Seen> = HashMap::new();
+    if dims.len() <= 2 {
+        packed.reserve(g.node_count());
+    }
+    let mut first = |segment: u32, n: &crate::dag::Node, me: Seen| -> Seen {
+        let v = |k: &crate::dag::TagKey| n.tags.get(*k).unwrap_or(0);
+        if dims.len() <= 2 {
+            let at = |i: usize| dims.get(i).map_or(0, v) as u128;
+            *packed
+                .entry(segment as u128 | at(0) << 32 | at(1) << 64)
+                .or_insert(me)
+        } else {
+            *listed
+                .entry((segment, dims.iter().map(v).collect()))
+                .or_insert(me)
+        }
+    };
     // Per segment: one node of each distinct (group, replication).
     let mut any: Vec<Vec<Seen>> = vec![Vec::new(); dag.segments().len()];
     for ix in g.node_indices() {
@@ -225,7 +234,7 @@ fn validate_segments(
         if let NodeKind::Compute { segment, .. } = n.kind {
             let id = NodeId(ix.index() as u32);
             let me = (id, groups.of_node(ix.index()), n.replica);
-            let f = *first.entry(key(segment, n)).or_insert(me);
+            let f = first(segment, n, me);
             if (f.1, f.2) != (me.1, me.2) {
                 return Err(split(segment, f.0, id));
             }
@@ -308,14 +317,27 @@ fn validate_edges(
             _ => None,
         }
     };
-    if let Some(e) = flat
-        .edges
-        .par_iter()
-        .with_min_len(4096)
-        .find_first(|e| check(e).is_some())
-        .and_then(check)
-    {
-        return Err(e);
+    // Whether an edge passes depends only on its kind and its two device
+    // groups: each distinct (groups, kind) is checked once, the first
+    // failing edge in edge order reported.
+    let mut seen: HashMap<(u32, u32, bool), bool> = HashMap::new();
+    for e in &flat.edges {
+        let (s, t) = (e.0 as usize, e.1 as usize);
+        let temporal = match e.2 {
+            EdgeKind::Data { .. } => false,
+            EdgeKind::Temporal => true,
+            EdgeKind::Peer => continue,
+        };
+        if groups.is_marker(s) || groups.is_marker(t) || groups.gid[s] == groups.gid[t] {
+            continue;
+        }
+        let key = (groups.gid[s], groups.gid[t], temporal);
+        let ok = *seen.entry(key).or_insert_with(|| check(e).is_none());
+        if !ok {
+            if let Some(err) = check(e) {
+                return Err(err);
+            }
+        }
     }
     // Tied embedding / head on different groups need their all-reduce.
     let segs = dag.segments();
@@ -589,7 +611,7 @@ fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
     }
     // Higher priority first: `Reverse` on the priority itself, never its
     // negation (`-i32::MIN` overflows).
-    let mut keyed: Vec<(u32, std::cmp::Reverse<i32>, u32)> = reached
+    let keyed: Vec<(u32, std::cmp::Reverse<i32>, u32)> = reached
         .par_iter()
         .with_min_len(4096)
         .map(|&i| {
@@ -597,6 +619,25 @@ fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
             (key[i as usize], std::cmp::Reverse(priority), i)
         })
         .collect();
-    keyed.sort_unstable();
-    keyed.into_iter().map(|(_, _, i)| NodeId(i)).collect()
+    // Keys are depths (below the node count): a counting sort by key, then
+    // each key's few nodes by priority and id.
+    let width = keyed.iter().map(|k| k.0 as usize + 1).max().unwrap_or(0);
+    let mut at = vec![0u32; width + 1];
+    for k in &keyed {
+        at[k.0 as usize + 1] += 1;
+    }
+    for i in 1..at.len() {
+        at[i] += at[i - 1];
+    }
+    let mut sorted = vec![(0u32, std::cmp::Reverse(0i32), 0u32); keyed.len()];
+    let mut next = at.clone();
+    for k in keyed {
+        let slot = &mut next[k.0 as usize];
+        sorted[*slot as usize] = k;
+        *slot += 1;
+    }
+    for w in at.windows(2) {
+        sorted[w[0] as usize..w[1] as usize].sort_unstable();
+    }
+    sorted.into_iter().map(|(_, _, i)| NodeId(i)).collect()
 }
