@@ -281,63 +281,54 @@ fn validate_edges(
     placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
 ) -> Result<(), CompileError> {
     let g = &dag.graph;
-    let check = |&(s, t, kind): &(u32, u32, EdgeKind)| -> Option<CompileError> {
-        let (s, t) = (s as usize, t as usize);
-        // Markers carry order only; a group agrees with itself.
-        if groups.is_marker(s) || groups.is_marker(t) || groups.gid[s] == groups.gid[t] {
-            return None;
-        }
-        let (a, b) = (groups.devices(s), groups.devices(t));
-        let subset = |x: &[DeviceId], y: &[DeviceId]| x.iter().all(|d| y.contains(d));
-        let error = |crossing: fn(String, Vec<u32>, String, Vec<u32>) -> CompileError| {
-            Some(crossing(
-                dag.label(NodeId(s as u32)),
-                ids(a),
-                dag.label(NodeId(t as u32)),
-                ids(b),
-            ))
-        };
-        match kind {
-            EdgeKind::Data { .. } if !subset(a, b) && !subset(b, a) => error(
-                |from, from_devices, to, to_devices| CompileError::CrossingEdge {
-                    from,
-                    from_devices,
-                    to,
-                    to_devices,
-                },
-            ),
-            EdgeKind::Temporal if !a.iter().any(|d| b.contains(d)) => error(
-                |from, from_devices, to, to_devices| CompileError::CrossingOrder {
-                    from,
-                    from_devices,
-                    to,
-                    to_devices,
-                },
-            ),
-            _ => None,
+    // A data edge joins nested groups; a temporal edge, groups that share a
+    // device. That depends only on the two groups and the edge's kind: each
+    // distinct (groups, kind) is decided once, and the first failing edge in
+    // edge order is reported.
+    let subset = |x: &[DeviceId], y: &[DeviceId]| x.iter().all(|d| y.contains(d));
+    let passes = |a: &[DeviceId], b: &[DeviceId], temporal: bool| {
+        if temporal {
+            a.iter().any(|d| b.contains(d))
+        } else {
+            subset(a, b) || subset(b, a)
         }
     };
-    // Whether an edge passes depends only on its kind and its two device
-    // groups: each distinct (groups, kind) is checked once, the first
-    // failing edge in edge order reported.
-    let mut seen: HashMap<(u32, u32, bool), bool> = HashMap::new();
-    for e in &flat.edges {
-        let (s, t) = (e.0 as usize, e.1 as usize);
-        let temporal = match e.2 {
+    let mut decided: HashMap<(u32, u32, bool), bool> = HashMap::new();
+    for &(s, t, kind) in &flat.edges {
+        let (s, t) = (s as usize, t as usize);
+        let temporal = match kind {
             EdgeKind::Data { .. } => false,
             EdgeKind::Temporal => true,
             EdgeKind::Peer => continue,
         };
+        // Markers carry order only; a group agrees with itself.
         if groups.is_marker(s) || groups.is_marker(t) || groups.gid[s] == groups.gid[t] {
             continue;
         }
-        let key = (groups.gid[s], groups.gid[t], temporal);
-        let ok = *seen.entry(key).or_insert_with(|| check(e).is_none());
-        if !ok {
-            if let Some(err) = check(e) {
-                return Err(err);
-            }
+        let (a, b) = (groups.devices(s), groups.devices(t));
+        if *decided
+            .entry((groups.gid[s], groups.gid[t], temporal))
+            .or_insert_with(|| passes(a, b, temporal))
+        {
+            continue;
         }
+        let (from, to) = (dag.label(NodeId(s as u32)), dag.label(NodeId(t as u32)));
+        let (from_devices, to_devices) = (ids(a), ids(b));
+        return Err(if temporal {
+            CompileError::CrossingOrder {
+                from,
+                from_devices,
+                to,
+                to_devices,
+            }
+        } else {
+            CompileError::CrossingEdge {
+                from,
+                from_devices,
+                to,
+                to_devices,
+            }
+        });
     }
     // Tied embedding / head on different groups need their all-reduce.
     let segs = dag.segments();
