@@ -162,7 +162,7 @@ pub(super) struct Step {
     pub kind: Kind,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {
     Send,
     Recv,
@@ -188,7 +188,7 @@ pub(super) struct StreamSteps {
 /// A plan given from outside (read from a file, edited by hand) as steps:
 /// messages keyed by (send node, sending device), meetings by (node, stream
 /// name, group); the number of keys.
-fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize) {
+pub(super) fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize) {
     let mut keys = 0u32;
     let mut next = || {
         keys += 1;

@@ -362,6 +362,38 @@ fn cycle_error(dag: &TrainingDag) -> CompileError {
 }
 
 fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
+    let Lowered {
+        devices,
+        parts,
+        steps,
+        keys,
+    } = lower(dag)?;
+    // The deadlock check on the steps built with the ops (the messages
+    // and meetings keyed by global positions).
+    let pc = deadlock::simulate(&steps, keys);
+    drop(steps);
+    deadlock::explain(&devices, &pc)?;
+    let mut plan = Plan {
+        hash: String::new(),
+        model: dag.model().name.clone(),
+        batch_size: dag.model().batch_size,
+        devices,
+    };
+    plan.hash = plan.hash_of(&parts);
+    Ok(plan)
+}
+
+/// The per-device plans before the deadlock check: each device's streams,
+/// their hashes, the deadlock check's steps (per device, per stream) and
+/// the number of its keys.
+struct Lowered {
+    devices: Vec<DevicePlan>,
+    parts: Vec<Vec<[u64; 2]>>,
+    steps: Vec<Vec<deadlock::StreamSteps>>,
+    keys: usize,
+}
+
+fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
     // The passes that only read the DAG run side by side (each is mostly
     // serial): the snapshots first, then validation and the schedule. A
     // validation error is reported before a cycle, as when they ran in turn.
@@ -508,19 +540,12 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
             streams,
         });
     }
-    // The deadlock check on the steps built with the ops (the messages
-    // and meetings keyed by global positions).
-    let pc = deadlock::simulate(&steps, total as usize);
-    drop(steps);
-    deadlock::explain(&devices, &pc)?;
-    let mut plan = Plan {
-        hash: String::new(),
-        model: dag.model().name.clone(),
-        batch_size: dag.model().batch_size,
+    Ok(Lowered {
         devices,
-    };
-    plan.hash = plan.hash_of(&parts);
-    Ok(plan)
+        parts,
+        steps,
+        keys: total as usize,
+    })
 }
 
 /// Resident model states per device: fp32 Adam (4 B params + 4 B grads +

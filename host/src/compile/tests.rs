@@ -1,6 +1,8 @@
 //! Compile's validation of DAGs the directives cannot produce (a strategy
 //! only reaches the graph through them): edges between device groups
-//! written straight into the graph, refused with the edge named.
+//! written straight into the graph, refused with the edge named. And the
+//! deadlock check's steps the builder makes beside the ops, against the
+//! steps read back from the plan.
 
 use super::*;
 use crate::dag::{Cluster, Filter};
@@ -82,4 +84,77 @@ fn a_temporal_edge_between_disjoint_groups_is_refused_naming_it() {
         }
         other => panic!("expected a crossing order edge, got {other:?}"),
     }
+}
+
+/// Tiny on four devices: two pipeline stages of two-way ZeRO-3 (parameter
+/// gathers on their own stream, reduce-scatters, sends and receives per
+/// peer), eight microbatches.
+fn zero3_pipeline() -> TrainingDag {
+    use crate::dag::ReplicateOptions;
+    let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(4)).unwrap();
+    let regions = dag.tag_extents()["PP"];
+    let stage = |r: u32| if r < regions / 2 { [0, 1] } else { [2, 3] };
+    for r in 0..regions {
+        dag.replicate(&Filter::tag("PP", r), &stage(r), &ReplicateOptions::zero(3))
+            .unwrap();
+    }
+    dag.split(&Filter::all(), "MB", 8).unwrap();
+    for r in 0..regions {
+        dag.place(&Filter::tag("PP", r), &stage(r), "pp").unwrap();
+    }
+    dag
+}
+
+/// The deadlock check's steps, built beside the ops (staged with them and
+/// moved to their streams in bursts), are the steps read back from the plan
+/// they were built with, as for a plan given from a file: per device and
+/// stream the same kinds, group sizes and waits, and keys that name the
+/// same messages and meetings one to one.
+#[test]
+fn the_built_deadlock_steps_are_the_plans_own() {
+    let mut dag = zero3_pipeline();
+    dag.sync();
+    let lowered = lower(&dag).unwrap();
+    let (read, _) = deadlock::steps_of(&lowered.devices);
+    assert_eq!(read.len(), lowered.steps.len());
+    let (mut to_read, mut to_built) = (HashMap::new(), HashMap::new());
+    let mut kinds = HashMap::new();
+    let mut waits = 0;
+    for (d, (built, read)) in lowered.steps.iter().zip(&read).enumerate() {
+        assert_eq!(built.len(), read.len(), "device {d}: streams");
+        for (s, (b, r)) in built.iter().zip(read).enumerate() {
+            assert_eq!(b.waits, r.waits, "device {d} stream {s}: waits");
+            assert_eq!(b.steps.len(), r.steps.len(), "device {d} stream {s}");
+            waits += b.waits.len();
+            for (i, (x, y)) in b.steps.iter().zip(&r.steps).enumerate() {
+                let at = format!("device {d} stream {s} op {i}");
+                assert_eq!(
+                    (x.kind, x.need, x.waits_end),
+                    (y.kind, y.need, y.waits_end),
+                    "{at}"
+                );
+                *kinds.entry(format!("{:?}", x.kind)).or_insert(0) += 1;
+                if matches!(x.kind, deadlock::Kind::Local | deadlock::Kind::Never) {
+                    continue;
+                }
+                assert_eq!(*to_read.entry(x.key).or_insert(y.key), y.key, "{at}: key");
+                assert_eq!(*to_built.entry(y.key).or_insert(x.key), x.key, "{at}: key");
+            }
+        }
+    }
+    // The plan has every kind of step, and more ops per device than one
+    // burst, so the staging's boundaries are crossed.
+    for k in ["Send", "Recv", "Collective", "Local"] {
+        assert!(
+            kinds.get(k).copied().unwrap_or(0) > 0,
+            "no {k} step: {kinds:?}"
+        );
+    }
+    assert!(waits > 0);
+    let most = lowered
+        .devices
+        .iter()
+        .map(|d| d.streams.iter().map(|s| s.ops.len()).sum::<usize>())
+        .max();
+    assert!(most > Some(2 * build::BURST), "{most:?} ops");
 }
