@@ -402,29 +402,6 @@ fn describe<'a>(
     }
 }
 
-/// Move the staged ops and their deadlock steps to their streams: the
-/// stores to fresh memory happen here, together, and not between the
-/// reference counts of the op loop (a locked instruction waits until every
-/// store before it is done). A staged step's `waits_end` is the end of its
-/// waits in `staged`; in its stream it becomes the end there.
-fn drain(
-    devs: &mut [Dev],
-    ready: &mut Vec<(usize, usize, Op, Step)>,
-    staged: &mut Vec<(u32, u32)>,
-) {
-    let mut from = 0;
-    for (dl, si, op, mut step) in ready.drain(..) {
-        let (ops, _, steps) = &mut devs[dl].lists[si];
-        ops.push(op);
-        let to = step.waits_end as usize;
-        steps.waits.extend_from_slice(&staged[from..to]);
-        from = to;
-        step.waits_end = steps.waits.len() as u32;
-        steps.steps.push(step);
-    }
-    staged.clear();
-}
-
 /// Bytes a communication node moves per device.
 fn comm_bytes(c: &crate::dag::Comm, div: u64) -> u64 {
     if c.tensor.scales_with_batch() {
@@ -539,8 +516,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
     let mut preds: Vec<(NodeId, EdgeKind)> = Vec::new();
     let mut stack: Vec<(NodeId, EdgeKind)> = Vec::new();
     let mut pred_at: Vec<(u32, bool)> = Vec::new();
-    let mut ready: Vec<(usize, usize, Op, Step)> = Vec::with_capacity(BURST + 64);
-    let mut staged_waits: Vec<(u32, u32)> = Vec::new();
+    let mut ready: Vec<(usize, usize, Op)> = Vec::with_capacity(BURST + 64);
     // Per node: its devices in this chunk, each device's place among them
     // (`u32::MAX` for others), and per place the waits and local inputs.
     let mut here_ix: Vec<(u32, u32)> = Vec::new();
@@ -752,23 +728,19 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             };
             let dv = &mut devs[dl];
             let si = dv.own[sid as usize] as usize;
-            staged_waits.extend(waits.iter().map(|&(s, i)| (dv.first[s as usize], i)));
-            ready.push((
-                dl,
-                si,
-                op,
-                Step {
-                    key,
-                    need,
-                    // Staged: the end of its waits in `staged_waits`.
-                    waits_end: staged_waits.len() as u32,
-                    kind,
-                },
-            ));
-            let op = &ready[ready.len() - 1].2;
-            let (_, hasher, _) = &mut dv.lists[si];
+            let (_, hasher, steps) = &mut dv.lists[si];
+            for &(s, i) in waits.iter() {
+                steps.waits.push((dv.first[s as usize], i));
+            }
+            let waits_end = steps.waits.len() as u32;
+            steps.steps.push(Step {
+                key,
+                need,
+                waits_end,
+                kind,
+            });
             hasher.op(
-                op,
+                &op,
                 d as u32 == desc.first_device,
                 waits.iter().map(|&(s, i)| (dv.first[s as usize], i)),
             );
@@ -779,9 +751,12 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                 bufs[kbase + i] = (desc.readers.out_bytes, on_dev);
             }
             dv.peak = dv.peak.max(dv.live);
+            ready.push((dl, si, op));
         }
         if ready.len() >= BURST {
-            drain(&mut devs, &mut ready, &mut staged_waits);
+            for (dl, si, op) in ready.drain(..) {
+                devs[dl].lists[si].0.push(op);
+            }
         }
         // Release inputs whose last local reader this was. Data edges never
         // pass through markers (they carry order only), so the data
@@ -837,7 +812,9 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             }
         }
     }
-    drain(&mut devs, &mut ready, &mut staged_waits);
+    for (dl, si, op) in ready.drain(..) {
+        devs[dl].lists[si].0.push(op);
+    }
     devs.into_iter()
         .zip(ranks)
         .map(|(dv, r)| {

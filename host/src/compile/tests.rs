@@ -105,11 +105,11 @@ fn zero3_pipeline() -> TrainingDag {
     dag
 }
 
-/// The deadlock check's steps, built beside the ops (staged with them and
-/// moved to their streams in bursts), are the steps read back from the plan
-/// they were built with, as for a plan given from a file: per device and
-/// stream the same kinds, group sizes and waits, and keys that name the
-/// same messages and meetings one to one.
+/// The deadlock check's steps, built beside the ops (which move to their
+/// streams in bursts), are the steps read back from the plan they were
+/// built with, as for a plan given from a file: per device and stream the
+/// same kinds, group sizes and waits, and keys that name the same messages
+/// and meetings one to one.
 #[test]
 fn the_built_deadlock_steps_are_the_plans_own() {
     let mut dag = zero3_pipeline();
@@ -142,8 +142,8 @@ fn the_built_deadlock_steps_are_the_plans_own() {
             }
         }
     }
-    // The plan has every kind of step, and more ops per device than one
-    // burst, so the staging's boundaries are crossed.
+    // The plan has every kind of step, and more ops per device than two
+    // bursts.
     for k in ["Send", "Recv", "Collective", "Local"] {
         assert!(
             kinds.get(k).copied().unwrap_or(0) > 0,
