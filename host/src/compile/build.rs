@@ -220,6 +220,8 @@ struct Shared<'a> {
     tag_maps: HashMap<&'a Tags, Arc<BTreeMap<String, u32>>>,
     no_waits: Arc<[Wait]>,
     no_inputs: Arc<[Input]>,
+    /// A node's inputs while they are gathered.
+    inputs: Vec<Input>,
 }
 
 impl Shared<'_> {
@@ -257,13 +259,20 @@ fn describe<'a>(
     // The inputs every device reads, when they are the same everywhere
     // (otherwise each device lists its own).
     let inputs: Arc<[Input]> = if single_device_inputs {
-        let mut inputs: Vec<Input> = preds.iter().filter_map(input_of).collect();
-        inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+        // Gathered in a kept buffer: the list's one allocation is its `Arc`.
+        let inputs = &mut sh.inputs;
+        inputs.clear();
+        inputs.extend(preds.iter().filter_map(input_of));
+        // Mostly in order already (an update's thousands of gradients).
+        let key = |i: &Input| (i.node, i.tensor as u8);
+        if !inputs.is_sorted_by_key(key) {
+            inputs.sort_unstable_by_key(key);
+        }
         inputs.dedup();
         if inputs.is_empty() {
             sh.no_inputs.clone()
         } else {
-            Arc::from(inputs)
+            Arc::from(&inputs[..])
         }
     } else {
         sh.no_inputs.clone()
@@ -444,7 +453,9 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             .filter(move |(k, _)| cx.chunks_of[*k] & bit != 0)
     };
     // 1. Positions.
+    let mut nodes = 0usize;
     for (_, &id) in mine() {
+        nodes += 1;
         let n = &g[id.ix()];
         base[id.ix().index()] = slots.len() as u32;
         for (i, dev) in n.devices.iter().enumerate() {
@@ -503,9 +514,12 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
         one_segment: (0..dag.segments().len() as u32)
             .map(|s| Arc::from(vec![s]))
             .collect(),
-        tag_maps: HashMap::new(),
+        // Room for a tag set per two nodes (a microbatch's F and B share
+        // one): the map does not grow while the chunk is built.
+        tag_maps: HashMap::with_capacity(nodes / 2),
         no_waits: Arc::from(Vec::new()),
         no_inputs: Arc::from(Vec::new()),
+        inputs: Vec::new(),
     };
     // The last waits list, to share with the next op that waits on the
     // same positions (a node's next device, mostly).
@@ -680,7 +694,10 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             let inputs = if desc.single_device_inputs {
                 desc.inputs.clone()
             } else {
-                local_inputs.sort_unstable_by_key(|i| (i.node, i.tensor as u8));
+                let key = |i: &Input| (i.node, i.tensor as u8);
+                if !local_inputs.is_sorted_by_key(key) {
+                    local_inputs.sort_unstable_by_key(key);
+                }
                 local_inputs.dedup();
                 Arc::from(&local_inputs[..])
             };

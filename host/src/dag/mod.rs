@@ -577,12 +577,15 @@ impl TrainingDag {
         self.streams.get(s.0 as usize).map(|x| x.as_str())
     }
 
-    /// Tags as a name → index map (without `PASS`).
+    /// Tags as a name → index map (without `PASS`). A node has a handful of
+    /// tags: inserted one by one (collecting would gather them in a vector
+    /// and sort it first; the compiler makes one map per distinct tag set).
     pub fn tag_map(&self, tags: &Tags) -> BTreeMap<String, u32> {
-        tags.0
-            .iter()
-            .map(|(k, v)| (self.tag_name(*k).to_string(), *v))
-            .collect()
+        let mut map = BTreeMap::new();
+        for (k, v) in &tags.0 {
+            map.insert(self.tag_name(*k).to_string(), *v);
+        }
+        map
     }
 
     /// A readable node label for errors and tables: `F{PP:1,MB:3}#17`.
