@@ -245,6 +245,17 @@ fn input_of((p, ek): &(NodeId, EdgeKind)) -> Option<Input> {
     }
 }
 
+/// An op's inputs in their canonical order (by node, then tensor), each
+/// once. Sorted only when out of order: an update's thousands of gradients
+/// mostly come in order.
+fn sort_inputs(inputs: &mut Vec<Input>) {
+    let key = |i: &Input| (i.node, i.tensor as u8);
+    if !inputs.is_sorted_by_key(key) {
+        inputs.sort_unstable_by_key(key);
+    }
+    inputs.dedup();
+}
+
 /// Describe node `id` (what its ops share) from its effective predecessors.
 fn describe<'a>(
     cx: &Ctx<'a>,
@@ -263,12 +274,7 @@ fn describe<'a>(
         let inputs = &mut sh.inputs;
         inputs.clear();
         inputs.extend(preds.iter().filter_map(input_of));
-        // Mostly in order already (an update's thousands of gradients).
-        let key = |i: &Input| (i.node, i.tensor as u8);
-        if !inputs.is_sorted_by_key(key) {
-            inputs.sort_unstable_by_key(key);
-        }
-        inputs.dedup();
+        sort_inputs(inputs);
         if inputs.is_empty() {
             sh.no_inputs.clone()
         } else {
@@ -694,11 +700,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             let inputs = if desc.single_device_inputs {
                 desc.inputs.clone()
             } else {
-                let key = |i: &Input| (i.node, i.tensor as u8);
-                if !local_inputs.is_sorted_by_key(key) {
-                    local_inputs.sort_unstable_by_key(key);
-                }
-                local_inputs.dedup();
+                sort_inputs(local_inputs);
                 Arc::from(&local_inputs[..])
             };
             if waits.len() > 1 {
