@@ -108,6 +108,6 @@ fn main() {
     }
     println!(
         "Goals set on a machine where commit deac197 took 365 ms and 1.2 s; for ratios that do \
-         not drift with the machine's load: scripts/bench-dag-against.sh deac197"
+         not drift with the machine's load: scripts/bench-against.sh dag deac197"
     );
 }

@@ -5,10 +5,8 @@
 use super::RunArgs;
 use crate::compile::{compile, human_bytes};
 use crate::model::ModelConfig;
-use crate::runtime::backend::cpu::adamw::AdamW;
-use crate::runtime::backend::cpu::gpt::Tensors;
 use crate::runtime::checkpoint::{gpt2_entries, write_safetensors, Checkpoint};
-use crate::runtime::{Batch, Corpus, Tokenizer, TrainOptions, Trainer};
+use crate::runtime::{AdamW, Batch, Corpus, NamedTensors, Tokenizer, TrainOptions, Trainer};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -231,6 +229,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         capture_grads: a.dump_step1.is_some(),
         trace: a.trace.is_some() || a.report.is_some(),
         threads: a.threads.map(|t| t as usize),
+        backend: Default::default(),
         inject_panic: None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
@@ -493,10 +492,10 @@ fn job_ranks(job: &Job) -> String {
 fn dump_step1(
     path: &std::path::Path,
     cfg: &ModelConfig,
-    init: &Tensors,
+    init: &NamedTensors,
     batch: &Batch,
     loss: f64,
-    grads: &Tensors,
+    grads: &NamedTensors,
 ) -> Result<()> {
     let mut entries = gpt2_entries(cfg, init, "param.");
     entries.extend(gpt2_entries(cfg, grads, "grad."));

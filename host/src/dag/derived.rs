@@ -30,6 +30,7 @@ use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, StreamId, Tags,
     TensorKind, TrainingDag, COMPUTE,
 };
+use crate::model::params::{Role, TpSplit};
 use crate::model::DTYPE_BYTES;
 use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::EdgeRef;
@@ -149,10 +150,10 @@ impl TrainingDag {
         if s.expert_block.is_none() {
             return (0, 1);
         }
-        let all: u64 = crate::model::params::segment_params(&self.model, s)
+        let all: u64 = crate::model::params::segment_entries(&self.model, s)
             .iter()
-            .filter(|(n, _)| crate::model::params::expert_of(n).is_some())
-            .map(|(_, shape)| shape.iter().product::<usize>() as u64)
+            .filter(|e| e.expert.is_some())
+            .map(|e| e.numel() as u64)
             .sum();
         let spread = match &placement[seg as usize] {
             Some((devs, Some(r))) if self.specs[*r as usize].expert_parallel.is_some() => {
@@ -193,13 +194,13 @@ impl TrainingDag {
         if let Some((devs, None)) = &placement[seg as usize] {
             let t = devs.len() as u64;
             if t > 1 {
-                let held: u64 = crate::model::params::segment_params(&self.model, s)
+                let held: u64 = crate::model::params::segment_entries(&self.model, s)
                     .iter()
-                    .filter(|(n, _)| n != "wte" || s.has_embedding())
-                    .map(|(n, shape)| {
-                        let elems = shape.iter().product::<usize>() as u64;
-                        match crate::model::params::tp_split(n) {
-                            crate::model::params::TpSplit::Replicated => elems,
+                    .filter(|e| e.role != Role::TokenEmbedding || s.has_embedding())
+                    .map(|e| {
+                        let elems = e.numel() as u64;
+                        match e.tp_split() {
+                            TpSplit::Replicated => elems,
                             _ => elems / t,
                         }
                     })

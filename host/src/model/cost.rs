@@ -127,10 +127,10 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     };
     // Parameters: the part's entries of the parameter table; the head's `wte`
     // is the embedding's (tied).
-    let params: f64 = super::params::part_params(cfg, part)
+    let params: f64 = super::params::part_entries(cfg, part)
         .iter()
-        .filter(|(n, _)| !(part == Part::Head && n == "wte"))
-        .map(|(_, shape)| shape.iter().map(|x| *x as f64).product::<f64>())
+        .filter(|e| !(part == Part::Head && e.role == super::params::Role::TokenEmbedding))
+        .map(|e| e.shape.iter().map(|x| *x as f64).product::<f64>())
         .sum::<f64>();
     PartCost {
         fwd_flops: fwd,

@@ -49,7 +49,7 @@ pub enum ModelError {
 
 /// Mixture-of-experts MLP: every layer's MLP is replaced by a router and
 /// `experts` GELU MLPs of which `top_k` run per token (see
-/// `runtime/backend/cpu/moe.rs` for the exact arithmetic).
+/// `runtime/backend/moe.rs` for the exact arithmetic).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeConfig {
@@ -528,14 +528,12 @@ mod tests {
         assert_eq!(segs.len(), 17);
         assert!(segs.last().unwrap().has_head());
         assert!(segs[0].has_embedding() && segs[1].expert_block == Some(0));
-        // Expert parameter names parse back to their expert, others to none.
-        use super::params::{expert_of, expert_param, segment_params};
-        assert_eq!(expert_of(&expert_param(3, 12, "c_fc.bias")), Some(12));
-        let names = segment_params(&t, &segs[1]);
-        let experts: Vec<usize> = names.iter().filter_map(|(n, _)| expert_of(n)).collect();
+        // Expert parameters belong to their expert, the others to none.
+        let entries = super::params::segment_entries(&t, &segs[1]);
+        let experts: Vec<u32> = entries.iter().filter_map(|e| e.expert).collect();
         assert_eq!(experts, [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]);
         assert_eq!(
-            names.len(),
+            entries.len(),
             experts.len() + 3,
             "ln_2 and the router are nobody's"
         );

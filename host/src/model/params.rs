@@ -1,116 +1,73 @@
-//! The parameter table: every parameter of a part by GPT-2 name and shape
-//! (llm.c layouts: linear weights `[out, in]`). The one source both the cost
-//! hints (`cost.rs`: parameter counts, hence model-state bytes in plans) and
-//! the CPU kernels (`runtime/backend/cpu/gpt.rs`, `moe.rs`) read. A MoE
-//! block's attention half has GPT-2's attention names; its expert half has
-//! `ln_2`, the router `mlp.router.weight` `[experts, d_model]` (no bias) and
-//! per expert `mlp.experts.{e}.c_fc` / `c_proj` with GPT-2's MLP layout.
+//! The parameter table: every parameter of the model once, named by a typed
+//! [`ParamId`], with its role, layer, expert, shape and the GPT-2 name it has
+//! in checkpoints (llm.c layouts inside: linear weights `[out, in]`). The one
+//! source the cost hints (`cost.rs`: parameter counts, hence model-state bytes
+//! in plans), the DAG's memory figures and the runtime (whose states are
+//! indexed by id) read; names are used only at the checkpoint and dump edge
+//! and to seed initialisation.
+//!
+//! A MoE block's attention half has GPT-2's attention parameters; its expert
+//! half has `ln_2`, the router `mlp.router.weight` `[experts, d_model]` (no
+//! bias) and per expert `mlp.experts.{e}.c_fc` / `c_proj` with GPT-2's MLP
+//! layout.
+//!
+//! Ids are numbered in the order of the GPT-2 names (as strings), so every
+//! walk over a device's states in id order (ZeRO's flat bucket layouts, the
+//! sums of the gradient norm) is the order checkpoints list them in.
 
 use super::{ModelConfig, Part, Segment};
+use std::collections::HashMap;
 
-/// Parameter names and shapes of one part (the head lists `wte` too: it uses it).
-pub fn part_params(cfg: &ModelConfig, part: Part) -> Vec<(String, Vec<usize>)> {
-    let (c, v, t) = (
-        cfg.d_model as usize,
-        cfg.vocab as usize,
-        cfg.seq_len as usize,
-    );
-    match part {
-        Part::Embedding => vec![("wte".into(), vec![v, c]), ("wpe".into(), vec![t, c])],
-        Part::Block(l) => {
-            let p = |s: &str| format!("h.{l}.{s}");
-            let mut out = part_params(cfg, Part::Attention(l));
-            out.extend([
-                (p("ln_2.weight"), vec![c]),
-                (p("ln_2.bias"), vec![c]),
-                (p("mlp.c_fc.weight"), vec![4 * c, c]),
-                (p("mlp.c_fc.bias"), vec![4 * c]),
-                (p("mlp.c_proj.weight"), vec![c, 4 * c]),
-                (p("mlp.c_proj.bias"), vec![c]),
-            ]);
-            out
-        }
-        Part::Attention(l) => {
-            let p = |s: &str| format!("h.{l}.{s}");
-            vec![
-                (p("ln_1.weight"), vec![c]),
-                (p("ln_1.bias"), vec![c]),
-                (p("attn.c_attn.weight"), vec![3 * c, c]),
-                (p("attn.c_attn.bias"), vec![3 * c]),
-                (p("attn.c_proj.weight"), vec![c, c]),
-                (p("attn.c_proj.bias"), vec![c]),
-            ]
-        }
-        Part::Experts(l) => {
-            let Some(moe) = &cfg.moe else {
-                return Vec::new();
-            };
-            let (e, hid) = (moe.experts as usize, moe.hidden_width(cfg.d_model) as usize);
-            let p = |s: &str| format!("h.{l}.{s}");
-            let mut out = vec![
-                (p("ln_2.weight"), vec![c]),
-                (p("ln_2.bias"), vec![c]),
-                (p("mlp.router.weight"), vec![e, c]),
-            ];
-            for x in 0..e {
-                out.extend([
-                    (expert_param(l, x, "c_fc.weight"), vec![hid, c]),
-                    (expert_param(l, x, "c_fc.bias"), vec![hid]),
-                    (expert_param(l, x, "c_proj.weight"), vec![c, hid]),
-                    (expert_param(l, x, "c_proj.bias"), vec![c]),
-                ]);
-            }
-            out
-        }
-        Part::Head => vec![
-            ("ln_f.weight".into(), vec![c]),
-            ("ln_f.bias".into(), vec![c]),
-            ("wte".into(), vec![v, c]),
-        ],
+/// A parameter of the model: its index in the [`ParamTable`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ParamId(u32);
+
+impl ParamId {
+    /// Its index in the table (and in every [`ParamId`]-indexed store).
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+    /// The id of table index `i` (wire formats carry ids as indices).
+    pub fn from_index(i: usize) -> Option<Self> {
+        u32::try_from(i).ok().map(ParamId)
     }
 }
 
-/// Name of expert `e`'s parameter `what` (`c_fc.weight`, …) in layer `l`.
-pub fn expert_param(l: u32, e: usize, what: &str) -> String {
-    format!("h.{l}.mlp.experts.{e}.{what}")
+/// What a parameter is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Role {
+    TokenEmbedding,
+    PositionEmbedding,
+    Ln1Weight,
+    Ln1Bias,
+    QkvWeight,
+    QkvBias,
+    AttnProjWeight,
+    AttnProjBias,
+    Ln2Weight,
+    Ln2Bias,
+    FcWeight,
+    FcBias,
+    MlpProjWeight,
+    MlpProjBias,
+    Router,
+    ExpertFcWeight,
+    ExpertFcBias,
+    ExpertProjWeight,
+    ExpertProjBias,
+    LnfWeight,
+    LnfBias,
 }
 
-/// The expert a parameter belongs to (the inverse of [`expert_param`]);
-/// `None` for every other parameter.
-pub fn expert_of(name: &str) -> Option<usize> {
-    let (_, rest) = name.split_once(".mlp.experts.")?;
-    rest.split_once('.')?.0.parse().ok()
-}
-
-/// Names and shapes of the parameters a segment reads (deduplicated, in order).
-pub fn segment_params(cfg: &ModelConfig, seg: &Segment) -> Vec<(String, Vec<usize>)> {
-    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-    for p in &seg.parts {
-        for (n, s) in part_params(cfg, *p) {
-            if !out.iter().any(|(m, _)| *m == n) {
-                out.push((n, s));
-            }
-        }
-    }
-    out
-}
-
-/// Every parameter of the model, GPT-2 names, each once.
-pub fn model_params(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let mut out: Vec<(String, Vec<usize>)> = Vec::new();
-    for seg in cfg.segments() {
-        for (n, s) in segment_params(cfg, &seg) {
-            if !out.iter().any(|(m, _)| *m == n) {
-                out.push((n, s));
-            }
-        }
-    }
-    out
-}
-
-/// Does weight decay apply (matrices and embeddings, not biases or norms)?
-pub fn decays(shape: &[usize]) -> bool {
-    shape.len() >= 2
+/// How a parameter starts (GPT-2's initialisation).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    Zeros,
+    Ones,
+    /// N(0, std²).
+    Normal {
+        std: f32,
+    },
 }
 
 /// How tensor parallelism (`shard-tensor`, Megatron) splits a parameter
@@ -127,17 +84,393 @@ pub enum TpSplit {
     Cols,
 }
 
-/// The split of parameter `name` (GPT-2 names).
-pub fn tp_split(name: &str) -> TpSplit {
-    let suffix = |s: &str| name.ends_with(s) && name.starts_with("h.");
-    if suffix(".attn.c_attn.weight") || suffix(".attn.c_attn.bias") {
-        TpSplit::Rows { blocks: 3 }
-    } else if suffix(".mlp.c_fc.weight") || suffix(".mlp.c_fc.bias") {
-        TpSplit::Rows { blocks: 1 }
-    } else if suffix(".attn.c_proj.weight") || suffix(".mlp.c_proj.weight") {
-        TpSplit::Cols
-    } else {
-        TpSplit::Replicated
+/// One parameter as a part lists it: role, layer and expert, shape. No
+/// name is made until one is asked for ([`Entry::name`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub role: Role,
+    pub layer: Option<u32>,
+    pub expert: Option<u32>,
+    pub shape: Vec<usize>,
+}
+
+impl Entry {
+    fn new(role: Role, layer: Option<u32>, expert: Option<u32>, shape: Vec<usize>) -> Self {
+        Entry {
+            role,
+            layer,
+            expert,
+            shape,
+        }
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Its GPT-2 name (`wte`, `h.3.attn.c_attn.weight`, `h.1.mlp.experts.2.c_fc.bias`).
+    pub fn name(&self) -> String {
+        use Role::*;
+        let l = self.layer.unwrap_or(0);
+        let x = self.expert.unwrap_or(0);
+        let h = |s: &str| format!("h.{l}.{s}");
+        let e = |s: &str| format!("h.{l}.mlp.experts.{x}.{s}");
+        match self.role {
+            TokenEmbedding => "wte".into(),
+            PositionEmbedding => "wpe".into(),
+            Ln1Weight => h("ln_1.weight"),
+            Ln1Bias => h("ln_1.bias"),
+            QkvWeight => h("attn.c_attn.weight"),
+            QkvBias => h("attn.c_attn.bias"),
+            AttnProjWeight => h("attn.c_proj.weight"),
+            AttnProjBias => h("attn.c_proj.bias"),
+            Ln2Weight => h("ln_2.weight"),
+            Ln2Bias => h("ln_2.bias"),
+            FcWeight => h("mlp.c_fc.weight"),
+            FcBias => h("mlp.c_fc.bias"),
+            MlpProjWeight => h("mlp.c_proj.weight"),
+            MlpProjBias => h("mlp.c_proj.bias"),
+            Router => h("mlp.router.weight"),
+            ExpertFcWeight => e("c_fc.weight"),
+            ExpertFcBias => e("c_fc.bias"),
+            ExpertProjWeight => e("c_proj.weight"),
+            ExpertProjBias => e("c_proj.bias"),
+            LnfWeight => "ln_f.weight".into(),
+            LnfBias => "ln_f.bias".into(),
+        }
+    }
+
+    /// Does weight decay apply (matrices and embeddings, not biases or norms)?
+    pub fn decays(&self) -> bool {
+        self.shape.len() >= 2
+    }
+
+    /// Its split under tensor parallelism.
+    pub fn tp_split(&self) -> TpSplit {
+        match self.role {
+            Role::QkvWeight | Role::QkvBias => TpSplit::Rows { blocks: 3 },
+            Role::FcWeight | Role::FcBias => TpSplit::Rows { blocks: 1 },
+            Role::AttnProjWeight | Role::MlpProjWeight => TpSplit::Cols,
+            _ => TpSplit::Replicated,
+        }
+    }
+
+    /// GPT-2's initialisation: N(0, 0.02) weights, residual projections
+    /// scaled by 1/√(2·layers), zero biases, unit layernorm gains.
+    pub fn init(&self, layers: u32) -> Init {
+        use Role::*;
+        match self.role {
+            Ln1Bias | QkvBias | AttnProjBias | Ln2Bias | FcBias | MlpProjBias | ExpertFcBias
+            | ExpertProjBias | LnfBias => Init::Zeros,
+            Ln1Weight | Ln2Weight | LnfWeight => Init::Ones,
+            AttnProjWeight | MlpProjWeight | ExpertProjWeight => Init::Normal {
+                std: 0.02 / (2.0 * layers as f32).sqrt(),
+            },
+            TokenEmbedding | PositionEmbedding | QkvWeight | FcWeight | Router | ExpertFcWeight => {
+                Init::Normal { std: 0.02 }
+            }
+        }
+    }
+
+    /// Is it a linear weight that GPT-2 files store `[in, out]` (Conv1D)?
+    pub fn is_conv1d(&self) -> bool {
+        matches!(
+            self.role,
+            Role::QkvWeight
+                | Role::AttnProjWeight
+                | Role::FcWeight
+                | Role::MlpProjWeight
+                | Role::ExpertFcWeight
+                | Role::ExpertProjWeight
+        )
+    }
+}
+
+/// The parameters of one part, in the part's order (the head lists `wte`
+/// too: it uses it).
+pub fn part_entries(cfg: &ModelConfig, part: Part) -> Vec<Entry> {
+    use Role::*;
+    let (c, v, t) = (
+        cfg.d_model as usize,
+        cfg.vocab as usize,
+        cfg.seq_len as usize,
+    );
+    match part {
+        Part::Embedding => vec![
+            Entry::new(TokenEmbedding, None, None, vec![v, c]),
+            Entry::new(PositionEmbedding, None, None, vec![t, c]),
+        ],
+        Part::Block(l) => {
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            let mut out = part_entries(cfg, Part::Attention(l));
+            out.extend([
+                p(Ln2Weight, vec![c]),
+                p(Ln2Bias, vec![c]),
+                p(FcWeight, vec![4 * c, c]),
+                p(FcBias, vec![4 * c]),
+                p(MlpProjWeight, vec![c, 4 * c]),
+                p(MlpProjBias, vec![c]),
+            ]);
+            out
+        }
+        Part::Attention(l) => {
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            vec![
+                p(Ln1Weight, vec![c]),
+                p(Ln1Bias, vec![c]),
+                p(QkvWeight, vec![3 * c, c]),
+                p(QkvBias, vec![3 * c]),
+                p(AttnProjWeight, vec![c, c]),
+                p(AttnProjBias, vec![c]),
+            ]
+        }
+        Part::Experts(l) => {
+            let Some(moe) = &cfg.moe else {
+                return Vec::new();
+            };
+            let (e, hid) = (moe.experts as usize, moe.hidden_width(cfg.d_model) as usize);
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            let mut out = vec![
+                p(Ln2Weight, vec![c]),
+                p(Ln2Bias, vec![c]),
+                p(Router, vec![e, c]),
+            ];
+            for x in 0..e as u32 {
+                let q = |r, shape| Entry::new(r, Some(l), Some(x), shape);
+                out.extend([
+                    q(ExpertFcWeight, vec![hid, c]),
+                    q(ExpertFcBias, vec![hid]),
+                    q(ExpertProjWeight, vec![c, hid]),
+                    q(ExpertProjBias, vec![c]),
+                ]);
+            }
+            out
+        }
+        Part::Head => vec![
+            Entry::new(LnfWeight, None, None, vec![c]),
+            Entry::new(LnfBias, None, None, vec![c]),
+            Entry::new(TokenEmbedding, None, None, vec![v, c]),
+        ],
+    }
+}
+
+/// The parameters a segment reads (each once, in order).
+pub fn segment_entries(cfg: &ModelConfig, seg: &Segment) -> Vec<Entry> {
+    let mut out: Vec<Entry> = Vec::new();
+    for p in &seg.parts {
+        for e in part_entries(cfg, *p) {
+            if !out.iter().any(|m| same(m, &e)) {
+                out.push(e);
+            }
+        }
+    }
+    out
+}
+
+fn same(a: &Entry, b: &Entry) -> bool {
+    a.role == b.role && a.layer == b.layer && a.expert == b.expert
+}
+
+/// A linear layer's weight and bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Linear {
+    pub weight: ParamId,
+    pub bias: ParamId,
+}
+
+/// A layernorm's gain and bias.
+pub type Norm = Linear;
+
+/// An attention half: `x + proj(attention(qkv(ln1(x))))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnIds {
+    pub ln1: Norm,
+    pub qkv: Linear,
+    pub proj: Linear,
+}
+
+/// A GELU MLP (a dense block's, or one expert's).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MlpIds {
+    pub fc: Linear,
+    pub proj: Linear,
+}
+
+/// An expert half: ln2, the router and every expert.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ExpertsIds {
+    pub ln2: Norm,
+    pub router: ParamId,
+    pub experts: Vec<MlpIds>,
+}
+
+/// One layer's parameters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerIds {
+    pub attn: AttnIds,
+    /// ln2 of a dense block (the expert half has its own in `experts`).
+    pub ln2: Option<Norm>,
+    /// The dense MLP (absent on MoE models).
+    pub mlp: Option<MlpIds>,
+    pub experts: Option<ExpertsIds>,
+}
+
+/// Every parameter of a model, once, by id.
+#[derive(Clone, Debug)]
+pub struct ParamTable {
+    entries: Vec<Entry>,
+    names: Vec<String>,
+    by_name: HashMap<String, ParamId>,
+    /// Ids in the model's order (embedding, layers, head).
+    model_order: Vec<ParamId>,
+    pub wte: ParamId,
+    pub wpe: ParamId,
+    pub lnf: Norm,
+    layers: Vec<LayerIds>,
+}
+
+impl ParamTable {
+    /// The table of `cfg`'s parameters.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let mut all: Vec<(String, Entry)> = Vec::new();
+        let mut seen: HashMap<String, ()> = HashMap::new();
+        for seg in cfg.segments() {
+            for e in segment_entries(cfg, &seg) {
+                let name = e.name();
+                if seen.insert(name.clone(), ()).is_none() {
+                    all.push((name, e));
+                }
+            }
+        }
+        let in_model_order: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        let by_name: HashMap<String, ParamId> = all
+            .iter()
+            .enumerate()
+            .map(|(i, (n, _))| (n.clone(), ParamId(i as u32)))
+            .collect();
+        let (names, entries): (Vec<String>, Vec<Entry>) = all.into_iter().unzip();
+        let id = |role: Role, layer: Option<u32>, expert: Option<u32>| {
+            let name = Entry::new(role, layer, expert, Vec::new()).name();
+            by_name.get(&name).copied()
+        };
+        let pair = |w: Role, b: Role, l: Option<u32>| -> Option<Linear> {
+            Some(Linear {
+                weight: id(w, l, None)?,
+                bias: id(b, l, None)?,
+            })
+        };
+        use Role::*;
+        let layers = (0..cfg.layers)
+            .map(|l| {
+                let s = Some(l);
+                let attn = AttnIds {
+                    ln1: pair(Ln1Weight, Ln1Bias, s).expect("every layer has attention"),
+                    qkv: pair(QkvWeight, QkvBias, s).expect("every layer has attention"),
+                    proj: pair(AttnProjWeight, AttnProjBias, s).expect("every layer has attention"),
+                };
+                let ln2 = pair(Ln2Weight, Ln2Bias, s);
+                let mlp = match (
+                    pair(FcWeight, FcBias, s),
+                    pair(MlpProjWeight, MlpProjBias, s),
+                ) {
+                    (Some(fc), Some(proj)) => Some(MlpIds { fc, proj }),
+                    _ => None,
+                };
+                let experts = cfg.moe.as_ref().map(|moe| ExpertsIds {
+                    ln2: ln2.expect("an expert half has ln2"),
+                    router: id(Router, s, None).expect("an expert half has a router"),
+                    experts: (0..moe.experts)
+                        .map(|x| {
+                            let e = |w, b| Linear {
+                                weight: id(w, s, Some(x)).expect("every expert is listed"),
+                                bias: id(b, s, Some(x)).expect("every expert is listed"),
+                            };
+                            MlpIds {
+                                fc: e(ExpertFcWeight, ExpertFcBias),
+                                proj: e(ExpertProjWeight, ExpertProjBias),
+                            }
+                        })
+                        .collect(),
+                });
+                LayerIds {
+                    attn,
+                    ln2: if mlp.is_some() { ln2 } else { None },
+                    mlp,
+                    experts,
+                }
+            })
+            .collect();
+        let model_order = in_model_order.iter().map(|n| by_name[n]).collect();
+        ParamTable {
+            model_order,
+            wte: id(TokenEmbedding, None, None).expect("the embedding is listed"),
+            wpe: id(PositionEmbedding, None, None).expect("the embedding is listed"),
+            lnf: pair(LnfWeight, LnfBias, None).expect("the head is listed"),
+            entries,
+            names,
+            by_name,
+            layers,
+        }
+    }
+
+    /// How many parameters the model has (ids are `0..len`).
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+    /// Every id, in table (name) order.
+    pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
+        (0..self.entries.len() as u32).map(ParamId)
+    }
+    /// Every id in the model's order (embedding, layers, head): the order
+    /// checkpoint files list them in.
+    pub fn in_model_order(&self) -> &[ParamId] {
+        &self.model_order
+    }
+    /// What parameter `id` is.
+    pub fn entry(&self, id: ParamId) -> &Entry {
+        &self.entries[id.index()]
+    }
+    /// Its GPT-2 name (checkpoints, dumps, messages).
+    pub fn name(&self, id: ParamId) -> &str {
+        &self.names[id.index()]
+    }
+    /// The parameter a GPT-2 name names, if the model has it.
+    pub fn by_name(&self, name: &str) -> Option<ParamId> {
+        self.by_name.get(name).copied()
+    }
+    /// Layer `l`'s parameters.
+    pub fn layer(&self, l: u32) -> &LayerIds {
+        &self.layers[l as usize]
+    }
+    /// Does `id` belong to one expert (and which)?
+    pub fn expert_of(&self, id: ParamId) -> Option<u32> {
+        self.entry(id).expert
+    }
+
+    /// The parameters a part reads, in the part's order.
+    pub fn part(&self, cfg: &ModelConfig, part: Part) -> Vec<ParamId> {
+        part_entries(cfg, part)
+            .iter()
+            .map(|e| self.by_name[&e.name()])
+            .collect()
+    }
+
+    /// The parameters a segment reads (each once, in order).
+    pub fn segment(&self, cfg: &ModelConfig, seg: &Segment) -> Vec<ParamId> {
+        let mut out: Vec<ParamId> = Vec::new();
+        for p in &seg.parts {
+            for id in self.part(cfg, *p) {
+                if !out.contains(&id) {
+                    out.push(id);
+                }
+            }
+        }
+        out
     }
 }
 
@@ -179,5 +512,56 @@ pub fn tp_ranges(
                 .collect();
             (ranges, vec![rows, mine])
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::MoeConfig;
+
+    #[test]
+    fn ids_follow_the_names_and_every_layer_finds_its_parameters() {
+        let cfg = ModelConfig::tiny();
+        let t = ParamTable::new(&cfg);
+        // 2 embeddings, 12 per block, ln_f: 2 + 8 × 12 + 2.
+        assert_eq!(t.len(), 100);
+        let names: Vec<&str> = t.ids().map(|i| t.name(i)).collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted, "ids are numbered in name order");
+        assert_eq!(t.name(t.wte), "wte");
+        assert_eq!(t.name(t.layer(3).attn.qkv.weight), "h.3.attn.c_attn.weight");
+        assert_eq!(
+            t.name(t.layer(7).mlp.unwrap().proj.bias),
+            "h.7.mlp.c_proj.bias"
+        );
+        assert_eq!(
+            t.by_name("h.0.ln_2.weight"),
+            t.layer(0).ln2.map(|n| n.weight)
+        );
+        assert_eq!(t.by_name("h.99.ln_2.weight"), None);
+        assert!(t.layer(0).experts.is_none());
+    }
+
+    #[test]
+    fn expert_parameters_belong_to_their_expert_and_split_as_megatron_does() {
+        let mut cfg = ModelConfig::tiny();
+        cfg.moe = Some(MoeConfig::new(4, 2));
+        let t = ParamTable::new(&cfg);
+        let ex = t.layer(2).experts.as_ref().unwrap();
+        assert_eq!(t.name(ex.experts[3].fc.bias), "h.2.mlp.experts.3.c_fc.bias");
+        assert_eq!(t.expert_of(ex.experts[3].fc.bias), Some(3));
+        assert_eq!(t.expert_of(ex.router), None);
+        assert!(t.layer(2).mlp.is_none() && t.layer(2).ln2.is_none());
+        let split = |id| t.entry(id).tp_split();
+        assert_eq!(
+            split(t.layer(0).attn.qkv.weight),
+            TpSplit::Rows { blocks: 3 }
+        );
+        assert_eq!(split(t.layer(0).attn.proj.weight), TpSplit::Cols);
+        assert_eq!(split(t.layer(0).attn.proj.bias), TpSplit::Replicated);
+        assert_eq!(split(ex.experts[0].fc.weight), TpSplit::Replicated);
+        assert!(t.entry(ex.router).decays() && !t.entry(ex.ln2.weight).decays());
     }
 }

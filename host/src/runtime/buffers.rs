@@ -2,10 +2,12 @@
 //! gathered parameters and per-microbatch gradients, reference-counted by
 //! the plan's readers and freed at their last use. One accounting path
 //! ([`Device::admit`]) counts every byte (buffers, messages in flight,
-//! collective staging) against the device's cap.
+//! collective staging) against the device's cap, with sizes read from the
+//! backend.
 
-use super::backend::cpu::gpt::{SegmentCache, SegmentStash, Tensors};
-use super::backend::cpu::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
+use super::backend::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
+use super::backend::segment::{SegmentCache, SegmentStash};
+use super::backend::{Backend, BackendError, ParamMap};
 use super::device::Device;
 use super::error::{label, RuntimeError};
 use crate::compile::human_bytes;
@@ -14,40 +16,41 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 /// A buffer's contents.
-pub(super) enum Buf {
-    Vec(Arc<Vec<f32>>),
-    Saved(SegmentCache),
-    Stash(SegmentStash),
+pub(super) enum Buf<B: Backend> {
+    Tensor(B::Tensor),
+    Saved(SegmentCache<B>),
+    Stash(SegmentStash<B>),
     /// ZeRO-3: a segment's gathered parameters; ZeRO-2/3: one microbatch's
     /// weight gradients.
-    Params(Tensors),
+    Params(ParamMap<B::Tensor>),
     /// ZeRO-2/3: one microbatch's tied `wte` gradient, already all-reduced
     /// across the embedding's and the head's stages; it replaces the local
     /// `wte` gradients of that microbatch.
-    Tied(Tensors),
+    Tied(ParamMap<B::Tensor>),
     /// What one phase of a split expert pass hands the next.
-    Moe(MoePart),
+    Moe(MoePart<B>),
 }
 
 /// The state between the phases of a split expert pass.
-pub(super) enum MoePart {
+pub(super) enum MoePart<B: Backend> {
     /// Rows for (or from) each member of the EP group.
-    Chunks(Vec<Arc<Vec<f32>>>),
-    Routed(Box<MoeRouted>),
-    Experts(MoeExperts),
-    Combined(MoeCombined),
-    Grads(MoeExpertGrads),
+    Chunks(Vec<B::Tensor>),
+    Routed(Box<MoeRouted<B>>),
+    Experts(MoeExperts<B>),
+    Combined(MoeCombined<B>),
+    Grads(MoeExpertGrads<B>),
 }
 
-impl Buf {
+impl<B: Backend> Buf<B> {
     pub(super) fn bytes(&self) -> u64 {
+        let each = |ts: &[B::Tensor]| ts.iter().map(|t| B::bytes(t)).sum::<u64>();
         match self {
-            Buf::Vec(v) => v.len() as u64 * 4,
-            Buf::Params(t) | Buf::Tied(t) => t.values().map(|v| v.len() as u64 * 4).sum(),
+            Buf::Tensor(t) => B::bytes(t),
+            Buf::Params(t) | Buf::Tied(t) => t.iter().map(|(_, v)| B::bytes(v)).sum(),
             Buf::Saved(c) => c.bytes(),
             Buf::Stash(s) => s.bytes(),
             Buf::Moe(m) => match m {
-                MoePart::Chunks(c) => c.iter().map(|v| v.len() as u64 * 4).sum(),
+                MoePart::Chunks(c) => each(c),
                 MoePart::Routed(r) => r.bytes(),
                 MoePart::Experts(e) => e.bytes(),
                 MoePart::Combined(c) => c.bytes(),
@@ -57,22 +60,35 @@ impl Buf {
     }
 }
 
+/// A live buffer and how many readers it has left.
+type Live<B> = (Arc<Buf<B>>, u32);
+
 /// A device's live buffers: `(producer node, kind) → (buffer, readers left)`.
-#[derive(Default)]
-pub(super) struct Buffers {
-    pub(super) map: HashMap<(u32, TensorKind), (Arc<Buf>, u32)>,
+pub(super) struct Buffers<B: Backend> {
+    pub(super) map: HashMap<(u32, TensorKind), Live<B>>,
     pub(super) readers: HashMap<(u32, TensorKind), u32>,
     pub(super) live: u64,
     pub(super) peak: u64,
 }
 
+impl<B: Backend> Default for Buffers<B> {
+    fn default() -> Self {
+        Buffers {
+            map: HashMap::new(),
+            readers: HashMap::new(),
+            live: 0,
+            peak: 0,
+        }
+    }
+}
+
 /// Bytes reserved on a device until dropped.
-pub(crate) struct Reserved<'a> {
-    pub(super) dev: &'a Device,
+pub(crate) struct Reserved<'a, B: Backend> {
+    pub(super) dev: &'a Device<B>,
     pub(super) bytes: u64,
 }
 
-impl Reserved<'_> {
+impl<B: Backend> Reserved<'_, B> {
     /// Keep the bytes reserved past this guard (a message in flight, which
     /// its receiver releases).
     pub(super) fn keep(self) {
@@ -80,24 +96,29 @@ impl Reserved<'_> {
     }
 }
 
-impl Drop for Reserved<'_> {
+impl<B: Backend> Drop for Reserved<'_, B> {
     fn drop(&mut self) {
         self.dev.release(self.bytes);
     }
 }
 
-impl Device {
+impl<B: Backend> Device<B> {
     /// Account `bytes` of communication staging or an in-flight message
     /// against this device's cap before they are allocated; released when
     /// the guard drops (or by the receiver, for a message: [`Device::release`]).
-    pub(super) fn reserve(&self, op: &Op, bytes: u64) -> Result<Reserved<'_>, RuntimeError> {
+    pub(super) fn reserve(&self, op: &Op, bytes: u64) -> Result<Reserved<'_, B>, RuntimeError> {
         self.admit(&mut self.bufs.lock().unwrap(), op, bytes)?;
         Ok(Reserved { dev: self, bytes })
     }
 
     /// The one accounting path: add `bytes` to the live total, or refuse them
     /// over the cap with the device, op and sizes named.
-    pub(super) fn admit(&self, b: &mut Buffers, op: &Op, bytes: u64) -> Result<(), RuntimeError> {
+    pub(super) fn admit(
+        &self,
+        b: &mut Buffers<B>,
+        op: &Op,
+        bytes: u64,
+    ) -> Result<(), RuntimeError> {
         if let Some(cap) = self.cap {
             if self.state_bytes + b.live + bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
@@ -122,7 +143,7 @@ impl Device {
     }
 
     /// Store an op's output if anyone on this device reads it.
-    pub(super) fn put(&self, op: &Op, kind: TensorKind, buf: Buf) -> Result<(), RuntimeError> {
+    pub(super) fn put(&self, op: &Op, kind: TensorKind, buf: Buf<B>) -> Result<(), RuntimeError> {
         let mut b = self.bufs.lock().unwrap();
         let Some(&readers) = b.readers.get(&(op.node, kind)) else {
             return Ok(());
@@ -138,7 +159,7 @@ impl Device {
         &self,
         op: &Op,
         kind: TensorKind,
-    ) -> Result<Vec<Arc<Buf>>, RuntimeError> {
+    ) -> Result<Vec<Arc<Buf<B>>>, RuntimeError> {
         let mut b = self.bufs.lock().unwrap();
         let mut out = Vec::new();
         for input in op.inputs.iter().filter(|i| i.tensor == kind) {
@@ -163,15 +184,61 @@ impl Device {
     }
 
     /// Read the (first) input of `op` of one kind, if it has one.
-    pub(super) fn take(&self, op: &Op, kind: TensorKind) -> Result<Option<Arc<Buf>>, RuntimeError> {
+    pub(super) fn take(
+        &self,
+        op: &Op,
+        kind: TensorKind,
+    ) -> Result<Option<Arc<Buf<B>>>, RuntimeError> {
         Ok(self.take_all(op, kind)?.into_iter().next())
     }
-}
 
-/// The tensor of a buffer (a copy), if any.
-pub(super) fn vec_of(buf: Option<Arc<Buf>>) -> Option<Vec<f32>> {
-    buf.map(|b| match &*b {
-        Buf::Vec(v) => (**v).clone(),
-        _ => panic!("expected a tensor buffer"),
-    })
+    /// The tensor of a taken buffer: moved out when this was its last
+    /// holder, a device copy otherwise.
+    pub(super) fn tensor_of(
+        &self,
+        op: &Op,
+        buf: Option<Arc<Buf<B>>>,
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
+        let Some(buf) = buf else { return Ok(None) };
+        let t = match Arc::try_unwrap(buf) {
+            Ok(Buf::Tensor(t)) => t,
+            Ok(_) => return Err(self.not_a_tensor(op)),
+            Err(shared) => match &*shared {
+                Buf::Tensor(t) => self.b.duplicate(t).map_err(|e| self.backend_error(op, e))?,
+                _ => return Err(self.not_a_tensor(op)),
+            },
+        };
+        Ok(Some(t))
+    }
+
+    fn not_a_tensor(&self, op: &Op) -> RuntimeError {
+        RuntimeError::Plan(format!(
+            "device {}: {}: an input the plan says is a tensor is not one",
+            self.id,
+            label(op)
+        ))
+    }
+
+    /// A backend failure inside `op`, with the device, the op and (for a
+    /// missing parameter) its name.
+    pub(super) fn backend_error(&self, op: &Op, e: BackendError) -> RuntimeError {
+        match e {
+            BackendError::Exchange(cause) => RuntimeError::Exchange {
+                device: self.id,
+                op: label(op),
+                cause,
+            },
+            BackendError::MissingParam(id) => RuntimeError::MissingInput {
+                device: self.id,
+                op: label(op),
+                input: format!("parameter {}", self.table.name(id)),
+            },
+            other => RuntimeError::Backend {
+                device: self.id,
+                op: label(op),
+                backend: self.b.name(),
+                cause: other.to_string(),
+            },
+        }
+    }
 }

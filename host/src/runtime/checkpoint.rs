@@ -7,13 +7,17 @@
 //! next data position). Resuming restores all of it exactly, so the resumed
 //! run is bit-identical to an uninterrupted one.
 
-use super::backend::cpu::gpt::{model_params, Tensors};
+use crate::model::params::ParamTable;
 use crate::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+
+/// Host tensors by GPT-2 name: what crosses the checkpoint and dump edge
+/// (the runtime inside names parameters by id).
+pub type NamedTensors = BTreeMap<String, Vec<f32>>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
@@ -40,9 +44,9 @@ pub struct TrainState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Checkpoint {
     pub state: TrainState,
-    pub params: Tensors,
-    pub m: Tensors,
-    pub v: Tensors,
+    pub params: NamedTensors,
+    pub m: NamedTensors,
+    pub v: NamedTensors,
 }
 
 /// GPT-2 (Hugging Face) name of an internal parameter.
@@ -51,13 +55,6 @@ pub fn hf_name(name: &str) -> String {
         "wte" | "wpe" => format!("{name}.weight"),
         other => other.to_string(),
     }
-}
-
-/// Linear weights are `[out, in]` inside, `[in, out]` (Conv1D) in GPT-2 files.
-fn is_conv1d(name: &str) -> bool {
-    name.ends_with("c_attn.weight")
-        || name.ends_with("c_proj.weight")
-        || name.ends_with("c_fc.weight")
 }
 
 fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
@@ -99,23 +96,29 @@ pub fn write_safetensors(
     })
 }
 
-/// The model's parameters as GPT-2 safetensors entries.
+/// The model's parameters as GPT-2 safetensors entries, in the model's
+/// order. Linear weights are `[out, in]` inside, `[in, out]` (Conv1D) in
+/// GPT-2 files.
 pub fn gpt2_entries(
     cfg: &ModelConfig,
-    params: &Tensors,
+    params: &NamedTensors,
     prefix: &str,
 ) -> Vec<(String, Vec<usize>, Vec<u8>, Dtype)> {
-    model_params(cfg)
-        .into_iter()
-        .filter_map(|(name, shape)| {
-            let v = params.get(&name)?;
-            let (shape, data) = if is_conv1d(&name) {
+    let table = ParamTable::new(cfg);
+    table
+        .in_model_order()
+        .iter()
+        .filter_map(|&id| {
+            let (name, entry) = (table.name(id), table.entry(id));
+            let v = params.get(name)?;
+            let shape = entry.shape.clone();
+            let (shape, data) = if entry.is_conv1d() {
                 (vec![shape[1], shape[0]], transpose(v, shape[0], shape[1]))
             } else {
                 (shape, v.clone())
             };
             Some((
-                format!("{prefix}{}", hf_name(&name)),
+                format!("{prefix}{}", hf_name(name)),
                 shape,
                 bytes_of(&data),
                 Dtype::F32,
@@ -171,10 +174,12 @@ impl Checkpoint {
             gpt2_entries(cfg, &self.params, ""),
             None,
         )?;
+        let table = ParamTable::new(cfg);
         let mut opt = Vec::new();
-        for (name, shape) in model_params(cfg) {
+        for &id in table.in_model_order() {
+            let (name, shape) = (table.name(id), &table.entry(id).shape);
             for (k, t) in [("m", &self.m), ("v", &self.v)] {
-                if let Some(v) = t.get(&name) {
+                if let Some(v) = t.get(name) {
                     opt.push((
                         format!("{k}.{name}"),
                         shape.clone(),
@@ -210,11 +215,18 @@ impl Checkpoint {
             path: opath.display().to_string(),
             message: e.to_string(),
         })?;
-        let (mut params, mut m, mut v) = (Tensors::new(), Tensors::new(), Tensors::new());
-        for (name, shape) in model_params(cfg) {
-            let len: usize = shape.iter().product();
+        let table = ParamTable::new(cfg);
+        let (mut params, mut m, mut v) = (
+            NamedTensors::new(),
+            NamedTensors::new(),
+            NamedTensors::new(),
+        );
+        for &id in table.in_model_order() {
+            let (name, entry) = (table.name(id).to_string(), table.entry(id));
+            let shape = &entry.shape;
+            let len = entry.numel();
             let raw = tensor(&st, &hf_name(&name), len, &mpath)?;
-            let p = if is_conv1d(&name) {
+            let p = if entry.is_conv1d() {
                 transpose(&raw, shape[1], shape[0])
             } else {
                 raw

@@ -1,9 +1,9 @@
-//! One virtual device: its model states (parameters, gradients, AdamW
-//! moments, ZeRO buckets) for the segments its plan runs, its buffers and
-//! per-step state; set up from the plan, restored from checkpoints.
+//! One plan device: its model states (parameters, gradients, AdamW
+//! moments, ZeRO buckets) for the segments its plan runs, as storage of its
+//! backend indexed by parameter id; its buffers, streams and per-step
+//! state; set up from the plan, restored from checkpoints.
 
-use super::backend::cpu::gpt::{decays, init_param, segment_params, Tensors};
-use super::backend::cpu::moe::ExpertGroup;
+use super::backend::{init, Backend, BackendError, ParamId, ParamMap};
 use super::buffers::Buffers;
 use super::error::{label, RuntimeError};
 use super::step::TraceEvent;
@@ -11,21 +11,42 @@ use super::zero::{self, Bucket};
 use super::TrainOptions;
 use crate::compile::human_bytes;
 use crate::compile::plan::{CommPurpose, DevicePlan, Spread};
-use crate::model::params::{expert_of, tp_ranges, tp_split, TpSplit};
+use crate::model::params::{tp_ranges, ParamTable, TpSplit};
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Condvar, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex, RwLock};
+
+pub(super) use crate::runtime::backend::moe::ExpertGroup;
 
 /// What one step leaves on a device.
-#[derive(Default)]
-pub(super) struct StepState {
-    pub(super) loss: f64,
+pub(super) struct StepState<B: Backend> {
+    /// Each forward's loss terms, in the order the forwards ran; read when
+    /// the step ends.
+    pub(super) losses: Vec<Vec<B::Scalar>>,
     /// MoE expert assignments routed and dropped by this device's forwards.
     pub(super) moe_routed: u64,
     pub(super) moe_dropped: u64,
     pub(super) grad_norm: f64,
     pub(super) clip_scale: f32,
 }
+
+impl<B: Backend> Default for StepState<B> {
+    fn default() -> Self {
+        StepState {
+            losses: Vec::new(),
+            moe_routed: 0,
+            moe_dropped: 0,
+            grad_norm: 0.0,
+            clip_scale: 1.0,
+        }
+    }
+}
+
+/// AdamW's first and second moments of a device's whole tensors.
+pub(super) type Moments<B> = (
+    ParamMap<<B as Backend>::Tensor>,
+    ParamMap<<B as Backend>::Tensor>,
+);
 
 /// A device's share of a step's figures.
 pub(crate) struct DeviceStats {
@@ -35,40 +56,49 @@ pub(crate) struct DeviceStats {
     pub(crate) moe_dropped: u64,
 }
 
-/// One virtual device: its model states and buffers.
-pub(crate) struct Device {
+/// One plan device: its model states and buffers.
+pub(crate) struct Device<B: Backend> {
     pub(super) id: u32,
-    pub(super) params: RwLock<Tensors>,
-    pub(super) grads: Mutex<Tensors>,
-    pub(super) moments: Mutex<(Tensors, Tensors)>,
+    /// The backend its storage and kernels are on.
+    pub(super) b: B,
+    pub(super) table: Arc<ParamTable>,
+    pub(super) params: RwLock<ParamMap<B::Tensor>>,
+    pub(super) grads: Mutex<ParamMap<B::Tensor>>,
+    pub(super) moments: Mutex<Moments<B>>,
     /// ZeRO buckets (sharded states).
-    pub(super) buckets: Mutex<Vec<Bucket>>,
-    /// Segments this device runs.
-    pub(super) held: BTreeSet<u32>,
+    pub(super) buckets: Mutex<Vec<Bucket<B>>>,
     /// Of those, segments spread over a group (`shard`, `shard-tensor`).
     pub(super) spreads: Spreads,
+    /// The parameters each held segment owns here (sorted): the tied `wte`
+    /// belongs to the embedding when both ends are here; of spread
+    /// experts, only this device's.
+    pub(super) owned: BTreeMap<u32, Vec<ParamId>>,
     /// Tensor-parallel slices: this device's part of each full tensor.
-    pub(super) tp_pieces: BTreeMap<String, TpPiece>,
+    pub(super) tp_pieces: ParamMap<TpPiece>,
     /// Does it run the embedding (which owns the tied `wte`)?
     pub(super) has_embedding: bool,
-    pub(super) bufs: Mutex<Buffers>,
-    pub(super) state: Mutex<StepState>,
+    pub(super) bufs: Mutex<Buffers<B>>,
+    pub(super) state: Mutex<StepState<B>>,
     /// Gradients this device counts in the global norm.
-    pub(super) norm_names: Vec<String>,
+    pub(super) norm_ids: Vec<ParamId>,
     /// Parameters that get weight decay (matrices and embeddings).
-    pub(super) decay: BTreeSet<String>,
+    pub(super) decay: ParamMap<()>,
     pub(super) has_norm_op: bool,
     pub(super) state_bytes: u64,
     pub(super) cap: Option<u64>,
+    /// One backend stream per plan stream.
+    pub(super) streams: Vec<B::Stream>,
     /// Ops done per stream this step (cross-stream waits read it).
     pub(super) progress: Mutex<Vec<usize>>,
+    /// The ops another stream waits for, by (stream, op index), and the
+    /// event recorded after each this step.
+    pub(super) waited: std::collections::HashSet<(usize, usize)>,
+    pub(super) marks: Mutex<HashMap<(usize, usize), B::Event>>,
     pub(super) cv: Condvar,
-    pub(super) captured: Mutex<Tensors>,
+    pub(super) captured: Mutex<ParamMap<B::Tensor>>,
     /// ZeRO-2/3: the last step's reduced gradient shard per bucket index.
-    pub(super) captured_shards: Mutex<HashMap<usize, Vec<f32>>>,
+    pub(super) captured_shards: Mutex<HashMap<usize, B::Tensor>>,
     pub(super) events: Mutex<Vec<TraceEvent>>,
-    /// The threads its kernels run on (`TrainOptions::threads`).
-    pub(super) pool: rayon::ThreadPool,
 }
 
 /// Expert segments whose experts `shard` spread, with this device's place
@@ -103,195 +133,234 @@ impl TpPiece {
     }
 }
 
-/// A parameter as this device holds it: name, local shape, and for a
-/// tensor-parallel split its part of the full tensor (of `full` shape).
+/// A parameter as this device holds it: id, full shape, and for a
+/// tensor-parallel split its part of the full tensor.
 pub(super) struct ParamHere {
-    pub(super) name: String,
-    pub(super) full: Vec<usize>,
-    pub(super) shape: Vec<usize>,
+    pub(super) id: ParamId,
     pub(super) piece: Option<TpPiece>,
 }
 
 /// A segment's parameters on this device: of experts spread by `shard`,
 /// only this device's; of a segment split by `shard-tensor`, this device's
 /// slices.
-pub(super) fn params_here(cfg: &ModelConfig, seg: &Segment, spreads: &Spreads) -> Vec<ParamHere> {
-    let mut all = segment_params(cfg, seg);
+pub(super) fn params_here(
+    cfg: &ModelConfig,
+    table: &ParamTable,
+    seg: &Segment,
+    spreads: &Spreads,
+) -> Vec<ParamHere> {
+    let mut all = table.segment(cfg, seg);
     if let (Some(g), Some(moe)) = (spreads.experts.get(&seg.index), &cfg.moe) {
         let local = g.local(moe.experts as usize);
-        all.retain(|(n, _)| expert_of(n).is_none_or(|e| local.contains(&e)));
+        all.retain(|id| {
+            table
+                .expert_of(*id)
+                .is_none_or(|e| local.contains(&(e as usize)))
+        });
     }
     let tp = spreads.tensor.get(&seg.index).copied();
     all.into_iter()
-        .map(|(name, full)| {
-            let split = tp.map(|_| tp_split(&name)).unwrap_or(TpSplit::Replicated);
-            match (tp, split) {
+        .map(|id| {
+            let entry = table.entry(id);
+            let split = tp.map(|_| entry.tp_split()).unwrap_or(TpSplit::Replicated);
+            let piece = match (tp, split) {
                 (Some((t, r)), split) if split != TpSplit::Replicated => {
-                    let (ranges, shape) = tp_ranges(&full, split, t, r);
-                    let total = full.iter().product();
-                    ParamHere {
-                        name,
-                        full,
-                        shape,
-                        piece: Some(TpPiece { total, ranges }),
-                    }
+                    let (ranges, _) = tp_ranges(&entry.shape, split, t, r);
+                    Some(TpPiece {
+                        total: entry.numel(),
+                        ranges,
+                    })
                 }
-                _ => ParamHere {
-                    name,
-                    shape: full.clone(),
-                    full,
-                    piece: None,
-                },
-            }
+                _ => None,
+            };
+            ParamHere { id, piece }
         })
         .collect()
 }
 
-/// Names of the parameters a segment owns on a device holding `held`: the
-/// tied `wte` belongs to the embedding when both ends are here; of spread
+/// The parameters segment `s` owns on a device holding `held`: the tied
+/// `wte` belongs to the embedding when both ends are here; of spread
 /// experts, only this device's.
-pub(super) fn owned_names(
+pub(super) fn owned_ids(
     cfg: &ModelConfig,
+    table: &ParamTable,
     segments: &[Segment],
     held: &BTreeSet<u32>,
     spreads: &Spreads,
     s: u32,
-) -> Vec<String> {
+) -> Vec<ParamId> {
     let seg = &segments[s as usize];
     let emb_here = held.iter().any(|h| segments[*h as usize].has_embedding());
-    params_here(cfg, seg, spreads)
+    params_here(cfg, table, seg, spreads)
         .into_iter()
-        .map(|p| p.name)
-        .filter(|n| !(n == "wte" && !seg.has_embedding() && emb_here))
+        .map(|p| p.id)
+        .filter(|id| !(*id == table.wte && !seg.has_embedding() && emb_here))
         .collect()
 }
 
-impl Device {
+/// The segments a device's plan runs: each one's DP replica, and how
+/// spread ops split them.
+struct Held {
+    segments: BTreeSet<u32>,
+    replica: HashMap<u32, u32>,
+    spreads: Spreads,
+}
+
+fn held_and_spreads(plan: &DevicePlan) -> Result<Held, RuntimeError> {
+    let mut held: BTreeSet<u32> = BTreeSet::new();
+    let mut replica: HashMap<u32, u32> = HashMap::new();
+    let mut spreads = Spreads::default();
+    let ops = plan.streams.iter().flat_map(|s| s.ops.iter());
+    for op in ops.filter(|o| o.op.is_compute()) {
+        for s in op.segments.iter() {
+            held.insert(*s);
+            replica.insert(*s, op.replica);
+            // A spread op exchanges with its group inside the op.
+            let (Some(kind), Some(g)) = (op.spread, op.group.as_deref()) else {
+                continue;
+            };
+            let (size, rank) = (g.len(), g.iter().position(|d| *d == plan.device));
+            let Some(rank) = rank else {
+                return Err(RuntimeError::Plan(format!(
+                    "device {}: {}: its group {g:?} does not hold this device",
+                    plan.device,
+                    label(op)
+                )));
+            };
+            let clash = match kind {
+                Spread::Experts => {
+                    let group = ExpertGroup { size, rank };
+                    spreads
+                        .experts
+                        .insert(*s, group)
+                        .is_some_and(|o| o != group)
+                }
+                Spread::Tensor => spreads
+                    .tensor
+                    .insert(*s, (size, rank))
+                    .is_some_and(|o| o != (size, rank)),
+            };
+            if clash {
+                return Err(RuntimeError::Plan(format!(
+                    "device {}: {}: segment {s}'s group differs between its ops",
+                    plan.device,
+                    label(op)
+                )));
+            }
+        }
+    }
+    Ok(Held {
+        segments: held,
+        replica,
+        spreads,
+    })
+}
+
+impl<B: Backend> Device<B> {
     pub(crate) fn new(
         cfg: &ModelConfig,
+        table: Arc<ParamTable>,
         segments: &[Segment],
         plan: &DevicePlan,
         opts: &TrainOptions,
+        b: B,
     ) -> Result<Self, RuntimeError> {
+        let setup = |e: BackendError| RuntimeError::Backend {
+            device: plan.device,
+            op: "setup".into(),
+            backend: b.name(),
+            cause: e.to_string(),
+        };
         let ops = || plan.streams.iter().flat_map(|s| s.ops.iter());
-        let mut held: BTreeSet<u32> = BTreeSet::new();
-        let mut replica: HashMap<u32, u32> = HashMap::new();
-        let mut spreads = Spreads::default();
-        for op in ops().filter(|o| o.op.is_compute()) {
-            for s in op.segments.iter() {
-                held.insert(*s);
-                replica.insert(*s, op.replica);
-                // A spread op exchanges with its group inside the op.
-                let (Some(kind), Some(g)) = (op.spread, op.group.as_deref()) else {
-                    continue;
-                };
-                let (size, rank) = (g.len(), g.iter().position(|d| *d == plan.device));
-                let Some(rank) = rank else {
-                    return Err(RuntimeError::Plan(format!(
-                        "device {}: {}: its group {g:?} does not hold this device",
-                        plan.device,
-                        label(op)
-                    )));
-                };
-                let clash = match kind {
-                    Spread::Experts => {
-                        let group = ExpertGroup { size, rank };
-                        spreads
-                            .experts
-                            .insert(*s, group)
-                            .is_some_and(|o| o != group)
-                    }
-                    Spread::Tensor => spreads
-                        .tensor
-                        .insert(*s, (size, rank))
-                        .is_some_and(|o| o != (size, rank)),
-                };
-                if clash {
-                    return Err(RuntimeError::Plan(format!(
-                        "device {}: {}: segment {s}'s group differs between its ops",
-                        plan.device,
-                        label(op)
-                    )));
-                }
-            }
-        }
+        let Held {
+            segments: held,
+            replica,
+            spreads,
+        } = held_and_spreads(plan)?;
         let has_embedding = held.iter().any(|s| segments[*s as usize].has_embedding());
-        let mut params = Tensors::new();
-        let mut norm_names = Vec::new();
-        let mut decay = BTreeSet::new();
-        let mut tp_pieces = BTreeMap::new();
+        let mut params: ParamMap<B::Tensor> = ParamMap::new();
+        let mut norm_ids = Vec::new();
+        let mut decay = ParamMap::new();
+        let mut tp_pieces = ParamMap::new();
         for &s in &held {
             let spread = spreads.experts.contains_key(&s);
             let tp_rank = spreads.tensor.get(&s).map(|(_, r)| *r);
-            for p in params_here(cfg, &segments[s as usize], &spreads) {
-                let name = p.name;
-                if decays(&p.full) {
-                    decay.insert(name.clone());
+            for p in params_here(cfg, &table, &segments[s as usize], &spreads) {
+                let id = p.id;
+                if table.entry(id).decays() {
+                    decay.insert(id, ());
                 }
-                if !params.contains_key(&name) {
-                    let full = init_param(cfg, opts.seed, &name, &p.full);
+                if !params.contains(id) {
+                    let full = init::param_values(&table, id, cfg.layers, opts.seed);
                     let mine = match &p.piece {
                         Some(pc) => pc.take(&full),
                         None => full,
                     };
-                    params.insert(name.clone(), mine);
+                    params.insert(id, b.upload(mine).map_err(setup)?);
                 }
                 // Replicated tensors count in the norm on their first
                 // replica (tensor-parallel rank 0); spread experts and
                 // tensor-parallel slices on every device holding them.
                 let first = match tp_rank {
                     Some(r) => r == 0 || p.piece.is_some(),
-                    None => replica.get(&s) == Some(&0) || (spread && expert_of(&name).is_some()),
+                    None => {
+                        replica.get(&s) == Some(&0) || (spread && table.expert_of(id).is_some())
+                    }
                 };
                 if let Some(pc) = p.piece {
-                    tp_pieces.insert(name.clone(), pc);
+                    tp_pieces.insert(id, pc);
                 }
-                let counts = first && (name != "wte" || has_embedding);
-                if counts && !norm_names.contains(&name) {
-                    norm_names.push(name);
+                let counts = first && (id != table.wte || has_embedding);
+                if counts && !norm_ids.contains(&id) {
+                    norm_ids.push(id);
                 }
             }
         }
+        let owned: BTreeMap<u32, Vec<ParamId>> = held
+            .iter()
+            .map(|&s| {
+                let mut ids = owned_ids(cfg, &table, segments, &held, &spreads, s);
+                ids.sort();
+                (s, ids)
+            })
+            .collect();
         // Parameter copies (DualPipe): the first device of each copy group
         // counts the reduced gradient in the norm, the others do not.
         for op in ops().filter(|o| o.purpose == Some(CommPurpose::CopyGrad)) {
             let group = op.group.as_deref().unwrap_or(&[]);
             if group.first() != Some(&plan.device) {
                 for s in op.segments.iter() {
-                    for n in owned_names(cfg, segments, &held, &spreads, *s) {
-                        norm_names.retain(|x| *x != n);
+                    for id in owned.get(s).into_iter().flatten() {
+                        norm_ids.retain(|x| x != id);
                     }
                 }
             }
         }
-        let zeros = |p: &Tensors| -> Tensors {
+        let zeros = |p: &ParamMap<B::Tensor>| -> Result<ParamMap<B::Tensor>, RuntimeError> {
             p.iter()
-                .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+                .map(|(id, t)| Ok((id, b.zeros(B::len(t)).map_err(setup)?)))
                 .collect()
         };
-        let mut grads = zeros(&params);
-        let (mut m, mut v) = (zeros(&params), zeros(&params));
+        let mut grads = zeros(&params)?;
+        let (mut m, mut v) = (zeros(&params)?, zeros(&params)?);
         let buckets = zero::layout(
-            cfg,
-            segments,
+            &table,
+            &b,
             plan,
-            &held,
+            &owned,
             &spreads,
             zero::States {
                 params: &mut params,
                 grads: &mut grads,
                 m: &mut m,
                 v: &mut v,
-                norm_names: &mut norm_names,
+                norm_ids: &mut norm_ids,
             },
-        );
-        let elems = |t: &Tensors| t.values().map(|v| v.len() as u64).sum::<u64>();
-        let state_bytes = 4
-            * (elems(&params)
-                + elems(&grads)
-                + elems(&m)
-                + elems(&v)
-                + zero::shard_elems(&buckets));
+        )
+        .map_err(setup)?;
+        let bytes = |t: &ParamMap<B::Tensor>| t.iter().map(|(_, x)| B::bytes(x)).sum::<u64>();
+        let state_bytes =
+            bytes(&params) + bytes(&grads) + bytes(&m) + bytes(&v) + zero::shard_bytes(&buckets);
         if let Some(cap) = opts.device_memory {
             if state_bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
@@ -305,45 +374,58 @@ impl Device {
             }
         }
         let has_norm_op = ops().any(|o| o.purpose == Some(CommPurpose::GradNorm));
-        let threads = opts.threads.unwrap_or(1).max(1);
-        let id = plan.device;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(move |i| format!("piper-d{id}-k{i}"))
-            .build()
-            .map_err(|e| {
-                RuntimeError::Threads(format!("device {id}: cannot start {threads}: {e}"))
-            })?;
+        let streams = plan
+            .streams
+            .iter()
+            .map(|_| b.stream())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(setup)?;
         Ok(Device {
             id: plan.device,
+            table,
             grads: Mutex::new(grads),
             moments: Mutex::new((m, v)),
             params: RwLock::new(params),
             buckets: Mutex::new(buckets),
-            held,
             spreads,
+            owned,
             tp_pieces,
             has_embedding,
             bufs: Mutex::new(Buffers::default()),
             state: Mutex::new(StepState::default()),
-            norm_names,
+            norm_ids,
             decay,
             has_norm_op,
             state_bytes,
             cap: opts.device_memory,
+            streams,
             progress: Mutex::new(vec![0; plan.streams.len()]),
+            waited: super::step::waited_ops(plan),
+            marks: Mutex::new(HashMap::new()),
             cv: Condvar::new(),
-            captured: Mutex::new(Tensors::new()),
+            captured: Mutex::new(ParamMap::new()),
             captured_shards: Mutex::new(HashMap::new()),
             events: Mutex::new(Vec::new()),
-            pool,
+            b,
         })
     }
 
+    /// The step's figures; reads the loss terms (the step's one read of
+    /// them) and leaves none behind.
     pub(crate) fn stats(&self) -> DeviceStats {
-        let s = self.state.lock().unwrap();
+        let mut s = self.state.lock().unwrap();
+        let mut loss = 0.0f64;
+        for terms in std::mem::take(&mut s.losses) {
+            if terms.is_empty() {
+                continue;
+            }
+            let l = terms
+                .into_iter()
+                .fold(0.0f64, |a, t| a + self.b.read_scalar(t));
+            loss += l;
+        }
         DeviceStats {
-            loss: s.loss,
+            loss,
             grad_norm: s.grad_norm,
             moe_routed: s.moe_routed,
             moe_dropped: s.moe_dropped,
@@ -355,19 +437,25 @@ impl Device {
     pub(crate) fn state_bytes(&self) -> u64 {
         self.state_bytes
     }
-    /// Whole tensors of one kind of state (parameters, captured gradients,
-    /// moments): tensor-parallel slices leave as [`Device::tp_shards`].
-    fn whole(&self, t: &Tensors) -> Tensors {
+
+    /// Host copies of the whole tensors of one kind of state (parameters,
+    /// captured gradients, moments): tensor-parallel slices leave as
+    /// [`Device::tp_shards`].
+    fn whole(&self, t: &ParamMap<B::Tensor>) -> ParamMap<Vec<f32>> {
         t.iter()
-            .filter(|(k, _)| !self.tp_pieces.contains_key(*k))
-            .map(|(k, v)| (k.clone(), v.clone()))
+            .filter(|(id, _)| !self.tp_pieces.contains(*id))
+            .map(|(id, v)| (id, self.b.download(v)))
             .collect()
     }
-    pub(crate) fn params(&self) -> Tensors {
+    pub(crate) fn params(&self) -> ParamMap<Vec<f32>> {
         self.whole(&self.params.read().unwrap())
     }
-    pub(crate) fn captured(&self) -> Tensors {
+    pub(crate) fn captured(&self) -> ParamMap<Vec<f32>> {
         self.whole(&self.captured.lock().unwrap())
+    }
+    pub(crate) fn moments(&self) -> (ParamMap<Vec<f32>>, ParamMap<Vec<f32>>) {
+        let m = self.moments.lock().unwrap();
+        (self.whole(&m.0), self.whole(&m.1))
     }
 
     /// This device's tensor-parallel slices of one kind of state, as pieces
@@ -377,7 +465,7 @@ impl Device {
             return Vec::new();
         }
         let (params, captured, moments);
-        let t: &Tensors = match part {
+        let t: &ParamMap<B::Tensor> = match part {
             zero::ShardPart::Param => {
                 params = self.params.read().unwrap();
                 &params
@@ -396,12 +484,13 @@ impl Device {
             }
         };
         let mut out = Vec::new();
-        for (name, piece) in &self.tp_pieces {
-            let Some(values) = t.get(name) else { continue };
+        for (id, piece) in self.tp_pieces.iter() {
+            let Some(values) = t.get(id) else { continue };
+            let values = self.b.download(values);
             let mut at = 0;
             for r in &piece.ranges {
                 out.push(zero::Shard {
-                    names: vec![(name.clone(), piece.total)],
+                    names: vec![(id, piece.total)],
                     total: piece.total,
                     range: r.clone(),
                     values: values[at..at + r.len()].to_vec(),
@@ -414,52 +503,46 @@ impl Device {
     pub(crate) fn events(&self) -> Vec<TraceEvent> {
         self.events.lock().unwrap().clone()
     }
-    pub(crate) fn moments(&self) -> (Tensors, Tensors) {
-        let m = self.moments.lock().unwrap();
-        (self.whole(&m.0), self.whole(&m.1))
-    }
 
-    /// Take the tensors of this device's parameters from a checkpoint:
-    /// whole tensors, and this device's slice of each ZeRO bucket
-    /// (parameters for ZeRO-3, AdamW moments for every stage).
-    pub(crate) fn restore(&self, ck: &super::checkpoint::Checkpoint) -> Result<(), RuntimeError> {
+    /// Take the tensors of this device's parameters from full host tensors
+    /// (a checkpoint's, by id): whole tensors, and this device's slice of
+    /// each ZeRO bucket (parameters for ZeRO-3, AdamW moments for every
+    /// stage).
+    pub(crate) fn restore(&self, ck: &zero::HostStates) -> Result<(), RuntimeError> {
         self.restore_shards(ck)?;
         let mut params = self.params.write().unwrap();
         let mut mom = self.moments.lock().unwrap();
-        // A tensor-parallel slice takes its part of the full tensor; sizes
-        // are checked, never assumed.
-        let take = |name: &str, dst: &mut Vec<f32>, full: &Vec<f32>| {
-            let mine = match self.tp_pieces.get(name) {
-                Some(piece) if full.len() == piece.total => piece.take(full),
-                Some(_) => return Err(full.len()),
-                None => full.clone(),
-            };
-            if mine.len() != dst.len() {
-                return Err(full.len());
-            }
-            dst.copy_from_slice(&mine);
-            Ok(())
-        };
-        let wrong = |name: &str, got: usize| {
+        let wrong = |id: ParamId, got: usize| {
             RuntimeError::Plan(format!(
-                "device {}: the checkpoint's {name} has {got} values, which does not fit this device's tensor",
-                self.id
+                "device {}: the checkpoint's {} has {got} values, which does not fit this device's tensor",
+                self.id,
+                self.table.name(id)
             ))
         };
-        for (name, p) in params.iter_mut() {
-            if let Some(x) = ck.params.get(name) {
-                take(name, p, x).map_err(|n| wrong(name, n))?;
+        // A tensor-parallel slice takes its part of the full tensor; sizes
+        // are checked, never assumed.
+        let take = |id: ParamId, dst: &mut B::Tensor, full: &Vec<f32>| {
+            let mine = match self.tp_pieces.get(id) {
+                Some(piece) if full.len() == piece.total => piece.take(full),
+                Some(_) => return Err(wrong(id, full.len())),
+                None => full.clone(),
+            };
+            if mine.len() != B::len(dst) {
+                return Err(wrong(id, full.len()));
+            }
+            self.b.write(dst, 0, &mine);
+            Ok(())
+        };
+        for (id, p) in params.iter_mut() {
+            if let Some(x) = ck.params.get(id) {
+                take(id, p, x)?;
             }
             // Sharded parameters keep their moments in their bucket.
-            if let Some(x) = ck.m.get(name) {
-                if let Some(mm) = mom.0.get_mut(name) {
-                    take(name, mm, x).map_err(|n| wrong(name, n))?;
-                }
+            if let (Some(x), Some(mm)) = (ck.m.get(id), mom.0.get_mut(id)) {
+                take(id, mm, x)?;
             }
-            if let Some(x) = ck.v.get(name) {
-                if let Some(vv) = mom.1.get_mut(name) {
-                    take(name, vv, x).map_err(|n| wrong(name, n))?;
-                }
+            if let (Some(x), Some(vv)) = (ck.v.get(id), mom.1.get_mut(id)) {
+                take(id, vv, x)?;
             }
         }
         Ok(())
@@ -477,10 +560,8 @@ impl Device {
                 *b.readers.entry((i.node, i.tensor)).or_insert(0) += 1;
             }
         }
-        *self.state.lock().unwrap() = StepState {
-            clip_scale: 1.0,
-            ..Default::default()
-        };
+        *self.state.lock().unwrap() = StepState::default();
+        self.marks.lock().unwrap().clear();
         let mut p = self.progress.lock().unwrap();
         p.iter_mut().for_each(|x| *x = 0);
     }

@@ -40,6 +40,14 @@ pub enum RuntimeError {
         op: String,
         input: String,
     },
+    /// The device's backend failed inside an op (an allocation, a launch).
+    #[error("device {device}: {op}: {backend} backend: {cause}")]
+    Backend {
+        device: u32,
+        op: String,
+        backend: &'static str,
+        cause: String,
+    },
     #[error("{0}")]
     Unsupported(String),
     /// The kernel threads asked for cannot be given.

@@ -22,7 +22,11 @@
 //! one accounting path), `zero` (bucket layout, shards, sharded step,
 //! gathers), `ops/` (one file per op family, dispatched on the plan's
 //! enums), `step` (threads, aborts, bounded waits), `comm/` (the [`Comm`]
-//! trait and its implementations), `backend/` (kernels).
+//! trait and its implementations), `backend/` (the [`backend::Backend`]
+//! trait, the model composed over it, and its implementations). Every room
+//! is generic over the backend; [`backend::with_backend`] is the one place
+//! that picks it, and parameters are named by [`backend::ParamId`] (names
+//! only at the checkpoint and dump edge).
 
 pub mod backend;
 mod buffers;
@@ -31,23 +35,29 @@ pub mod comm;
 pub mod data;
 mod device;
 mod error;
+#[cfg(feature = "fingerprint")]
+mod fingerprint;
 mod ops;
 mod step;
 #[cfg(feature = "mpi")]
 mod wire;
 mod zero;
 
+pub use backend::{AdamW, BackendKind};
+pub use checkpoint::NamedTensors;
 pub use comm::Comm;
 pub use data::{Batch, Corpus, DataError, Tokenizer};
 pub use error::RuntimeError;
 
-use crate::compile::{self, Plan};
-use crate::model::ModelConfig;
-use backend::cpu::adamw::AdamW;
-use backend::cpu::gpt::Tensors;
-use device::Device;
+use crate::compile::plan::DevicePlan;
+use crate::compile::Plan;
+use crate::model::params::ParamTable;
+use crate::model::{ModelConfig, Segment};
+use backend::{Backend, BackendError, ParamMap, WithBackend};
+use device::{Device, DeviceStats};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use zero::ShardPart;
+use zero::{HostStates, ShardPart};
 
 /// How to train.
 #[derive(Clone, Debug)]
@@ -68,6 +78,8 @@ pub struct TrainOptions {
     /// Kernel threads per device (`None`: [`default_threads`]). Results are
     /// the same bits for every count.
     pub threads: Option<usize>,
+    /// The backend the devices compute on.
+    pub backend: BackendKind,
     /// Fault injection for tests: panic on `device` when an op whose label
     /// starts with the text is about to run.
     #[doc(hidden)]
@@ -90,8 +102,8 @@ pub fn default_threads(devices_here: usize) -> usize {
 /// The most kernel threads a device may be given.
 pub const MAX_THREADS: usize = 1024;
 
-/// The slowest rate a CPU device is assumed to compute at when the plan's
-/// waits are bounded (well below any real core).
+/// The slowest rate any device is assumed to compute at when the plan's
+/// waits are bounded (well below one CPU core).
 const SLOWEST_FLOPS: f64 = 0.2e9;
 /// No wait is bounded below this.
 const TIMEOUT_FLOOR: Duration = Duration::from_secs(10);
@@ -126,6 +138,7 @@ impl Default for TrainOptions {
             capture_grads: false,
             trace: false,
             threads: None,
+            backend: BackendKind::default(),
             inject_panic: None,
         }
     }
@@ -149,17 +162,20 @@ pub struct StepStats {
     pub moe_dropped: u64,
 }
 
-/// One device's share of a kind of state: whole tensors and ZeRO shards.
-type Part = (Tensors, Vec<zero::Shard>);
+/// One device's share of a kind of state, on the host: whole tensors and
+/// ZeRO shards.
+type Part = (ParamMap<Vec<f32>>, Vec<zero::Shard>);
 
 /// Full tensors from per-device parts in device order: each whole tensor
 /// from the first device holding it, then ZeRO shards put back together.
-fn merge(parts: Vec<Part>) -> Tensors {
-    let mut out = Tensors::new();
+fn merge(parts: Vec<Part>) -> ParamMap<Vec<f32>> {
+    let mut out = ParamMap::new();
     let mut shards = Vec::new();
     for (whole, s) in parts {
         for (k, v) in whole {
-            out.entry(k).or_insert(v);
+            if !out.contains(k) {
+                out.insert(k, v);
+            }
         }
         shards.extend(s);
     }
@@ -167,13 +183,118 @@ fn merge(parts: Vec<Part>) -> Tensors {
     out
 }
 
+/// What a step's ops read besides their device (and the step's devices).
+struct StepInputs<'a> {
+    cfg: &'a ModelConfig,
+    segments: Vec<Segment>,
+    batch: &'a Batch,
+    loss_scale: f32,
+    step: u32,
+    opts: &'a TrainOptions,
+    comm: &'a dyn Comm,
+    epoch: Instant,
+}
+
+/// This process's devices, on whichever backend: what the trainer asks of
+/// them.
+trait Devices: Send + Sync {
+    /// Run every stream of every device (`plans[i]` is device `i`'s).
+    fn run_step(&self, plans: &[&DevicePlan], inputs: StepInputs<'_>) -> Result<(), RuntimeError>;
+    /// Each device's figures of the step just run: (stats, peak, states).
+    fn stats(&self) -> Vec<(DeviceStats, u64, u64)>;
+    /// What each device holds of one kind of state, in device order.
+    fn parts(&self, part: ShardPart) -> Vec<Part>;
+    fn restore(&self, ck: &HostStates) -> Result<(), RuntimeError>;
+    fn events(&self) -> Vec<Vec<step::TraceEvent>>;
+}
+
+impl<B: Backend> Devices for Vec<Device<B>> {
+    fn run_step(&self, plans: &[&DevicePlan], i: StepInputs<'_>) -> Result<(), RuntimeError> {
+        let ctx = step::StepCtx {
+            cfg: i.cfg,
+            segments: i.segments,
+            batch: i.batch,
+            loss_scale: i.loss_scale,
+            step: i.step,
+            opts: i.opts,
+            comm: i.comm,
+            devices: self,
+            epoch: i.epoch,
+            failures: std::sync::Mutex::new(Vec::new()),
+        };
+        step::run_step(self, plans, &ctx)
+    }
+    fn stats(&self) -> Vec<(DeviceStats, u64, u64)> {
+        self.iter()
+            .map(|d| (d.stats(), d.peak_bytes(), d.state_bytes()))
+            .collect()
+    }
+    fn parts(&self, part: ShardPart) -> Vec<Part> {
+        self.iter()
+            .map(|d| {
+                let whole = match part {
+                    ShardPart::Param => d.params(),
+                    ShardPart::Grad => d.captured(),
+                    ShardPart::M => d.moments().0,
+                    ShardPart::V => d.moments().1,
+                };
+                let mut shards = d.shards(part);
+                shards.extend(d.tp_shards(part));
+                (whole, shards)
+            })
+            .collect()
+    }
+    fn restore(&self, ck: &HostStates) -> Result<(), RuntimeError> {
+        self.iter().try_for_each(|d| d.restore(ck))
+    }
+    fn events(&self) -> Vec<Vec<step::TraceEvent>> {
+        self.iter().map(|d| d.events()).collect()
+    }
+}
+
+/// Sets up this process's devices on the backend [`backend::with_backend`] picks.
+struct Setup<'a> {
+    cfg: &'a ModelConfig,
+    table: &'a Arc<ParamTable>,
+    plan: &'a Plan,
+    opts: &'a TrainOptions,
+    local: &'a [usize],
+}
+
+impl WithBackend for Setup<'_> {
+    type Output = Result<Box<dyn Devices>, RuntimeError>;
+    fn run<B: Backend>(
+        self,
+        make: &(dyn Fn(u32) -> Result<B, BackendError> + Sync),
+    ) -> Self::Output {
+        let segments = self.cfg.segments();
+        let devices = self
+            .local
+            .iter()
+            .map(|&i| {
+                let dp = &self.plan.devices[i];
+                let b = make(dp.device).map_err(|e| RuntimeError::Backend {
+                    device: dp.device,
+                    op: "setup".into(),
+                    backend: "the device's",
+                    cause: e.to_string(),
+                })?;
+                Device::new(self.cfg, self.table.clone(), &segments, dp, self.opts, b)
+            })
+            .collect::<Result<Vec<Device<B>>, RuntimeError>>()?;
+        Ok(Box::new(devices))
+    }
+}
+
 /// Trains a model by running a compiled plan.
 pub struct Trainer {
     cfg: ModelConfig,
     plan: Plan,
     opts: TrainOptions,
+    /// The model's parameters by id.
+    table: Arc<ParamTable>,
     /// The devices this process runs (all of them, or a rank's block).
-    devices: Vec<Device>,
+    devices: Box<dyn Devices>,
     /// Their indices in `plan.devices`.
     local: Vec<usize>,
     #[cfg(feature = "mpi")]
@@ -226,15 +347,20 @@ impl Trainer {
         opts.threads = Some(threads);
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
-        let segments = cfg.segments();
-        let devices = local
-            .iter()
-            .map(|&i| Device::new(cfg, &segments, &plan.devices[i], &opts))
-            .collect::<Result<Vec<_>, _>>()?;
+        let table = Arc::new(ParamTable::new(cfg));
+        let setup = Setup {
+            cfg,
+            table: &table,
+            plan: &plan,
+            opts: &opts,
+            local: &local,
+        };
+        let devices = backend::with_backend(opts.backend, threads, setup)?;
         Ok(Trainer {
             cfg: cfg.clone(),
             plan,
             opts,
+            table,
             devices,
             local,
             #[cfg(feature = "mpi")]
@@ -278,7 +404,7 @@ impl Trainer {
             Some(f) => Box::new(f.step(self.step)),
             _ => Box::new(comm::LocalComm::new(timeout)),
         };
-        let ctx = step::StepCtx {
+        let inputs = StepInputs {
             cfg: &self.cfg,
             segments: self.cfg.segments(),
             batch,
@@ -286,14 +412,10 @@ impl Trainer {
             step: self.step,
             opts: &self.opts,
             comm: comm.as_ref(),
-            devices: &self.devices,
             epoch: self.epoch,
-            failures: std::sync::Mutex::new(Vec::new()),
         };
-        let plans: Vec<&compile::plan::DevicePlan> =
-            self.local.iter().map(|&i| &self.plan.devices[i]).collect();
-        let ran = step::run_step(&self.devices, &plans, &ctx);
-        drop(ctx);
+        let plans: Vec<&DevicePlan> = self.local.iter().map(|&i| &self.plan.devices[i]).collect();
+        let ran = self.devices.run_step(&plans, inputs);
         drop(comm);
         ran?;
         // Per plan device (zeros for another rank's, filled in by the
@@ -303,13 +425,12 @@ impl Trainer {
         let (mut losses, mut grad_norm) = (vec![0.0f64; n], 0.0f64);
         let (mut peak_bytes, mut state_bytes) = (vec![0u64; n], vec![0u64; n]);
         let (mut routed, mut dropped) = (vec![0u64; n], vec![0u64; n]);
-        for (d, &i) in self.devices.iter().zip(&self.local) {
-            let s = d.stats();
+        for ((s, peak, states), &i) in self.devices.stats().into_iter().zip(&self.local) {
             losses[i] = s.loss;
             grad_norm = f64::max(grad_norm, s.grad_norm);
             (routed[i], dropped[i]) = (s.moe_routed, s.moe_dropped);
-            peak_bytes[i] = d.peak_bytes();
-            state_bytes[i] = d.state_bytes();
+            peak_bytes[i] = peak;
+            state_bytes[i] = states;
         }
         #[cfg(feature = "mpi")]
         if let Some(f) = self.fabric() {
@@ -321,7 +442,7 @@ impl Trainer {
             );
         }
         let loss: f64 = losses.iter().fold(0.0, |a, x| a + x);
-        Ok(StepStats {
+        let stats = StepStats {
             step: self.step,
             loss: loss * scale as f64,
             grad_norm,
@@ -330,31 +451,54 @@ impl Trainer {
             state_bytes,
             moe_routed: routed.iter().sum(),
             moe_dropped: dropped.iter().sum(),
-        })
+        };
+        #[cfg(feature = "fingerprint")]
+        fingerprint::record(self, batch, &stats);
+        Ok(stats)
+    }
+
+    /// Host tensors by id as the edge names them.
+    fn named(&self, t: ParamMap<Vec<f32>>) -> NamedTensors {
+        t.into_iter()
+            .map(|(id, v)| (self.table.name(id).to_string(), v))
+            .collect()
+    }
+
+    /// Named host tensors by id (names the model does not have are not
+    /// its: they are left out).
+    fn by_id(&self, t: &NamedTensors) -> ParamMap<Vec<f32>> {
+        t.iter()
+            .filter_map(|(n, v)| Some((self.table.by_name(n)?, v.clone())))
+            .collect()
     }
 
     /// Every parameter of the model, taken from the first device holding it
     /// (ZeRO-3 shards are put back together from their group). Of this
     /// process's devices: on one rank of an MPI job use [`Trainer::gather_params`].
-    pub fn params(&self) -> Tensors {
-        merge(self.parts(ShardPart::Param, Device::params))
+    pub fn params(&self) -> NamedTensors {
+        self.named(merge(self.devices.parts(ShardPart::Param)))
     }
 
     /// The last step's full gradients (before clipping), when
     /// `capture_grads` is on; each taken from the first device holding it,
     /// ZeRO-2/3 gradients put back together from their reduced shards.
-    pub fn last_grads(&self) -> Tensors {
-        merge(self.parts(ShardPart::Grad, Device::captured))
+    pub fn last_grads(&self) -> NamedTensors {
+        self.named(merge(self.devices.parts(ShardPart::Grad)))
     }
 
     /// Everything needed to resume: parameters, AdamW moments, step.
     pub fn checkpoint(&self) -> checkpoint::Checkpoint {
-        let m = merge(self.parts(ShardPart::M, |d| d.moments().0));
-        let v = merge(self.parts(ShardPart::V, |d| d.moments().1));
+        let m = self.named(merge(self.devices.parts(ShardPart::M)));
+        let v = self.named(merge(self.devices.parts(ShardPart::V)));
         self.checkpoint_of(self.params(), m, v)
     }
 
-    fn checkpoint_of(&self, params: Tensors, m: Tensors, v: Tensors) -> checkpoint::Checkpoint {
+    fn checkpoint_of(
+        &self,
+        params: NamedTensors,
+        m: NamedTensors,
+        v: NamedTensors,
+    ) -> checkpoint::Checkpoint {
         checkpoint::Checkpoint {
             state: checkpoint::TrainState {
                 step: self.step,
@@ -367,28 +511,11 @@ impl Trainer {
         }
     }
 
-    /// What each of this process's devices holds of one kind of state, in
-    /// device order: whole tensors and ZeRO shards.
-    fn parts(&self, part: ShardPart, whole: impl Fn(&Device) -> Tensors) -> Vec<Part> {
-        self.devices
-            .iter()
-            .map(|d| {
-                let mut shards = d.shards(part);
-                shards.extend(d.tp_shards(part));
-                (whole(d), shards)
-            })
-            .collect()
-    }
-
-    /// [`Trainer::parts`] of every process, on the first rank (`None` on
-    /// the others); this process's alone when it is the whole job. Every
-    /// rank of a job calls it at the same point.
-    fn gather_parts(
-        &self,
-        part: ShardPart,
-        whole: impl Fn(&Device) -> Tensors,
-    ) -> Result<Option<Vec<Part>>, RuntimeError> {
-        let mine = self.parts(part, whole);
+    /// What every process's devices hold of one kind of state, on the
+    /// first rank (`None` on the others); this process's alone when it is
+    /// the whole job. Every rank of a job calls it at the same point.
+    fn gather_parts(&self, part: ShardPart) -> Result<Option<Vec<Part>>, RuntimeError> {
+        let mine = self.devices.parts(part);
         #[cfg(feature = "mpi")]
         if let Some(f) = self.fabric() {
             let Some(all) = f.gather_to_root(&wire::encode(&mine)) else {
@@ -396,7 +523,7 @@ impl Trainer {
             };
             let mut parts = Vec::new();
             for (rank, bytes) in all.iter().enumerate() {
-                parts.extend(wire::decode(bytes).map_err(|e| {
+                parts.extend(wire::decode(bytes, self.table.len()).map_err(|e| {
                     RuntimeError::Plan(format!("rank {rank} sent unreadable states: {e}"))
                 })?);
             }
@@ -407,27 +534,29 @@ impl Trainer {
 
     /// [`Trainer::params`] over every rank of the job: `Some` on the first
     /// rank, `None` on the others. Collective.
-    pub fn gather_params(&self) -> Result<Option<Tensors>, RuntimeError> {
+    pub fn gather_params(&self) -> Result<Option<NamedTensors>, RuntimeError> {
         Ok(self
-            .gather_parts(ShardPart::Param, Device::params)?
-            .map(merge))
+            .gather_parts(ShardPart::Param)?
+            .map(|p| self.named(merge(p))))
     }
 
     /// [`Trainer::last_grads`] over every rank of the job. Collective.
-    pub fn gather_grads(&self) -> Result<Option<Tensors>, RuntimeError> {
+    pub fn gather_grads(&self) -> Result<Option<NamedTensors>, RuntimeError> {
         Ok(self
-            .gather_parts(ShardPart::Grad, Device::captured)?
-            .map(merge))
+            .gather_parts(ShardPart::Grad)?
+            .map(|p| self.named(merge(p))))
     }
 
     /// [`Trainer::checkpoint`] over every rank of the job: written once, by
     /// the first rank, whatever the number of ranks. Collective.
     pub fn gather_checkpoint(&self) -> Result<Option<checkpoint::Checkpoint>, RuntimeError> {
         let params = self.gather_params()?;
-        let m = self.gather_parts(ShardPart::M, |d| d.moments().0)?;
-        let v = self.gather_parts(ShardPart::V, |d| d.moments().1)?;
+        let m = self.gather_parts(ShardPart::M)?;
+        let v = self.gather_parts(ShardPart::V)?;
         Ok(match (params, m, v) {
-            (Some(p), Some(m), Some(v)) => Some(self.checkpoint_of(p, merge(m), merge(v))),
+            (Some(p), Some(m), Some(v)) => {
+                Some(self.checkpoint_of(p, self.named(merge(m)), self.named(merge(v))))
+            }
             _ => None,
         })
     }
@@ -441,9 +570,12 @@ impl Trainer {
                 ck.state.model.name, ck.state.model.layers, ck.state.model.d_model, self.cfg.name, self.cfg.layers, self.cfg.d_model
             )));
         }
-        for d in &self.devices {
-            d.restore(ck)?;
-        }
+        let states = HostStates {
+            params: self.by_id(&ck.params),
+            m: self.by_id(&ck.m),
+            v: self.by_id(&ck.v),
+        };
+        self.devices.restore(&states)?;
         self.step = ck.state.step;
         Ok(())
     }
@@ -483,7 +615,7 @@ impl Trainer {
         // The clock the times are on: one per process.
         let clock = rank.map_or(0, |r| r);
         let mut events = Vec::new();
-        for (&i, d) in self.local.iter().zip(&self.devices) {
+        for (&i, device_events) in self.local.iter().zip(self.devices.events()) {
             let dp = &self.plan.devices[i];
             let name = match rank {
                 Some(r) => format!("device {} (rank {r})", dp.device),
@@ -493,7 +625,7 @@ impl Trainer {
             for (si, s) in dp.streams.iter().enumerate() {
                 events.push(serde_json::json!({"name": "thread_name", "ph": "M", "pid": dp.device, "tid": si, "args": {"name": s.stream}}));
             }
-            for e in d.events() {
+            for e in device_events {
                 events.push(serde_json::json!({
                     "name": e.name, "cat": e.cat, "ph": "X", "pid": dp.device, "tid": e.stream,
                     "ts": e.start_us, "dur": e.dur_us, "args": {"step": e.step, "op": e.op, "clock": clock},

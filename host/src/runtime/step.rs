@@ -1,8 +1,11 @@
-//! One training step: a thread per (device, stream) running its ops in plan
-//! order, waiting on the plan's cross-stream events; a panic or error on any
-//! stream aborts the step everywhere (every wait is bounded), and the first
-//! real failure, named by device, stream and op, is the step's error.
+//! One training step: a thread per (device, stream) enqueuing its ops in
+//! plan order on the device's backend stream; an op that waits for another
+//! stream waits until that stream's thread has enqueued the op, then on the
+//! backend event recorded after it. A panic or error on any stream aborts
+//! the step everywhere (every wait is bounded), and the first real failure,
+//! named by device, stream and op, is the step's error.
 
+use super::backend::Backend;
 use super::comm::{Comm, CommError};
 use super::data::Batch;
 use super::device::Device;
@@ -11,6 +14,7 @@ use super::ops::exec_op;
 use super::TrainOptions;
 use crate::compile::plan::{DevicePlan, OpKind};
 use crate::model::{ModelConfig, Segment};
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -28,7 +32,7 @@ pub(crate) struct TraceEvent {
 }
 
 /// Everything an op needs besides its device.
-pub(crate) struct StepCtx<'a> {
+pub(crate) struct StepCtx<'a, B: Backend> {
     pub cfg: &'a ModelConfig,
     pub segments: Vec<Segment>,
     pub batch: &'a Batch,
@@ -38,7 +42,7 @@ pub(crate) struct StepCtx<'a> {
     pub comm: &'a dyn Comm,
     /// Every device of this process (a receiver releases its sender's
     /// in-flight bytes).
-    pub devices: &'a [Device],
+    pub devices: &'a [Device<B>],
     pub epoch: std::time::Instant,
     /// Failures in the order they happened: the first is the cause, later
     /// ones (aborted waits, locks a panic left poisoned) are consequences.
@@ -47,10 +51,10 @@ pub(crate) struct StepCtx<'a> {
 
 /// Run every stream of every device of this process (`plans[i]` is
 /// `devices[i]`'s); the first real error wins.
-pub(crate) fn run_step(
-    devices: &[Device],
+pub(crate) fn run_step<B: Backend>(
+    devices: &[Device<B>],
     plans: &[&DevicePlan],
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
 ) -> Result<(), RuntimeError> {
     for (d, dp) in devices.iter().zip(plans) {
         d.reset(dp);
@@ -118,14 +122,30 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(a non-text panic payload)".into())
 }
 
-fn run_stream(
-    dev: &Device,
+/// The ops another stream waits for: `(stream, op index)`.
+pub(super) fn waited_ops(dp: &DevicePlan) -> HashSet<(usize, usize)> {
+    let mut out = HashSet::new();
+    for s in &dp.streams {
+        for op in s.ops.iter() {
+            for w in op.waits.iter() {
+                if let Some(ws) = dp.streams.iter().position(|s| *s.stream == *w.stream) {
+                    out.insert((ws, w.op));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn run_stream<B: Backend>(
+    dev: &Device<B>,
     dp: &DevicePlan,
     si: usize,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     current: &std::cell::Cell<Option<usize>>,
 ) -> Result<(), RuntimeError> {
     let stream = &dp.streams[si];
+    let queue = &dev.streams[si];
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
         for w in op.waits.iter() {
@@ -149,6 +169,10 @@ fn run_stream(
                     .unwrap()
                     .0;
             }
+            drop(p);
+            if let Some(e) = dev.marks.lock().unwrap().get(&(ws, w.op)) {
+                dev.b.wait(queue, e);
+            }
         }
         let t0 = ctx.epoch.elapsed();
         current.set(Some(i));
@@ -158,7 +182,7 @@ fn run_stream(
             }
         }
         let mut kernels = Vec::new();
-        if let Err(e) = exec_op(dev, op, ctx, &mut kernels) {
+        if let Err(e) = exec_op(dev, si, op, ctx, &mut kernels) {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
             dev.cv.notify_all();
@@ -192,6 +216,12 @@ fn run_stream(
                     step: ctx.step,
                 });
             }
+        }
+        // An op another stream waits for marks its point (before progress,
+        // so a waiter that sees the progress finds the mark).
+        if dev.waited.contains(&(si, i)) {
+            let mark = dev.b.record(queue);
+            dev.marks.lock().unwrap().insert((si, i), mark);
         }
         let mut p = dev.progress.lock().unwrap();
         p[si] = i + 1;

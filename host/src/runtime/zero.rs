@@ -1,64 +1,83 @@
 //! ZeRO on the runtime side: a device's gradient buckets (parameters laid
-//! out flat, names sorted, of which it owns one contiguous shard), the
+//! out flat in id order, of which it owns one contiguous shard), the
 //! sharded AdamW step, the parameter gathers (ZeRO-3 before each use,
 //! ZeRO-1/2 after the step), the shard's part of the global gradient norm,
 //! and putting full tensors back together from every device's shards
-//! (checkpoints, step-1 gradients).
+//! (checkpoints, step-1 gradients). Shards are backend storage; the gathers
+//! cross the host while communication does.
 
-use super::backend::cpu::adamw::adamw_update;
-use super::backend::cpu::gpt::{segment_params, Tensors};
+use super::backend::{Backend, BackendError, ParamId, ParamMap};
 use super::buffers::Buf;
-use super::device::{owned_names, Device};
+use super::device::{Device, Spreads};
 use super::error::RuntimeError;
 use super::ops::{comm_error, missing};
 use super::step::StepCtx;
 use crate::compile::plan::{CommPurpose, DevicePlan, Op, TensorKind};
-use crate::model::params::expert_of;
-use crate::model::{ModelConfig, Segment};
-use std::collections::{BTreeSet, HashMap};
+use crate::model::params::ParamTable;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-/// A ZeRO gradient bucket on this device: its parameters laid out flat (names
-/// sorted), of which this device owns the slice `shard`.
-pub(crate) struct Bucket {
+/// Full host tensors of the three kinds of state, by id (a checkpoint's).
+pub(crate) struct HostStates {
+    pub params: ParamMap<Vec<f32>>,
+    pub m: ParamMap<Vec<f32>>,
+    pub v: ParamMap<Vec<f32>>,
+}
+
+/// A ZeRO gradient bucket on this device: its parameters laid out flat (in
+/// id order), of which this device owns the slice `shard`.
+pub(crate) struct Bucket<B: Backend> {
     pub(super) segments: Vec<u32>,
-    pub(super) names: Vec<(String, usize)>,
+    pub(super) names: Vec<(ParamId, usize)>,
     pub(super) total: usize,
     pub(super) shard: std::ops::Range<usize>,
     pub(super) zero: u8,
     /// AdamW moments of the shard.
-    pub(super) m: Vec<f32>,
-    pub(super) v: Vec<f32>,
+    pub(super) m: B::Tensor,
+    pub(super) v: B::Tensor,
     /// ZeRO-2/3: the reduced gradient of the shard, accumulated over microbatches.
-    pub(super) grad: Vec<f32>,
+    pub(super) grad: B::Tensor,
     /// ZeRO-3: the parameter shard.
-    pub(super) param: Vec<f32>,
+    pub(super) param: B::Tensor,
 }
 
-impl Bucket {
-    /// `(name, offset in the flat layout, length)`.
-    pub(super) fn offsets(&self) -> impl Iterator<Item = (&str, usize, usize)> {
+impl<B: Backend> Bucket<B> {
+    /// `(id, offset in the flat layout, length)`.
+    pub(super) fn offsets(&self) -> impl Iterator<Item = (ParamId, usize, usize)> + '_ {
         let mut at = 0;
         self.names.iter().map(move |(n, len)| {
             let o = at;
             at += len;
-            (n.as_str(), o, *len)
+            (*n, o, *len)
         })
     }
-    /// Scatter `shard_data` (this device's slice) into a full-length padded vector.
-    fn padded(&self, shard_data: &[f32]) -> Vec<f32> {
+    /// The pieces of the layout inside this device's shard: `(id, its
+    /// range in the tensor, its range in the shard)`.
+    fn pieces(&self) -> Vec<(ParamId, std::ops::Range<usize>, std::ops::Range<usize>)> {
+        let s = &self.shard;
+        self.offsets()
+            .filter_map(|(n, at, len)| {
+                let (lo, hi) = (at.max(s.start), (at + len).min(s.end));
+                (lo < hi).then(|| (n, lo - at..hi - at, lo - s.start..hi - s.start))
+            })
+            .collect()
+    }
+    /// A host vector of the full layout with `shard_data` (this device's
+    /// slice) in place, zeros elsewhere.
+    fn padded(&self, b: &B, shard_data: &B::Tensor) -> Vec<f32> {
         let mut v = vec![0.0; self.total];
-        v[self.shard.clone()].copy_from_slice(&shard_data[..self.shard.len()]);
+        let host = b.download_range(shard_data, 0..self.shard.len());
+        v[self.shard.clone()].copy_from_slice(&host);
         v
     }
     /// This device's shard of the full tensors in `t`, laid out flat.
-    fn shard_of(&self, t: &Tensors) -> Vec<f32> {
-        let full: Vec<f32> = self
-            .names
-            .iter()
-            .flat_map(|(n, _)| t[n].iter().copied())
-            .collect();
-        full[self.shard.clone()].to_vec()
+    fn shard_of(&self, b: &B, t: &ParamMap<B::Tensor>) -> Result<B::Tensor, BackendError> {
+        let mut out = b.zeros(self.shard.len())?;
+        for (n, in_tensor, in_shard) in self.pieces() {
+            let src = t.get(n).ok_or(BackendError::MissingParam(n))?;
+            b.copy(&mut out, in_shard.start, src, in_tensor);
+        }
+        Ok(out)
     }
     /// Does an op over `segments` cover this bucket?
     fn within(&self, segments: &[u32]) -> bool {
@@ -67,25 +86,25 @@ impl Bucket {
 }
 
 /// The model states a device holds whole, before ZeRO takes its share.
-pub(super) struct States<'a> {
-    pub params: &'a mut Tensors,
-    pub grads: &'a mut Tensors,
-    pub m: &'a mut Tensors,
-    pub v: &'a mut Tensors,
-    pub norm_names: &'a mut Vec<String>,
+pub(super) struct States<'a, T> {
+    pub params: &'a mut ParamMap<T>,
+    pub grads: &'a mut ParamMap<T>,
+    pub m: &'a mut ParamMap<T>,
+    pub v: &'a mut ParamMap<T>,
+    pub norm_ids: &'a mut Vec<ParamId>,
 }
 
 /// The buckets of a device, from its gradient reductions; sharded states
 /// replace the whole ones in `states`.
-pub(super) fn layout(
-    cfg: &ModelConfig,
-    segments: &[Segment],
+pub(super) fn layout<B: Backend>(
+    table: &ParamTable,
+    b: &B,
     plan: &DevicePlan,
-    held: &BTreeSet<u32>,
-    spreads: &super::device::Spreads,
-    states: States,
-) -> Vec<Bucket> {
-    let mut buckets: Vec<Bucket> = Vec::new();
+    owned: &BTreeMap<u32, Vec<ParamId>>,
+    spreads: &Spreads,
+    states: States<B::Tensor>,
+) -> Result<Vec<Bucket<B>>, BackendError> {
+    let mut buckets: Vec<Bucket<B>> = Vec::new();
     let ops = plan.streams.iter().flat_map(|s| s.ops.iter());
     for op in ops.filter(|o| o.purpose == Some(CommPurpose::GradSync) && o.zero >= 1) {
         let segs: Vec<u32> = op.segments.to_vec();
@@ -98,68 +117,73 @@ pub(super) fn layout(
         // Experts spread by `shard` live on one device each: not replicated,
         // so not sharded (ZeRO-1 with expert parallelism); their states
         // stay whole.
-        let mut names: Vec<String> = segs
+        let mut ids: Vec<ParamId> = segs
             .iter()
             .flat_map(|s| {
                 let spread = spreads.experts.contains_key(s);
-                owned_names(cfg, segments, held, spreads, *s)
+                owned
+                    .get(s)
                     .into_iter()
-                    .filter(move |n| !spread || expert_of(n).is_none())
+                    .flatten()
+                    .copied()
+                    .filter(move |id| !spread || table.expert_of(*id).is_none())
             })
             .collect();
-        names.sort();
-        names.dedup();
-        let names: Vec<(String, usize)> = names
+        ids.sort();
+        ids.dedup();
+        let names = ids
             .into_iter()
-            .map(|n| {
-                let l = states.params[&n].len();
-                (n, l)
+            .map(|id| {
+                let t = states
+                    .params
+                    .get(id)
+                    .ok_or(BackendError::MissingParam(id))?;
+                Ok((id, B::len(t)))
             })
-            .collect();
+            .collect::<Result<Vec<_>, BackendError>>()?;
         let total: usize = names.iter().map(|(_, l)| l).sum();
         let per = total.div_ceil(n);
         let shard = (rank * per).min(total)..((rank + 1) * per).min(total);
-        let mut b = Bucket {
+        let mut bucket = Bucket {
             segments: segs,
             total,
             zero: op.zero,
-            m: vec![0.0; shard.len()],
-            v: vec![0.0; shard.len()],
+            m: b.zeros(shard.len())?,
+            v: b.zeros(shard.len())?,
             grad: if op.zero >= 2 {
-                vec![0.0; shard.len()]
+                b.zeros(shard.len())?
             } else {
-                Vec::new()
+                Default::default()
             },
-            param: Vec::new(),
+            param: Default::default(),
             shard,
             names,
         };
+        if bucket.zero >= 3 {
+            bucket.param = bucket.shard_of(b, states.params)?;
+        }
         // Sharded states replace the full ones.
-        for (name, _) in &b.names {
-            states.m.remove(name);
-            states.v.remove(name);
-            states.norm_names.retain(|x| x != name);
-            if b.zero >= 2 {
-                states.grads.remove(name);
+        for (id, _) in &bucket.names {
+            states.m.remove(*id);
+            states.v.remove(*id);
+            states.norm_ids.retain(|x| x != id);
+            if bucket.zero >= 2 {
+                states.grads.remove(*id);
+            }
+            if bucket.zero >= 3 {
+                states.params.remove(*id);
             }
         }
-        if b.zero >= 3 {
-            let mut flat = Vec::with_capacity(b.total);
-            for (name, _) in &b.names {
-                flat.extend_from_slice(&states.params.remove(name).expect("held"));
-            }
-            b.param = flat[b.shard.clone()].to_vec();
-        }
-        buckets.push(b);
+        buckets.push(bucket);
     }
-    buckets
+    Ok(buckets)
 }
 
-/// Elements of every bucket's shards (moments, gradient, parameters).
-pub(super) fn shard_elems(buckets: &[Bucket]) -> u64 {
+/// Device bytes of every bucket's shards (moments, gradient, parameters).
+pub(super) fn shard_bytes<B: Backend>(buckets: &[Bucket<B>]) -> u64 {
     buckets
         .iter()
-        .map(|b| (b.m.len() + b.v.len() + b.grad.len() + b.param.len()) as u64)
+        .map(|b| B::bytes(&b.m) + B::bytes(&b.v) + B::bytes(&b.grad) + B::bytes(&b.param))
         .sum()
 }
 
@@ -172,11 +196,11 @@ pub(crate) enum ShardPart {
     Grad,
 }
 
-/// A device's slice of a ZeRO bucket's flat layout.
+/// A device's slice of a ZeRO bucket's flat layout, on the host.
 #[derive(Debug)]
 pub(crate) struct Shard {
-    /// Tensor names and lengths in the flat layout.
-    pub names: Vec<(String, usize)>,
+    /// Tensors and lengths in the flat layout.
+    pub names: Vec<(ParamId, usize)>,
     pub total: usize,
     /// This device's range of the layout.
     pub range: std::ops::Range<usize>,
@@ -186,8 +210,8 @@ pub(crate) struct Shard {
 /// Put full tensors back together from the shards of every device (the
 /// first device holding a range wins; the union of a group's ranges is the
 /// whole layout).
-pub(crate) fn assemble(shards: impl IntoIterator<Item = Shard>, out: &mut Tensors) {
-    let mut flat: HashMap<Vec<(String, usize)>, Vec<f32>> = HashMap::new();
+pub(crate) fn assemble(shards: impl IntoIterator<Item = Shard>, out: &mut ParamMap<Vec<f32>>) {
+    let mut flat: HashMap<Vec<(ParamId, usize)>, Vec<f32>> = HashMap::new();
     for s in shards {
         let full = flat.entry(s.names).or_insert_with(|| vec![0.0; s.total]);
         full[s.range.clone()].copy_from_slice(&s.values[..s.range.len()]);
@@ -195,13 +219,15 @@ pub(crate) fn assemble(shards: impl IntoIterator<Item = Shard>, out: &mut Tensor
     for (names, full) in flat {
         let mut at = 0;
         for (n, len) in names {
-            out.entry(n).or_insert_with(|| full[at..at + len].to_vec());
+            if !out.contains(n) {
+                out.insert(n, full[at..at + len].to_vec());
+            }
             at += len;
         }
     }
 }
 
-impl Device {
+impl<B: Backend> Device<B> {
     /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
     /// AdamW moments (ZeRO-1/2/3) or the last step's reduced gradients
     /// (ZeRO-2/3, when captured).
@@ -213,10 +239,10 @@ impl Device {
             .enumerate()
             .filter_map(|(i, b)| {
                 let values = match part {
-                    ShardPart::Param if b.zero >= 3 => b.param.clone(),
-                    ShardPart::M => b.m.clone(),
-                    ShardPart::V => b.v.clone(),
-                    ShardPart::Grad => captured.get(&i)?.clone(),
+                    ShardPart::Param if b.zero >= 3 => self.b.download(&b.param),
+                    ShardPart::M => self.b.download(&b.m),
+                    ShardPart::V => self.b.download(&b.v),
+                    ShardPart::Grad => self.b.download(captured.get(&i)?),
                     _ => return None,
                 };
                 Some(Shard {
@@ -231,18 +257,16 @@ impl Device {
 
     /// Take this device's slice of each bucket from a checkpoint's full
     /// tensors: AdamW moments for every stage, parameters for ZeRO-3.
-    pub(super) fn restore_shards(
-        &self,
-        ck: &super::checkpoint::Checkpoint,
-    ) -> Result<(), RuntimeError> {
+    pub(super) fn restore_shards(&self, ck: &HostStates) -> Result<(), RuntimeError> {
         let mut buckets = self.buckets.lock().unwrap();
         for b in buckets.iter_mut() {
-            let flat = |t: &Tensors, what: &str| -> Result<Vec<f32>, RuntimeError> {
+            let flat = |t: &ParamMap<Vec<f32>>, what: &str| -> Result<Vec<f32>, RuntimeError> {
                 let mut v = Vec::with_capacity(b.total);
                 for (n, len) in &b.names {
-                    let x = t.get(n).filter(|x| x.len() == *len).ok_or_else(|| {
+                    let x = t.get(*n).filter(|x| x.len() == *len).ok_or_else(|| {
                         RuntimeError::Plan(format!(
-                            "the checkpoint has no {what} `{n}` of {len} values for device {}",
+                            "the checkpoint has no {what} `{}` of {len} values for device {}",
+                            self.table.name(*n),
                             self.id
                         ))
                     })?;
@@ -250,153 +274,160 @@ impl Device {
                 }
                 Ok(v[b.shard.clone()].to_vec())
             };
-            b.m = flat(&ck.m, "first moment")?;
-            b.v = flat(&ck.v, "second moment")?;
+            let (m, v) = (flat(&ck.m, "first moment")?, flat(&ck.v, "second moment")?);
+            self.b.write(&mut b.m, 0, &m);
+            self.b.write(&mut b.v, 0, &v);
             if b.zero >= 3 {
-                b.param = flat(&ck.params, "parameter")?;
+                let p = flat(&ck.params, "parameter")?;
+                self.b.write(&mut b.param, 0, &p);
             }
         }
         Ok(())
     }
 }
 
-/// `total` plus Σ g² over this device's shard of every bucket, piece by
-/// piece in layout order; the head's copy of the tied `wte` is counted by
-/// the embedding's device only.
-pub(super) fn add_shard_sq(dev: &Device, grads: &Tensors, mut total: f64) -> f64 {
-    let sq = |g: &[f32]| g.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-    for b in dev.buckets.lock().unwrap().iter() {
-        let flat: Vec<f32> = if b.zero >= 2 {
-            b.grad.clone()
-        } else {
-            b.shard_of(grads)
-        };
-        for (n, at, len) in b.offsets() {
-            if n == "wte" && !dev.has_embedding {
+/// Σ g² over the gradients this device counts in the global norm: the
+/// whole ones (`norm_ids`, on DP replica 0), then its shard of every
+/// bucket, piece by piece in layout order (the head's copy of the tied
+/// `wte` is counted by the embedding's device only). One read of the
+/// device.
+pub(super) fn norm_sq<B: Backend>(
+    dev: &Device<B>,
+    grads: &ParamMap<B::Tensor>,
+) -> Result<f64, BackendError> {
+    let buckets = dev.buckets.lock().unwrap();
+    // ZeRO-1 keeps whole gradients: its shard is cut from them.
+    let cut = buckets
+        .iter()
+        .map(|b| match b.zero >= 2 {
+            true => Ok(None),
+            false => b.shard_of(&dev.b, grads).map(Some),
+        })
+        .collect::<Result<Vec<_>, BackendError>>()?;
+    let mut pieces: Vec<(&B::Tensor, std::ops::Range<usize>)> = dev
+        .norm_ids
+        .iter()
+        .filter_map(|id| grads.get(*id))
+        .map(|g| (g, 0..B::len(g)))
+        .collect();
+    for (b, cut) in buckets.iter().zip(&cut) {
+        let flat = cut.as_ref().unwrap_or(&b.grad);
+        for (n, _, in_shard) in b.pieces() {
+            if n == dev.table.wte && !dev.has_embedding {
                 continue;
             }
-            let lo = at.max(b.shard.start);
-            let hi = (at + len).min(b.shard.end);
-            if lo < hi {
-                total += sq(&flat[lo - b.shard.start..hi - b.shard.start]);
-            }
+            pieces.push((flat, in_shard));
         }
     }
-    total
+    Ok(dev.b.sum_squares(&pieces))
 }
 
 /// ZeRO-2/3: add this device's shard of a reduced microbatch gradient to
 /// its bucket.
-pub(super) fn accumulate_shard(dev: &Device, op: &Op, sum: &[f32]) -> Result<(), RuntimeError> {
+pub(super) fn accumulate_shard<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    sum: &[f32],
+) -> Result<(), RuntimeError> {
     let mut buckets = dev.buckets.lock().unwrap();
     let b = buckets
         .iter_mut()
         .find(|b| *b.segments == *op.segments)
         .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-    for (acc, x) in b.grad.iter_mut().zip(&sum[b.shard.clone()]) {
-        *acc += x;
-    }
+    let shard = b.shard.clone();
+    dev.b.add_host(&mut b.grad, 0, &sum[shard]);
     Ok(())
 }
 
 /// The sharded AdamW step of every bucket the update covers: this device's
 /// shard only; ZeRO-1/2 write the updated shard back into the full
 /// parameters (the refresh all-gather fills in the rest).
-pub(super) fn update(
-    dev: &Device,
+pub(super) fn update<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
-    params: &mut Tensors,
-    grads: &mut Tensors,
+    ctx: &StepCtx<B>,
+    params: &mut ParamMap<B::Tensor>,
+    grads: &mut ParamMap<B::Tensor>,
     scale: f32,
-) {
+) -> Result<(), BackendError> {
+    let bk = &dev.b;
     let mut buckets = dev.buckets.lock().unwrap();
     if ctx.opts.capture_grads {
         let mut cap = dev.captured_shards.lock().unwrap();
         for (i, b) in buckets.iter().enumerate() {
             if b.zero >= 2 && b.within(&op.segments) {
-                cap.insert(i, b.grad.clone());
+                cap.insert(i, bk.duplicate(&b.grad)?);
             }
         }
     }
     for b in buckets.iter_mut().filter(|b| b.within(&op.segments)) {
-        let shard = b.shard.clone();
-        let mut flat_p: Vec<f32> = if b.zero >= 3 {
+        let mut flat_p = if b.zero >= 3 {
             std::mem::take(&mut b.param)
         } else {
-            b.shard_of(params)
+            b.shard_of(bk, params)?
         };
-        let flat_g: Vec<f32> = if b.zero >= 2 {
+        let flat_g = if b.zero >= 2 {
             std::mem::take(&mut b.grad)
         } else {
-            b.shard_of(grads)
+            b.shard_of(bk, grads)?
         };
         // Per tensor piece inside the shard, for weight decay.
-        let pieces: Vec<(String, usize, usize)> = b
-            .offsets()
-            .map(|(n, at, len)| (n.to_string(), at, len))
-            .collect();
-        for (n, at, len) in pieces {
-            let lo = at.max(shard.start);
-            let hi = (at + len).min(shard.end);
-            if lo >= hi {
-                continue;
-            }
-            let r = lo - shard.start..hi - shard.start;
-            adamw_update(
-                &mut flat_p[r.clone()],
-                &flat_g[r.clone()],
-                &mut b.m[r.clone()],
-                &mut b.v[r.clone()],
+        let pieces = b.pieces();
+        for (n, _, r) in &pieces {
+            bk.adamw(
+                &mut flat_p,
+                &flat_g,
+                &mut b.m,
+                &mut b.v,
+                r.clone(),
                 &ctx.opts.adamw,
                 ctx.step,
                 scale,
-                dev.decay.contains(&n),
+                dev.decay.contains(*n),
             );
         }
         if b.zero >= 3 {
             b.param = flat_p;
         } else {
-            for (n, at, len) in b.offsets() {
-                let lo = at.max(shard.start);
-                let hi = (at + len).min(shard.end);
-                if lo < hi {
-                    params.get_mut(n).expect("held")[lo - at..hi - at]
-                        .copy_from_slice(&flat_p[lo - shard.start..hi - shard.start]);
-                }
+            for (n, in_tensor, in_shard) in &pieces {
+                let p = params.get_mut(*n).ok_or(BackendError::MissingParam(*n))?;
+                bk.copy(p, in_tensor.start, &flat_p, in_shard.clone());
             }
         }
         if b.zero >= 2 {
-            b.grad = vec![0.0; shard.len()];
+            b.grad = bk.zeros(b.shard.len())?;
         } else {
             for (n, _) in &b.names {
-                grads
-                    .get_mut(n)
-                    .expect("held")
-                    .iter_mut()
-                    .for_each(|x| *x = 0.0);
+                let g = grads.get_mut(*n).ok_or(BackendError::MissingParam(*n))?;
+                bk.fill_zero(g);
             }
         }
     }
+    Ok(())
 }
 
 /// A bucket's parameters padded to its full layout: this device's shard in
 /// place, zeros elsewhere (summed over the group, that is an all-gather).
-fn params_padded(b: &Bucket, params: &Tensors) -> Vec<f32> {
+fn params_padded<B: Backend>(
+    dev: &Device<B>,
+    b: &Bucket<B>,
+    params: &ParamMap<B::Tensor>,
+) -> Result<Vec<f32>, BackendError> {
     if b.zero >= 3 {
-        return b.padded(&b.param);
+        return Ok(b.padded(&dev.b, &b.param));
     }
-    b.padded(&b.shard_of(params))
+    Ok(b.padded(&dev.b, &b.shard_of(&dev.b, params)?))
 }
 
 /// ZeRO-1/2, after the sharded step: gather every member's updated shard
 /// into the full parameters.
-pub(super) fn param_refresh(
-    dev: &Device,
+pub(super) fn param_refresh<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     group: &[u32],
 ) -> Result<(), RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
     // Locks in the update's order (parameters, then buckets): an update of
     // another bucket may run on the compute stream meanwhile.
     let padded = {
@@ -406,7 +437,7 @@ pub(super) fn param_refresh(
             .iter()
             .find(|b| *b.segments == *op.segments)
             .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-        params_padded(b, &params)
+        params_padded(dev, b, &params).map_err(fail)?
     };
     let full = all_gather_padded(dev, op, ctx, group, padded)?;
     let mut params = dev.params.write().unwrap();
@@ -416,46 +447,48 @@ pub(super) fn param_refresh(
         .find(|b| *b.segments == *op.segments)
         .expect("found above");
     for (n, at, len) in b.offsets() {
-        params
+        let p = params
             .get_mut(n)
-            .expect("held")
-            .copy_from_slice(&full[at..at + len]);
+            .ok_or_else(|| fail(BackendError::MissingParam(n)))?;
+        dev.b.write(p, 0, &full[at..at + len]);
     }
     Ok(())
 }
 
 /// ZeRO-3, before a use: gather the parameters a segment reads from the
 /// buckets that own them, into a buffer its compute op takes.
-pub(super) fn param_gather(
-    dev: &Device,
+pub(super) fn param_gather<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     group: &[u32],
 ) -> Result<(), RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
     let seg = &ctx.segments[op.segments[0] as usize];
-    let need: Vec<String> = segment_params(ctx.cfg, seg)
-        .into_iter()
-        .map(|(n, _)| n)
-        .collect();
+    let need: Vec<ParamId> = dev.table.segment(ctx.cfg, seg);
     // Parameters before buckets, as the update locks them.
     let params = dev.params.read().unwrap();
     let buckets = dev.buckets.lock().unwrap();
-    let used: Vec<&Bucket> = buckets
+    let used: Vec<&Bucket<B>> = buckets
         .iter()
         .filter(|b| b.names.iter().any(|(n, _)| need.contains(n)))
         .collect();
     let mut padded = Vec::new();
     for b in &used {
-        padded.extend(params_padded(b, &params));
+        padded.extend(params_padded(dev, b, &params).map_err(fail)?);
     }
     drop(params);
     let full = all_gather_padded(dev, op, ctx, group, padded)?;
-    let mut out = Tensors::new();
+    let mut out: ParamMap<B::Tensor> = ParamMap::new();
     let mut base = 0;
     for b in &used {
         for (n, at, len) in b.offsets() {
-            if need.iter().any(|x| x == n) {
-                out.insert(n.to_string(), full[base + at..base + at + len].to_vec());
+            if need.contains(&n) {
+                let t = dev
+                    .b
+                    .upload(full[base + at..base + at + len].to_vec())
+                    .map_err(fail)?;
+                out.insert(n, t);
             }
         }
         base += b.total;
@@ -463,9 +496,9 @@ pub(super) fn param_gather(
     drop(buckets);
     let own = dev.params.read().unwrap();
     for n in &need {
-        if !out.contains_key(n) {
-            if let Some(p) = own.get(n) {
-                out.insert(n.clone(), p.clone());
+        if !out.contains(*n) {
+            if let Some(p) = own.get(*n) {
+                out.insert(*n, dev.b.duplicate(p).map_err(fail)?);
             }
         }
     }
@@ -476,10 +509,10 @@ pub(super) fn param_gather(
 /// Sum every member's zero-padded shards (an all-gather on the all-reduce
 /// fabric); the contribution and the result count against the device's cap
 /// while it runs.
-fn all_gather_padded(
-    dev: &Device,
+fn all_gather_padded<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     group: &[u32],
     padded: Vec<f32>,
 ) -> Result<Arc<Vec<f32>>, RuntimeError> {

@@ -182,7 +182,7 @@ pub fn plan_with(
 #[derive(Clone)]
 pub struct Run {
     pub losses: Vec<f64>,
-    pub params: piper::runtime::backend::cpu::gpt::Tensors,
+    pub params: piper::runtime::NamedTensors,
     /// Measured peak bytes per device (runtime accounting), over the run.
     pub peak_bytes: Vec<u64>,
     /// Model-state bytes per device as the runtime allocated them.
@@ -199,7 +199,7 @@ pub fn train(
 ) -> Run {
     let plan = plan_with(host, cfg, devices, strategy).unwrap();
     let opts = TrainOptions {
-        adamw: piper::runtime::backend::cpu::adamw::AdamW {
+        adamw: piper::runtime::AdamW {
             lr: 3e-3,
             ..Default::default()
         },

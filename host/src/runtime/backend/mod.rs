@@ -1,3 +1,663 @@
-//! Compute backends. `cpu` is the embedded default.
+//! Compute backends: what a device computes with, behind one trait. The
+//! runtime's rooms (device states, buffers, ops, ZeRO, the step) are generic
+//! over a [`Backend`] and never ask which one runs; `cpu` is the embedded
+//! default, and a CUDA backend implements the same trait.
+//!
+//! The split, as candle draws it: a backend owns *storage* (its
+//! [`Backend::Tensor`], f32 on the device) and *kernels*, one method per op
+//! family, each as forward / backward-for-input / backward-for-weights with
+//! its shapes as arguments (llm.c style). What a model does with them — a
+//! GPT-2 segment's forward and backward, the phases of a mixture-of-experts
+//! layer, initialisation — is written once over the trait
+//! ([`segment`], [`moe`], [`init`]), so every backend computes the same
+//! arithmetic in the same order, and a new op family (RMSNorm, RoPE) is a
+//! kernel per backend plus one composition.
+//!
+//! # What the trait promises a device backend (CUDA)
+//! - **Storage lives on the device.** Activations, saved tensors (the
+//!   forward's caches), gradients, parameters and optimizer moments are all
+//!   `Tensor`s; the runtime sizes its memory account from
+//!   [`Backend::bytes`], never from host lengths. Host data crosses only at
+//!   named edges: [`Backend::upload`] / [`Backend::download`] for
+//!   initialisation, checkpoints, dumps and messages to other processes,
+//!   [`Backend::upload_ids`] for each batch's tokens.
+//! - **Kernels enqueue, they do not wait.** Every kernel call is made inside
+//!   [`Backend::enter`] on a plan stream ([`Backend::Stream`]: a CUDA stream),
+//!   which makes that stream current for the calling thread; the call
+//!   returns once the work is enqueued. The only host synchronisations of a
+//!   step are where the host needs a value: [`Backend::read_scalar`] (the
+//!   step's loss, read once when the step ends), [`Backend::sum_squares`]
+//!   (the gradient norm, once per norm op), MoE routing (the router's
+//!   probabilities, once per expert layer's forward: top-k with capacity is
+//!   a host decision, as the token counts of Megatron's all-to-all are), and
+//!   the downloads of messages while communication is host-side.
+//! - **Cross-stream order is events.** A plan op that waits for another
+//!   stream's op waits for the host thread of that stream to have enqueued
+//!   it, then calls [`Backend::wait`] on the [`Backend::Event`] recorded
+//!   after it ([`Backend::record`]); on the CPU, where enqueuing is running,
+//!   both are no-ops.
+//! - **Failures are values.** Allocation can fail (a device has a cap and
+//!   a caching allocator); kernels that cannot fail return nothing, and a
+//!   backend that finds a device error reports it from the next call that
+//!   returns a `Result` (an allocation, a read), as CUDA reports
+//!   asynchronous errors.
 
 pub mod cpu;
+pub mod init;
+pub mod moe;
+pub mod segment;
+
+pub use crate::model::params::ParamId;
+use std::ops::Range;
+use std::time::Instant;
+
+/// A failure inside a backend call or a composition over one. The runtime
+/// names the device and op around it.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// A tensor-parallel sum or an expert exchange failed, or brought what
+    /// does not fit.
+    #[error("{0}")]
+    Exchange(String),
+    /// A parameter the computation reads is not on this device (a plan
+    /// that placed a segment without its weights).
+    #[error("parameter #{} is not on this device", .0.index())]
+    MissingParam(ParamId),
+    /// The device could not allocate.
+    #[error("cannot allocate {bytes} bytes: {message}")]
+    Alloc { bytes: u64, message: String },
+    /// Anything else the device reports (a launch or driver error).
+    #[error("{0}")]
+    Device(String),
+}
+
+/// AdamW's hyper-parameters (decoupled weight decay, as GPT-2 training uses
+/// it).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        AdamW {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        }
+    }
+}
+
+/// Which backend a run computes on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackendKind {
+    /// Virtual devices on this machine's cores (the embedded default).
+    #[default]
+    Cpu,
+}
+
+/// Work generic over the backend (the runtime's devices), given the way to
+/// make each plan device's backend.
+pub trait WithBackend {
+    type Output;
+    fn run<B: Backend>(
+        self,
+        device: &(dyn Fn(u32) -> Result<B, BackendError> + Sync),
+    ) -> Self::Output;
+}
+
+/// Run `work` on the backend `kind` names, each device with `threads`
+/// kernel threads where the backend has threads: the one place that
+/// chooses a backend.
+pub fn with_backend<W: WithBackend>(kind: BackendKind, threads: usize, work: W) -> W::Output {
+    match kind {
+        BackendKind::Cpu => work.run(&|device| cpu::Cpu::new(device, threads)),
+    }
+}
+
+/// One kernel call as the trace shows it: times in µs since the trainer's
+/// epoch.
+#[derive(Clone, Debug)]
+pub struct KernelSpan {
+    pub name: &'static str,
+    pub start_us: f64,
+    pub dur_us: f64,
+}
+
+/// Where a traced op's kernels go: the trainer's epoch and the list.
+pub type Trace<'a> = Option<(Instant, &'a mut Vec<KernelSpan>)>;
+
+/// How a token's top-k choices were routed (MoE): host arrays the routing
+/// kernels read. See [`moe`].
+pub use moe::Routing;
+
+/// A backend: one plan device's storage, streams and kernels. One value per
+/// device (a CPU device's thread pool, a GPU's context share); `Sync`, as
+/// every stream of the device calls it from its own thread.
+///
+/// Kernel arguments: outputs first (`&mut`), then inputs, then shapes.
+/// A kernel that "accumulates" adds into its output (`+=`); the others
+/// overwrite it. Shapes are the callers' (checked by the plan and the
+/// model); tensors are at least as long as their shapes say.
+// Kernels carry their shapes as arguments, as llm.c does: readable at the call.
+#[allow(clippy::too_many_arguments)]
+pub trait Backend: Send + Sync + Sized + 'static {
+    /// f32 storage on the device. `Default` is the empty tensor (no
+    /// allocation): what a cache holds where it freed a tensor early.
+    type Tensor: Default + Send + Sync + 'static;
+    /// u32 storage (token ids and targets).
+    type Ids: Default + Send + Sync + 'static;
+    /// A value left on the device until the host reads it (a loss term).
+    type Scalar: Send + 'static;
+    /// A queue of work: kernels enqueued on one stream run in order.
+    type Stream: Send + Sync;
+    /// A point in a stream that work on another stream can wait for.
+    type Event: Send + Sync;
+
+    /// The backend's name in messages (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    // Streams.
+
+    /// A new stream of this device (one per plan stream).
+    fn stream(&self) -> Result<Self::Stream, BackendError>;
+    /// Run `f` with `stream` current on this thread: every kernel `f` calls
+    /// goes onto it (on the CPU: onto the device's threads). When `trace`
+    /// is given, the kernels `f` runs are recorded into it.
+    fn enter<R: Send>(
+        &self,
+        stream: &Self::Stream,
+        trace: Trace<'_>,
+        f: impl FnOnce() -> R + Send,
+    ) -> R;
+    /// Mark the point `stream` has reached.
+    fn record(&self, stream: &Self::Stream) -> Self::Event;
+    /// Make later work on `stream` wait until `event` is reached.
+    fn wait(&self, stream: &Self::Stream, event: &Self::Event);
+
+    // Storage.
+
+    /// Elements of a tensor.
+    fn len(t: &Self::Tensor) -> usize;
+    /// Device bytes a tensor holds (what the memory account charges).
+    fn bytes(t: &Self::Tensor) -> u64;
+    /// Device bytes of a token tensor.
+    fn ids_bytes(t: &Self::Ids) -> u64;
+    /// A tensor of `n` zeros.
+    fn zeros(&self, n: usize) -> Result<Self::Tensor, BackendError>;
+    /// A device copy of host values.
+    fn upload(&self, v: Vec<f32>) -> Result<Self::Tensor, BackendError>;
+    /// A device copy of token ids.
+    fn upload_ids(&self, v: &[u32]) -> Result<Self::Ids, BackendError>;
+    /// A host copy of a tensor (waits for the work that writes it).
+    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
+    /// A host copy of `range` of a tensor.
+    fn download_range(&self, t: &Self::Tensor, range: Range<usize>) -> Vec<f32>;
+    /// A host copy of a tensor the caller gives up (on the CPU: no copy).
+    fn download_owned(&self, t: Self::Tensor) -> Vec<f32>;
+    /// A device copy of a tensor.
+    fn duplicate(&self, t: &Self::Tensor) -> Result<Self::Tensor, BackendError>;
+    /// A device copy of token ids.
+    fn duplicate_ids(&self, t: &Self::Ids) -> Result<Self::Ids, BackendError>;
+    /// `dst[at..] = src[range]`.
+    fn copy(&self, dst: &mut Self::Tensor, at: usize, src: &Self::Tensor, range: Range<usize>);
+    /// `dst[at..] = src` from the host.
+    fn write(&self, dst: &mut Self::Tensor, at: usize, src: &[f32]);
+    /// `dst[at..] += src` from the host.
+    fn add_host(&self, dst: &mut Self::Tensor, at: usize, src: &[f32]);
+    /// `dst += src`, elementwise.
+    fn add(&self, dst: &mut Self::Tensor, src: &Self::Tensor);
+    /// `t = 0`.
+    fn fill_zero(&self, t: &mut Self::Tensor);
+    /// A host value as a scalar term.
+    fn scalar(&self, x: f64) -> Self::Scalar;
+    /// The value of a scalar term (a host synchronisation).
+    fn read_scalar(&self, s: Self::Scalar) -> f64;
+
+    // Embedding.
+
+    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
+    fn embedding_forward(
+        &self,
+        out: &mut Self::Tensor,
+        tokens: &Self::Ids,
+        wte: &Self::Tensor,
+        wpe: &Self::Tensor,
+        b: usize,
+        t: usize,
+        c: usize,
+    );
+    /// Accumulates `dwte[token] += dout`, `dwpe[t] += dout`.
+    fn embedding_backward_weight(
+        &self,
+        dwte: &mut Self::Tensor,
+        dwpe: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        tokens: &Self::Ids,
+        b: usize,
+        t: usize,
+        c: usize,
+    );
+
+    // LayerNorm over `c` channels of `n` rows.
+
+    /// `out = (inp − mean) · rstd · weight + bias`, with `mean`, `rstd` per row.
+    fn layernorm_forward(
+        &self,
+        out: &mut Self::Tensor,
+        mean: &mut Self::Tensor,
+        rstd: &mut Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: &Self::Tensor,
+        n: usize,
+        c: usize,
+    );
+    /// Accumulates the input gradient into `dinp`.
+    fn layernorm_backward_input(
+        &self,
+        dinp: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        mean: &Self::Tensor,
+        rstd: &Self::Tensor,
+        n: usize,
+        c: usize,
+    );
+    /// Accumulates `dweight += Σ norm · dout`, `dbias += Σ dout`.
+    fn layernorm_backward_weight(
+        &self,
+        dweight: &mut Self::Tensor,
+        dbias: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        inp: &Self::Tensor,
+        mean: &Self::Tensor,
+        rstd: &Self::Tensor,
+        n: usize,
+        c: usize,
+    );
+
+    // Linear layers: `out[n,oc] = inp[n,c] · W[oc,c]ᵀ + b[oc]`.
+
+    /// `out = inp · Wᵀ (+ bias)`.
+    fn matmul_forward(
+        &self,
+        out: &mut Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    );
+    /// A linear layer onto a residual: `out = res + bias + inp · Wᵀ`.
+    fn matmul_forward_residual(
+        &self,
+        out: &mut Self::Tensor,
+        res: &Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        bias: &Self::Tensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+    );
+    /// `dinp (+)= dout · W` (accumulating when `accumulate`).
+    fn matmul_backward_input(
+        &self,
+        dinp: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        weight: &Self::Tensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    );
+    /// Accumulates `dW += doutᵀ · inp`, `db += Σ_rows dout`.
+    fn matmul_backward_weight(
+        &self,
+        dweight: &mut Self::Tensor,
+        dbias: Option<&mut Self::Tensor>,
+        dout: &Self::Tensor,
+        inp: &Self::Tensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+    );
+    /// `out[row] += bias` for rows of `width` (a row-parallel layer's bias,
+    /// added after its group's sum).
+    fn add_bias(&self, out: &mut Self::Tensor, bias: &Self::Tensor, width: usize);
+
+    // Causal self-attention from a packed `qkv[b,t,3c]` with `nh` heads.
+
+    /// `out[b,t,c]`, and the softmax probabilities `att[b,nh,t,t]`.
+    fn attention_forward(
+        &self,
+        out: &mut Self::Tensor,
+        att: &mut Self::Tensor,
+        qkv: &Self::Tensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
+    /// Accumulates `dqkv += ∂out/∂qkv · dout`.
+    fn attention_backward(
+        &self,
+        dqkv: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        qkv: &Self::Tensor,
+        att: &Self::Tensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
+
+    // Elementwise.
+
+    /// `out = gelu(inp)` (tanh approximation, GPT-2's).
+    fn gelu_forward(&self, out: &mut Self::Tensor, inp: &Self::Tensor);
+    /// By rows of `width`: `pre += bias`, then `out = gelu(pre)`.
+    fn bias_gelu_forward(
+        &self,
+        pre: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+        bias: &Self::Tensor,
+        width: usize,
+    );
+    /// Accumulates `dinp += gelu'(inp) · dout`.
+    fn gelu_backward(&self, dinp: &mut Self::Tensor, inp: &Self::Tensor, dout: &Self::Tensor);
+    /// `out = a + b`.
+    fn residual_forward(&self, out: &mut Self::Tensor, a: &Self::Tensor, b: &Self::Tensor);
+
+    // Loss.
+
+    /// Softmax of each row of `logits[n,v]` into `probs`; the term is
+    /// `Σ −log p(target)` in f64 (added in row order).
+    fn crossentropy_forward(
+        &self,
+        probs: &mut Self::Tensor,
+        logits: &Self::Tensor,
+        targets: &Self::Ids,
+        n: usize,
+        v: usize,
+    ) -> Self::Scalar;
+    /// `dlogits = (probs − onehot(target)) · scale`.
+    fn crossentropy_backward(
+        &self,
+        dlogits: &mut Self::Tensor,
+        probs: &Self::Tensor,
+        targets: &Self::Ids,
+        n: usize,
+        v: usize,
+        scale: f32,
+    );
+
+    // Mixture of experts (the arithmetic is documented in [`moe`]).
+
+    /// Softmax of each row of `logits[·,e]` (the router).
+    fn softmax_rows(&self, probs: &mut Self::Tensor, logits: &Self::Tensor, e: usize);
+    /// `out[at..]` = the rows of `src[·,c]` of the tokens of the given
+    /// assignments (`token × k + j`), in order (dispatch).
+    fn gather_rows(
+        &self,
+        out: &mut Self::Tensor,
+        at: usize,
+        src: &Self::Tensor,
+        assignments: &[u32],
+        k: usize,
+        c: usize,
+    );
+    /// Accumulates into `dst[·,c]` the rows of `src[at..]`, one per
+    /// assignment, at its token (the input gradients coming back).
+    fn scatter_add_rows(
+        &self,
+        dst: &mut Self::Tensor,
+        src: &Self::Tensor,
+        at: usize,
+        assignments: &[u32],
+        k: usize,
+        c: usize,
+    );
+    /// Accumulates into `out[n,c]`, token by token and choice by choice,
+    /// `weight · y` of every kept assignment (`ys[expert]` holds its rows).
+    fn moe_combine(&self, out: &mut Self::Tensor, ys: &[Self::Tensor], r: &Routing, c: usize);
+    /// Backward of [`Backend::moe_combine`]: each kept assignment's weight
+    /// gradient `dweight[a] = dout[token] · y` and its output gradient
+    /// `dys[expert][row] = weight · dout[token]`.
+    fn moe_combine_backward(
+        &self,
+        dweight: &mut Self::Tensor,
+        dys: &mut [Self::Tensor],
+        dout: &Self::Tensor,
+        ys: &[Self::Tensor],
+        r: &Routing,
+        c: usize,
+    );
+    /// The router logits' gradient from each choice's weight gradient
+    /// (through the renormalisation and the softmax) and the balance loss
+    /// (`aux` per unit of the choice shares `shares[sequence, e]`).
+    fn router_backward(
+        &self,
+        dlogits: &mut Self::Tensor,
+        probs: &Self::Tensor,
+        dweight: &Self::Tensor,
+        shares: &[f32],
+        aux: f32,
+        r: &Routing,
+        t: usize,
+        e: usize,
+    );
+
+    // Optimizer.
+
+    /// One AdamW step at time `step` (1-based) on `range` of each of `param`,
+    /// `grad · grad_scale`, `m` and `v`; `decay` selects weight decay.
+    fn adamw(
+        &self,
+        param: &mut Self::Tensor,
+        grad: &Self::Tensor,
+        m: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+        range: Range<usize>,
+        h: &AdamW,
+        step: u32,
+        grad_scale: f32,
+        decay: bool,
+    );
+    /// `Σ` over the pieces, in order, of each piece's `Σ x²` in f64 (a host
+    /// synchronisation: the gradient norm).
+    fn sum_squares(&self, pieces: &[(&Self::Tensor, Range<usize>)]) -> f64;
+}
+
+/// Tensors by parameter id: a device's parameters, gradients or moments,
+/// or a buffer of gathered parameters or one microbatch's gradients.
+/// Iterates in id order (the parameter names' order).
+#[derive(Clone)]
+pub struct ParamMap<T> {
+    slots: Vec<Option<T>>,
+    len: usize,
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for ParamMap<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_map()
+            .entries(self.iter().map(|(id, t)| (id.index(), t)))
+            .finish()
+    }
+}
+
+impl<T> Default for ParamMap<T> {
+    fn default() -> Self {
+        ParamMap {
+            slots: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<T> ParamMap<T> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn get(&self, id: ParamId) -> Option<&T> {
+        self.slots.get(id.index())?.as_ref()
+    }
+    pub fn get_mut(&mut self, id: ParamId) -> Option<&mut T> {
+        self.slots.get_mut(id.index())?.as_mut()
+    }
+    pub fn contains(&self, id: ParamId) -> bool {
+        self.get(id).is_some()
+    }
+    /// Put `t` at `id`, giving back what was there.
+    pub fn insert(&mut self, id: ParamId, t: T) -> Option<T> {
+        let i = id.index();
+        if self.slots.len() <= i {
+            self.slots.resize_with(i + 1, || None);
+        }
+        let old = self.slots[i].replace(t);
+        if old.is_none() {
+            self.len += 1;
+        }
+        old
+    }
+    pub fn remove(&mut self, id: ParamId) -> Option<T> {
+        let old = self.slots.get_mut(id.index())?.take();
+        if old.is_some() {
+            self.len -= 1;
+        }
+        old
+    }
+    /// `(id, tensor)` in id order.
+    pub fn iter(&self) -> impl Iterator<Item = (ParamId, &T)> {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            let id = ParamId::from_index(i).expect("ids fit u32");
+            s.as_ref().map(|t| (id, t))
+        })
+    }
+    /// `(id, tensor)` in id order, mutable.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (ParamId, &mut T)> {
+        self.slots.iter_mut().enumerate().filter_map(|(i, s)| {
+            let id = ParamId::from_index(i).expect("ids fit u32");
+            s.as_mut().map(|t| (id, t))
+        })
+    }
+    /// The ids held, in order.
+    pub fn ids(&self) -> impl Iterator<Item = ParamId> + '_ {
+        self.iter().map(|(id, _)| id)
+    }
+    /// Two different entries at once, mutably (a weight's and its bias's
+    /// gradients); `None` when either is missing or they are the same id.
+    pub fn pair_mut(&mut self, a: ParamId, b: ParamId) -> Option<(&mut T, &mut T)> {
+        let (i, j) = (a.index(), b.index());
+        if i == j || i.max(j) >= self.slots.len() {
+            return None;
+        }
+        let (lo, hi) = self.slots.split_at_mut(i.max(j));
+        let (x, y) = (lo[i.min(j)].as_mut()?, hi[0].as_mut()?);
+        Some(if i < j { (x, y) } else { (y, x) })
+    }
+    /// Convert every entry.
+    pub fn map<U>(&self, mut f: impl FnMut(ParamId, &T) -> U) -> ParamMap<U> {
+        let mut out = ParamMap::new();
+        for (id, t) in self.iter() {
+            out.insert(id, f(id, t));
+        }
+        out
+    }
+}
+
+impl<T> IntoIterator for ParamMap<T> {
+    type Item = (ParamId, T);
+    type IntoIter = std::iter::FilterMap<
+        std::iter::Enumerate<std::vec::IntoIter<Option<T>>>,
+        fn((usize, Option<T>)) -> Option<(ParamId, T)>,
+    >;
+    /// `(id, tensor)` in id order.
+    fn into_iter(self) -> Self::IntoIter {
+        fn entry<T>((i, s): (usize, Option<T>)) -> Option<(ParamId, T)> {
+            Some((ParamId::from_index(i).expect("ids fit u32"), s?))
+        }
+        self.slots
+            .into_iter()
+            .enumerate()
+            .filter_map(entry as fn(_) -> _)
+    }
+}
+
+impl<T> FromIterator<(ParamId, T)> for ParamMap<T> {
+    fn from_iter<I: IntoIterator<Item = (ParamId, T)>>(iter: I) -> Self {
+        let mut m = ParamMap::new();
+        for (id, t) in iter {
+            m.insert(id, t);
+        }
+        m
+    }
+}
+
+/// Parameter `id` of `params`, or the error that names it.
+pub fn param<T>(params: &ParamMap<T>, id: ParamId) -> Result<&T, BackendError> {
+    params.get(id).ok_or(BackendError::MissingParam(id))
+}
+
+/// Its gradient, mutably.
+pub fn grad_mut<T>(grads: &mut ParamMap<T>, id: ParamId) -> Result<&mut T, BackendError> {
+    grads.get_mut(id).ok_or(BackendError::MissingParam(id))
+}
+
+/// A weight's and its bias's gradients together.
+pub fn grad_pair<T>(
+    grads: &mut ParamMap<T>,
+    w: ParamId,
+    b: ParamId,
+) -> Result<(&mut T, &mut T), BackendError> {
+    let missing = match (grads.contains(w), grads.contains(b)) {
+        (false, _) => w,
+        (_, false) => b,
+        _ => return grads.pair_mut(w, b).ok_or(BackendError::MissingParam(w)),
+    };
+    Err(BackendError::MissingParam(missing))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_param_map_iterates_in_id_order_and_pairs_two_entries() {
+        let id = |i| ParamId::from_index(i).unwrap();
+        let mut m: ParamMap<u32> = [(id(5), 50), (id(1), 10), (id(3), 30)]
+            .into_iter()
+            .collect();
+        assert_eq!(m.len(), 3);
+        assert_eq!(
+            m.iter().map(|(i, v)| (i.index(), *v)).collect::<Vec<_>>(),
+            [(1, 10), (3, 30), (5, 50)]
+        );
+        let (a, b) = m.pair_mut(id(5), id(1)).unwrap();
+        (*a, *b) = (51, 11);
+        assert_eq!((m.get(id(5)), m.get(id(1))), (Some(&51), Some(&11)));
+        assert!(m.pair_mut(id(3), id(3)).is_none());
+        assert!(m.pair_mut(id(3), id(4)).is_none());
+        assert_eq!(
+            grad_pair(&mut m, id(3), id(9)).unwrap_err(),
+            BackendError::MissingParam(id(9))
+        );
+        assert_eq!(m.remove(id(3)), Some(30));
+        assert_eq!((m.len(), m.remove(id(3))), (2, None));
+    }
+}

@@ -7,21 +7,20 @@
 use super::update::{local_sq, set_clip};
 use super::{comm_error, missing, owned};
 use crate::compile::plan::{CommPurpose, Op, TensorKind};
-use crate::model::params::expert_of;
-use crate::runtime::backend::cpu::gpt::Tensors;
+use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::Buf;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use crate::runtime::zero;
 
-pub(super) fn grad_norm(
-    dev: &Device,
+pub(super) fn grad_norm<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     group: &[u32],
 ) -> Result<(), RuntimeError> {
-    let local = local_sq(dev);
+    let local = local_sq(dev).map_err(|e| dev.backend_error(op, e))?;
     let total = ctx
         .comm
         .all_reduce(
@@ -36,18 +35,80 @@ pub(super) fn grad_norm(
     Ok(())
 }
 
-pub(super) fn reduce_grads(
-    dev: &Device,
+/// The gradients a reduction moves, laid out one after the other: the
+/// device's own, or (ZeRO-2/3) the sum of each microbatch's, whose buffers
+/// the backwards hand over (a tied all-reduce's result replaces the local
+/// pieces).
+fn contribution<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ids: &[ParamId],
+    per_microbatch: bool,
+) -> Result<B::Tensor, RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
+    let concat = |pieces: &[&B::Tensor]| -> Result<B::Tensor, RuntimeError> {
+        let total: usize = pieces.iter().map(|t| B::len(t)).sum();
+        let mut flat = dev.b.zeros(total).map_err(fail)?;
+        let mut at = 0;
+        for t in pieces {
+            dev.b.copy(&mut flat, at, t, 0..B::len(t));
+            at += B::len(t);
+        }
+        Ok(flat)
+    };
+    if !per_microbatch {
+        let grads = dev.grads.lock().unwrap();
+        let pieces = ids
+            .iter()
+            .map(|&id| {
+                grads
+                    .get(id)
+                    .ok_or_else(|| missing(dev, op, &format!("gradient {}", dev.table.name(id))))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        return concat(&pieces);
+    }
+    let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
+    let mut sums: Vec<B::Tensor> = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let reduced = bufs
+            .iter()
+            .any(|b| matches!(&**b, Buf::Tied(t) if t.contains(id)));
+        let mut acc: Option<B::Tensor> = None;
+        for b in &bufs {
+            let t = match &**b {
+                Buf::Tied(t) => t,
+                Buf::Params(t) if !reduced => t,
+                _ => continue,
+            };
+            if let Some(g) = t.get(id) {
+                match acc.as_mut() {
+                    None => acc = Some(dev.b.duplicate(g).map_err(fail)?),
+                    Some(a) => dev.b.add(a, g),
+                }
+            }
+        }
+        sums.push(acc.ok_or_else(|| {
+            let name = dev.table.name(id);
+            missing(dev, op, &format!("this microbatch's gradient of {name}"))
+        })?);
+    }
+    concat(&sums.iter().collect::<Vec<_>>())
+}
+
+pub(super) fn reduce_grads<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
     group: &[u32],
     purpose: CommPurpose,
 ) -> Result<(), RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
     let tied = purpose == CommPurpose::TiedGrad;
-    let mut names = if tied {
-        vec!["wte".to_string()]
+    let mut ids = if tied {
+        vec![dev.table.wte]
     } else {
-        owned(dev, ctx, &op.segments)
+        owned(dev, &op.segments)
     };
     if purpose == CommPurpose::GradSync
         && op
@@ -57,47 +118,12 @@ pub(super) fn reduce_grads(
     {
         // Experts spread by `shard` live on one device each: not replicated,
         // not reduced (their router and layernorm are).
-        names.retain(|n| expert_of(n).is_none());
+        ids.retain(|id| dev.table.expert_of(*id).is_none());
     }
-    // ZeRO-2/3 reduce every microbatch's gradients, which the backwards
-    // hand over as buffers (freed after this op).
     let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);
-    let mut flat = Vec::new();
-    if per_microbatch {
-        let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
-        for n in &names {
-            // A tied all-reduce's result replaces the local pieces.
-            let reduced = bufs
-                .iter()
-                .any(|b| matches!(&**b, Buf::Tied(t) if t.contains_key(n)));
-            let mut acc: Option<Vec<f32>> = None;
-            for b in &bufs {
-                let t = match &**b {
-                    Buf::Tied(t) => t,
-                    Buf::Params(t) if !reduced => t,
-                    _ => continue,
-                };
-                if let Some(g) = t.get(n) {
-                    match acc.as_mut() {
-                        None => acc = Some(g.clone()),
-                        Some(a) => a.iter_mut().zip(g).for_each(|(x, y)| *x += y),
-                    }
-                }
-            }
-            flat.extend(
-                acc.ok_or_else(|| missing(dev, op, &format!("this microbatch's gradient of {n}")))?,
-            );
-        }
-    } else {
-        let grads = dev.grads.lock().unwrap();
-        for n in &names {
-            flat.extend_from_slice(
-                grads
-                    .get(n)
-                    .ok_or_else(|| missing(dev, op, &format!("gradient {n}")))?,
-            );
-        }
-    }
+    let flat = dev
+        .b
+        .download_owned(contribution(dev, op, &ids, per_microbatch)?);
     // Staging: this device's contribution and the reduced result.
     let _staging = dev.reserve(op, flat.len() as u64 * 8)?;
     let sum = ctx
@@ -107,7 +133,8 @@ pub(super) fn reduce_grads(
     if per_microbatch && tied {
         // Hand the microbatch's reduced `wte` gradient to the gradient
         // reduce-scatter of its bucket.
-        let t: Tensors = [("wte".to_string(), sum.to_vec())].into_iter().collect();
+        let mut t: ParamMap<B::Tensor> = ParamMap::new();
+        t.insert(dev.table.wte, dev.b.upload(sum.to_vec()).map_err(fail)?);
         dev.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
     } else if per_microbatch {
         // Keep this device's shard of the reduced gradients.
@@ -115,10 +142,10 @@ pub(super) fn reduce_grads(
     } else {
         let mut grads = dev.grads.lock().unwrap();
         let mut at = 0;
-        for n in &names {
-            let g = grads.get_mut(n).expect("read above");
-            let len = g.len();
-            g.copy_from_slice(&sum[at..at + len]);
+        for id in &ids {
+            let g = grads.get_mut(*id).expect("read above");
+            let len = B::len(g);
+            dev.b.write(g, 0, &sum[at..at + len]);
             at += len;
         }
     }

@@ -1,30 +1,25 @@
-//! Compute ops through the CPU backend: a segment's forward (`F`), its
-//! backward (`B`, or split into `BI` for the input gradient and `BW` for the
-//! weight gradients), with ZeRO-3's gathered parameters when the plan
-//! gathers them.
+//! Compute ops: a segment's forward (`F`), its backward (`B`, or split into
+//! `BI` for the input gradient and `BW` for the weight gradients), with
+//! ZeRO-3's gathered parameters when the plan gathers them.
 
 use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::model::Segment;
-use crate::runtime::backend::cpu::gpt::{
-    segment_backward_input_in, segment_backward_weight, segment_forward_in, Dims, Peers,
-    SegmentCache, SegmentStash, Tensors,
-};
-use crate::runtime::buffers::{vec_of, Buf};
+use crate::runtime::backend::segment::{Dims, Model, Peers, SegmentCache, SegmentStash};
+use crate::runtime::backend::{Backend, BackendError, ParamMap};
+use crate::runtime::buffers::Buf;
 use crate::runtime::comm::in_op_key;
-use crate::runtime::device::params_here;
-use crate::runtime::device::Device;
-use crate::runtime::error::label;
+use crate::runtime::device::{params_here, Device};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 
 /// Run `f` with the parameters the op computes with: ZeRO-3's gathered
 /// buffer when the plan gathers them, otherwise the device's own.
-pub(super) fn with_params<R>(
-    dev: &Device,
+pub(super) fn with_params<B: Backend, R>(
+    dev: &Device<B>,
     op: &Op,
-    f: impl FnOnce(&Tensors) -> Result<R, RuntimeError>,
+    f: impl FnOnce(&ParamMap<B::Tensor>) -> Result<R, RuntimeError>,
 ) -> Result<R, RuntimeError> {
     let gathered = dev.take(op, TensorKind::Param)?;
     if let Some(Buf::Params(t)) = gathered.as_deref() {
@@ -36,39 +31,41 @@ pub(super) fn with_params<R>(
 
 /// Run `f` with the peers of a spread `op` (expert parallelism: its group's
 /// all-to-all; tensor parallelism: its group's sum, both through the step's
-/// `Comm`), or `None` when it runs alone.
-fn with_peers<R>(
-    dev: &Device,
+/// `Comm`, on host copies), or `None` when it runs alone.
+pub(super) fn with_peers<B: Backend, R>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
-    f: impl FnOnce(Option<Peers<'_, '_>>) -> Result<R, String>,
+    ctx: &StepCtx<B>,
+    f: impl FnOnce(Option<Peers<'_, '_, B>>) -> Result<R, BackendError>,
 ) -> Result<R, RuntimeError> {
     let seg = op.segments[0];
-    let fail = |cause: String| RuntimeError::Exchange {
-        device: dev.id,
-        op: label(op),
-        cause,
-    };
+    let fail = |e: BackendError| dev.backend_error(op, e);
     let members = op.group.as_deref().unwrap_or(&[]);
     let key = |phase: u32| {
         in_op_key(op.node, phase).ok_or_else(|| {
-            format!(
+            BackendError::Exchange(format!(
                 "node {} or exchange {phase} past what in-op keys hold (nodes < 2^20, 1024 exchanges an op)",
                 op.node
-            )
+            ))
         })
     };
+    let b = &dev.b;
     if let Some(group) = dev.spreads.experts.get(&seg).copied() {
-        let mut exchange = |phase: u32, chunks: Vec<Vec<f32>>| {
+        let mut exchange = |phase: u32, chunks: Vec<B::Tensor>| {
             let what = [
                 "dispatch",
                 "combine",
                 "gradient dispatch",
                 "gradient combine",
             ][phase as usize % 4];
-            ctx.comm
-                .all_to_all(what, key(phase)?, members, dev.id, chunks)
-                .map_err(|e| e.to_string())
+            let host = chunks.into_iter().map(|c| b.download_owned(c)).collect();
+            let got = ctx
+                .comm
+                .all_to_all(what, key(phase)?, members, dev.id, host)
+                .map_err(|e| BackendError::Exchange(e.to_string()))?;
+            got.into_iter()
+                .map(|c| b.upload(Arc::unwrap_or_clone(c)))
+                .collect()
         };
         let peers = Peers::Experts {
             group,
@@ -78,13 +75,20 @@ fn with_peers<R>(
     }
     if dev.spreads.tensor.contains_key(&seg) {
         let mut phase = 0u32;
-        let mut reduce = |part: Vec<f32>| {
+        let mut reduce = |part: B::Tensor| {
             let k = key(phase)?;
             phase += 1;
-            ctx.comm
-                .all_reduce("tensor-parallel all-reduce", k, members, dev.id, part)
-                .map(Arc::unwrap_or_clone)
-                .map_err(|e| e.to_string())
+            let sum = ctx
+                .comm
+                .all_reduce(
+                    "tensor-parallel all-reduce",
+                    k,
+                    members,
+                    dev.id,
+                    b.download_owned(part),
+                )
+                .map_err(|e| BackendError::Exchange(e.to_string()))?;
+            b.upload(Arc::unwrap_or_clone(sum))
         };
         let peers = Peers::Tensor {
             reduce: &mut reduce,
@@ -94,14 +98,18 @@ fn with_peers<R>(
     f(None).map_err(fail)
 }
 
-pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn forward<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     let div = op.batch_div as usize;
     let b = ctx.batch.b / div;
     let dp = div / op.microbatches.max(1) as usize;
     let piece = op.microbatch as usize * dp + op.replica as usize;
     let (tokens, targets) = ctx.batch.rows(piece * b, b);
-    let input = vec_of(dev.take(op, TensorKind::Activation)?);
+    let input = dev.tensor_of(op, dev.take(op, TensorKind::Activation)?)?;
     // A tensor-parallel member holds 1/tp of the heads and MLP units; the
     // cache keeps the shapes for backward.
     let dims = Dims {
@@ -112,9 +120,10 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
             .map_or(1, |(t, _)| *t),
         ..Dims::new(ctx.cfg, b)
     };
+    let model = Model::new(&dev.b, &dev.table);
     let (out, cache, loss) = with_params(dev, op, |params| {
         with_peers(dev, op, ctx, |peers| {
-            segment_forward_in(
+            model.forward(
                 seg,
                 params,
                 seg.has_embedding().then_some(tokens),
@@ -134,21 +143,23 @@ pub(super) fn forward(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtim
         .is_none_or(|(_, r)| *r == 0);
     if reports {
         let mut s = dev.state.lock().unwrap();
-        if let Some(l) = loss {
-            s.loss += l;
-        }
+        s.losses.push(loss);
         s.moe_routed += routed;
         s.moe_dropped += dropped;
     }
     if let Some(out) = out {
-        dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;
+        dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
     }
     dev.put(op, TensorKind::Saved, Buf::Saved(cache))
 }
 
 /// `B` (input and weight gradients) or `BI` (input gradient; hands the
 /// weight pass its stash).
-pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn backward_input<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     // Parameters first: the gathered buffer is an input like the others.
     let gathered = dev.take(op, TensorKind::Param)?;
@@ -156,12 +167,13 @@ pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(),
         .take(op, TensorKind::Saved)?
         .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
     let Buf::Saved(cache) = &*saved else {
-        unreachable!()
+        return Err(missing(dev, op, "the forward's saved tensors"));
     };
-    let dout = vec_of(dev.take(op, TensorKind::ActGrad)?);
-    let run = |params: &Tensors| {
+    let dout = dev.tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?;
+    let model = Model::new(&dev.b, &dev.table);
+    let run = |params: &ParamMap<B::Tensor>| {
         with_peers(dev, op, ctx, |peers| {
-            segment_backward_input_in(params, cache, dout, ctx.loss_scale, peers)
+            model.backward_input(params, cache, dout, ctx.loss_scale, peers)
         })
     };
     let (dinp, mut stash) = match gathered.as_deref() {
@@ -175,23 +187,27 @@ pub(super) fn backward_input(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(),
         // the stash, free the rest now.
         let cache = match Arc::try_unwrap(saved) {
             Ok(Buf::Saved(c)) => c,
-            Ok(_) => unreachable!(),
+            Ok(_) => return Err(missing(dev, op, "the forward's saved tensors")),
             Err(shared) => match &*shared {
-                Buf::Saved(c) => c.clone(),
-                _ => unreachable!(),
+                Buf::Saved(c) => c.duplicate(&dev.b).map_err(|e| dev.backend_error(op, e))?,
+                _ => return Err(missing(dev, op, "the forward's saved tensors")),
             },
         };
         stash.keep_for_weights(cache);
         dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
     }
     if let Some(d) = dinp {
-        dev.put(op, TensorKind::ActGrad, Buf::Vec(Arc::new(d)))?;
+        dev.put(op, TensorKind::ActGrad, Buf::Tensor(d))?;
     }
     Ok(())
 }
 
 /// `BW`: the weight gradients from `BI`'s stash.
-pub(super) fn backward_weight(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn backward_weight<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     // A gathered parameter buffer, if the plan feeds one, is consumed.
     drop(dev.take(op, TensorKind::Param)?);
@@ -199,7 +215,7 @@ pub(super) fn backward_weight(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<()
         .take(op, TensorKind::Stash)?
         .ok_or_else(|| missing(dev, op, "BI's stash"))?;
     let Buf::Stash(stash) = &*stash else {
-        unreachable!()
+        return Err(missing(dev, op, "BI's stash"));
     };
     let cache = stash
         .kept
@@ -210,23 +226,35 @@ pub(super) fn backward_weight(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<()
 
 /// Accumulate a backward's weight gradients: into the device's gradient
 /// buffers, or (ZeRO-2/3) into a per-microbatch buffer its reduce-scatter reads.
-fn weight_grads(
-    dev: &Device,
+fn weight_grads<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     seg: &Segment,
-    cache: &SegmentCache,
-    stash: &SegmentStash,
+    cache: &SegmentCache<B>,
+    stash: &SegmentStash<B>,
 ) -> Result<(), RuntimeError> {
+    let model = Model::new(&dev.b, &dev.table);
+    let fail = |e| dev.backend_error(op, e);
     if op.zero >= 2 {
-        let mut t: Tensors = params_here(ctx.cfg, seg, &dev.spreads)
-            .into_iter()
-            .map(|p| (p.name, vec![0.0; p.shape.iter().product()]))
-            .collect();
-        segment_backward_weight(&mut t, cache, stash);
+        let mut t: ParamMap<B::Tensor> = ParamMap::new();
+        for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
+            t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
+        }
+        model.backward_weight(&mut t, cache, stash).map_err(fail)?;
         dev.put(op, TensorKind::MicroGrad, Buf::Params(t))
     } else {
-        segment_backward_weight(&mut dev.grads.lock().unwrap(), cache, stash);
-        Ok(())
+        model
+            .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
+            .map_err(fail)
+    }
+}
+
+/// Elements of a parameter as this device holds it (its tensor-parallel
+/// slice, or whole).
+fn local_len<B: Backend>(dev: &Device<B>, p: &crate::runtime::device::ParamHere) -> usize {
+    match &p.piece {
+        Some(pc) => pc.ranges.iter().map(|r| r.len()).sum(),
+        None => dev.table.entry(p.id).numel(),
     }
 }

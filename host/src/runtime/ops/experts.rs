@@ -9,12 +9,12 @@ use super::compute::with_params;
 use super::{comm_error, missing};
 use crate::compile::plan::{ExpertPhase, Op, OpKind, TensorKind};
 use crate::model::Part;
-use crate::runtime::backend::cpu::gpt::{Dims, PartCache, PartStash, SegmentCache, SegmentStash};
-use crate::runtime::backend::cpu::moe::{
-    moe_back_combine, moe_back_dispatch, moe_back_experts, moe_combine, moe_dispatch, moe_experts,
-    moe_experts_weight, moe_router_weight, ExpertGroup, MoeCache, MoeDims,
+use crate::runtime::backend::moe::{ExpertGroup, MoeCache, MoeDims};
+use crate::runtime::backend::segment::{
+    Dims, Model, PartCache, PartStash, SegmentCache, SegmentStash,
 };
-use crate::runtime::buffers::{vec_of, Buf, MoePart};
+use crate::runtime::backend::{Backend, BackendError};
+use crate::runtime::buffers::{Buf, MoePart};
 use crate::runtime::device::Device;
 use crate::runtime::error::{label, RuntimeError};
 use crate::runtime::step::StepCtx;
@@ -22,62 +22,72 @@ use std::sync::Arc;
 
 /// The all-to-all between two phases: this device's chunk for each member
 /// out, each member's chunk for this device in.
-pub(super) fn all_to_all(
-    dev: &Device,
+pub(super) fn all_to_all<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     group: &[u32],
 ) -> Result<(), RuntimeError> {
-    let input = dev
-        .take(op, TensorKind::Routed)?
-        .ok_or_else(|| missing(dev, op, "the rows to exchange"))?;
-    let chunks: Vec<Vec<f32>> = match &*input {
-        Buf::Moe(MoePart::Chunks(c)) => c.iter().map(|v| (**v).clone()).collect(),
-        _ => return Err(missing(dev, op, "the rows to exchange")),
-    };
-    drop(input);
+    let chunks = received(dev, op, "the rows to exchange")?;
     // Staging: what leaves and what arrives.
-    let bytes: u64 = chunks.iter().map(|c| c.len() as u64 * 4).sum();
+    let bytes: u64 = chunks.iter().map(|c| B::bytes(c)).sum();
     let _staging = dev.reserve(op, bytes.saturating_mul(2))?;
+    let host = chunks
+        .into_iter()
+        .map(|c| dev.b.download_owned(c))
+        .collect();
     let got = ctx
         .comm
-        .all_to_all("expert all-to-all", op.node, group, dev.id, chunks)
+        .all_to_all("expert all-to-all", op.node, group, dev.id, host)
         .map_err(|e| comm_error(dev, op, e))?;
+    let got = got
+        .into_iter()
+        .map(|c| dev.b.upload(Arc::unwrap_or_clone(c)))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| dev.backend_error(op, e))?;
     dev.put(op, TensorKind::Routed, Buf::Moe(MoePart::Chunks(got)))
 }
 
 /// A plan that asks for what an expert phase cannot do.
-fn plan_error(dev: &Device, op: &Op, m: &str) -> RuntimeError {
+fn plan_error<B: Backend>(dev: &Device<B>, op: &Op, m: &str) -> RuntimeError {
     RuntimeError::Plan(format!("device {}: {}: {m}", dev.id, label(op)))
 }
 
-/// An exchange whose rows do not fit the routing.
-fn exchange_error(dev: &Device, op: &Op, cause: String) -> RuntimeError {
-    RuntimeError::Exchange {
-        device: dev.id,
-        op: label(op),
-        cause,
-    }
-}
-
 /// Rows for (or from) each member, as a buffer.
-fn chunks(v: Vec<Vec<f32>>) -> Buf {
-    Buf::Moe(MoePart::Chunks(v.into_iter().map(Arc::new).collect()))
+fn chunks<B: Backend>(v: Vec<B::Tensor>) -> Buf<B> {
+    Buf::Moe(MoePart::Chunks(v))
 }
 
-/// The rows the all-to-all before this phase delivered.
-fn received(dev: &Device, op: &Op) -> Result<Vec<Arc<Vec<f32>>>, RuntimeError> {
+/// The rows the all-to-all before this phase delivered (moved out when
+/// this is their last reader, copied otherwise).
+fn received<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    what: &str,
+) -> Result<Vec<B::Tensor>, RuntimeError> {
     let b = dev
         .take(op, TensorKind::Routed)?
-        .ok_or_else(|| missing(dev, op, "the exchanged rows"))?;
-    match &*b {
-        Buf::Moe(MoePart::Chunks(c)) => Ok(c.clone()),
-        _ => Err(plan_error(dev, op, "the exchanged rows are not rows")),
+        .ok_or_else(|| missing(dev, op, what))?;
+    match Arc::try_unwrap(b) {
+        Ok(Buf::Moe(MoePart::Chunks(c))) => Ok(c),
+        Ok(_) => Err(plan_error(dev, op, "the exchanged rows are not rows")),
+        Err(shared) => match &*shared {
+            Buf::Moe(MoePart::Chunks(c)) => c
+                .iter()
+                .map(|t| dev.b.duplicate(t))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| dev.backend_error(op, e)),
+            _ => Err(plan_error(dev, op, "the exchanged rows are not rows")),
+        },
     }
 }
 
 /// One phase of a split expert pass.
-pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn phase<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let s = op.segments[0];
     let seg = &ctx.segments[s as usize];
     let plan_error = |m: &str| plan_error(dev, op, m);
@@ -93,13 +103,17 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
     let b = ctx.batch.b / op.batch_div.max(1) as usize;
     let dims = Dims::new(ctx.cfg, b);
     let d = MoeDims::new(moe, dims.n(), dims.t, dims.c);
-    let fail = |cause| exchange_error(dev, op, cause);
+    let model = Model::new(&dev.b, &dev.table);
+    let fail = |e: BackendError| dev.backend_error(op, e);
     let phase = op.phase.ok_or_else(|| plan_error("no phase"))?;
     match (op.op, phase) {
         (OpKind::F, ExpertPhase::Dispatch) => {
-            let x = vec_of(dev.take(op, TensorKind::Activation)?)
+            let x = dev
+                .tensor_of(op, dev.take(op, TensorKind::Activation)?)?
                 .ok_or_else(|| missing(dev, op, "the input activation"))?;
-            let (routed, out) = with_params(dev, op, |p| Ok(moe_dispatch(p, l, moe, x, d, group)))?;
+            let (routed, out) = with_params(dev, op, |p| {
+                model.moe_dispatch(p, l, moe, x, d, group).map_err(fail)
+            })?;
             {
                 let mut st = dev.state.lock().unwrap();
                 st.moe_routed += routed.routing.choice.len() as u64;
@@ -113,16 +127,16 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
             )
         }
         (OpKind::F, ExpertPhase::Experts) => {
-            let got = received(dev, op)?;
+            let got = received(dev, op, "the exchanged rows")?;
             let (experts, back) = with_params(dev, op, |p| {
-                moe_experts::<String>(p, l, d, group, &got).map_err(fail)
+                model.moe_experts(p, l, d, group, &got).map_err(fail)
             })?;
             drop(got);
             dev.put(op, TensorKind::Routed, chunks(back))?;
             dev.put(op, TensorKind::Saved, Buf::Moe(MoePart::Experts(experts)))
         }
         (OpKind::F, ExpertPhase::Combine) => {
-            let got = received(dev, op)?;
+            let got = received(dev, op, "the exchanged rows")?;
             let (mut routed, mut experts) = (None, None);
             for buf in dev.take_all(op, TensorKind::Saved)? {
                 match Arc::try_unwrap(buf) {
@@ -138,9 +152,13 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
             let (Some(routed), Some(experts)) = (routed, experts) else {
                 return Err(missing(dev, op, "the dispatch's and the experts' tensors"));
             };
-            let (out, cache, aux) = moe_combine::<String>(routed, experts, got).map_err(fail)?;
-            dev.state.lock().unwrap().loss += aux;
-            dev.put(op, TensorKind::Activation, Buf::Vec(Arc::new(out)))?;
+            let (out, cache, aux) = model.moe_combine(routed, experts, got).map_err(fail)?;
+            dev.state
+                .lock()
+                .unwrap()
+                .losses
+                .push(vec![dev.b.scalar(aux)]);
+            dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
             let cache = SegmentCache {
                 dims: Dims {
                     moe: Some(*moe),
@@ -154,59 +172,83 @@ pub(super) fn phase(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeE
             let saved = dev
                 .take(op, TensorKind::Saved)?
                 .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
-            let cache = match &*saved {
-                Buf::Saved(SegmentCache { parts, .. }) => match parts.first() {
-                    Some(PartCache::Experts(m)) => m,
-                    _ => return Err(plan_error("the saved tensors are not an expert half's")),
-                },
-                _ => return Err(plan_error("the saved tensors are not a forward cache")),
-            };
-            backward_phase(dev, op, ctx, p, cache, &saved)
+            backward_phase(dev, op, ctx, p, saved)
         }
         _ => Err(plan_error("no such expert phase")),
     }
 }
 
+/// The expert half's cache inside a forward's saved tensors.
+fn moe_cache<'a, B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    saved: &'a Buf<B>,
+) -> Result<&'a MoeCache<B>, RuntimeError> {
+    match saved {
+        Buf::Saved(SegmentCache { parts, .. }) => match parts.first() {
+            Some(PartCache::Experts(m)) => Ok(m),
+            _ => Err(plan_error(
+                dev,
+                op,
+                "the saved tensors are not an expert half's",
+            )),
+        },
+        _ => Err(plan_error(
+            dev,
+            op,
+            "the saved tensors are not a forward cache",
+        )),
+    }
+}
+
 /// One backward phase (`B` computes weight gradients on the way, `BI`
 /// hands them to `BW`).
-fn backward_phase(
-    dev: &Device,
+fn backward_phase<B: Backend>(
+    dev: &Device<B>,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     phase: ExpertPhase,
-    cache: &MoeCache,
-    saved: &Arc<Buf>,
+    saved: Arc<Buf<B>>,
 ) -> Result<(), RuntimeError> {
     let plan_error = |m: &str| plan_error(dev, op, m);
-    let fail = |cause| exchange_error(dev, op, cause);
+    let fail = |e: BackendError| dev.backend_error(op, e);
+    let model = Model::new(&dev.b, &dev.table);
     let fused = op.op == OpKind::B;
     if fused && op.zero >= 2 {
         return Err(plan_error("ZeRO-2/3 on a split expert pass"));
     }
+    let cache = moe_cache(dev, op, &saved)?;
     match phase {
         ExpertPhase::Combine => {
-            let dout = vec_of(dev.take(op, TensorKind::ActGrad)?)
+            let dout = dev
+                .tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?
                 .ok_or_else(|| missing(dev, op, "the output gradient"))?;
-            let (combined, out) = moe_back_combine(cache, dout);
+            let (combined, out) = model.moe_back_combine(cache, dout).map_err(fail)?;
             dev.put(op, TensorKind::Routed, chunks(out))?;
             dev.put(op, TensorKind::Stash, Buf::Moe(MoePart::Combined(combined)))
         }
         ExpertPhase::Experts => {
-            let got = received(dev, op)?;
+            let got = received(dev, op, "the exchanged rows")?;
             let (grads, back) = with_params(dev, op, |p| {
-                moe_back_experts::<String>(p, cache, &got).map_err(fail)
+                model.moe_back_experts(p, cache, &got).map_err(fail)
             })?;
             drop(got);
             dev.put(op, TensorKind::Routed, chunks(back))?;
             if fused {
-                moe_experts_weight(&mut dev.grads.lock().unwrap(), cache, &grads.dy, &grads.dfc);
-                Ok(())
+                model
+                    .moe_experts_weight(
+                        &mut dev.grads.lock().unwrap(),
+                        cache,
+                        &grads.dy,
+                        &grads.dfc,
+                    )
+                    .map_err(fail)
             } else {
                 dev.put(op, TensorKind::Stash, Buf::Moe(MoePart::Grads(grads)))
             }
         }
         ExpertPhase::Dispatch => {
-            let got = received(dev, op)?;
+            let got = received(dev, op, "the exchanged rows")?;
             let (mut combined, mut grads) = (None, None);
             for buf in dev.take_all(op, TensorKind::Stash)? {
                 match Arc::try_unwrap(buf) {
@@ -221,11 +263,15 @@ fn backward_phase(
             }
             let combined = combined.ok_or_else(|| missing(dev, op, "the combine's gradients"))?;
             let (dx, mut stash) = with_params(dev, op, |p| {
-                moe_back_dispatch::<String>(p, cache, combined, &got, ctx.loss_scale).map_err(fail)
+                model
+                    .moe_back_dispatch(p, cache, combined, &got, ctx.loss_scale)
+                    .map_err(fail)
             })?;
             drop(got);
             if fused {
-                moe_router_weight(&mut dev.grads.lock().unwrap(), cache, &stash);
+                model
+                    .moe_router_weight(&mut dev.grads.lock().unwrap(), cache, &stash)
+                    .map_err(fail)?;
             } else {
                 let g = grads.ok_or_else(|| missing(dev, op, "the experts' gradients"))?;
                 stash.dy = g.dy;
@@ -234,13 +280,20 @@ fn backward_phase(
                     parts: vec![PartStash::Experts(Box::new(stash))],
                     kept: None,
                 };
-                let Buf::Saved(c) = &**saved else {
-                    unreachable!("checked by the caller")
+                // The dispatch is the saved tensors' last reader: they move
+                // into the stash unless another op still holds them.
+                let kept = match Arc::try_unwrap(saved) {
+                    Ok(Buf::Saved(c)) => c,
+                    Ok(_) => return Err(plan_error("the saved tensors are not a forward cache")),
+                    Err(shared) => match &*shared {
+                        Buf::Saved(c) => c.duplicate(&dev.b).map_err(fail)?,
+                        _ => return Err(plan_error("the saved tensors are not a forward cache")),
+                    },
                 };
-                st.keep_for_weights(c.clone());
+                st.keep_for_weights(kept);
                 dev.put(op, TensorKind::Stash, Buf::Stash(st))?;
             }
-            dev.put(op, TensorKind::ActGrad, Buf::Vec(Arc::new(dx)))
+            dev.put(op, TensorKind::ActGrad, Buf::Tensor(dx))
         }
     }
 }

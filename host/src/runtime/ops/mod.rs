@@ -3,6 +3,9 @@
 //! (`send`, `recv`), the phases of split expert passes and their
 //! all-to-alls (`experts`), gradient collectives (norm, DP / tied / copy
 //! reductions), ZeRO gathers (in `zero`), and the optimizer `update`.
+//! Generic over the device's backend: kernels run inside the backend's
+//! [`Backend::enter`] on the op's stream; communication stays on the
+//! stream's own thread.
 
 mod collective;
 mod compute;
@@ -10,20 +13,21 @@ mod experts;
 mod p2p;
 mod update;
 
-use super::backend::cpu::profile::{self, KernelSpan};
+use super::backend::{Backend, KernelSpan, ParamId};
 use super::comm::CommError;
-use super::device::{owned_names, Device};
+use super::device::Device;
 use super::error::{label, RuntimeError};
 use super::step::StepCtx;
 use super::zero;
 use crate::compile::plan::{CommPurpose, Op, OpKind};
 
-/// Run one op of `dev`'s plan; when tracing, the kernels it ran go to
-/// `kernels`.
-pub(super) fn exec_op(
-    dev: &Device,
+/// Run one op of `dev`'s plan on its stream `si`; when tracing, the
+/// kernels it ran go to `kernels`.
+pub(super) fn exec_op<B: Backend>(
+    dev: &Device<B>,
+    si: usize,
     op: &Op,
-    ctx: &StepCtx,
+    ctx: &StepCtx<B>,
     kernels: &mut Vec<KernelSpan>,
 ) -> Result<(), RuntimeError> {
     let group: Vec<u32> = op
@@ -32,12 +36,11 @@ pub(super) fn exec_op(
         .map(|g| g.to_vec())
         .unwrap_or_else(|| vec![dev.id]);
     use CommPurpose as P;
-    // Kernels run on the device's pool (their parallel parts on its
-    // threads); communication stays on the stream's own thread.
     let on = ctx.opts.trace;
+    let stream = &dev.streams[si];
     let mut kernel = |f: &(dyn Fn() -> Result<(), RuntimeError> + Sync)| {
-        dev.pool
-            .install(|| profile::recording(on, ctx.epoch, kernels, f))
+        let trace = on.then_some((ctx.epoch, &mut *kernels));
+        dev.b.enter(stream, trace, f)
     };
     match (op.op, op.purpose) {
         (OpKind::F | OpKind::B | OpKind::BI, _) if op.phase.is_some() => {
@@ -58,7 +61,7 @@ pub(super) fn exec_op(
         (OpKind::AllGather, Some(P::ParamGather)) => zero::param_gather(dev, op, ctx, &group),
         (OpKind::Update, _) => kernel(&|| update::update(dev, op, ctx)),
         (kind, purpose) => Err(RuntimeError::Unsupported(format!(
-            "device {}: {}: {} for {} is not supported by the CPU runtime",
+            "device {}: {}: {} for {} is not supported by the runtime",
             dev.id,
             label(op),
             kind.as_str(),
@@ -68,7 +71,7 @@ pub(super) fn exec_op(
 }
 
 /// An input the plan promised is not there.
-pub(super) fn missing(dev: &Device, op: &Op, what: &str) -> RuntimeError {
+pub(super) fn missing<B: Backend>(dev: &Device<B>, op: &Op, what: &str) -> RuntimeError {
     RuntimeError::MissingInput {
         device: dev.id,
         op: label(op),
@@ -77,7 +80,7 @@ pub(super) fn missing(dev: &Device, op: &Op, what: &str) -> RuntimeError {
 }
 
 /// A comm failure of `op` on `dev`.
-pub(super) fn comm_error(dev: &Device, op: &Op, cause: CommError) -> RuntimeError {
+pub(super) fn comm_error<B: Backend>(dev: &Device<B>, op: &Op, cause: CommError) -> RuntimeError {
     RuntimeError::Comm {
         device: dev.id,
         op: label(op),
@@ -85,13 +88,13 @@ pub(super) fn comm_error(dev: &Device, op: &Op, cause: CommError) -> RuntimeErro
     }
 }
 
-/// Sorted, deduplicated names the given segments own on this device.
-fn owned(dev: &Device, ctx: &StepCtx, segs: &[u32]) -> Vec<String> {
-    let mut n: Vec<String> = segs
+/// The parameters the given segments own on this device, sorted, each once.
+fn owned<B: Backend>(dev: &Device<B>, segs: &[u32]) -> Vec<ParamId> {
+    let mut ids: Vec<ParamId> = segs
         .iter()
-        .flat_map(|s| owned_names(ctx.cfg, &ctx.segments, &dev.held, &dev.spreads, *s))
+        .flat_map(|s| dev.owned.get(s).into_iter().flatten().copied())
         .collect();
-    n.sort();
-    n.dedup();
-    n
+    ids.sort();
+    ids.dedup();
+    ids
 }

@@ -4,32 +4,45 @@
 
 use super::{comm_error, missing};
 use crate::compile::plan::{Op, TensorKind};
+use crate::runtime::backend::Backend;
 use crate::runtime::buffers::Buf;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
+use std::sync::Arc;
 
-pub(super) fn send(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn send<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
-    let buf = dev
-        .take(op, kind)?
+    let buf = dev.take(op, kind)?;
+    let t = dev
+        .tensor_of(op, buf)?
         .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
-    let Buf::Vec(v) = &*buf else {
-        unreachable!("only tensors cross devices")
-    };
     // The message stays on this device's account until its receiver holds
     // it (in this process), or until the transport has it (another rank).
     let peer = op.peer.unwrap_or(dev.id);
-    let in_flight = dev.reserve(op, v.len() as u64 * 4)?;
+    let in_flight = dev.reserve(op, B::bytes(&t))?;
     if ctx.comm.is_local(peer) {
         in_flight.keep();
     }
     ctx.comm
-        .send(op.pair.unwrap_or(op.node), dev.id, peer, v.clone())
+        .send(
+            op.pair.unwrap_or(op.node),
+            dev.id,
+            peer,
+            Arc::new(dev.b.download_owned(t)),
+        )
         .map_err(|e| comm_error(dev, op, e))
 }
 
-pub(super) fn recv(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn recv<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
     let what = format!("{kind:?}");
     let v = ctx
@@ -42,7 +55,11 @@ pub(super) fn recv(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeEr
         )
         .map_err(|e| comm_error(dev, op, e))?;
     let bytes = v.len() as u64 * 4;
-    dev.put(op, kind, Buf::Vec(v))?;
+    let t = dev
+        .b
+        .upload(Arc::unwrap_or_clone(v))
+        .map_err(|e| dev.backend_error(op, e))?;
+    dev.put(op, kind, Buf::Tensor(t))?;
     if let Some(sender) = ctx.devices.iter().find(|d| Some(d.id) == op.peer) {
         sender.release(bytes);
     }

@@ -4,25 +4,30 @@
 
 use super::owned;
 use crate::compile::plan::Op;
-use crate::runtime::backend::cpu::adamw::adamw_update;
+use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use crate::runtime::zero;
 
-pub(super) fn update(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), RuntimeError> {
+pub(super) fn update<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
     if !dev.has_norm_op {
-        let local = local_sq(dev);
+        let local = local_sq(dev).map_err(fail)?;
         set_clip(dev, local.sqrt(), ctx.opts.clip);
     }
     let scale = dev.state.lock().unwrap().clip_scale;
-    let names = owned(dev, ctx, &op.segments);
+    let ids = owned(dev, &op.segments);
     if ctx.opts.capture_grads {
         let grads = dev.grads.lock().unwrap();
         let mut cap = dev.captured.lock().unwrap();
-        for n in &names {
-            if let Some(g) = grads.get(n) {
-                cap.insert(n.clone(), g.clone());
+        for id in &ids {
+            if let Some(g) = grads.get(*id) {
+                cap.insert(*id, dev.b.duplicate(g).map_err(fail)?);
             }
         }
     }
@@ -31,47 +36,40 @@ pub(super) fn update(dev: &Device, op: &Op, ctx: &StepCtx) -> Result<(), Runtime
     let mut mom = dev.moments.lock().unwrap();
     let (m, v) = &mut *mom;
     // Unsharded parameters: whole tensors.
-    for n in &names {
+    for id in &ids {
         let (Some(p), Some(g), Some(mm), Some(vv)) = (
-            params.get_mut(n),
-            grads.get_mut(n),
-            m.get_mut(n),
-            v.get_mut(n),
+            params.get_mut(*id),
+            grads.get_mut(*id),
+            m.get_mut(*id),
+            v.get_mut(*id),
         ) else {
             continue;
         };
-        adamw_update(
+        dev.b.adamw(
             p,
             g,
             mm,
             vv,
+            0..B::len(p),
             &ctx.opts.adamw,
             ctx.step,
             scale,
-            dev.decay.contains(n),
+            dev.decay.contains(*id),
         );
-        g.iter_mut().for_each(|x| *x = 0.0);
+        dev.b.fill_zero(g);
     }
     // ZeRO buckets: this device's shard only.
-    zero::update(dev, op, ctx, &mut params, &mut grads, scale);
-    Ok(())
+    zero::update(dev, op, ctx, &mut params, &mut grads, scale).map_err(fail)
 }
 
 /// Σ g² over the gradients this device counts: unsharded ones on DP replica
 /// 0, and its own shard of every ZeRO bucket.
-pub(super) fn local_sq(dev: &Device) -> f64 {
-    let grads = dev.grads.lock().unwrap();
-    let sq = |g: &[f32]| g.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>();
-    let whole: f64 = dev
-        .norm_names
-        .iter()
-        .filter_map(|n| grads.get(n))
-        .map(|g| sq(g))
-        .sum();
-    zero::add_shard_sq(dev, &grads, whole)
+pub(super) fn local_sq<B: Backend>(dev: &Device<B>) -> Result<f64, BackendError> {
+    let grads: std::sync::MutexGuard<'_, ParamMap<B::Tensor>> = dev.grads.lock().unwrap();
+    zero::norm_sq(dev, &grads)
 }
 
-pub(super) fn set_clip(dev: &Device, norm: f64, clip: f32) {
+pub(super) fn set_clip<B: Backend>(dev: &Device<B>, norm: f64, clip: f32) {
     let mut s = dev.state.lock().unwrap();
     s.grad_norm = norm;
     s.clip_scale = if clip > 0.0 && norm > clip as f64 {

@@ -2,28 +2,7 @@
 //! in parallel chunks on the device's threads.
 
 use super::par;
-
-/// Hyper-parameters of the optimizer step.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamW {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
-    pub weight_decay: f32,
-}
-
-impl Default for AdamW {
-    fn default() -> Self {
-        AdamW {
-            lr: 1e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        }
-    }
-}
+use crate::runtime::backend::AdamW;
 
 /// A chunk of the step: its offset, parameters, first and second moments.
 type Block<'a> = (usize, &'a mut [f32], &'a mut [f32], &'a mut [f32]);

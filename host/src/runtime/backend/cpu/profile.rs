@@ -4,16 +4,9 @@
 //! Perfetto; `train` prints the totals). Off, a kernel pays one thread-local
 //! read.
 
+use crate::runtime::backend::KernelSpan;
 use std::cell::RefCell;
 use std::time::Instant;
-
-/// One kernel call: times in µs since the trainer's epoch.
-#[derive(Clone, Debug)]
-pub struct KernelSpan {
-    pub name: &'static str,
-    pub start_us: f64,
-    pub dur_us: f64,
-}
 
 thread_local! {
     static RECORDING: RefCell<Option<(Instant, Vec<KernelSpan>)>> = const { RefCell::new(None) };

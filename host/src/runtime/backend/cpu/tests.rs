@@ -6,11 +6,56 @@
 use super::attention::*;
 use super::elementwise::*;
 use super::embedding::*;
-use super::gpt::*;
 use super::layernorm::*;
 use super::loss::*;
 use super::matmul::*;
+use super::Cpu;
+use crate::model::params::ParamTable;
 use crate::model::ModelConfig;
+use crate::runtime::backend::segment::{Dims, Model};
+use crate::runtime::backend::{init, ParamMap};
+use std::collections::BTreeMap;
+
+/// Host tensors by GPT-2 name: the tests pick parameters to probe by name.
+type Tensors = BTreeMap<String, Vec<f32>>;
+
+/// A CPU device on the calling thread's pool.
+fn cpu() -> Cpu {
+    Cpu::new(0, 1).unwrap()
+}
+
+/// Named tensors as a device's parameter store (on the CPU, host memory).
+fn by_id(table: &ParamTable, t: &Tensors) -> ParamMap<Vec<f32>> {
+    t.iter()
+        .map(|(n, v)| (table.by_name(n).unwrap(), v.clone()))
+        .collect()
+}
+
+/// A parameter store by name.
+fn by_name(table: &ParamTable, t: ParamMap<Vec<f32>>) -> Tensors {
+    t.into_iter()
+        .map(|(id, v)| (table.name(id).to_string(), v))
+        .collect()
+}
+
+/// Every parameter of `cfg` as initialised from `seed`, by name.
+fn initial(cfg: &ModelConfig, seed: u64) -> Tensors {
+    let table = ParamTable::new(cfg);
+    table
+        .ids()
+        .map(|id| {
+            let v = init::param_values(&table, id, cfg.layers, seed);
+            (table.name(id).to_string(), v)
+        })
+        .collect()
+}
+
+/// Zeros shaped like `t`.
+fn zeros_like(t: &Tensors) -> Tensors {
+    t.iter()
+        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+        .collect()
+}
 
 struct Rng(u64);
 impl Rng {
@@ -272,6 +317,9 @@ fn model_loss_and_grads(
     tokens: &[u32],
     targets: &[u32],
 ) -> (f64, Tensors) {
+    let (b, table) = (cpu(), ParamTable::new(cfg));
+    let m = Model::new(&b, &table);
+    let p = by_id(&table, params);
     let dims = Dims::new(cfg, cfg.batch_size as usize);
     let scale = 1.0 / (dims.b * dims.t) as f32;
     let segs = cfg.segments();
@@ -279,35 +327,33 @@ fn model_loss_and_grads(
     let mut x = None;
     let mut loss = 0.0;
     for s in &segs {
-        let (out, cache, l) =
-            segment_forward(s, params, Some(tokens), x.take(), Some(targets), dims);
+        let (out, cache, l) = m
+            .forward(s, &p, Some(tokens), x.take(), Some(targets), dims, None)
+            .unwrap();
         x = out;
-        loss += l.unwrap_or(0.0);
+        loss += l.iter().sum::<f64>();
         caches.push(cache);
     }
-    let mut grads: Tensors = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
+    let mut grads = by_id(&table, &zeros_like(params));
     let mut d = None;
     for cache in caches.iter().rev() {
-        let (dinp, stash) = segment_backward_input(params, cache, d.take(), scale);
-        segment_backward_weight(&mut grads, cache, &stash);
+        let (dinp, stash) = m.backward_input(&p, cache, d.take(), scale, None).unwrap();
+        m.backward_weight(&mut grads, cache, &stash).unwrap();
         d = dinp;
     }
-    (loss * scale as f64, grads)
+    (loss * scale as f64, by_name(&table, grads))
 }
 
 #[test]
 fn whole_model_gradient_matches_finite_differences() {
     let cfg = small();
-    let params: Tensors = model_params(&cfg)
+    let params: Tensors = initial(&cfg, 7)
         .into_iter()
-        .map(|(n, s)| {
-            let v = init_param(&cfg, 7, &n, &s);
+        .map(|(n, v)| {
             // Perturb so biases and gains are not at their special values.
             let mut r = Rng(n.len() as u64);
-            (n, v.iter().map(|x| x + 0.05 * r.f()).collect())
+            let v = v.iter().map(|x| x + 0.05 * r.f()).collect();
+            (n, v)
         })
         .collect();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
@@ -344,24 +390,22 @@ fn deferred_weight_passes_give_the_same_gradients() {
     // Zero-bubble schedules run every BI first and the BWs later: the stash
     // must carry everything BW reads, so the gradients are bit-identical.
     let cfg = small();
-    let params: Tensors = model_params(&cfg)
-        .into_iter()
-        .map(|(n, s)| {
-            let v = init_param(&cfg, 3, &n, &s);
-            (n, v)
-        })
-        .collect();
+    let params = initial(&cfg, 3);
     let tokens: Vec<u32> = (0..12).map(|i| (i % 11) as u32).collect();
     let (loss, grads) = model_loss_and_grads(&cfg, &params, &tokens, &tokens);
     // ln(vocab) at initialisation.
     assert!((loss - (11f64).ln()).abs() < 0.2, "initial loss {loss}");
+    let (b, table) = (cpu(), ParamTable::new(&cfg));
+    let m = Model::new(&b, &table);
+    let p = by_id(&table, &params);
     let dims = Dims::new(&cfg, cfg.batch_size as usize);
     let scale = 1.0 / (dims.b * dims.t) as f32;
     let mut caches = Vec::new();
     let mut x = None;
     for s in &cfg.segments() {
-        let (out, cache, _) =
-            segment_forward(s, &params, Some(&tokens), x.take(), Some(&tokens), dims);
+        let (out, cache, _) = m
+            .forward(s, &p, Some(&tokens), x.take(), Some(&tokens), dims, None)
+            .unwrap();
         x = out;
         caches.push(cache);
     }
@@ -371,21 +415,19 @@ fn deferred_weight_passes_give_the_same_gradients() {
     let mut d = None;
     for cache in caches.into_iter().rev() {
         let full = cache.bytes();
-        let (dinp, mut stash) = segment_backward_input(&params, &cache, d.take(), scale);
+        let (dinp, mut stash) = m.backward_input(&p, &cache, d.take(), scale, None).unwrap();
         stash.keep_for_weights(cache);
         let kept = stash.kept.as_ref().unwrap().bytes();
         assert!(kept < full, "the weight pass keeps {kept} of {full} bytes");
         stashes.push(stash);
         d = dinp;
     }
-    let mut deferred: Tensors = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
+    let mut deferred = by_id(&table, &zeros_like(&params));
     for stash in &stashes {
-        segment_backward_weight(&mut deferred, stash.kept.as_ref().unwrap(), stash);
+        m.backward_weight(&mut deferred, stash.kept.as_ref().unwrap(), stash)
+            .unwrap();
     }
-    assert_eq!(deferred, grads);
+    assert_eq!(by_name(&table, deferred), grads);
 }
 
 /// Every kernel on 1, 2 and 3 threads: the same bits (work is split by
@@ -393,7 +435,8 @@ fn deferred_weight_passes_give_the_same_gradients() {
 /// enough that every kernel really splits.
 #[test]
 fn every_kernel_gives_the_same_bits_on_any_thread_count() {
-    use super::adamw::{adamw_update, AdamW};
+    use super::adamw::adamw_update;
+    use crate::runtime::backend::AdamW;
     let (b, t, c, nh, v) = (4usize, 64usize, 96usize, 4usize, 256usize);
     let n = b * t;
     let mut r = Rng(7);
@@ -482,9 +525,10 @@ fn every_kernel_gives_the_same_bits_on_any_thread_count() {
 /// A MoE half on 2 sequences of 5 tokens: 4 experts of width 12, top-2,
 /// a visible balance loss; random parameters with the router scaled so
 /// its logits are well apart (finite differences must not flip a choice).
+/// Also the model whose table names them.
 fn moe_layer(
     capacity_factor: Option<f64>,
-) -> (crate::model::MoeConfig, super::moe::MoeDims, Tensors) {
+) -> (crate::model::MoeConfig, MoeDims, Tensors, ModelConfig) {
     use crate::model::{MoeConfig, Part};
     let mut moe = MoeConfig::new(4, 2);
     moe.hidden = Some(12);
@@ -494,71 +538,74 @@ fn moe_layer(
     cfg.d_model = 8;
     cfg.seq_len = 5;
     cfg.moe = Some(moe);
-    let d = super::moe::MoeDims::new(&moe, 10, 5, 8);
+    let d = MoeDims::new(&moe, 10, 5, 8);
     let mut r = Rng(11);
-    let params = crate::model::params::part_params(&cfg, Part::Experts(0))
+    let params = crate::model::params::part_entries(&cfg, Part::Experts(0))
         .into_iter()
-        .map(|(n, s)| {
+        .map(|e| {
+            let n = e.name();
             let scale = if n.contains("router") { 3.0 } else { 0.5 };
-            let v = r
-                .vec(s.iter().product())
-                .iter()
-                .map(|x| x * scale)
-                .collect();
+            let v = r.vec(e.numel()).iter().map(|x| x * scale).collect();
             (n, v)
         })
         .collect();
-    (moe, d, params)
+    (moe, d, params, cfg)
 }
+
+use crate::runtime::backend::moe::{alone, ExpertGroup, MoeCache, MoeDims};
 
 /// `Σ out · R + aux` of the MoE half, and its routing.
 fn moe_loss(
-    moe: &crate::model::MoeConfig,
-    d: super::moe::MoeDims,
+    cfg: &ModelConfig,
+    d: MoeDims,
     params: &Tensors,
     x: &[f32],
     r: &[f32],
-) -> (f64, super::moe::MoeCache) {
-    let (out, cache, aux) = moe_fwd(params, moe, x, d);
+) -> (f64, MoeCache<Cpu>) {
+    let (out, cache, aux) = moe_fwd(cfg, params, x, d);
     (dot(&out, r) + aux, cache)
 }
 
 /// The MoE half of layer 0 on one device.
 fn moe_fwd(
+    cfg: &ModelConfig,
     params: &Tensors,
-    moe: &crate::model::MoeConfig,
     x: &[f32],
-    d: super::moe::MoeDims,
-) -> (Vec<f32>, super::moe::MoeCache, f64) {
-    use super::moe::*;
-    moe_forward(
-        params,
-        0,
-        moe,
-        x.to_vec(),
-        d,
-        ExpertGroup::ALONE,
-        &mut alone,
-    )
-    .unwrap()
+    d: MoeDims,
+) -> (Vec<f32>, MoeCache<Cpu>, f64) {
+    let (b, table) = (cpu(), ParamTable::new(cfg));
+    let moe = cfg.moe.unwrap();
+    Model::new(&b, &table)
+        .moe_forward(
+            &by_id(&table, params),
+            0,
+            &moe,
+            x.to_vec(),
+            d,
+            ExpertGroup::ALONE,
+            &mut alone::<Cpu>,
+        )
+        .unwrap()
 }
 
-fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
-    use super::moe::*;
-    let (moe, d, params) = moe_layer(capacity_factor);
+fn check_moe_gradients(capacity_factor: Option<f64>) -> MoeCache<Cpu> {
+    let (_, d, params, cfg) = moe_layer(capacity_factor);
+    let (b, table) = (cpu(), ParamTable::new(&cfg));
+    let m = Model::new(&b, &table);
     let mut rng = Rng(5);
     let (x, r) = (rng.vec(d.n * d.c), rng.vec(d.n * d.c));
-    let (_, cache) = moe_loss(&moe, d, &params, &x, &r);
-    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 1.0, &mut alone).unwrap();
-    let mut grads: Tensors = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
-    moe_backward_weight(&mut grads, &cache, &stash);
+    let (_, cache) = moe_loss(&cfg, d, &params, &x, &r);
+    let p = by_id(&table, &params);
+    let (dx, stash) = m
+        .moe_backward_input(&p, &cache, r.clone(), 1.0, &mut alone::<Cpu>)
+        .unwrap();
+    let mut grads = by_id(&table, &zeros_like(&params));
+    m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
+    let grads = by_name(&table, grads);
     let routing = cache.routed.routing.choice.clone();
     // Every probe keeps the routing (else the loss is not differentiable there).
     let probe = |p: &Tensors, x: &[f32]| {
-        let (l, c) = moe_loss(&moe, d, p, x, &r);
+        let (l, c) = moe_loss(&cfg, d, p, x, &r);
         assert_eq!(
             c.routed.routing.choice, routing,
             "a probe changed the routing"
@@ -592,14 +639,11 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> super::moe::MoeCache {
         );
     }
     // BI then BW from the kept tensors: the same bits.
-    let mut deferred: Tensors = params
-        .iter()
-        .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-        .collect();
-    let kept = cache.clone().keep_for_weights();
+    let mut deferred = by_id(&table, &zeros_like(&params));
+    let kept = cache.duplicate(&b).unwrap().keep_for_weights();
     assert!(kept.bytes() < cache.bytes());
-    moe_backward_weight(&mut deferred, &kept, &stash);
-    assert_eq!(deferred, grads);
+    m.moe_backward_weight(&mut deferred, &kept, &stash).unwrap();
+    assert_eq!(by_name(&table, deferred), grads);
     cache
 }
 
@@ -639,40 +683,48 @@ type Member = (Vec<f32>, f64, Vec<f32>, Tensors);
 /// router's summed over members.
 #[test]
 fn expert_parallel_moe_matches_one_device() {
-    use super::moe::*;
+    use crate::runtime::backend::BackendError;
     use crate::runtime::comm::{in_op_key, Comm, LocalComm};
-    use std::sync::Arc;
-    let (moe, _, params) = moe_layer(None);
+    let (moe, _, params, cfg) = moe_layer(None);
+    let table = ParamTable::new(&cfg);
     let (n, c) = (20, 8);
     let full = MoeDims::new(&moe, n, 5, c);
     let mut rng = Rng(9);
     let (x, r) = (rng.vec(n * c), rng.vec(n * c));
-    let zeros = |p: &Tensors| -> Tensors {
-        p.iter()
-            .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
-            .collect()
-    };
-    let (out, cache, aux) = moe_fwd(&params, &moe, &x, full);
-    let (dx, stash) = moe_backward_input(&params, &cache, r.clone(), 0.5, &mut alone).unwrap();
-    let mut grads = zeros(&params);
-    moe_backward_weight(&mut grads, &cache, &stash);
+    let b = cpu();
+    let m = Model::new(&b, &table);
+    let (out, cache, aux) = moe_fwd(&cfg, &params, &x, full);
+    let p = by_id(&table, &params);
+    let (dx, stash) = m
+        .moe_backward_input(&p, &cache, r.clone(), 0.5, &mut alone::<Cpu>)
+        .unwrap();
+    let mut grads = by_id(&table, &zeros_like(&params));
+    m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
+    let grads = by_name(&table, grads);
     for g in [2usize, 4] {
         let comm = LocalComm::new(std::time::Duration::from_secs(10));
         let per = n / g;
         let devs: Vec<u32> = (0..g as u32).collect();
-        let members: Vec<_> = std::thread::scope(|s| {
+        let members: Vec<Member> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..g)
                 .map(|rank| {
-                    let (comm, devs, params, x, r) = (&comm, &devs, &params, &x, &r);
+                    let (comm, devs, params, x, r, table) = (&comm, &devs, &params, &x, &r, &table);
                     s.spawn(move || {
+                        let b = cpu();
+                        let m = Model::new(&b, table);
                         let group = ExpertGroup { size: g, rank };
                         let mut ex =
                             |phase: u32,
                              chunks: Vec<Vec<f32>>|
-                             -> Result<Vec<Arc<Vec<f32>>>, String> {
+                             -> Result<Vec<Vec<f32>>, BackendError> {
                                 let key = in_op_key(1, phase).unwrap();
-                                comm.all_to_all("moe", key, devs, rank as u32, chunks)
-                                    .map_err(|e| e.to_string())
+                                let got = comm
+                                    .all_to_all("moe", key, devs, rank as u32, chunks)
+                                    .map_err(|e| BackendError::Exchange(e.to_string()))?;
+                                Ok(got
+                                    .into_iter()
+                                    .map(std::sync::Arc::unwrap_or_clone)
+                                    .collect())
                             };
                         // Shared weights and this member's experts only.
                         let mine: Tensors = params
@@ -683,16 +735,19 @@ fn expert_parallel_moe_matches_one_device() {
                             })
                             .map(|(k, v)| (k.clone(), v.clone()))
                             .collect();
+                        let mine_ids = by_id(table, &mine);
                         let d = MoeDims::new(&moe, per, 5, c);
                         let xs = x[rank * per * c..][..per * c].to_vec();
-                        let (o, cache, a) =
-                            moe_forward(&mine, 0, &moe, xs, d, group, &mut ex).unwrap();
+                        let (o, cache, a) = m
+                            .moe_forward(&mine_ids, 0, &moe, xs, d, group, &mut ex)
+                            .unwrap();
                         let rs = r[rank * per * c..][..per * c].to_vec();
-                        let (dxr, st) =
-                            moe_backward_input(&mine, &cache, rs, 0.5, &mut ex).unwrap();
-                        let mut gr = zeros(&mine);
-                        moe_backward_weight(&mut gr, &cache, &st);
-                        (o, a, dxr, gr)
+                        let (dxr, st) = m
+                            .moe_backward_input(&mine_ids, &cache, rs, 0.5, &mut ex)
+                            .unwrap();
+                        let mut gr = by_id(table, &zeros_like(&mine));
+                        m.moe_backward_weight(&mut gr, &cache, &st).unwrap();
+                        (o, a, dxr, by_name(table, gr))
                     })
                 })
                 .collect();
@@ -757,10 +812,10 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
         assert!(rows[firsts..].iter().all(|a| a % 2 == 1), "{rows:?}");
     }
     // A token whose every choice was dropped keeps its residual exactly.
-    let (moe, d, params) = moe_layer(Some(0.5));
+    let (_, d, params, cfg) = moe_layer(Some(0.5));
     let mut rng = Rng(5);
     let x = rng.vec(d.n * d.c);
-    let (out, c, _) = moe_fwd(&params, &moe, &x, d);
+    let (out, c, _) = moe_fwd(&cfg, &params, &x, d);
     let slots_dropped = |t: usize| {
         (0..2).all(|j| {
             !c.routed
@@ -779,9 +834,9 @@ fn moe_capacity_drops_are_counted_and_add_nothing() {
         }
     }
     // And a bigger factor drops nothing.
-    let mut loose = moe;
-    loose.capacity_factor = Some(2.0);
-    let (_, c2, _) = moe_fwd(&params, &loose, &x, d);
+    let mut loose = cfg.clone();
+    loose.moe.as_mut().unwrap().capacity_factor = Some(2.0);
+    let (_, c2, _) = moe_fwd(&loose, &params, &x, d);
     assert_eq!(c2.routed.routing.dropped, 0);
     assert!(seen > 0, "some token lost both choices");
 }
@@ -792,10 +847,9 @@ fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
     let mut moe = crate::model::MoeConfig::new(3, 2);
     moe.hidden = Some(20);
     cfg.moe = Some(moe);
-    let params: Tensors = model_params(&cfg)
+    let params: Tensors = initial(&cfg, 7)
         .into_iter()
-        .map(|(n, s)| {
-            let mut v = init_param(&cfg, 7, &n, &s);
+        .map(|(n, mut v)| {
             let mut r = Rng(n.len() as u64 + 3);
             // Routers far apart, so probes keep every choice.
             let (scale, jitter) = if n.contains("router") {
