@@ -3,15 +3,23 @@
 # First installs the guest toolchains for Python and JavaScript strategies into the
 # repository (scripts/guest-toolchains.sh); C strategies need clang with wasi-libc,
 # the registry tests Debian's docker-registry and htpasswd (apache2-utils).
-# With Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), also the
+# Then the CUDA backend's tests (no GPU needed; NVRTC from PyPI, scripts/nvrtc.sh)
+# and, with Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), the
 # multi-process tests: real `mpirun` jobs of `piper train --features mpi`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/guest-toolchains.sh
 export PATH="$PWD/target/guest-venv/bin:$PATH"
 cargo test --workspace
+# The CUDA backend (--features cuda) builds and tests without a GPU: its
+# kernels compile through NVRTC (scripts/nvrtc.sh installs it), and
+# `--backend cuda` names what this machine lacks. One build serves it and the
+# multi-process tests (real `mpirun` jobs of `piper train --features mpi`).
+nvrtc=$(./scripts/nvrtc.sh)
+export LD_LIBRARY_PATH="${nvrtc:+$nvrtc:}${LD_LIBRARY_PATH:-}"
 if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
-  cargo test -p piper --features mpi --lib --test mpi
+  cargo test -p piper --features "mpi cuda" --lib --test mpi --test cuda
 else
   echo "NOT RUN: the MPI tests need Open MPI (apt install openmpi-bin libopenmpi-dev libclang-dev); .ci/run installs it"
+  cargo test -p piper --features cuda --lib --test cuda
 fi

@@ -1,14 +1,21 @@
-"""PyTorch eager reference for `cargo bench -p piper --bench train`.
+"""PyTorch reference for `cargo bench -p piper --bench train` (CPU) and
+`scripts/gpu-check.sh` (GPU).
 
-The same model and step as Piper's CPU runtime: GPT-2 blocks (pre-LayerNorm,
+The same model and step as Piper's runtime: GPT-2 blocks (pre-LayerNorm,
 causal attention with a packed qkv projection, tanh-GELU MLP of 4x width,
 biases everywhere), learned position embeddings, the head tied to the token
-embedding, a byte vocabulary, cross-entropy over the batch, AdamW (beta 0.9 /
-0.95, eps 1e-8, weight decay 0.1 on matrices and embeddings), fp32, on the
-CPU. Prints one JSON line: tokens/s of the best step and the threads used.
+embedding, cross-entropy over the batch, AdamW (beta 0.9 / 0.95, eps 1e-8,
+weight decay 0.1 on matrices and embeddings), gradient clipping at 1.0.
+fp32 by default (TF32 off); `--precision bf16` autocasts to bf16 with fp32
+master weights. On the CPU (`--threads`) or a GPU (`--device cuda`, fused
+AdamW), eager or `--compile` (torch.compile). Prints one JSON line: tokens/s
+of the best step (GPU: the median of the timed steps), the threads used,
+the peak GPU memory.
 
     python3 benches/reference/torch_gpt.py --layers 6 --d-model 384 --heads 6 \
         --seq 256 --batch 8 --vocab 256 --steps 3 --threads 2
+    python3 benches/reference/torch_gpt.py --layers 12 --d-model 768 --heads 12 \
+        --seq 1024 --batch 8 --vocab 50257 --steps 10 --device cuda --compile
 """
 
 import argparse
@@ -40,7 +47,7 @@ class Block(nn.Module):
         k = k.view(b, t, self.heads, hs).transpose(1, 2)
         v = v.view(b, t, self.heads, hs).transpose(1, 2)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).contiguous().view(b, t, d)
         x = x + self.proj(y)
@@ -63,7 +70,7 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets):
         t = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         for blk in self.blocks:
             x = blk(x)
         logits = self.ln_f(x) @ self.wte.weight.t()
@@ -75,34 +82,53 @@ def main():
     for name, default in [("layers", 6), ("d-model", 384), ("heads", 6), ("seq", 256),
                           ("batch", 8), ("vocab", 256), ("steps", 3), ("threads", 0)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--compile", action="store_true")
     a = p.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
+    cuda = a.device.startswith("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(1337)
-    model = GPT(a.layers, a.d_model, a.heads, a.seq, a.vocab)
+    model = GPT(a.layers, a.d_model, a.heads, a.seq, a.vocab).to(a.device)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+        lr=3e-3, betas=(0.9, 0.95), eps=1e-8, **({"fused": True} if cuda else {"foreach": False}))
+    run = torch.compile(model) if a.compile else model
     g = torch.Generator().manual_seed(0)
-    best = float("inf")
+    times = []
     for step in range(a.steps + 1):
-        idx = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
-        tgt = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+        idx = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)
+        tgt = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g).to(a.device)
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss = model(idx, tgt)
+        with torch.autocast(device_type="cuda" if cuda else "cpu", dtype=torch.bfloat16,
+                            enabled=a.precision == "bf16"):
+            loss = run(idx, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()
         secs = time.perf_counter() - start
-        if step > 0:  # the first step warms up
-            best = min(best, secs)
+        if step > 0:  # the first step warms up (and compiles)
+            times.append(secs)
+    times.sort()
+    step_s = times[len(times) // 2] if cuda else times[0]
     print(json.dumps({
-        "tokens_per_s": a.batch * a.seq / best,
+        "tokens_per_s": a.batch * a.seq / step_s,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "device": a.device,
+        "precision": a.precision,
+        "compile": a.compile,
+        "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None,
         "loss": loss.item(),
     }))
 

@@ -541,3 +541,60 @@ fn a_build_without_mpi_refuses_to_run_as_one_of_several_ranks() {
         "{err}"
     );
 }
+
+/// `piper backend check` runs every check the GPU machine runs — here on
+/// the CPU backend against itself on another thread count, where every
+/// kernel gives the same bits — and writes its report.
+#[test]
+fn backend_check_holds_the_cpu_to_itself_and_writes_its_report() {
+    let h = home("backend-check");
+    let out = h.join("out");
+    let out_s = out.to_str().unwrap();
+    let (ok, stdout, err) = piper(
+        &h,
+        &[
+            "backend",
+            "check",
+            "--backend",
+            "cpu",
+            "--steps",
+            "2",
+            "--out",
+            out_s,
+        ],
+    );
+    assert!(ok, "{stdout}\n{err}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    assert_eq!(report["failed"], serde_json::json!([]));
+    let kernels = report["kernels"].as_array().unwrap();
+    assert!(kernels.len() >= 30, "{} kernels", kernels.len());
+    assert!(kernels.iter().all(|k| k["error"] == 0.0), "{kernels:?}");
+    let strategies = report["strategies"].as_array().unwrap();
+    let names: Vec<&str> = strategies
+        .iter()
+        .map(|s| s["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        ["1f1b", "zero3+1f1b", "dualpipev", "tp=2", "ep on 4"]
+    );
+    assert!(
+        stdout.contains("tiny, 2 steps on one cpu device"),
+        "{stdout}"
+    );
+}
+
+/// A piper built without the CUDA backend says how to get one.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn backend_cuda_on_a_build_without_it_says_how_to_build_it() {
+    let h = home("no-cuda-build");
+    let (ok, _, err) = piper(&h, &["train", "--backend", "cuda", "--steps", "1"]);
+    assert!(!ok);
+    assert!(
+        err.contains("this piper was built without CUDA: build it with `cargo build --release -p piper --features cuda`"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

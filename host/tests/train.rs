@@ -326,7 +326,7 @@ fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
     let _ = std::fs::remove_dir_all(&dir);
     let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
     let head = run(&mut first, 1..=10);
-    first.checkpoint().save(&dir).unwrap();
+    first.checkpoint().unwrap().save(&dir).unwrap();
     assert!(dir.join("model.safetensors").exists() && dir.join("optimizer.safetensors").exists());
     let ck = piper::runtime::checkpoint::Checkpoint::load(&dir).unwrap();
     assert_eq!(ck.state.step, 10);
@@ -336,7 +336,11 @@ fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
     let tail = run(&mut second, 11..=20);
     let resumed: Vec<f64> = head.into_iter().chain(tail).collect();
     assert_eq!(resumed, all, "losses of steps 11–20 differ");
-    assert_eq!(second.params(), full.params(), "final weights differ");
+    assert_eq!(
+        second.params().unwrap(),
+        full.params().unwrap(),
+        "final weights differ"
+    );
     // A checkpoint of another model is refused with both names.
     let mut other_cfg = small();
     other_cfg.name = "other".into();
@@ -395,7 +399,7 @@ fn spread_checkpoints_resume_on_the_same_and_another_plan() {
         let _ = std::fs::remove_dir_all(&dir);
         let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
         let head = run(&mut first, &cfg, 1..=3);
-        first.checkpoint().save(&dir).unwrap();
+        first.checkpoint().unwrap().save(&dir).unwrap();
         let ck = piper::runtime::checkpoint::Checkpoint::load(&dir).unwrap();
         let mut second = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
         second.restore(&ck).unwrap();
@@ -405,7 +409,11 @@ fn spread_checkpoints_resume_on_the_same_and_another_plan() {
             all,
             "{tag}: resumed on the same plan"
         );
-        assert_eq!(second.params(), full.params(), "{tag}: final weights");
+        assert_eq!(
+            second.params().unwrap(),
+            full.params().unwrap(),
+            "{tag}: final weights"
+        );
         let other_plan = plan_with(&host, &cfg, other_devices, other).unwrap();
         let mut third = Trainer::new(&cfg, other_plan, TrainOptions::default()).unwrap();
         third.restore(&ck).unwrap();
@@ -561,7 +569,7 @@ fn zero_checkpoints_resume_bit_identically_alone_and_inside_1f1b() {
         let _ = std::fs::remove_dir_all(&dir);
         let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
         let head = run(&mut first, 1..=3);
-        first.checkpoint().save(&dir).unwrap();
+        first.checkpoint().unwrap().save(&dir).unwrap();
         let ck = piper::runtime::checkpoint::Checkpoint::load(&dir).unwrap();
         // The checkpoint holds every parameter's moments, sharded or not.
         let names: Vec<&String> = ck.params.keys().collect();
@@ -581,8 +589,8 @@ fn zero_checkpoints_resume_bit_identically_alone_and_inside_1f1b() {
         let resumed: Vec<f64> = head.into_iter().chain(tail).collect();
         assert_eq!(resumed, all, "{name}: losses after the resume differ");
         assert_eq!(
-            second.params(),
-            full.params(),
+            second.params().unwrap(),
+            full.params().unwrap(),
             "{name}: final weights differ"
         );
         let _ = std::fs::remove_dir_all(&dir);
@@ -600,7 +608,7 @@ fn step1_gradients_under_zero3_inside_1f1b_are_complete_and_match_one_device() {
         };
         let mut t = Trainer::new(&cfg, plan_for(devices, strategy), opts).unwrap();
         t.step(&batch).unwrap();
-        (t.last_grads(), t.params())
+        (t.last_grads().unwrap(), t.params().unwrap())
     };
     let (base, params) = grads(1, &[("1f1b", &[("stages", "1"), ("microbatches", "1")])]);
     for (name, devices, strategy) in [
@@ -680,6 +688,7 @@ fn training_gives_the_same_bits_on_any_thread_count_and_run_to_run() {
                 .collect();
             let params: Vec<(String, Vec<u32>)> = t
                 .params()
+                .unwrap()
                 .into_iter()
                 .map(|(k, v)| (k, v.iter().map(|x| x.to_bits()).collect()))
                 .collect();

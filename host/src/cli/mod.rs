@@ -2,6 +2,7 @@
 //! The last stage of the flow for a user; errors here are `anyhow` chains
 //! of the typed errors of each stage.
 
+mod backend;
 mod calibrate;
 mod config;
 #[cfg(feature = "mpi")]
@@ -39,8 +40,12 @@ struct Cli {
 enum Command {
     /// Apply strategies to a model's DAG and print the per-device plans.
     Plan(PlanArgs),
-    /// Train: apply the strategies, compile, and run the plans on virtual CPU devices.
+    /// Train: apply the strategies, compile, and run the plans on the
+    /// runtime's devices (virtual CPU devices, or GPUs with `--backend cuda`).
     Train(train::TrainArgs),
+    /// Check a compute backend against the CPU's.
+    #[command(subcommand)]
+    Backend(BackendCommand),
     /// Measure the CPU runtime on this machine and write the `cpu-local`
     /// cluster the simulator predicts it with.
     Calibrate(calibrate::CalibrateArgs),
@@ -114,6 +119,14 @@ struct PlanArgs {
     out: Option<PathBuf>,
     #[command(flatten)]
     sim: sim::SimArgs,
+}
+
+#[derive(Subcommand)]
+enum BackendCommand {
+    /// Every kernel on the same inputs as the CPU backend, training against
+    /// the CPU's losses, strategies against one device, and with `--bench`
+    /// gpt2-small's speed; `check.json` in `--out`.
+    Check(backend::CheckArgs),
 }
 
 #[derive(Subcommand)]
@@ -221,6 +234,7 @@ fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan(a) => plan(a),
         Command::Train(a) => train::train(a),
+        Command::Backend(BackendCommand::Check(a)) => backend::check(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Plugin(PluginCommand::Info {
             plugin,

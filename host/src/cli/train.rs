@@ -1,6 +1,7 @@
 //! `piper train`: the model, strategies and cluster of a run config (or flags),
-//! compiled and executed on the CPU runtime, with a progress bar, a summary,
-//! and per-step metrics as JSON lines.
+//! compiled and executed on the runtime's devices (virtual CPU devices, or
+//! plan devices on GPUs with `--backend cuda`), with a progress bar, a
+//! summary, and per-step metrics as JSON lines.
 
 use super::RunArgs;
 use crate::compile::{compile, human_bytes};
@@ -78,6 +79,14 @@ pub struct TrainArgs {
     /// plan's predicted step time, at least 10 s).
     #[arg(long, value_name = "SECONDS", allow_negative_numbers = true)]
     comm_timeout: Option<f64>,
+    /// What the plan devices compute on: `cpu` (virtual devices on this
+    /// machine's cores) or `cuda` (GPUs; a piper built with `--features cuda`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    backend: String,
+    /// With `--backend cuda`: the GPUs of this machine to use; plan devices
+    /// are dealt to them in contiguous blocks (several may share one GPU).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    gpus: u32,
 }
 
 /// `512MiB`, `2GiB`, `1000000`.
@@ -229,7 +238,8 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         capture_grads: a.dump_step1.is_some(),
         trace: a.trace.is_some() || a.report.is_some(),
         threads: a.threads.map(|t| t as usize),
-        backend: Default::default(),
+        backend: crate::runtime::BackendKind::parse(&a.backend, a.gpus)
+            .map_err(anyhow::Error::msg)?,
         inject_panic: None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
@@ -272,11 +282,15 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     if job.leader {
         eprintln!(
-            "training {} ({} parameters) on {devices} CPU device(s){} × {} thread(s), plan {hash}, data: {}",
+            "training {} ({} parameters) on {devices} {}{}, plan {hash}, data: {}",
             cfg.name,
             cfg.param_count(),
+            match trainer.options().backend {
+                crate::runtime::BackendKind::Cpu =>
+                    format!("CPU device(s) × {} thread(s)", trainer.threads()),
+                crate::runtime::BackendKind::Cuda { gpus } => format!("device(s) on {gpus} GPU(s)"),
+            },
             job_ranks(job),
-            trainer.threads(),
             corpus.name
         );
         for line in &p.applied {

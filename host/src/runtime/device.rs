@@ -412,23 +412,37 @@ impl<B: Backend> Device<B> {
 
     /// The step's figures; reads the loss terms (the step's one read of
     /// them) and leaves none behind.
-    pub(crate) fn stats(&self) -> DeviceStats {
+    pub(crate) fn stats(&self) -> Result<DeviceStats, RuntimeError> {
         let mut s = self.state.lock().unwrap();
         let mut loss = 0.0f64;
         for terms in std::mem::take(&mut s.losses) {
             if terms.is_empty() {
                 continue;
             }
-            let l = terms
-                .into_iter()
-                .fold(0.0f64, |a, t| a + self.b.read_scalar(t));
+            let mut l = 0.0f64;
+            for t in terms {
+                l += self
+                    .b
+                    .read_scalar(t)
+                    .map_err(|e| self.read_error("the loss", e))?;
+            }
             loss += l;
         }
-        DeviceStats {
+        Ok(DeviceStats {
             loss,
             grad_norm: s.grad_norm,
             moe_routed: s.moe_routed,
             moe_dropped: s.moe_dropped,
+        })
+    }
+
+    /// A failed read of the device's state, naming what was read.
+    pub(super) fn read_error(&self, what: &str, e: BackendError) -> RuntimeError {
+        RuntimeError::Backend {
+            device: self.id,
+            op: format!("reading {what}"),
+            backend: self.b.name(),
+            cause: e.to_string(),
         }
     }
     pub(crate) fn peak_bytes(&self) -> u64 {
@@ -441,28 +455,38 @@ impl<B: Backend> Device<B> {
     /// Host copies of the whole tensors of one kind of state (parameters,
     /// captured gradients, moments): tensor-parallel slices leave as
     /// [`Device::tp_shards`].
-    fn whole(&self, t: &ParamMap<B::Tensor>) -> ParamMap<Vec<f32>> {
-        t.iter()
-            .filter(|(id, _)| !self.tp_pieces.contains(*id))
-            .map(|(id, v)| (id, self.b.download(v)))
-            .collect()
+    fn whole(&self, t: &ParamMap<B::Tensor>) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
+        let mut out = ParamMap::new();
+        for (id, v) in t.iter().filter(|(id, _)| !self.tp_pieces.contains(*id)) {
+            let host = self
+                .b
+                .download(v)
+                .map_err(|e| self.read_error(self.table.name(id), e))?;
+            out.insert(id, host);
+        }
+        Ok(out)
     }
-    pub(crate) fn params(&self) -> ParamMap<Vec<f32>> {
+    pub(crate) fn params(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
         self.whole(&self.params.read().unwrap())
     }
-    pub(crate) fn captured(&self) -> ParamMap<Vec<f32>> {
+    pub(crate) fn captured(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
         self.whole(&self.captured.lock().unwrap())
     }
-    pub(crate) fn moments(&self) -> (ParamMap<Vec<f32>>, ParamMap<Vec<f32>>) {
-        let m = self.moments.lock().unwrap();
-        (self.whole(&m.0), self.whole(&m.1))
+    pub(crate) fn first_moments(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
+        self.whole(&self.moments.lock().unwrap().0)
+    }
+    pub(crate) fn second_moments(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
+        self.whole(&self.moments.lock().unwrap().1)
     }
 
     /// This device's tensor-parallel slices of one kind of state, as pieces
     /// of the full tensors (put back together with ZeRO's shards).
-    pub(crate) fn tp_shards(&self, part: zero::ShardPart) -> Vec<zero::Shard> {
+    pub(crate) fn tp_shards(
+        &self,
+        part: zero::ShardPart,
+    ) -> Result<Vec<zero::Shard>, RuntimeError> {
         if self.tp_pieces.is_empty() {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let (params, captured, moments);
         let t: &ParamMap<B::Tensor> = match part {
@@ -486,7 +510,10 @@ impl<B: Backend> Device<B> {
         let mut out = Vec::new();
         for (id, piece) in self.tp_pieces.iter() {
             let Some(values) = t.get(id) else { continue };
-            let values = self.b.download(values);
+            let values = self
+                .b
+                .download(values)
+                .map_err(|e| self.read_error(self.table.name(id), e))?;
             let mut at = 0;
             for r in &piece.ranges {
                 out.push(zero::Shard {
@@ -498,7 +525,7 @@ impl<B: Backend> Device<B> {
                 at += r.len();
             }
         }
-        out
+        Ok(out)
     }
     pub(crate) fn events(&self) -> Vec<TraceEvent> {
         self.events.lock().unwrap().clone()

@@ -48,6 +48,9 @@ pub enum RuntimeError {
         backend: &'static str,
         cause: String,
     },
+    /// The devices could not start (a backend this machine cannot run).
+    #[error("cannot start the devices: {0}")]
+    Setup(String),
     #[error("{0}")]
     Unsupported(String),
     /// The kernel threads asked for cannot be given.

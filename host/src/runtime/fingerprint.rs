@@ -59,10 +59,16 @@ pub(super) fn record(t: &Trainer, batch: &Batch, s: &StepStats) {
     for x in batch.tokens.iter().chain(batch.targets.iter()) {
         h.update(x.to_le_bytes());
     }
-    let ck = t.checkpoint();
+    let Ok(ck) = t.checkpoint() else {
+        eprintln!("fingerprint: step {}: the states could not be read", s.step);
+        return;
+    };
     let states = tensors_digest(ck.params.iter().chain(ck.m.iter()).chain(ck.v.iter()));
     let grads = match o.capture_grads {
-        true => tensors_digest(t.last_grads().iter()),
+        true => match t.last_grads() {
+            Ok(g) => tensors_digest(g.iter()),
+            Err(e) => format!("unreadable: {e}"),
+        },
         false => "-".into(),
     };
     let line = format!(

@@ -201,9 +201,9 @@ trait Devices: Send + Sync {
     /// Run every stream of every device (`plans[i]` is device `i`'s).
     fn run_step(&self, plans: &[&DevicePlan], inputs: StepInputs<'_>) -> Result<(), RuntimeError>;
     /// Each device's figures of the step just run: (stats, peak, states).
-    fn stats(&self) -> Vec<(DeviceStats, u64, u64)>;
+    fn stats(&self) -> Result<Vec<(DeviceStats, u64, u64)>, RuntimeError>;
     /// What each device holds of one kind of state, in device order.
-    fn parts(&self, part: ShardPart) -> Vec<Part>;
+    fn parts(&self, part: ShardPart) -> Result<Vec<Part>, RuntimeError>;
     fn restore(&self, ck: &HostStates) -> Result<(), RuntimeError>;
     fn events(&self) -> Vec<Vec<step::TraceEvent>>;
 }
@@ -224,23 +224,23 @@ impl<B: Backend> Devices for Vec<Device<B>> {
         };
         step::run_step(self, plans, &ctx)
     }
-    fn stats(&self) -> Vec<(DeviceStats, u64, u64)> {
+    fn stats(&self) -> Result<Vec<(DeviceStats, u64, u64)>, RuntimeError> {
         self.iter()
-            .map(|d| (d.stats(), d.peak_bytes(), d.state_bytes()))
+            .map(|d| Ok((d.stats()?, d.peak_bytes(), d.state_bytes())))
             .collect()
     }
-    fn parts(&self, part: ShardPart) -> Vec<Part> {
+    fn parts(&self, part: ShardPart) -> Result<Vec<Part>, RuntimeError> {
         self.iter()
             .map(|d| {
                 let whole = match part {
-                    ShardPart::Param => d.params(),
-                    ShardPart::Grad => d.captured(),
-                    ShardPart::M => d.moments().0,
-                    ShardPart::V => d.moments().1,
+                    ShardPart::Param => d.params()?,
+                    ShardPart::Grad => d.captured()?,
+                    ShardPart::M => d.first_moments()?,
+                    ShardPart::V => d.second_moments()?,
                 };
-                let mut shards = d.shards(part);
-                shards.extend(d.tp_shards(part));
-                (whole, shards)
+                let mut shards = d.shards(part)?;
+                shards.extend(d.tp_shards(part)?);
+                Ok((whole, shards))
             })
             .collect()
     }
@@ -265,15 +265,16 @@ impl WithBackend for Setup<'_> {
     type Output = Result<Box<dyn Devices>, RuntimeError>;
     fn run<B: Backend>(
         self,
-        make: &(dyn Fn(u32) -> Result<B, BackendError> + Sync),
+        make: &(dyn Fn(usize) -> Result<B, BackendError> + Sync),
     ) -> Self::Output {
         let segments = self.cfg.segments();
         let devices = self
             .local
             .iter()
-            .map(|&i| {
+            .enumerate()
+            .map(|(at, &i)| {
                 let dp = &self.plan.devices[i];
-                let b = make(dp.device).map_err(|e| RuntimeError::Backend {
+                let b = make(at).map_err(|e| RuntimeError::Backend {
                     device: dp.device,
                     op: "setup".into(),
                     backend: "the device's",
@@ -355,7 +356,15 @@ impl Trainer {
             opts: &opts,
             local: &local,
         };
-        let devices = backend::with_backend(opts.backend, threads, setup)?;
+        let local_devices: Vec<u32> = local.iter().map(|&i| plan.devices[i].device).collect();
+        let peaks: Vec<u64> = local.iter().map(|&i| plan.devices[i].peak_bytes).collect();
+        let place = backend::Placement {
+            devices: &local_devices,
+            peaks: &peaks,
+            threads,
+        };
+        let devices = backend::with_backend(opts.backend, &place, setup)
+            .map_err(|e| RuntimeError::Setup(format!("{} backend: {e}", opts.backend.name())))??;
         Ok(Trainer {
             cfg: cfg.clone(),
             plan,
@@ -381,6 +390,10 @@ impl Trainer {
 
     pub fn plan(&self) -> &Plan {
         &self.plan
+    }
+    /// The options the trainer runs with.
+    pub fn options(&self) -> &TrainOptions {
+        &self.opts
     }
     /// Kernel threads each of this process's devices runs on.
     pub fn threads(&self) -> usize {
@@ -425,7 +438,7 @@ impl Trainer {
         let (mut losses, mut grad_norm) = (vec![0.0f64; n], 0.0f64);
         let (mut peak_bytes, mut state_bytes) = (vec![0u64; n], vec![0u64; n]);
         let (mut routed, mut dropped) = (vec![0u64; n], vec![0u64; n]);
-        for ((s, peak, states), &i) in self.devices.stats().into_iter().zip(&self.local) {
+        for ((s, peak, states), &i) in self.devices.stats()?.into_iter().zip(&self.local) {
             losses[i] = s.loss;
             grad_norm = f64::max(grad_norm, s.grad_norm);
             (routed[i], dropped[i]) = (s.moe_routed, s.moe_dropped);
@@ -475,22 +488,22 @@ impl Trainer {
     /// Every parameter of the model, taken from the first device holding it
     /// (ZeRO-3 shards are put back together from their group). Of this
     /// process's devices: on one rank of an MPI job use [`Trainer::gather_params`].
-    pub fn params(&self) -> NamedTensors {
-        self.named(merge(self.devices.parts(ShardPart::Param)))
+    pub fn params(&self) -> Result<NamedTensors, RuntimeError> {
+        Ok(self.named(merge(self.devices.parts(ShardPart::Param)?)))
     }
 
     /// The last step's full gradients (before clipping), when
     /// `capture_grads` is on; each taken from the first device holding it,
     /// ZeRO-2/3 gradients put back together from their reduced shards.
-    pub fn last_grads(&self) -> NamedTensors {
-        self.named(merge(self.devices.parts(ShardPart::Grad)))
+    pub fn last_grads(&self) -> Result<NamedTensors, RuntimeError> {
+        Ok(self.named(merge(self.devices.parts(ShardPart::Grad)?)))
     }
 
     /// Everything needed to resume: parameters, AdamW moments, step.
-    pub fn checkpoint(&self) -> checkpoint::Checkpoint {
-        let m = self.named(merge(self.devices.parts(ShardPart::M)));
-        let v = self.named(merge(self.devices.parts(ShardPart::V)));
-        self.checkpoint_of(self.params(), m, v)
+    pub fn checkpoint(&self) -> Result<checkpoint::Checkpoint, RuntimeError> {
+        let m = self.named(merge(self.devices.parts(ShardPart::M)?));
+        let v = self.named(merge(self.devices.parts(ShardPart::V)?));
+        Ok(self.checkpoint_of(self.params()?, m, v))
     }
 
     fn checkpoint_of(
@@ -515,7 +528,7 @@ impl Trainer {
     /// first rank (`None` on the others); this process's alone when it is
     /// the whole job. Every rank of a job calls it at the same point.
     fn gather_parts(&self, part: ShardPart) -> Result<Option<Vec<Part>>, RuntimeError> {
-        let mine = self.devices.parts(part);
+        let mine = self.devices.parts(part)?;
         #[cfg(feature = "mpi")]
         if let Some(f) = self.fabric() {
             let Some(all) = f.gather_to_root(&wire::encode(&mine)) else {

@@ -182,7 +182,11 @@ fn run_stream<B: Backend>(
             }
         }
         let mut kernels = Vec::new();
-        if let Err(e) = exec_op(dev, si, op, ctx, &mut kernels) {
+        // A backend reports what failed in the op's enqueued work here, so
+        // the op is the one named.
+        let ran = exec_op(dev, si, op, ctx, &mut kernels)
+            .and_then(|()| dev.b.check().map_err(|e| dev.backend_error(op, e)));
+        if let Err(e) = ran {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
             dev.cv.notify_all();

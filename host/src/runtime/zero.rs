@@ -64,11 +64,11 @@ impl<B: Backend> Bucket<B> {
     }
     /// A host vector of the full layout with `shard_data` (this device's
     /// slice) in place, zeros elsewhere.
-    fn padded(&self, b: &B, shard_data: &B::Tensor) -> Vec<f32> {
+    fn padded(&self, b: &B, shard_data: &B::Tensor) -> Result<Vec<f32>, BackendError> {
         let mut v = vec![0.0; self.total];
-        let host = b.download_range(shard_data, 0..self.shard.len());
+        let host = b.download_range(shard_data, 0..self.shard.len())?;
         v[self.shard.clone()].copy_from_slice(&host);
-        v
+        Ok(v)
     }
     /// This device's shard of the full tensors in `t`, laid out flat.
     fn shard_of(&self, b: &B, t: &ParamMap<B::Tensor>) -> Result<B::Tensor, BackendError> {
@@ -231,28 +231,33 @@ impl<B: Backend> Device<B> {
     /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
     /// AdamW moments (ZeRO-1/2/3) or the last step's reduced gradients
     /// (ZeRO-2/3, when captured).
-    pub(crate) fn shards(&self, part: ShardPart) -> Vec<Shard> {
+    pub(crate) fn shards(&self, part: ShardPart) -> Result<Vec<Shard>, RuntimeError> {
         let buckets = self.buckets.lock().unwrap();
         let captured = self.captured_shards.lock().unwrap();
-        buckets
-            .iter()
-            .enumerate()
-            .filter_map(|(i, b)| {
-                let values = match part {
-                    ShardPart::Param if b.zero >= 3 => self.b.download(&b.param),
-                    ShardPart::M => self.b.download(&b.m),
-                    ShardPart::V => self.b.download(&b.v),
-                    ShardPart::Grad => self.b.download(captured.get(&i)?),
-                    _ => return None,
-                };
-                Some(Shard {
-                    names: b.names.clone(),
-                    total: b.total,
-                    range: b.shard.clone(),
-                    values,
-                })
-            })
-            .collect()
+        let mut out = Vec::new();
+        for (i, b) in buckets.iter().enumerate() {
+            let t = match part {
+                ShardPart::Param if b.zero >= 3 => &b.param,
+                ShardPart::M => &b.m,
+                ShardPart::V => &b.v,
+                ShardPart::Grad => match captured.get(&i) {
+                    Some(g) => g,
+                    None => continue,
+                },
+                _ => continue,
+            };
+            let values = self
+                .b
+                .download(t)
+                .map_err(|e| self.read_error("a ZeRO shard", e))?;
+            out.push(Shard {
+                names: b.names.clone(),
+                total: b.total,
+                range: b.shard.clone(),
+                values,
+            });
+        }
+        Ok(out)
     }
 
     /// Take this device's slice of each bucket from a checkpoint's full
@@ -319,7 +324,7 @@ pub(super) fn norm_sq<B: Backend>(
             pieces.push((flat, in_shard));
         }
     }
-    Ok(dev.b.sum_squares(&pieces))
+    dev.b.sum_squares(&pieces)
 }
 
 /// ZeRO-2/3: add this device's shard of a reduced microbatch gradient to
@@ -414,9 +419,9 @@ fn params_padded<B: Backend>(
     params: &ParamMap<B::Tensor>,
 ) -> Result<Vec<f32>, BackendError> {
     if b.zero >= 3 {
-        return Ok(b.padded(&dev.b, &b.param));
+        return b.padded(&dev.b, &b.param);
     }
-    Ok(b.padded(&dev.b, &b.shard_of(&dev.b, params)?))
+    b.padded(&dev.b, &b.shard_of(&dev.b, params)?)
 }
 
 /// ZeRO-1/2, after the sharded step: gather every member's updated shard

@@ -221,7 +221,7 @@ pub fn train(
     }
     Run {
         losses,
-        params: trainer.params(),
+        params: trainer.params().unwrap(),
         peak_bytes,
         state_bytes,
     }

@@ -42,7 +42,10 @@
 //!   returns a `Result` (an allocation, a read), as CUDA reports
 //!   asynchronous errors.
 
+pub mod check;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod init;
 pub mod moe;
 pub mod segment;
@@ -100,24 +103,69 @@ pub enum BackendKind {
     /// Virtual devices on this machine's cores (the embedded default).
     #[default]
     Cpu,
+    /// Plan devices on `gpus` GPUs of this machine, dealt to them in
+    /// contiguous blocks (several plan devices may share one).
+    Cuda { gpus: u32 },
+}
+
+impl BackendKind {
+    /// `cpu`, `cuda` (as `--backend` takes them).
+    pub fn parse(name: &str, gpus: u32) -> Result<Self, String> {
+        match name {
+            "cpu" => Ok(BackendKind::Cpu),
+            "cuda" if gpus >= 1 => Ok(BackendKind::Cuda { gpus }),
+            "cuda" => Err("--gpus must be at least 1".into()),
+            other => Err(format!("no backend `{other}`: give cpu or cuda")),
+        }
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Cuda { .. } => "cuda",
+        }
+    }
+}
+
+/// This process's devices, as a backend is asked to start them: their plan
+/// ids and predicted peaks (bytes), and the kernel threads of a CPU device.
+pub struct Placement<'a> {
+    pub devices: &'a [u32],
+    pub peaks: &'a [u64],
+    pub threads: usize,
 }
 
 /// Work generic over the backend (the runtime's devices), given the way to
-/// make each plan device's backend.
+/// make the backend of each of the placement's devices (by position).
 pub trait WithBackend {
     type Output;
     fn run<B: Backend>(
         self,
-        device: &(dyn Fn(u32) -> Result<B, BackendError> + Sync),
+        device: &(dyn Fn(usize) -> Result<B, BackendError> + Sync),
     ) -> Self::Output;
 }
 
-/// Run `work` on the backend `kind` names, each device with `threads`
-/// kernel threads where the backend has threads: the one place that
-/// chooses a backend.
-pub fn with_backend<W: WithBackend>(kind: BackendKind, threads: usize, work: W) -> W::Output {
+/// Run `work` on the backend `kind` names: the one place that chooses a
+/// backend. A backend that cannot start here (no driver, no GPU, a plan
+/// that cannot fit) says so before anything is allocated.
+pub fn with_backend<W: WithBackend>(
+    kind: BackendKind,
+    place: &Placement<'_>,
+    work: W,
+) -> Result<W::Output, BackendError> {
     match kind {
-        BackendKind::Cpu => work.run(&|device| cpu::Cpu::new(device, threads)),
+        BackendKind::Cpu => {
+            let threads = place.threads;
+            Ok(work.run(&|i| cpu::Cpu::new(place.devices[i], threads)))
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda { gpus } => {
+            let gpus = cuda::setup::open(gpus, place)?;
+            Ok(work.run(&|i| cuda::Cuda::new(place.devices[i], gpus[i].clone())))
+        }
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda { .. } => Err(BackendError::Device(
+            "this piper was built without CUDA: build it with `cargo build --release -p piper --features cuda`".into(),
+        )),
     }
 }
 
@@ -176,10 +224,23 @@ pub trait Backend: Send + Sync + Sized + 'static {
         trace: Trace<'_>,
         f: impl FnOnce() -> R + Send,
     ) -> R;
+    /// Run `f` on the calling thread with `stream` current, for an op's
+    /// host-side work (communication: staging its tensors to and from the
+    /// host) that must be ordered on the op's stream. The CPU just runs it.
+    fn with_stream<R>(&self, stream: &Self::Stream, f: impl FnOnce() -> R) -> R {
+        let _ = stream;
+        f()
+    }
     /// Mark the point `stream` has reached.
     fn record(&self, stream: &Self::Stream) -> Self::Event;
     /// Make later work on `stream` wait until `event` is reached.
     fn wait(&self, stream: &Self::Stream, event: &Self::Event);
+    /// The first failure of the work enqueued so far that no call has
+    /// reported yet (a launch that failed, a fault the device reported):
+    /// the runtime asks after every op, so the op is named.
+    fn check(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
 
     // Storage.
 
@@ -196,11 +257,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// A device copy of token ids.
     fn upload_ids(&self, v: &[u32]) -> Result<Self::Ids, BackendError>;
     /// A host copy of a tensor (waits for the work that writes it).
-    fn download(&self, t: &Self::Tensor) -> Vec<f32>;
+    fn download(&self, t: &Self::Tensor) -> Result<Vec<f32>, BackendError>;
     /// A host copy of `range` of a tensor.
-    fn download_range(&self, t: &Self::Tensor, range: Range<usize>) -> Vec<f32>;
+    fn download_range(
+        &self,
+        t: &Self::Tensor,
+        range: Range<usize>,
+    ) -> Result<Vec<f32>, BackendError>;
     /// A host copy of a tensor the caller gives up (on the CPU: no copy).
-    fn download_owned(&self, t: Self::Tensor) -> Vec<f32>;
+    fn download_owned(&self, t: Self::Tensor) -> Result<Vec<f32>, BackendError>;
     /// A device copy of a tensor.
     fn duplicate(&self, t: &Self::Tensor) -> Result<Self::Tensor, BackendError>;
     /// A device copy of token ids.
@@ -218,7 +283,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// A host value as a scalar term.
     fn scalar(&self, x: f64) -> Self::Scalar;
     /// The value of a scalar term (a host synchronisation).
-    fn read_scalar(&self, s: Self::Scalar) -> f64;
+    fn read_scalar(&self, s: Self::Scalar) -> Result<f64, BackendError>;
 
     // Embedding.
 
@@ -475,7 +540,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     );
     /// `Σ` over the pieces, in order, of each piece's `Σ x²` in f64 (a host
     /// synchronisation: the gradient norm).
-    fn sum_squares(&self, pieces: &[(&Self::Tensor, Range<usize>)]) -> f64;
+    fn sum_squares(&self, pieces: &[(&Self::Tensor, Range<usize>)]) -> Result<f64, BackendError>;
 }
 
 /// Tensors by parameter id: a device's parameters, gradients or moments,

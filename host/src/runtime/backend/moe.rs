@@ -512,7 +512,7 @@ impl<B: Backend> Model<'_, B> {
             .matmul_forward(&mut logits, &ln, param(params, ids.router)?, None, n, c, e);
         let mut probs = self.b.zeros(n * e)?;
         self.b.softmax_rows(&mut probs, &logits, e);
-        let host_probs = self.b.download(&probs);
+        let host_probs = self.b.download(&probs)?;
         let routing = route(&host_probs, d, moe.capacity_factor);
         let aux = balance_loss(&host_probs, &routing, d, moe.aux_loss_coef);
         let mut chunks = Vec::with_capacity(group.size);
@@ -574,7 +574,7 @@ impl<B: Backend> Model<'_, B> {
             }
             let counts: Vec<usize> = self
                 .b
-                .download_range(chunk, 0..per)
+                .download_range(chunk, 0..per)?
                 .iter()
                 .map(|x| x.to_bits() as usize)
                 .collect();

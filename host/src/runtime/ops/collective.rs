@@ -123,7 +123,8 @@ pub(super) fn reduce_grads<B: Backend>(
     let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);
     let flat = dev
         .b
-        .download_owned(contribution(dev, op, &ids, per_microbatch)?);
+        .download_owned(contribution(dev, op, &ids, per_microbatch)?)
+        .map_err(fail)?;
     // Staging: this device's contribution and the reduced result.
     let _staging = dev.reserve(op, flat.len() as u64 * 8)?;
     let sum = ctx

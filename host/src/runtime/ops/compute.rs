@@ -58,7 +58,10 @@ pub(super) fn with_peers<B: Backend, R>(
                 "gradient dispatch",
                 "gradient combine",
             ][phase as usize % 4];
-            let host = chunks.into_iter().map(|c| b.download_owned(c)).collect();
+            let host = chunks
+                .into_iter()
+                .map(|c| b.download_owned(c))
+                .collect::<Result<Vec<_>, _>>()?;
             let got = ctx
                 .comm
                 .all_to_all(what, key(phase)?, members, dev.id, host)
@@ -85,7 +88,7 @@ pub(super) fn with_peers<B: Backend, R>(
                     k,
                     members,
                     dev.id,
-                    b.download_owned(part),
+                    b.download_owned(part)?,
                 )
                 .map_err(|e| BackendError::Exchange(e.to_string()))?;
             b.upload(Arc::unwrap_or_clone(sum))

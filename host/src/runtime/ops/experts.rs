@@ -35,7 +35,8 @@ pub(super) fn all_to_all<B: Backend>(
     let host = chunks
         .into_iter()
         .map(|c| dev.b.download_owned(c))
-        .collect();
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| dev.backend_error(op, e))?;
     let got = ctx
         .comm
         .all_to_all("expert all-to-all", op.node, group, dev.id, host)

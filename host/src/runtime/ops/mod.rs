@@ -42,23 +42,32 @@ pub(super) fn exec_op<B: Backend>(
         let trace = on.then_some((ctx.epoch, &mut *kernels));
         dev.b.enter(stream, trace, f)
     };
+    // Communication runs on the stream's own thread, its staging ordered
+    // on the op's stream.
+    let host = |f: &dyn Fn() -> Result<(), RuntimeError>| dev.b.with_stream(stream, f);
     match (op.op, op.purpose) {
         (OpKind::F | OpKind::B | OpKind::BI, _) if op.phase.is_some() => {
             kernel(&|| experts::phase(dev, op, ctx))
         }
-        (OpKind::AllToAll, Some(P::Experts)) => experts::all_to_all(dev, op, ctx, &group),
+        (OpKind::AllToAll, Some(P::Experts)) => host(&|| experts::all_to_all(dev, op, ctx, &group)),
         (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
         (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
         (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),
-        (OpKind::Send, _) => p2p::send(dev, op, ctx),
-        (OpKind::Recv, _) => p2p::recv(dev, op, ctx),
-        (OpKind::AllReduce, Some(P::GradNorm)) => collective::grad_norm(dev, op, ctx, &group),
+        (OpKind::Send, _) => host(&|| p2p::send(dev, op, ctx)),
+        (OpKind::Recv, _) => host(&|| p2p::recv(dev, op, ctx)),
+        (OpKind::AllReduce, Some(P::GradNorm)) => {
+            host(&|| collective::grad_norm(dev, op, ctx, &group))
+        }
         (
             OpKind::AllReduce | OpKind::ReduceScatter,
             Some(purpose @ (P::GradSync | P::TiedGrad | P::CopyGrad)),
-        ) => collective::reduce_grads(dev, op, ctx, &group, purpose),
-        (OpKind::AllGather, Some(P::ParamRefresh)) => zero::param_refresh(dev, op, ctx, &group),
-        (OpKind::AllGather, Some(P::ParamGather)) => zero::param_gather(dev, op, ctx, &group),
+        ) => host(&|| collective::reduce_grads(dev, op, ctx, &group, purpose)),
+        (OpKind::AllGather, Some(P::ParamRefresh)) => {
+            host(&|| zero::param_refresh(dev, op, ctx, &group))
+        }
+        (OpKind::AllGather, Some(P::ParamGather)) => {
+            host(&|| zero::param_gather(dev, op, ctx, &group))
+        }
         (OpKind::Update, _) => kernel(&|| update::update(dev, op, ctx)),
         (kind, purpose) => Err(RuntimeError::Unsupported(format!(
             "device {}: {}: {} for {} is not supported by the runtime",

@@ -33,7 +33,11 @@ pub(super) fn send<B: Backend>(
             op.pair.unwrap_or(op.node),
             dev.id,
             peer,
-            Arc::new(dev.b.download_owned(t)),
+            Arc::new(
+                dev.b
+                    .download_owned(t)
+                    .map_err(|e| dev.backend_error(op, e))?,
+            ),
         )
         .map_err(|e| comm_error(dev, op, e))
 }

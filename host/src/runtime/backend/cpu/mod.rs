@@ -91,14 +91,14 @@ impl Backend for Cpu {
     fn upload_ids(&self, v: &[u32]) -> Result<Vec<u32>, BackendError> {
         Ok(v.to_vec())
     }
-    fn download(&self, t: &Vec<f32>) -> Vec<f32> {
-        t.clone()
+    fn download(&self, t: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(t.clone())
     }
-    fn download_range(&self, t: &Vec<f32>, range: Range<usize>) -> Vec<f32> {
-        t[range].to_vec()
+    fn download_range(&self, t: &Vec<f32>, range: Range<usize>) -> Result<Vec<f32>, BackendError> {
+        Ok(t[range].to_vec())
     }
-    fn download_owned(&self, t: Vec<f32>) -> Vec<f32> {
-        t
+    fn download_owned(&self, t: Vec<f32>) -> Result<Vec<f32>, BackendError> {
+        Ok(t)
     }
     fn duplicate(&self, t: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
         Ok(t.clone())
@@ -126,8 +126,8 @@ impl Backend for Cpu {
     fn scalar(&self, x: f64) -> f64 {
         x
     }
-    fn read_scalar(&self, s: f64) -> f64 {
-        s
+    fn read_scalar(&self, s: f64) -> Result<f64, BackendError> {
+        Ok(s)
     }
 
     fn embedding_forward(
@@ -403,9 +403,9 @@ impl Backend for Cpu {
             decay,
         )
     }
-    fn sum_squares(&self, pieces: &[(&Vec<f32>, Range<usize>)]) -> f64 {
+    fn sum_squares(&self, pieces: &[(&Vec<f32>, Range<usize>)]) -> Result<f64, BackendError> {
         // One fold over the pieces' sums, as `Iterator::sum` adds.
-        pieces
+        Ok(pieces
             .iter()
             .map(|(t, r)| {
                 t[r.clone()]
@@ -413,6 +413,6 @@ impl Backend for Cpu {
                     .map(|x| (*x as f64) * (*x as f64))
                     .sum::<f64>()
             })
-            .sum()
+            .sum())
     }
 }

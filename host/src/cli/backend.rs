@@ -1,0 +1,343 @@
+//! `piper backend check`: a backend held to the CPU backend on this
+//! machine — every kernel on the same inputs, `tiny` trained on one device
+//! against the CPU's losses, multi-device strategies on the backend against
+//! its own one-device losses, and (with `--bench`) `gpt2-small`'s speed.
+//! Writes `check.json` into `--out` and fails when any check does.
+//! `scripts/gpu-check.sh` runs it on a GPU machine; on the CPU backend it
+//! checks the CPU against itself on another thread count.
+
+use crate::compile::{compile, human_bytes};
+use crate::dag::{Cluster, TrainingDag};
+use crate::model::{ModelConfig, MoeConfig};
+use crate::plugin::{PluginHost, SandboxLimits};
+use crate::runtime::backend::check::{self, KernelCheck};
+use crate::runtime::backend::{self, Backend, BackendError, BackendKind, Placement, WithBackend};
+use crate::runtime::{Corpus, TrainOptions, Trainer};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::json;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Args)]
+pub struct CheckArgs {
+    /// The backend to check against the CPU's: `cuda`, or `cpu` (the CPU
+    /// against itself on another thread count).
+    #[arg(long, default_value = "cuda", value_parser = ["cpu", "cuda"])]
+    backend: String,
+    /// GPUs of this machine for the multi-device checks.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    gpus: u32,
+    /// Steps of each training check.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    steps: u32,
+    /// Also measure `gpt2-small` (batch 8 × 1024) on one device and under
+    /// 1F1B on 4 devices: tokens/s, MFU and peak memory.
+    #[arg(long)]
+    bench: bool,
+    /// Peak dense fp32 FLOP/s of one device for the MFU (default: an H200's
+    /// 67 TFLOP/s on `cuda`, none on `cpu`).
+    #[arg(long)]
+    peak_flops: Option<f64>,
+    /// Where `check.json` goes.
+    #[arg(long, default_value = ".")]
+    out: PathBuf,
+}
+
+/// Loss tolerances: a backend against the CPU's arithmetic (other sum
+/// orders, other `exp`), and strategies against one device on one backend.
+const TRAIN_VS_CPU: f64 = 1e-4;
+const STRATEGY_VS_ONE: f64 = 1e-5;
+
+/// The model MoE checks train: `tiny` with 4 experts, top-2, dropless.
+fn tiny_moe() -> ModelConfig {
+    let mut cfg = ModelConfig::tiny();
+    cfg.name = "tiny-moe-dropless".into();
+    cfg.layers = 4;
+    let mut moe = MoeConfig::new(4, 2);
+    moe.hidden = Some(128);
+    cfg.moe = Some(moe);
+    cfg
+}
+
+/// A strategy as bundled plugins with options.
+type Strategy = &'static [(&'static str, &'static [(&'static str, &'static str)])];
+
+/// The multi-device checks: name, model, devices, strategy.
+fn strategy_checks() -> Vec<(&'static str, ModelConfig, u32, Strategy)> {
+    vec![
+        (
+            "1f1b",
+            ModelConfig::tiny(),
+            4,
+            &[("1f1b", &[("microbatches", "8")])],
+        ),
+        (
+            "zero3+1f1b",
+            ModelConfig::tiny(),
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "dualpipev",
+            ModelConfig::tiny(),
+            4,
+            &[("dualpipev", &[("microbatches", "8")])],
+        ),
+        ("tp=2", ModelConfig::tiny(), 2, &[("tp", &[("tp", "2")])]),
+        ("ep on 4", tiny_moe(), 4, &[("ep", &[("ep", "4")])]),
+    ]
+}
+
+/// What a training check measured.
+struct Run {
+    losses: Vec<f64>,
+    /// Measured peak bytes per device, over the run.
+    peaks: Vec<u64>,
+    /// Seconds of each step.
+    secs: Vec<f64>,
+    /// The plan's predicted peak per device.
+    planned: Vec<u64>,
+}
+
+/// Train `steps` steps of `cfg` under `strategy` on `devices` devices of
+/// `kind`.
+fn train(
+    host: &PluginHost,
+    cfg: &ModelConfig,
+    devices: u32,
+    strategy: Strategy,
+    kind: BackendKind,
+    steps: u32,
+) -> Result<Run> {
+    let mut dag = TrainingDag::build(cfg, Cluster::new(devices))?;
+    for (name, opts) in strategy {
+        let o: Vec<(String, String)> = opts
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let p = host.load(name)?;
+        host.apply(&p, &mut dag, &o)?;
+    }
+    let plan = compile(&dag)?;
+    let planned: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
+    let opts = TrainOptions {
+        backend: kind,
+        ..TrainOptions::default()
+    };
+    let mut t = Trainer::new(cfg, plan, opts)?;
+    let corpus = Corpus::builtin();
+    let (mut losses, mut peaks, mut secs) = (Vec::new(), vec![0u64; devices as usize], Vec::new());
+    for s in 1..=steps {
+        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+        let st = t.step(&batch).with_context(|| format!("step {s}"))?;
+        losses.push(st.loss);
+        for (p, x) in peaks.iter_mut().zip(&st.peak_bytes) {
+            *p = (*p).max(*x);
+        }
+        secs.push(st.elapsed.as_secs_f64());
+    }
+    Ok(Run {
+        losses,
+        peaks,
+        secs,
+        planned,
+    })
+}
+
+/// The largest relative difference of two loss curves.
+fn worst(a: &[f64], b: &[f64]) -> f64 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| ((x - y) / y).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The kernel checks, on the backend `kind` names against the CPU.
+struct Kernels {
+    reference: backend::cpu::Cpu,
+}
+
+impl WithBackend for Kernels {
+    type Output = Result<Vec<KernelCheck>, BackendError>;
+    fn run<B: Backend>(
+        self,
+        make: &(dyn Fn(usize) -> Result<B, BackendError> + Sync),
+    ) -> Self::Output {
+        check::kernels(&self.reference, &make(0)?)
+    }
+}
+
+pub fn check(a: CheckArgs) -> Result<()> {
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let kind = BackendKind::parse(&a.backend, a.gpus).map_err(anyhow::Error::msg)?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // The CPU against itself: one thread against every core.
+    let (reference, other_threads) = match kind {
+        BackendKind::Cpu => (1, cores.max(2)),
+        _ => (cores, 1),
+    };
+    let mut failed = Vec::new();
+    let mut report = serde_json::Map::new();
+
+    let t = Instant::now();
+    let place = Placement {
+        devices: &[0],
+        peaks: &[0],
+        threads: other_threads,
+    };
+    let kernels = backend::with_backend(
+        kind,
+        &place,
+        Kernels {
+            reference: backend::cpu::Cpu::new(0, reference)?,
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("{} backend: {e}", kind.name()))?
+    .map_err(|e| anyhow::anyhow!("checking the kernels: {e}"))?;
+    for k in &kernels {
+        let verdict = if k.passed() { "ok" } else { "FAILED" };
+        println!(
+            "kernel {:<28} error {:.2e} (tolerance {:.0e}) {verdict}",
+            k.kernel, k.error, k.tolerance
+        );
+        if !k.passed() {
+            failed.push(format!("kernel {}", k.kernel));
+        }
+    }
+    println!(
+        "{} kernels checked in {:.1} s",
+        kernels.len(),
+        t.elapsed().as_secs_f64()
+    );
+    report.insert("kernels".into(), serde_json::to_value(&kernels)?);
+
+    let host = PluginHost::new(SandboxLimits::default(), None)?;
+    let one: Strategy = &[("1f1b", &[("stages", "1"), ("microbatches", "1")])];
+    let tiny = ModelConfig::tiny();
+    let cpu = train(&host, &tiny, 1, one, BackendKind::Cpu, a.steps)?.losses;
+    let Run {
+        losses: mine,
+        peaks,
+        planned,
+        ..
+    } = train(&host, &tiny, 1, one, kind, a.steps)?;
+    let w = worst(&mine, &cpu);
+    let ok = w <= TRAIN_VS_CPU;
+    println!(
+        "tiny, {} steps on one {} device: losses {:.4} -> {:.4}, worst relative difference to the CPU's {w:.2e} (tolerance {TRAIN_VS_CPU:.0e}) {}; peak {} measured, {} planned",
+        a.steps,
+        kind.name(),
+        mine[0],
+        mine[mine.len() - 1],
+        if ok { "ok" } else { "FAILED" },
+        human_bytes(peaks[0]),
+        human_bytes(planned[0])
+    );
+    if !ok {
+        failed.push("tiny on one device".into());
+    }
+    report.insert(
+        "one_device".into(),
+        json!({"losses": mine, "cpu_losses": cpu, "worst": w, "tolerance": TRAIN_VS_CPU, "peak_bytes": peaks[0], "planned_bytes": planned[0]}),
+    );
+
+    let mut strategies = Vec::new();
+    for (name, cfg, devices, strategy) in strategy_checks() {
+        let base = train(&host, &cfg, 1, one, kind, a.steps)?.losses;
+        let Run {
+            losses,
+            peaks,
+            planned,
+            ..
+        } = train(&host, &cfg, devices, strategy, kind, a.steps)
+            .with_context(|| format!("{name} on {devices} devices"))?;
+        let w = worst(&losses, &base);
+        let ok = w <= STRATEGY_VS_ONE;
+        println!(
+            "{name} on {devices} {} devices ({}): worst relative difference to one device {w:.2e} (tolerance {STRATEGY_VS_ONE:.0e}) {}",
+            kind.name(),
+            cfg.name,
+            if ok { "ok" } else { "FAILED" }
+        );
+        if !ok {
+            failed.push(format!("{name} on {devices} devices"));
+        }
+        strategies.push(json!({"strategy": name, "model": cfg.name, "devices": devices, "worst": w, "tolerance": STRATEGY_VS_ONE, "losses": losses, "one_device": base, "peak_bytes": peaks, "planned_bytes": planned}));
+    }
+    report.insert("strategies".into(), json!(strategies));
+
+    if a.bench {
+        let peak = a.peak_flops.or(match kind {
+            BackendKind::Cuda { .. } => Some(67e12),
+            BackendKind::Cpu => None,
+        });
+        report.insert("bench".into(), bench(&host, kind, peak)?);
+    }
+    report.insert("failed".into(), json!(failed));
+    let path = a.out.join("check.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    println!("report: {}", path.display());
+    if !failed.is_empty() {
+        bail!("{} check(s) failed: {}", failed.len(), failed.join(", "));
+    }
+    Ok(())
+}
+
+/// `gpt2-small` at batch 8 × 1024: tokens/s (median of the steps after the
+/// first two), MFU against `peak` FLOP/s a device, measured peak memory; on
+/// one device, and under 1F1B on 4 virtual devices.
+fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serde_json::Value> {
+    let mut cfg = ModelConfig::preset("gpt2-small")?;
+    cfg.batch_size = 8;
+    cfg.seq_len = 1024;
+    let flops: f64 = cfg
+        .segments()
+        .iter()
+        .map(|s| s.cost.fwd_flops + s.cost.bwd_flops)
+        .sum();
+    let tokens = (cfg.batch_size * cfg.seq_len) as f64;
+    let mut out = Vec::new();
+    let runs: [(&str, u32, Strategy); 2] = [
+        (
+            "one device",
+            1,
+            &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+        ),
+        (
+            "1f1b on 4 devices",
+            4,
+            &[("1f1b", &[("microbatches", "8")])],
+        ),
+    ];
+    for (name, devices, strategy) in runs {
+        let Run {
+            peaks,
+            mut secs,
+            planned,
+            ..
+        } = train(host, &cfg, devices, strategy, kind, 6)?;
+        let mut timed = secs.split_off(2);
+        timed.sort_by(|a, b| a.total_cmp(b));
+        let step = timed[timed.len() / 2];
+        let tps = tokens / step;
+        let mfu = peak.map(|p| flops / step / (p * devices as f64));
+        println!(
+            "gpt2-small 8x1024 fp32, {name} ({}): {tps:.0} tokens/s, step {:.1} ms{}, peak {}",
+            kind.name(),
+            step * 1e3,
+            mfu.map_or(String::new(), |m| format!(", MFU {:.1}%", 100.0 * m)),
+            peaks
+                .iter()
+                .map(|p| human_bytes(*p))
+                .collect::<Vec<_>>()
+                .join(" / ")
+        );
+        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned}));
+    }
+    Ok(json!(out))
+}

@@ -1,0 +1,265 @@
+//! The CUDA backend's kernels: CUDA C sources, one file per op family
+//! (`kernels/*.cu`, mirroring `backend/cpu/`), compiled with NVRTC when a
+//! device starts, for its compute capability, and kept for the process (the
+//! same PTX for every virtual device of a GPU). NVRTC needs no GPU, so the
+//! sources' compilation is tested on machines without one.
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// What every source is compiled after (types, block reductions, the
+/// CPU backend's `exp_small` and tanh).
+pub const PRELUDE: &str = include_str!("kernels/prelude.cuh");
+
+/// The kernel sources by op family.
+pub const SOURCES: [(&str, &str); 6] = [
+    ("elementwise", include_str!("kernels/elementwise.cu")),
+    ("layernorm", include_str!("kernels/layernorm.cu")),
+    ("embedding", include_str!("kernels/embedding.cu")),
+    ("loss", include_str!("kernels/loss.cu")),
+    ("attention", include_str!("kernels/attention.cu")),
+    ("moe", include_str!("kernels/moe.cu")),
+];
+
+/// The architectures the sources are checked to compile for (Ampere,
+/// Hopper); a device compiles for its own.
+pub const CHECKED_ARCHS: [&str; 2] = ["compute_80", "compute_90"];
+
+/// NVRTC's options: fp32 arithmetic as written (no fused multiply-adds,
+/// IEEE division and square root), so a kernel computes what its CPU
+/// counterpart does operation for operation where their formulas agree.
+fn options(name: &str, arch: &'static str) -> CompileOptions {
+    CompileOptions {
+        arch: Some(arch),
+        fmad: Some(false),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    }
+}
+
+/// Compile one source (`name` from [`SOURCES`]) for `arch` (`compute_90`);
+/// the compiler's log on failure.
+pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<Ptx, String> {
+    // SAFETY: loading NVRTC runs its initialisers, as compiling would.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(format!(
+            "{name}.cu: NVRTC (libnvrtc.so.13) cannot be loaded: put its directory on LD_LIBRARY_PATH"
+        ));
+    }
+    let full = format!("{PRELUDE}\n{src}");
+    compile_ptx_with_opts(full, options(name, arch)).map_err(|e| match e {
+        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
+            format!("{name}.cu for {arch}: {}", log.to_string_lossy())
+        }
+        other => format!("{name}.cu for {arch}: {other}"),
+    })
+}
+
+/// `compute_90` for a device of compute capability 9.0.
+pub fn arch_of(major: i32, minor: i32) -> Result<&'static str, String> {
+    const KNOWN: [(i32, i32, &str); 8] = [
+        (7, 0, "compute_70"),
+        (7, 5, "compute_75"),
+        (8, 0, "compute_80"),
+        (8, 6, "compute_86"),
+        (8, 9, "compute_89"),
+        (9, 0, "compute_90"),
+        (10, 0, "compute_100"),
+        (12, 0, "compute_120"),
+    ];
+    KNOWN
+        .iter()
+        .find(|(a, b, _)| (*a, *b) == (major, minor))
+        .map(|k| k.2)
+        .ok_or_else(|| format!("compute capability {major}.{minor} has no kernel target here"))
+}
+
+/// Every source's PTX for one architecture, by source name.
+type Compiled = Arc<Vec<(&'static str, Ptx)>>;
+
+/// The PTX of every source for one architecture, compiled once a process.
+fn ptx_for(arch: &'static str) -> Result<Compiled, String> {
+    static CACHE: OnceLock<Mutex<HashMap<&'static str, Compiled>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(p) = cache.lock().unwrap().get(arch) {
+        return Ok(p.clone());
+    }
+    let compiled = SOURCES
+        .iter()
+        .map(|(name, src)| Ok((*name, compile(name, src, arch)?)))
+        .collect::<Result<Vec<_>, String>>()?;
+    let compiled = Arc::new(compiled);
+    cache.lock().unwrap().insert(arch, compiled.clone());
+    Ok(compiled)
+}
+
+/// Every kernel of the backend, loaded on one GPU.
+pub struct Kernels {
+    pub residual_forward: CudaFunction,
+    pub add_into: CudaFunction,
+    pub add_bias_rows: CudaFunction,
+    pub residual_bias: CudaFunction,
+    pub gelu_forward: CudaFunction,
+    pub bias_gelu_forward: CudaFunction,
+    pub gelu_backward: CudaFunction,
+    pub bias_backward: CudaFunction,
+    pub adamw: CudaFunction,
+    pub sum_squares: CudaFunction,
+    pub layernorm_forward: CudaFunction,
+    pub layernorm_backward_input: CudaFunction,
+    pub layernorm_backward_weight: CudaFunction,
+    pub embedding_forward: CudaFunction,
+    pub embedding_backward_weight: CudaFunction,
+    pub crossentropy_forward: CudaFunction,
+    pub crossentropy_backward: CudaFunction,
+    pub attention_split: CudaFunction,
+    pub attention_merge: CudaFunction,
+    pub attention_merge_backward: CudaFunction,
+    pub attention_split_backward: CudaFunction,
+    pub causal_softmax: CudaFunction,
+    pub causal_softmax_backward: CudaFunction,
+    pub moe_softmax_rows: CudaFunction,
+    pub moe_gather_rows: CudaFunction,
+    pub moe_scatter_add_rows: CudaFunction,
+    pub moe_combine: CudaFunction,
+    pub moe_combine_dweight: CudaFunction,
+    pub moe_combine_dy: CudaFunction,
+    pub moe_router_backward: CudaFunction,
+}
+
+impl Kernels {
+    /// Compile (once a process) and load every kernel on `ctx`'s GPU.
+    pub fn load(ctx: &Arc<CudaContext>) -> Result<Self, String> {
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("reading the compute capability: {e}"))?;
+        let arch = arch_of(major, minor)?;
+        let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
+        for (name, ptx) in ptx_for(arch)?.iter() {
+            let m = ctx
+                .load_module(ptx.clone())
+                .map_err(|e| format!("loading {name}.cu's PTX for {arch}: {e}"))?;
+            modules.insert(name, m);
+        }
+        let f = |module: &str, name: &str| -> Result<CudaFunction, String> {
+            modules[module]
+                .load_function(name)
+                .map_err(|e| format!("{module}.cu has no kernel `{name}`: {e}"))
+        };
+        Ok(Kernels {
+            residual_forward: f("elementwise", "residual_forward")?,
+            add_into: f("elementwise", "add_into")?,
+            add_bias_rows: f("elementwise", "add_bias_rows")?,
+            residual_bias: f("elementwise", "residual_bias")?,
+            gelu_forward: f("elementwise", "gelu_forward")?,
+            bias_gelu_forward: f("elementwise", "bias_gelu_forward")?,
+            gelu_backward: f("elementwise", "gelu_backward")?,
+            bias_backward: f("elementwise", "bias_backward")?,
+            adamw: f("elementwise", "adamw")?,
+            sum_squares: f("elementwise", "sum_squares")?,
+            layernorm_forward: f("layernorm", "layernorm_forward")?,
+            layernorm_backward_input: f("layernorm", "layernorm_backward_input")?,
+            layernorm_backward_weight: f("layernorm", "layernorm_backward_weight")?,
+            embedding_forward: f("embedding", "embedding_forward")?,
+            embedding_backward_weight: f("embedding", "embedding_backward_weight")?,
+            crossentropy_forward: f("loss", "crossentropy_forward")?,
+            crossentropy_backward: f("loss", "crossentropy_backward")?,
+            attention_split: f("attention", "attention_split")?,
+            attention_merge: f("attention", "attention_merge")?,
+            attention_merge_backward: f("attention", "attention_merge_backward")?,
+            attention_split_backward: f("attention", "attention_split_backward")?,
+            causal_softmax: f("attention", "causal_softmax")?,
+            causal_softmax_backward: f("attention", "causal_softmax_backward")?,
+            moe_softmax_rows: f("moe", "moe_softmax_rows")?,
+            moe_gather_rows: f("moe", "moe_gather_rows")?,
+            moe_scatter_add_rows: f("moe", "moe_scatter_add_rows")?,
+            moe_combine: f("moe", "moe_combine")?,
+            moe_combine_dweight: f("moe", "moe_combine_dweight")?,
+            moe_combine_dy: f("moe", "moe_combine_dy")?,
+            moe_router_backward: f("moe", "moe_router_backward")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel names a source defines (`extern "C" __global__ void name(`).
+    fn kernel_names(src: &str) -> Vec<&str> {
+        src.split("extern \"C\" __global__ void ")
+            .skip(1)
+            .filter_map(|rest| rest.split('(').next())
+            .collect()
+    }
+
+    /// Every source compiles to PTX for Ampere and Hopper with NVRTC (which
+    /// needs no GPU: PyPI's `nvidia-cuda-nvrtc` ships it), and the PTX
+    /// holds every kernel the backend loads. Reported NOT RUN where NVRTC
+    /// cannot be loaded, unless `PIPER_REQUIRE_NVRTC=1` (CI) makes that a
+    /// failure.
+    #[test]
+    fn every_kernel_source_compiles_for_ampere_and_hopper() {
+        // SAFETY: loading NVRTC runs its initialisers, as compiling would.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            let required = std::env::var("PIPER_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "PIPER_REQUIRE_NVRTC=1 but libnvrtc.so.13 cannot be loaded (LD_LIBRARY_PATH)"
+            );
+            println!("NOT RUN: NVRTC (libnvrtc.so.13) is not on LD_LIBRARY_PATH (pip install nvidia-cuda-nvrtc==13.0.88)");
+            return;
+        }
+        let mut kernels = 0;
+        for arch in CHECKED_ARCHS {
+            for (name, src) in SOURCES {
+                let ptx = compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+                let text = ptx.to_src();
+                let names = kernel_names(src);
+                assert!(!names.is_empty(), "{name}.cu defines no kernel");
+                for k in names {
+                    assert!(
+                        text.contains(&format!(".entry {k}(")),
+                        "{name}.cu for {arch}: no entry `{k}` in the PTX"
+                    );
+                    kernels += 1;
+                }
+                let target = arch.replace("compute_", "sm_");
+                assert!(
+                    text.contains(&format!(".target {target}")),
+                    "{name}.cu: not built for {target}"
+                );
+            }
+        }
+        // Every kernel `Kernels` loads, for both architectures.
+        assert_eq!(kernels, 2 * 30);
+    }
+
+    #[test]
+    fn a_kernel_that_does_not_compile_is_an_error_with_the_compilers_log() {
+        // SAFETY: as above.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("NOT RUN: NVRTC is not on LD_LIBRARY_PATH");
+            return;
+        }
+        let e = compile(
+            "broken",
+            "extern \"C\" __global__ void f(float* x) { x[0] = y; }",
+            "compute_90",
+        )
+        .unwrap_err();
+        assert!(e.starts_with("broken.cu for compute_90:"), "{e}");
+        assert!(e.contains("identifier \"y\" is undefined"), "{e}");
+    }
+
+    #[test]
+    fn compute_capabilities_map_to_their_targets() {
+        assert_eq!(arch_of(9, 0), Ok("compute_90"));
+        assert_eq!(arch_of(8, 0), Ok("compute_80"));
+        assert!(arch_of(6, 1).unwrap_err().contains("6.1"));
+    }
+}

@@ -1,0 +1,100 @@
+// Elementwise kernels: GELU (tanh approximation, GPT-2's), the residual
+// add, accumulation, biases by rows. Grid-stride loops over `n` elements;
+// the arithmetic is the CPU backend's (elementwise.rs), operation for
+// operation.
+
+#define GELU_SCALE 0.7978846f
+
+// out = a + b
+extern "C" __global__ void residual_forward(float* out, const float* a, const float* b, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) out[i] = a[i] + b[i];
+}
+
+// dst += src
+extern "C" __global__ void add_into(float* dst, const float* src, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) dst[i] += src[i];
+}
+
+// out[row] += bias, rows of `width`
+extern "C" __global__ void add_bias_rows(float* out, const float* bias, i64 n, int width) {
+    for (i64 i = gid(); i < n; i += gsize()) out[i] += bias[i % width];
+}
+
+// out = res + bias by rows (the start of a linear layer onto the residual)
+extern "C" __global__ void residual_bias(float* out, const float* res, const float* bias, i64 n, int width) {
+    for (i64 i = gid(); i < n; i += gsize()) out[i] = res[i] + bias[i % width];
+}
+
+__device__ __forceinline__ float gelu(float x) {
+    float cube = 0.044715f * x * x * x;
+    return 0.5f * x * (1.0f + tanh_small(GELU_SCALE * (x + cube)));
+}
+
+// out = gelu(inp)
+extern "C" __global__ void gelu_forward(float* out, const float* inp, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) out[i] = gelu(inp[i]);
+}
+
+// By rows of `width`: pre += bias, out = gelu(pre)
+extern "C" __global__ void bias_gelu_forward(float* pre, float* out, const float* bias, i64 n, int width) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        float x = pre[i] + bias[i % width];
+        pre[i] = x;
+        out[i] = gelu(x);
+    }
+}
+
+// dinp += gelu'(inp) * dout
+extern "C" __global__ void gelu_backward(float* dinp, const float* inp, const float* dout, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        float x = inp[i];
+        float cube = 0.044715f * x * x * x;
+        float arg = GELU_SCALE * (x + cube);
+        float th = tanh_small(arg);
+        float sech2 = 1.0f - th * th;
+        float local = 0.5f * (1.0f + th) + x * 0.5f * sech2 * GELU_SCALE * (1.0f + 3.0f * 0.044715f * x * x);
+        dinp[i] += local * dout[i];
+    }
+}
+
+// dbias[j] += sum over rows of dout[row, j]: a thread per column, the rows in
+// order (a linear layer's bias gradient).
+extern "C" __global__ void bias_backward(float* dbias, const float* dout, int rows, int oc) {
+    int j = (int)gid();
+    if (j >= oc) return;
+    float acc = dbias[j];
+    for (int i = 0; i < rows; i++) acc += dout[(i64)i * oc + j];
+    dbias[j] = acc;
+}
+
+// One AdamW step on n elements (decoupled weight decay `wd`), with the
+// gradient scaled by the clipping factor and the bias corrections given.
+extern "C" __global__ void adamw(float* param, const float* grad, float* m, float* v, i64 n,
+                                 float lr, float beta1, float beta2, float bc1, float bc2,
+                                 float eps, float wd, float grad_scale) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        float g = grad[i] * grad_scale;
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        float mhat = mi / bc1;
+        float vhat = vi / bc2;
+        param[i] -= lr * (mhat / (sqrtf(vhat) + eps) + wd * param[i]);
+    }
+}
+
+// Per block, the f64 sum of x^2 over a contiguous share of n elements (the
+// gradient norm); the host adds the blocks' sums in order.
+extern "C" __global__ void sum_squares(double* partial, const float* x, i64 n) {
+    i64 per = (n + gridDim.x - 1) / gridDim.x;
+    i64 lo = (i64)blockIdx.x * per;
+    i64 hi = lo + per < n ? lo + per : n;
+    double acc = 0.0;
+    for (i64 i = lo + threadIdx.x; i < hi; i += BLOCK) {
+        double xi = (double)x[i];
+        acc += xi * xi;
+    }
+    double s = block_sum_f64(acc);
+    if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}

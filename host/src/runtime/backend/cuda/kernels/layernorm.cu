@@ -1,0 +1,73 @@
+// LayerNorm over the `c` channels of `n` rows, with mean and rstd cached for
+// backward (the CPU backend's layernorm.rs): a block of BLOCK threads per row
+// for the forward and the input gradient; a thread per channel, summing the
+// rows in order, for the weight gradients.
+
+#define LN_EPS 1e-5f
+
+// out = (inp - mean) * rstd * weight + bias
+extern "C" __global__ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                                             const float* weight, const float* bias, int n, int c) {
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* x = inp + (i64)row * c;
+    float s = 0.0f;
+    for (int j = threadIdx.x; j < c; j += BLOCK) s += x[j];
+    float m = block_sum(s) / (float)c;
+    float q = 0.0f;
+    for (int j = threadIdx.x; j < c; j += BLOCK) {
+        float d = x[j] - m;
+        q += d * d;
+    }
+    float var = block_sum(q) / (float)c;
+    float r = 1.0f / sqrtf(var + LN_EPS);
+    if (threadIdx.x == 0) {
+        mean[row] = m;
+        rstd[row] = r;
+    }
+    float* o = out + (i64)row * c;
+    for (int j = threadIdx.x; j < c; j += BLOCK) o[j] = (x[j] - m) * r * weight[j] + bias[j];
+}
+
+// dinp += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = dout * weight
+extern "C" __global__ void layernorm_backward_input(float* dinp, const float* dout, const float* inp,
+                                                    const float* weight, const float* mean,
+                                                    const float* rstd, int n, int c) {
+    int row = blockIdx.x;
+    if (row >= n) return;
+    const float* x = inp + (i64)row * c;
+    const float* dy = dout + (i64)row * c;
+    float m = mean[row], r = rstd[row];
+    float a = 0.0f, b = 0.0f;
+    for (int j = threadIdx.x; j < c; j += BLOCK) {
+        float norm = (x[j] - m) * r;
+        float dnorm = weight[j] * dy[j];
+        a += dnorm;
+        b += dnorm * norm;
+    }
+    float dnorm_mean = block_sum(a) / (float)c;
+    float dnorm_norm_mean = block_sum(b) / (float)c;
+    float* dx = dinp + (i64)row * c;
+    for (int j = threadIdx.x; j < c; j += BLOCK) {
+        float norm = (x[j] - m) * r;
+        float dnorm = weight[j] * dy[j];
+        dx[j] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * r;
+    }
+}
+
+// dweight += sum of norm * dout, dbias += sum of dout, over the rows in order
+extern "C" __global__ void layernorm_backward_weight(float* dweight, float* dbias, const float* dout,
+                                                     const float* inp, const float* mean,
+                                                     const float* rstd, int n, int c) {
+    int j = (int)gid();
+    if (j >= c) return;
+    float dw = dweight[j], db = dbias[j];
+    for (int i = 0; i < n; i++) {
+        i64 at = (i64)i * c + j;
+        float norm = (inp[at] - mean[i]) * rstd[i];
+        dw += norm * dout[at];
+        db += dout[at];
+    }
+    dweight[j] = dw;
+    dbias[j] = db;
+}

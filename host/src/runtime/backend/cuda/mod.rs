@@ -1,0 +1,1291 @@
+//! The CUDA backend (feature `cuda`): a plan device is a share of one GPU —
+//! several plan devices may share a GPU (virtual devices), each with its own
+//! streams and memory account. Built on cudarc with the CUDA libraries
+//! loaded at run time, so it builds on machines without CUDA; matrix
+//! products go through cuBLAS (`blas`), the other kernels are CUDA C
+//! compiled with NVRTC when the device starts (`kernels`). fp32 throughout
+//! (no TF32).
+//!
+//! - **Streams**: each plan stream is a CUDA stream with its own cuBLAS
+//!   handle; [`Backend::enter`] makes it current for the calling thread,
+//!   and every kernel call enqueues on the current stream and returns.
+//! - **Events**: a marked op records a CUDA event, a waiting stream waits
+//!   on it (no host synchronisation). cudarc also orders the uses of a
+//!   tensor across streams by the events each allocation carries.
+//! - **Memory**: tensors come from the GPU's stream-ordered pool (cuMemAllocAsync),
+//!   whose release threshold is raised so freed memory stays cached for the
+//!   next step; the runtime accounts every tensor's bytes against the
+//!   device's cap as on the CPU.
+//! - **Failures**: a kernel launch that fails, or a fault the device
+//!   reports later, is kept and returned by the next call that returns a
+//!   `Result` (the runtime checks after every op, so the op is named).
+//! - **Host reads**: the loss (each row's term in f64, added on the host in
+//!   row order), the norm's sum of squares (per-block f64 sums), MoE routing.
+
+mod blas;
+pub mod kernels;
+pub mod setup;
+
+use super::{AdamW, Backend, BackendError, Routing, Trace};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::cell::RefCell;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
+/// Threads per block (the kernels' reductions assume it).
+const BLOCK: u32 = 256;
+
+/// One GPU: its context and kernels, shared by the plan devices on it.
+pub struct Gpu {
+    pub ordinal: usize,
+    ctx: Arc<CudaContext>,
+    k: kernels::Kernels,
+}
+
+impl Gpu {
+    /// Open GPU `ordinal`: its primary context, the stream-ordered pool
+    /// set to keep freed memory, and the kernels compiled for it.
+    pub fn open(ordinal: usize) -> Result<Arc<Gpu>, String> {
+        let ctx = CudaContext::new(ordinal).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        keep_freed_memory(&ctx).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        let k = kernels::Kernels::load(&ctx).map_err(|e| format!("GPU {ordinal}: {e}"))?;
+        Ok(Arc::new(Gpu { ordinal, ctx, k }))
+    }
+    /// Free and total device memory, bytes.
+    pub fn memory(&self) -> Result<(u64, u64), String> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| format!("GPU {}: reading its memory: {e}", self.ordinal))?;
+        Ok((free as u64, total as u64))
+    }
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+}
+
+/// Raise the release threshold of the GPU's default memory pool, so memory
+/// a step frees is reused by the next instead of going back to the driver.
+fn keep_freed_memory(ctx: &Arc<CudaContext>) -> Result<(), String> {
+    use cudarc::driver::sys;
+    ctx.bind_to_thread().map_err(|e| e.to_string())?;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: the device handle is the context's; the pool out-pointer is
+    // valid; the attribute takes a u64.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .map_err(|e| format!("its default memory pool: {e}"))?;
+        let mut threshold: u64 = u64::MAX;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+        .map_err(|e| format!("keeping freed memory in its pool: {e}"))
+    }
+}
+
+/// A stream of a device with its cuBLAS handle.
+pub struct Queue {
+    stream: Arc<CudaStream>,
+    blas: cudarc::cublas::CudaBlas,
+    /// The plan device it belongs to.
+    device: u32,
+}
+
+thread_local! {
+    /// The stream the calling thread enqueues on ([`Backend::enter`]).
+    static CURRENT: RefCell<Option<Arc<Queue>>> = const { RefCell::new(None) };
+}
+
+/// f32 storage on the GPU; empty holds nothing.
+#[derive(Default)]
+pub struct GpuTensor(Option<CudaSlice<f32>>);
+
+/// Token ids on the GPU.
+#[derive(Default)]
+pub struct GpuIds(Option<CudaSlice<u32>>);
+
+/// A loss term: a host value, or each row's `-ln p` in f64 on the GPU.
+pub enum Term {
+    Host(f64),
+    Rows(CudaSlice<f64>),
+}
+
+/// One plan device on a GPU.
+pub struct Cuda {
+    device: u32,
+    gpu: Arc<Gpu>,
+    /// The stream kernels go to outside [`Backend::enter`] (setup, restore,
+    /// reads at the step's end).
+    default: Arc<Queue>,
+    /// The first failure not yet reported.
+    failed: Mutex<Option<String>>,
+}
+
+impl Cuda {
+    /// Plan device `device` on `gpu`.
+    pub fn new(device: u32, gpu: Arc<Gpu>) -> Result<Self, BackendError> {
+        let default = Self::queue_on(&gpu, device)?;
+        Ok(Cuda {
+            device,
+            gpu,
+            default,
+            failed: Mutex::new(None),
+        })
+    }
+
+    fn queue_on(gpu: &Arc<Gpu>, device: u32) -> Result<Arc<Queue>, BackendError> {
+        let stream = gpu
+            .ctx
+            .new_stream()
+            .map_err(|e| BackendError::Device(format!("creating a stream: {e}")))?;
+        let blas = blas::handle(stream.clone()).map_err(BackendError::Device)?;
+        Ok(Arc::new(Queue {
+            stream,
+            blas,
+            device,
+        }))
+    }
+
+    /// The stream this thread enqueues on for this device.
+    fn q(&self) -> Arc<Queue> {
+        CURRENT
+            .with(|c| c.borrow().clone())
+            .filter(|q| q.device == self.device)
+            .unwrap_or_else(|| self.default.clone())
+    }
+
+    /// Keep the first failure for the next call that returns a `Result`.
+    fn fail(&self, what: &str, e: impl std::fmt::Display) {
+        let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            *f = Some(format!("{what}: {e}"));
+        }
+    }
+
+    /// A kept failure, or the context's own, as an error.
+    fn pending(&self) -> Result<(), BackendError> {
+        if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            return Err(BackendError::Device(e));
+        }
+        self.gpu
+            .ctx
+            .check_err()
+            .map_err(|e| BackendError::Device(e.to_string()))
+    }
+
+    fn alloc(&self, q: &Queue, n: usize) -> Result<CudaSlice<f32>, BackendError> {
+        q.stream
+            .alloc_zeros::<f32>(n)
+            .map_err(|e| BackendError::Alloc {
+                bytes: n as u64 * 4,
+                message: e.to_string(),
+            })
+    }
+
+    /// Wait for everything enqueued on `q` (a host read).
+    fn sync(&self, q: &Queue) -> Result<(), BackendError> {
+        q.stream
+            .synchronize()
+            .map_err(|e| BackendError::Device(format!("waiting for the stream: {e}")))?;
+        self.pending()
+    }
+}
+
+/// Launch shapes: a grid-stride loop over `n` elements, a block per row, a
+/// thread per column.
+fn elems(n: usize) -> LaunchConfig {
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, 65_535 * 16) as u32;
+    LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+fn rows(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.max(1) as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// The slice of a tensor that must hold data.
+fn s(t: &GpuTensor) -> &CudaSlice<f32> {
+    t.0.as_ref()
+        .expect("a kernel's input is an allocated tensor")
+}
+fn sm(t: &mut GpuTensor) -> &mut CudaSlice<f32> {
+    t.0.as_mut()
+        .expect("a kernel's output is an allocated tensor")
+}
+fn ids(t: &GpuIds) -> &CudaSlice<u32> {
+    t.0.as_ref().expect("token ids are allocated")
+}
+
+/// Enqueue kernel `f` on queue `q` with the arguments in order; a failure
+/// is kept (see [`Cuda::fail`]). Each argument is bound to a local first:
+/// the launch reads them through pointers, so they must outlive it.
+macro_rules! launch {
+    ($self:expr, $q:expr, $f:ident, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        let queue: &Queue = &$q;
+        let mut b = queue.stream.launch_builder(&$self.gpu.k.$f);
+        $(
+            let a = $arg;
+            b.arg(a);
+        )*
+        // SAFETY: the arguments are the kernel's, in its order, with the
+        // shapes the callers' tensors have.
+        if let Err(e) = unsafe { b.launch($cfg) } {
+            $self.fail(stringify!($f), e);
+        }
+    }};
+}
+
+/// `n` as the kernels' 64-bit count.
+fn i64n(n: usize) -> i64 {
+    n as i64
+}
+/// A shape as the kernels' `int` (the model's shapes fit: checked by the plan).
+fn i32n(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+impl Backend for Cuda {
+    type Tensor = GpuTensor;
+    type Ids = GpuIds;
+    type Scalar = Term;
+    type Stream = Arc<Queue>;
+    type Event = Option<CudaEvent>;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn stream(&self) -> Result<Arc<Queue>, BackendError> {
+        Self::queue_on(&self.gpu, self.device)
+    }
+    fn enter<R: Send>(
+        &self,
+        stream: &Arc<Queue>,
+        _trace: Trace<'_>,
+        f: impl FnOnce() -> R + Send,
+    ) -> R {
+        self.with_stream(stream, f)
+    }
+    fn with_stream<R>(&self, stream: &Arc<Queue>, f: impl FnOnce() -> R) -> R {
+        struct Restore(Option<Arc<Queue>>);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                let prev = self.0.take();
+                CURRENT.with(|c| *c.borrow_mut() = prev);
+            }
+        }
+        if let Err(e) = self.gpu.ctx.bind_to_thread() {
+            self.fail("binding the GPU to the stream's thread", e);
+        }
+        let prev = CURRENT.with(|c| c.borrow_mut().replace(stream.clone()));
+        let _restore = Restore(prev);
+        f()
+    }
+    fn record(&self, stream: &Arc<Queue>) -> Option<CudaEvent> {
+        match stream.stream.record_event(None) {
+            Ok(e) => Some(e),
+            Err(e) => {
+                self.fail("recording an event", e);
+                None
+            }
+        }
+    }
+    fn wait(&self, stream: &Arc<Queue>, event: &Option<CudaEvent>) {
+        if let Some(e) = event {
+            if let Err(err) = stream.stream.wait(e) {
+                self.fail("waiting for another stream", err);
+            }
+        }
+    }
+    fn check(&self) -> Result<(), BackendError> {
+        self.pending()
+    }
+
+    fn len(t: &GpuTensor) -> usize {
+        t.0.as_ref().map_or(0, |s| s.len())
+    }
+    fn bytes(t: &GpuTensor) -> u64 {
+        Self::len(t) as u64 * 4
+    }
+    fn ids_bytes(t: &GpuIds) -> u64 {
+        t.0.as_ref().map_or(0, |s| s.len()) as u64 * 4
+    }
+    fn zeros(&self, n: usize) -> Result<GpuTensor, BackendError> {
+        if n == 0 {
+            return Ok(GpuTensor(None));
+        }
+        self.pending()?;
+        Ok(GpuTensor(Some(self.alloc(&self.q(), n)?)))
+    }
+    fn upload(&self, v: Vec<f32>) -> Result<GpuTensor, BackendError> {
+        if v.is_empty() {
+            return Ok(GpuTensor(None));
+        }
+        self.pending()?;
+        let q = self.q();
+        let t = q.stream.clone_htod(&v).map_err(|e| BackendError::Alloc {
+            bytes: v.len() as u64 * 4,
+            message: e.to_string(),
+        })?;
+        Ok(GpuTensor(Some(t)))
+    }
+    fn upload_ids(&self, v: &[u32]) -> Result<GpuIds, BackendError> {
+        if v.is_empty() {
+            return Ok(GpuIds(None));
+        }
+        let q = self.q();
+        let t = q.stream.clone_htod(v).map_err(|e| BackendError::Alloc {
+            bytes: v.len() as u64 * 4,
+            message: e.to_string(),
+        })?;
+        Ok(GpuIds(Some(t)))
+    }
+    fn download(&self, t: &GpuTensor) -> Result<Vec<f32>, BackendError> {
+        self.download_range(t, 0..Self::len(t))
+    }
+    fn download_range(&self, t: &GpuTensor, range: Range<usize>) -> Result<Vec<f32>, BackendError> {
+        if range.is_empty() {
+            return Ok(Vec::new());
+        }
+        let q = self.q();
+        let v = q
+            .stream
+            .clone_dtoh(&s(t).slice(range))
+            .map_err(|e| BackendError::Device(format!("copying to the host: {e}")))?;
+        self.sync(&q)?;
+        Ok(v)
+    }
+    fn download_owned(&self, t: GpuTensor) -> Result<Vec<f32>, BackendError> {
+        self.download(&t)
+    }
+    fn duplicate(&self, t: &GpuTensor) -> Result<GpuTensor, BackendError> {
+        let Some(src) = &t.0 else {
+            return Ok(GpuTensor(None));
+        };
+        self.pending()?;
+        let q = self.q();
+        let d = q.stream.clone_dtod(src).map_err(|e| BackendError::Alloc {
+            bytes: src.len() as u64 * 4,
+            message: e.to_string(),
+        })?;
+        Ok(GpuTensor(Some(d)))
+    }
+    fn duplicate_ids(&self, t: &GpuIds) -> Result<GpuIds, BackendError> {
+        let Some(src) = &t.0 else {
+            return Ok(GpuIds(None));
+        };
+        let q = self.q();
+        let d = q.stream.clone_dtod(src).map_err(|e| BackendError::Alloc {
+            bytes: src.len() as u64 * 4,
+            message: e.to_string(),
+        })?;
+        Ok(GpuIds(Some(d)))
+    }
+    fn copy(&self, dst: &mut GpuTensor, at: usize, src: &GpuTensor, range: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let len = range.len();
+        let from = s(src).slice(range);
+        let mut to = sm(dst).slice_mut(at..at + len);
+        if let Err(e) = q.stream.memcpy_dtod(&from, &mut to) {
+            self.fail("copying on the device", e);
+        }
+    }
+    fn write(&self, dst: &mut GpuTensor, at: usize, src: &[f32]) {
+        if src.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let mut to = sm(dst).slice_mut(at..at + src.len());
+        if let Err(e) = q.stream.memcpy_htod(src, &mut to) {
+            self.fail("copying to the device", e);
+        }
+    }
+    fn add_host(&self, dst: &mut GpuTensor, at: usize, src: &[f32]) {
+        if src.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let tmp = match q.stream.clone_htod(src) {
+            Ok(t) => t,
+            Err(e) => return self.fail("copying to the device", e),
+        };
+        let n = src.len();
+        let mut to = sm(dst).slice_mut(at..at + n);
+        launch!(self, q, add_into, elems(n), [&mut to, &tmp, &i64n(n)]);
+    }
+    fn add(&self, dst: &mut GpuTensor, src: &GpuTensor) {
+        let n = Self::len(dst).min(Self::len(src));
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(self, q, add_into, elems(n), [sm(dst), s(src), &i64n(n)]);
+    }
+    fn fill_zero(&self, t: &mut GpuTensor) {
+        let Some(d) = t.0.as_mut() else { return };
+        let q = self.q();
+        if let Err(e) = q.stream.memset_zeros(d) {
+            self.fail("zeroing", e);
+        }
+    }
+    fn scalar(&self, x: f64) -> Term {
+        Term::Host(x)
+    }
+    fn read_scalar(&self, s: Term) -> Result<f64, BackendError> {
+        match s {
+            Term::Host(x) => Ok(x),
+            Term::Rows(rows) => {
+                let q = self.q();
+                let v = q
+                    .stream
+                    .clone_dtoh(&rows)
+                    .map_err(|e| BackendError::Device(format!("reading the loss: {e}")))?;
+                self.sync(&q)?;
+                Ok(v.iter().fold(0.0f64, |a, x| a + x))
+            }
+        }
+    }
+
+    fn embedding_forward(
+        &self,
+        out: &mut GpuTensor,
+        tokens: &GpuIds,
+        wte: &GpuTensor,
+        wpe: &GpuTensor,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let q = self.q();
+        let bt = b * t;
+        launch!(
+            self,
+            q,
+            embedding_forward,
+            elems(bt * c),
+            [
+                sm(out),
+                ids(tokens),
+                s(wte),
+                s(wpe),
+                &i32n(bt),
+                &i32n(t),
+                &i32n(c)
+            ]
+        );
+    }
+    fn embedding_backward_weight(
+        &self,
+        dwte: &mut GpuTensor,
+        dwpe: &mut GpuTensor,
+        dout: &GpuTensor,
+        tokens: &GpuIds,
+        b: usize,
+        t: usize,
+        c: usize,
+    ) {
+        let q = self.q();
+        let bt = b * t;
+        launch!(
+            self,
+            q,
+            embedding_backward_weight,
+            elems(c),
+            [
+                sm(dwte),
+                sm(dwpe),
+                s(dout),
+                ids(tokens),
+                &i32n(bt),
+                &i32n(t),
+                &i32n(c)
+            ]
+        );
+    }
+
+    fn layernorm_forward(
+        &self,
+        out: &mut GpuTensor,
+        mean: &mut GpuTensor,
+        rstd: &mut GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        bias: &GpuTensor,
+        n: usize,
+        c: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            layernorm_forward,
+            rows(n),
+            [
+                sm(out),
+                sm(mean),
+                sm(rstd),
+                s(inp),
+                s(weight),
+                s(bias),
+                &i32n(n),
+                &i32n(c)
+            ]
+        );
+    }
+    fn layernorm_backward_input(
+        &self,
+        dinp: &mut GpuTensor,
+        dout: &GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        mean: &GpuTensor,
+        rstd: &GpuTensor,
+        n: usize,
+        c: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            layernorm_backward_input,
+            rows(n),
+            [
+                sm(dinp),
+                s(dout),
+                s(inp),
+                s(weight),
+                s(mean),
+                s(rstd),
+                &i32n(n),
+                &i32n(c)
+            ]
+        );
+    }
+    fn layernorm_backward_weight(
+        &self,
+        dweight: &mut GpuTensor,
+        dbias: &mut GpuTensor,
+        dout: &GpuTensor,
+        inp: &GpuTensor,
+        mean: &GpuTensor,
+        rstd: &GpuTensor,
+        n: usize,
+        c: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            layernorm_backward_weight,
+            elems(c),
+            [
+                sm(dweight),
+                sm(dbias),
+                s(dout),
+                s(inp),
+                s(mean),
+                s(rstd),
+                &i32n(n),
+                &i32n(c)
+            ]
+        );
+    }
+
+    fn matmul_forward(
+        &self,
+        out: &mut GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        bias: Option<&GpuTensor>,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        if n == 0 || oc == 0 {
+            return;
+        }
+        let q = self.q();
+        if let Err(e) = blas::linear(&q.blas, sm(out), s(inp), s(weight), (n, c, oc), 0.0) {
+            return self.fail("matmul_forward", e);
+        }
+        if let Some(b) = bias {
+            launch!(
+                self,
+                q,
+                add_bias_rows,
+                elems(n * oc),
+                [sm(out), s(b), &i64n(n * oc), &i32n(oc)]
+            );
+        }
+    }
+    fn matmul_forward_residual(
+        &self,
+        out: &mut GpuTensor,
+        res: &GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        bias: &GpuTensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        if n == 0 || oc == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            residual_bias,
+            elems(n * oc),
+            [sm(out), s(res), s(bias), &i64n(n * oc), &i32n(oc)]
+        );
+        if let Err(e) = blas::linear(&q.blas, sm(out), s(inp), s(weight), (n, c, oc), 1.0) {
+            self.fail("matmul_forward_residual", e);
+        }
+    }
+    fn matmul_backward_input(
+        &self,
+        dinp: &mut GpuTensor,
+        dout: &GpuTensor,
+        weight: &GpuTensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+        accumulate: bool,
+    ) {
+        if n == 0 || c == 0 {
+            return;
+        }
+        let q = self.q();
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        if let Err(e) =
+            blas::linear_backward_input(&q.blas, sm(dinp), s(dout), s(weight), (n, c, oc), beta)
+        {
+            self.fail("matmul_backward_input", e);
+        }
+    }
+    fn matmul_backward_weight(
+        &self,
+        dweight: &mut GpuTensor,
+        dbias: Option<&mut GpuTensor>,
+        dout: &GpuTensor,
+        inp: &GpuTensor,
+        n: usize,
+        c: usize,
+        oc: usize,
+    ) {
+        if n == 0 || oc == 0 {
+            return;
+        }
+        let q = self.q();
+        if let Err(e) =
+            blas::linear_backward_weight(&q.blas, sm(dweight), s(dout), s(inp), (n, c, oc))
+        {
+            return self.fail("matmul_backward_weight", e);
+        }
+        if let Some(db) = dbias {
+            launch!(
+                self,
+                q,
+                bias_backward,
+                elems(oc),
+                [sm(db), s(dout), &i32n(n), &i32n(oc)]
+            );
+        }
+    }
+    fn add_bias(&self, out: &mut GpuTensor, bias: &GpuTensor, width: usize) {
+        let n = Self::len(out);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            add_bias_rows,
+            elems(n),
+            [sm(out), s(bias), &i64n(n), &i32n(width)]
+        );
+    }
+
+    fn attention_forward(
+        &self,
+        out: &mut GpuTensor,
+        att: &mut GpuTensor,
+        qkv: &GpuTensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        if b * t == 0 {
+            return;
+        }
+        let q = self.q();
+        let hs = c / nh;
+        let heads = blas::Heads { bh: b * nh, t, hs };
+        let scratch = |n| self.alloc(&q, n);
+        let (Ok(mut qs), Ok(mut ks), Ok(mut vs), Ok(mut pre), Ok(mut y)) = (
+            scratch(b * t * c),
+            scratch(b * t * c),
+            scratch(b * t * c),
+            scratch(b * nh * t * t),
+            scratch(b * t * c),
+        ) else {
+            return self.fail("attention_forward", "cannot allocate its scratch");
+        };
+        let (bi, ti, nhi, hsi) = (i32n(b), i32n(t), i32n(nh), i32n(hs));
+        launch!(
+            self,
+            q,
+            attention_split,
+            elems(b * t * c),
+            [&mut qs, &mut ks, &mut vs, s(qkv), &bi, &ti, &nhi, &hsi]
+        );
+        if let Err(e) = heads.scores(&q.blas, &mut pre, &qs, &ks) {
+            return self.fail("attention_forward", e);
+        }
+        let scale = 1.0f32 / (hs as f32).sqrt();
+        let rows_n = b * nh * t;
+        launch!(
+            self,
+            q,
+            causal_softmax,
+            rows(rows_n),
+            [sm(att), &pre, &scale, &i64n(rows_n), &ti]
+        );
+        if let Err(e) = heads.mix(&q.blas, &mut y, s(att), &vs) {
+            return self.fail("attention_forward", e);
+        }
+        launch!(
+            self,
+            q,
+            attention_merge,
+            elems(b * t * c),
+            [sm(out), &y, &bi, &ti, &nhi, &hsi]
+        );
+    }
+    fn attention_backward(
+        &self,
+        dqkv: &mut GpuTensor,
+        dout: &GpuTensor,
+        qkv: &GpuTensor,
+        att: &GpuTensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        if b * t == 0 {
+            return;
+        }
+        let q = self.q();
+        let hs = c / nh;
+        let heads = blas::Heads { bh: b * nh, t, hs };
+        let scratch = |n| self.alloc(&q, n);
+        let (Ok(mut qs), Ok(mut ks), Ok(mut vs), Ok(mut dy), Ok(mut datt), Ok(mut dpre)) = (
+            scratch(b * t * c),
+            scratch(b * t * c),
+            scratch(b * t * c),
+            scratch(b * t * c),
+            scratch(b * nh * t * t),
+            scratch(b * nh * t * t),
+        ) else {
+            return self.fail("attention_backward", "cannot allocate its scratch");
+        };
+        let (Ok(mut dq), Ok(mut dk), Ok(mut dv)) =
+            (scratch(b * t * c), scratch(b * t * c), scratch(b * t * c))
+        else {
+            return self.fail("attention_backward", "cannot allocate its scratch");
+        };
+        let (bi, ti, nhi, hsi) = (i32n(b), i32n(t), i32n(nh), i32n(hs));
+        launch!(
+            self,
+            q,
+            attention_split,
+            elems(b * t * c),
+            [&mut qs, &mut ks, &mut vs, s(qkv), &bi, &ti, &nhi, &hsi]
+        );
+        launch!(
+            self,
+            q,
+            attention_merge_backward,
+            elems(b * t * c),
+            [&mut dy, s(dout), &bi, &ti, &nhi, &hsi]
+        );
+        let steps = [
+            heads.scores_of_mix(&q.blas, &mut datt, &dy, &vs),
+            heads.values_of_mix(&q.blas, &mut dv, &dy, s(att)),
+        ];
+        if let Some(Err(e)) = steps.into_iter().find(|r| r.is_err()) {
+            return self.fail("attention_backward", e);
+        }
+        let scale = 1.0f32 / (hs as f32).sqrt();
+        let rows_n = b * nh * t;
+        launch!(
+            self,
+            q,
+            causal_softmax_backward,
+            rows(rows_n),
+            [&mut dpre, &datt, s(att), &scale, &i64n(rows_n), &ti]
+        );
+        let steps = [
+            heads.queries_of_scores(&q.blas, &mut dq, &dpre, &ks),
+            heads.keys_of_scores(&q.blas, &mut dk, &dpre, &qs),
+        ];
+        if let Some(Err(e)) = steps.into_iter().find(|r| r.is_err()) {
+            return self.fail("attention_backward", e);
+        }
+        launch!(
+            self,
+            q,
+            attention_split_backward,
+            elems(b * t * c),
+            [sm(dqkv), &dq, &dk, &dv, &bi, &ti, &nhi, &hsi]
+        );
+    }
+
+    fn gelu_forward(&self, out: &mut GpuTensor, inp: &GpuTensor) {
+        let n = Self::len(out).min(Self::len(inp));
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(self, q, gelu_forward, elems(n), [sm(out), s(inp), &i64n(n)]);
+    }
+    fn bias_gelu_forward(
+        &self,
+        pre: &mut GpuTensor,
+        out: &mut GpuTensor,
+        bias: &GpuTensor,
+        width: usize,
+    ) {
+        let n = Self::len(pre).min(Self::len(out));
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            bias_gelu_forward,
+            elems(n),
+            [sm(pre), sm(out), s(bias), &i64n(n), &i32n(width)]
+        );
+    }
+    fn gelu_backward(&self, dinp: &mut GpuTensor, inp: &GpuTensor, dout: &GpuTensor) {
+        let n = Self::len(dinp).min(Self::len(inp)).min(Self::len(dout));
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            gelu_backward,
+            elems(n),
+            [sm(dinp), s(inp), s(dout), &i64n(n)]
+        );
+    }
+    fn residual_forward(&self, out: &mut GpuTensor, a: &GpuTensor, b: &GpuTensor) {
+        let n = Self::len(out).min(Self::len(a)).min(Self::len(b));
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            residual_forward,
+            elems(n),
+            [sm(out), s(a), s(b), &i64n(n)]
+        );
+    }
+
+    fn crossentropy_forward(
+        &self,
+        probs: &mut GpuTensor,
+        logits: &GpuTensor,
+        targets: &GpuIds,
+        n: usize,
+        v: usize,
+    ) -> Term {
+        let q = self.q();
+        let losses = match q.stream.alloc_zeros::<f64>(n.max(1)) {
+            Ok(l) => l,
+            Err(e) => {
+                self.fail("crossentropy_forward", e);
+                return Term::Host(f64::NAN);
+            }
+        };
+        let mut losses = losses;
+        if n > 0 {
+            launch!(
+                self,
+                q,
+                crossentropy_forward,
+                rows(n),
+                [
+                    sm(probs),
+                    &mut losses,
+                    s(logits),
+                    ids(targets),
+                    &i32n(n),
+                    &i32n(v)
+                ]
+            );
+        }
+        Term::Rows(losses)
+    }
+    fn crossentropy_backward(
+        &self,
+        dlogits: &mut GpuTensor,
+        probs: &GpuTensor,
+        targets: &GpuIds,
+        n: usize,
+        v: usize,
+        scale: f32,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            crossentropy_backward,
+            elems(n * v),
+            [
+                sm(dlogits),
+                s(probs),
+                ids(targets),
+                &i32n(n),
+                &i32n(v),
+                &scale
+            ]
+        );
+    }
+
+    fn softmax_rows(&self, probs: &mut GpuTensor, logits: &GpuTensor, e: usize) {
+        let n = Self::len(logits) / e.max(1);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            moe_softmax_rows,
+            elems(n),
+            [sm(probs), s(logits), &i32n(n), &i32n(e)]
+        );
+    }
+    fn gather_rows(
+        &self,
+        out: &mut GpuTensor,
+        at: usize,
+        src: &GpuTensor,
+        assignments: &[u32],
+        k: usize,
+        c: usize,
+    ) {
+        if assignments.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let a = match q.stream.clone_htod(assignments) {
+            Ok(a) => a,
+            Err(e) => return self.fail("gather_rows", e),
+        };
+        let r = assignments.len();
+        launch!(
+            self,
+            q,
+            moe_gather_rows,
+            elems(r * c),
+            [sm(out), &i64n(at), s(src), &a, &i32n(r), &i32n(k), &i32n(c)]
+        );
+    }
+    fn scatter_add_rows(
+        &self,
+        dst: &mut GpuTensor,
+        src: &GpuTensor,
+        at: usize,
+        assignments: &[u32],
+        k: usize,
+        c: usize,
+    ) {
+        if assignments.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let a = match q.stream.clone_htod(assignments) {
+            Ok(a) => a,
+            Err(e) => return self.fail("scatter_add_rows", e),
+        };
+        let r = assignments.len();
+        launch!(
+            self,
+            q,
+            moe_scatter_add_rows,
+            elems(c),
+            [sm(dst), s(src), &i64n(at), &a, &i32n(r), &i32n(k), &i32n(c)]
+        );
+    }
+    fn moe_combine(&self, out: &mut GpuTensor, ys: &[GpuTensor], r: &Routing, c: usize) {
+        let n = r.choice.len() / r.k.max(1);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        use cudarc::driver::DevicePtr;
+        // Each expert's rows by device pointer; the guards order the reads.
+        let ptrs: Vec<(u64, Option<cudarc::driver::SyncOnDrop<'_>>)> = ys
+            .iter()
+            .map(|y| match &y.0 {
+                Some(sl) => {
+                    let (p, g) = sl.device_ptr(&q.stream);
+                    (p, Some(g))
+                }
+                None => (0, None),
+            })
+            .collect();
+        let table: Vec<u64> = ptrs.iter().map(|p| p.0).collect();
+        let up = |v: &[u32]| q.stream.clone_htod(v);
+        let (Ok(tab), Ok(choice), Ok(slot), Ok(weight)) = (
+            q.stream.clone_htod(&table),
+            up(&r.choice),
+            up(&r.slot),
+            q.stream.clone_htod(&r.weight),
+        ) else {
+            return self.fail("moe_combine", "cannot copy the routing to the device");
+        };
+        launch!(
+            self,
+            q,
+            moe_combine,
+            elems(n * c),
+            [
+                sm(out),
+                &tab,
+                &choice,
+                &slot,
+                &weight,
+                &i32n(n),
+                &i32n(r.k),
+                &i32n(c)
+            ]
+        );
+        drop(ptrs);
+    }
+    fn moe_combine_backward(
+        &self,
+        dweight: &mut GpuTensor,
+        dys: &mut [GpuTensor],
+        dout: &GpuTensor,
+        ys: &[GpuTensor],
+        r: &Routing,
+        c: usize,
+    ) {
+        let q = self.q();
+        let Ok(weight) = q.stream.clone_htod(&r.weight) else {
+            return self.fail(
+                "moe_combine_backward",
+                "cannot copy the routing to the device",
+            );
+        };
+        for (x, rows_of) in r.rows.iter().enumerate() {
+            if rows_of.is_empty() {
+                continue;
+            }
+            let Ok(a) = q.stream.clone_htod(rows_of) else {
+                return self.fail(
+                    "moe_combine_backward",
+                    "cannot copy the routing to the device",
+                );
+            };
+            let m = rows_of.len();
+            launch!(
+                self,
+                q,
+                moe_combine_dweight,
+                rows(m),
+                [
+                    sm(dweight),
+                    s(dout),
+                    s(&ys[x]),
+                    &a,
+                    &i32n(m),
+                    &i32n(r.k),
+                    &i32n(c)
+                ]
+            );
+            launch!(
+                self,
+                q,
+                moe_combine_dy,
+                elems(m * c),
+                [
+                    sm(&mut dys[x]),
+                    s(dout),
+                    &weight,
+                    &a,
+                    &i32n(m),
+                    &i32n(r.k),
+                    &i32n(c)
+                ]
+            );
+        }
+    }
+    fn router_backward(
+        &self,
+        dlogits: &mut GpuTensor,
+        probs: &GpuTensor,
+        dweight: &GpuTensor,
+        shares: &[f32],
+        aux: f32,
+        r: &Routing,
+        t: usize,
+        e: usize,
+    ) {
+        let n = r.choice.len() / r.k.max(1);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        let (Ok(f), Ok(choice), Ok(weight)) = (
+            q.stream.clone_htod(shares),
+            q.stream.clone_htod(&r.choice),
+            q.stream.clone_htod(&r.weight),
+        ) else {
+            return self.fail("router_backward", "cannot copy the routing to the device");
+        };
+        launch!(
+            self,
+            q,
+            moe_router_backward,
+            elems(n),
+            [
+                sm(dlogits),
+                s(probs),
+                s(dweight),
+                &f,
+                &choice,
+                &weight,
+                &aux,
+                &i32n(n),
+                &i32n(t),
+                &i32n(e),
+                &i32n(r.k)
+            ]
+        );
+    }
+
+    fn adamw(
+        &self,
+        param: &mut GpuTensor,
+        grad: &GpuTensor,
+        m: &mut GpuTensor,
+        v: &mut GpuTensor,
+        range: Range<usize>,
+        h: &AdamW,
+        step: u32,
+        grad_scale: f32,
+        decay: bool,
+    ) {
+        if range.is_empty() {
+            return;
+        }
+        let q = self.q();
+        let bc1 = 1.0 - h.beta1.powi(step as i32);
+        let bc2 = 1.0 - h.beta2.powi(step as i32);
+        let wd = if decay { h.weight_decay } else { 0.0 };
+        let n = range.len();
+        let mut p = sm(param).slice_mut(range.clone());
+        let g = s(grad).slice(range.clone());
+        let mut mm = sm(m).slice_mut(range.clone());
+        let mut vv = sm(v).slice_mut(range);
+        launch!(
+            self,
+            q,
+            adamw,
+            elems(n),
+            [
+                &mut p,
+                &g,
+                &mut mm,
+                &mut vv,
+                &i64n(n),
+                &h.lr,
+                &h.beta1,
+                &h.beta2,
+                &bc1,
+                &bc2,
+                &h.eps,
+                &wd,
+                &grad_scale
+            ]
+        );
+    }
+    fn sum_squares(&self, pieces: &[(&GpuTensor, Range<usize>)]) -> Result<f64, BackendError> {
+        self.pending()?;
+        let live: Vec<&(&GpuTensor, Range<usize>)> =
+            pieces.iter().filter(|p| !p.1.is_empty()).collect();
+        if live.is_empty() {
+            return Ok(0.0);
+        }
+        // Per piece, PARTS blocks each sum a contiguous share; one read.
+        const PARTS: usize = 64;
+        let q = self.q();
+        let mut partial = q
+            .stream
+            .alloc_zeros::<f64>(PARTS * live.len())
+            .map_err(|e| BackendError::Alloc {
+                bytes: (PARTS * live.len()) as u64 * 8,
+                message: e.to_string(),
+            })?;
+        let cfg = LaunchConfig {
+            grid_dim: (PARTS as u32, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        for (k, (t, r)) in live.iter().enumerate() {
+            let x = s(t).slice(r.clone());
+            let mut out = partial.slice_mut(k * PARTS..(k + 1) * PARTS);
+            launch!(self, q, sum_squares, cfg, [&mut out, &x, &i64n(r.len())]);
+        }
+        let parts = q
+            .stream
+            .clone_dtoh(&partial)
+            .map_err(|e| BackendError::Device(format!("reading the gradient norm: {e}")))?;
+        self.sync(&q)?;
+        // Each piece's sum, then the pieces in order.
+        Ok(parts
+            .chunks(PARTS)
+            .map(|c| c.iter().fold(0.0f64, |a, x| a + x))
+            .fold(0.0f64, |a, x| a + x))
+    }
+}

@@ -1,0 +1,110 @@
+//! Starting the CUDA backend on this machine: the libraries it loads (each
+//! missing one named with where to get it), the GPUs it deals plan devices
+//! to (contiguous blocks), and whether the plan's predicted peaks fit each
+//! GPU's free memory — all before anything is allocated.
+
+use super::Gpu;
+use crate::compile::human_bytes;
+use crate::runtime::backend::{BackendError, Placement};
+use std::sync::Arc;
+
+/// Where the libraries a user may lack come from.
+const WHERE: &str = "PyTorch's CUDA 13 wheels ship them under site-packages/nvidia/cu13/lib (or \
+    `pip install nvidia-cuda-nvrtc nvidia-cublas`): put that directory on LD_LIBRARY_PATH";
+
+/// The CUDA libraries the backend loads, or what is missing.
+pub fn libraries() -> Result<(), String> {
+    // SAFETY: loading a shared library runs its initialisers; these are the
+    // NVIDIA libraries cudarc would load anyway.
+    let (driver, nvrtc, cublas) = unsafe {
+        (
+            cudarc::driver::sys::is_culib_present(),
+            cudarc::nvrtc::sys::is_culib_present(),
+            cudarc::cublas::sys::is_culib_present(),
+        )
+    };
+    if !driver {
+        return Err(
+            "no CUDA driver: libcuda.so.1 cannot be loaded (this machine has no NVIDIA \
+                    driver, or its directory is not on LD_LIBRARY_PATH)"
+                .into(),
+        );
+    }
+    if !nvrtc {
+        return Err(format!("NVRTC (libnvrtc.so.13) cannot be loaded: {WHERE}"));
+    }
+    if !cublas {
+        return Err(format!(
+            "cuBLAS (libcublas.so.13) cannot be loaded: {WHERE}"
+        ));
+    }
+    Ok(())
+}
+
+/// The GPU (of `gpus`) each of `n` devices goes to: contiguous blocks of
+/// `ceil(n / gpus)`.
+pub fn deal(n: usize, gpus: usize) -> Vec<usize> {
+    let per = n.div_ceil(gpus.max(1)).max(1);
+    (0..n).map(|i| i / per).collect()
+}
+
+/// Open the GPUs the placement's devices go to, one `Gpu` per device (shared
+/// by the devices of one GPU), refusing a plan whose predicted peaks pass a
+/// GPU's free memory.
+pub fn open(gpus: u32, place: &Placement<'_>) -> Result<Vec<Arc<Gpu>>, BackendError> {
+    libraries().map_err(BackendError::Device)?;
+    let count = cudarc::driver::CudaContext::device_count()
+        .map_err(|e| BackendError::Device(format!("the CUDA driver cannot count GPUs: {e}")))?;
+    let count = count.max(0) as usize;
+    if count == 0 {
+        return Err(BackendError::Device(
+            "the CUDA driver sees no GPU on this machine".into(),
+        ));
+    }
+    let gpus = gpus as usize;
+    if gpus > count {
+        return Err(BackendError::Device(format!(
+            "--gpus {gpus}, but this machine has {count} GPU(s)"
+        )));
+    }
+    let of = deal(place.devices.len(), gpus);
+    let mut opened: Vec<Option<Arc<Gpu>>> = vec![None; gpus];
+    for &g in &of {
+        if opened[g].is_none() {
+            opened[g] = Some(Gpu::open(g).map_err(BackendError::Device)?);
+        }
+    }
+    for (g, gpu) in opened.iter().enumerate() {
+        let Some(gpu) = gpu else { continue };
+        let mine: Vec<usize> = (0..of.len()).filter(|i| of[*i] == g).collect();
+        let need: u64 = mine.iter().map(|i| place.peaks[*i]).sum();
+        let (free, total) = gpu.memory().map_err(BackendError::Device)?;
+        if need > free {
+            let devices: Vec<u32> = mine.iter().map(|i| place.devices[*i]).collect();
+            return Err(BackendError::Device(format!(
+                "plan device(s) {devices:?} on GPU {g} ({}) need {} at their predicted peaks; it has {} free of {}: \
+                 use more GPUs (--gpus), a strategy that holds less per device (ZeRO, more pipeline stages), or a smaller batch",
+                gpu.name(),
+                human_bytes(need),
+                human_bytes(free),
+                human_bytes(total)
+            )));
+        }
+    }
+    Ok(of
+        .iter()
+        .map(|g| opened[*g].clone().expect("opened above"))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn devices_go_to_gpus_in_contiguous_blocks() {
+        assert_eq!(super::deal(4, 1), [0, 0, 0, 0]);
+        assert_eq!(super::deal(4, 2), [0, 0, 1, 1]);
+        assert_eq!(super::deal(5, 2), [0, 0, 0, 1, 1]);
+        assert_eq!(super::deal(2, 4), [0, 1]);
+        assert_eq!(super::deal(8, 3), [0, 0, 0, 1, 1, 1, 2, 2]);
+    }
+}

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The CUDA backend's checks on a machine with one NVIDIA GPU, from a release binary built
+# beforehand (nothing is built there; no Rust, no network needed):
+#
+#   cargo build --release -p piper --features cuda        # here, before
+#   scripts/gpu-check.sh OUT_DIR                          # there
+#
+# 1. `piper backend check --backend cuda --bench`: every CUDA kernel against the CPU
+#    backend on the same inputs (fp32, 1e-5 of each output's scale); `tiny` for 20 steps on
+#    one GPU against the CPU's losses (1e-4 relative); 1f1b, zero:stage=3,dp=2 + 1f1b,
+#    dualpipev and ep on the MoE model on 4 virtual devices of the GPU, tp:tp=2 on 2, each
+#    against the one-GPU losses (1e-5); then gpt2-small (batch 8 x 1024, fp32) on one GPU and
+#    under 1f1b on 4 virtual devices: tokens/s, MFU, peak memory.
+# 2. PyTorch eager and torch.compile on the same gpt2-small step (benches/reference/
+#    torch_gpt.py), fp32 and bf16, for the side-by-side figures.
+#
+# Writes OUT_DIR/check.json (Piper's figures and every check), OUT_DIR/torch.jsonl and
+# OUT_DIR/gpu-check.log; exits non-zero when a check fails. The NVIDIA libraries (cuBLAS,
+# NVRTC) are those of the machine's PyTorch wheels (site-packages/nvidia/*/lib).
+# PIPER_BIN (default target/release/piper) and PIPER_TORCH_PYTHON (default
+# /opt/torch/.venv/bin/python, else python3) override where they are.
+set -uo pipefail
+out=${1:?usage: scripts/gpu-check.sh OUT_DIR}
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+exec > >(tee "$out/gpu-check.log") 2>&1
+bin=${PIPER_BIN:-target/release/piper}
+py=${PIPER_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
+[ -x "$py" ] || py=python3
+if [ ! -x "$bin" ]; then
+  echo "gpu-check: no piper binary at $bin: build it with \`cargo build --release -p piper --features cuda\` and carry it"
+  exit 2
+fi
+site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
+libs=""
+for d in "$site"/nvidia/*/lib; do
+  [ -d "$d" ] && libs="$libs$d:"
+done
+export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:-}"
+echo "== GPU"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+status=0
+echo "== piper backend check --backend cuda --bench"
+start=$SECONDS
+timeout 300 "$bin" backend check --backend cuda --bench --out "$out" || status=$?
+echo "piper's checks took $((SECONDS - start)) s (exit $status)"
+echo "== PyTorch on gpt2-small, batch 8 x 1024"
+: >"$out/torch.jsonl"
+for precision in fp32 bf16; do
+  for mode in eager compile; do
+    flag=""
+    [ $mode = compile ] && flag=--compile
+    start=$SECONDS
+    if timeout 100 "$py" benches/reference/torch_gpt.py --layers 12 --d-model 768 --heads 12 \
+        --seq 1024 --batch 8 --vocab 50257 --steps 8 --device cuda --precision $precision $flag \
+        >>"$out/torch.jsonl"; then
+      echo "torch $precision $mode: $(tail -1 "$out/torch.jsonl") ($((SECONDS - start)) s)"
+    else
+      echo "torch $precision $mode: did not finish ($((SECONDS - start)) s)"
+    fi
+  done
+done
+echo "== done: exit $status"
+exit $status
