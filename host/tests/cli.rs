@@ -598,3 +598,122 @@ fn backend_cuda_on_a_build_without_it_says_how_to_build_it() {
     );
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn schedules_resume_mid_warmup_and_mid_decay_exactly() {
+    let h = home("sched");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "train",
+            "--devices",
+            "2",
+            "--strategy",
+            "dp",
+            "--lr",
+            "2e-3",
+            "--warmup",
+            "4",
+            "--schedule",
+            "cosine",
+            "--min-lr",
+            "2e-4",
+        ];
+        a.extend_from_slice(extra);
+        piper(&h, &a)
+    };
+    let lines = |f: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(h.join(f))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let full = p("full.jsonl");
+    let (ok, _, err) = run(&["--steps", "12", "--metrics", &full]);
+    assert!(ok, "{err}");
+    let full = lines("full.jsonl");
+    // The lr of each step is the formula's: warmup 2e-3·s/4, then cosine
+    // from 2e-3 (after step 4) to 2e-4 at step 12.
+    for v in &full {
+        let s = v["step"].as_f64().unwrap();
+        let want = if s <= 4.0 {
+            2e-3 * s / 4.0
+        } else {
+            2e-4 + (2e-3 - 2e-4) * 0.5 * (1.0 + (std::f64::consts::PI * (s - 4.0) / 8.0).cos())
+        };
+        let got = v["lr"].as_f64().unwrap();
+        assert!((got - want).abs() < 1e-9, "step {s}: lr {got}, want {want}");
+    }
+    // Stopped mid-warmup (step 2) and mid-decay (step 7), then resumed:
+    // the same losses and rates as the uninterrupted run, bit for bit.
+    for at in ["2", "7"] {
+        let ck = p(&format!("ck{at}"));
+        let (ok, _, err) = run(&["--steps", at, "--schedule-steps", "12", "--checkpoint", &ck]);
+        assert!(ok, "{err}");
+        let resumed = p(&format!("resumed{at}.jsonl"));
+        let (ok, _, err) = run(&["--steps", "12", "--resume", &ck, "--metrics", &resumed]);
+        assert!(ok, "{err}");
+        let key = |v: &serde_json::Value| format!("{}:{}:{}", v["step"], v["loss"], v["lr"]);
+        let n: usize = at.parse().unwrap();
+        assert_eq!(
+            lines(&format!("resumed{at}.jsonl"))
+                .iter()
+                .map(key)
+                .collect::<Vec<_>>(),
+            full[n..].iter().map(key).collect::<Vec<_>>()
+        );
+    }
+    // Resuming under another schedule is refused, naming what differs.
+    let ck = p("ck7");
+    let (ok, _, err) = piper(
+        &h,
+        &[
+            "train",
+            "--devices",
+            "2",
+            "--strategy",
+            "dp",
+            "--lr",
+            "2e-3",
+            "--warmup",
+            "2",
+            "--schedule",
+            "cosine",
+            "--min-lr",
+            "2e-4",
+            "--steps",
+            "12",
+            "--resume",
+            &ck,
+        ],
+    );
+    assert!(!ok, "resumed under another warmup");
+    assert!(err.contains("--warmup 2 (the checkpoint's 4)"), "{err}");
+    let (ok, _, err) = run(&["--steps", "20", "--resume", &ck]);
+    assert!(!ok, "resumed under a longer cosine");
+    assert!(err.contains("give --schedule-steps 12"), "{err}");
+    // Hostile schedule numbers stop before any work.
+    for (bad, want) in [
+        (
+            vec!["--warmup", "13"],
+            "--warmup 13 is longer than the schedule (12 steps)",
+        ),
+        (vec!["--min-lr", "1"], "above the peak learning rate"),
+        (
+            vec!["--decay-steps", "13"],
+            "--decay-steps 13 must be between 1 and the 12 steps after warmup",
+        ),
+        (
+            vec!["--weight-decay", "-1"],
+            "weight decay must be 0 or a positive number",
+        ),
+    ] {
+        let mut a = vec!["train", "--schedule", "wsd", "--steps", "12"];
+        a.extend(bad.iter().copied());
+        let (ok, _, err) = piper(&h, &a);
+        assert!(!ok && err.contains(want), "{bad:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&h);
+}

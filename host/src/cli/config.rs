@@ -15,6 +15,12 @@
 //! [registry]                  # plugins by reference: `name = "oci://HOST/REPO:TAG"`
 //! trusted_keys = ["ed25519:…"] # every oci:// plugin must be signed by one of these
 //!
+//! [optimizer]                 # AdamW (defaults shown); `--weight-decay` overrides
+//! beta1 = 0.9
+//! beta2 = 0.95
+//! eps = 1e-8
+//! weight_decay = 0.1
+//!
 //! [sandbox]                   # limits for every plugin call
 //! memory_mib = 512
 //! fuel = 60_000_000_000
@@ -65,6 +71,56 @@ struct FileConfig {
     sandbox: SandboxLimits,
     #[serde(default)]
     registry: RegistryConfig,
+    #[serde(default)]
+    optimizer: OptimizerConfig,
+}
+
+/// The run config's `[optimizer]` table: AdamW's hyper-parameters besides
+/// the learning rate (which `--lr` and the schedule flags set).
+#[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        let d = crate::runtime::AdamW::default();
+        OptimizerConfig {
+            beta1: d.beta1,
+            beta2: d.beta2,
+            eps: d.eps,
+            weight_decay: d.weight_decay,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    /// Betas in [0, 1), eps positive, weight decay 0 or positive: each
+    /// number named when it is not.
+    pub fn check(&self) -> Result<()> {
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(b.is_finite() && (0.0..1.0).contains(&b)) {
+                bail!("[optimizer] {name} must be at least 0 and below 1, got {b}");
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            bail!(
+                "[optimizer] eps must be a positive number, got {}",
+                self.eps
+            );
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            bail!(
+                "the weight decay must be 0 or a positive number, got {}",
+                self.weight_decay
+            );
+        }
+        Ok(())
+    }
 }
 
 /// The run config's `[registry]` table.
@@ -85,6 +141,7 @@ pub struct RunConfig {
     pub strategies: Vec<StrategySpec>,
     pub sandbox: SandboxLimits,
     pub registry: RegistryConfig,
+    pub optimizer: OptimizerConfig,
 }
 
 /// The bundled pipeline strategy used when none is given.
@@ -167,6 +224,7 @@ impl RunConfig {
             strategies,
             sandbox: file.sandbox,
             registry: file.registry,
+            optimizer: file.optimizer,
         })
     }
 
@@ -222,6 +280,25 @@ mod tests {
         assert_eq!(c.devices, Some(2));
         assert_eq!(c.strategies[0].options, vec![("degree".into(), "2".into())]);
         assert_eq!(c.sandbox.fuel, 1000);
+        assert_eq!(c.optimizer, OptimizerConfig::default());
+        std::fs::write(&path, "[optimizer]\nbeta2 = 0.999\neps = 1e-6\n").unwrap();
+        let o = RunConfig::resolve(&args).unwrap().optimizer;
+        assert_eq!((o.beta1, o.beta2, o.eps), (0.9, 0.999, 1e-6));
+        o.check().unwrap();
+        std::fs::write(&path, "[optimizer]\nbeta2 = 1.0\n").unwrap();
+        let e = RunConfig::resolve(&args)
+            .unwrap()
+            .optimizer
+            .check()
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("beta2 must be at least 0 and below 1, got 1"),
+            "{e}"
+        );
+        std::fs::write(&path, "[optimizer]\nbeta3 = 0.5\n").unwrap();
+        let err = format!("{:#}", RunConfig::resolve(&args).unwrap_err());
+        assert!(err.contains("beta3"), "{err}");
         std::fs::write(&path, "modle = \"tiny\"\n").unwrap();
         let err = format!("{:#}", RunConfig::resolve(&args).unwrap_err());
         assert!(err.contains("modle"), "{err}");

@@ -42,7 +42,7 @@ enum Command {
     Plan(PlanArgs),
     /// Train: apply the strategies, compile, and run the plans on the
     /// runtime's devices (virtual CPU devices, or GPUs with `--backend cuda`).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Check a compute backend against the CPU's.
     #[command(subcommand)]
     Backend(BackendCommand),
@@ -233,7 +233,7 @@ pub fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Plan(a) => plan(a),
-        Command::Train(a) => train::train(a),
+        Command::Train(a) => train::train(*a),
         Command::Backend(BackendCommand::Check(a)) => backend::check(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Plugin(PluginCommand::Info {

@@ -7,7 +7,9 @@ use super::RunArgs;
 use crate::compile::{compile, human_bytes};
 use crate::model::ModelConfig;
 use crate::runtime::checkpoint::{gpt2_entries, write_safetensors, Checkpoint};
-use crate::runtime::{AdamW, Batch, Corpus, NamedTensors, Tokenizer, TrainOptions, Trainer};
+use crate::runtime::{
+    AdamW, Batch, Corpus, Decay, NamedTensors, Schedule, Tokenizer, TrainOptions, Trainer,
+};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -26,6 +28,30 @@ pub struct TrainArgs {
     /// Peak learning rate (AdamW), more than 0.
     #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
     lr: f32,
+    /// Linear warmup over the first STEPS steps (step s at lr · s / STEPS).
+    #[arg(long, value_name = "STEPS", default_value_t = 0)]
+    warmup: u32,
+    /// After warmup: `constant`, `cosine` (down to `--min-lr` at the last
+    /// step) or `wsd` (warmup-stable-decay: flat, then linear to
+    /// `--min-lr` over the last `--decay-steps`).
+    #[arg(long, default_value = "constant", value_parser = ["constant", "cosine", "wsd"])]
+    schedule: String,
+    /// Where `cosine` and `wsd` end (default: a tenth of `--lr`).
+    #[arg(long, allow_negative_numbers = true)]
+    min_lr: Option<f32>,
+    /// With `--schedule wsd`: the steps of the final decay (default: a
+    /// fifth of the steps after warmup).
+    #[arg(long, value_name = "STEPS")]
+    decay_steps: Option<u32>,
+    /// The step the schedule ends at (default: `--steps`), as nanoGPT's
+    /// `lr_decay_iters` and Megatron's `--lr-decay-iters`: a run stopped
+    /// early with `--steps` keeps the schedule of the whole run.
+    #[arg(long, value_name = "STEPS", value_parser = clap::value_parser!(u32).range(1..))]
+    schedule_steps: Option<u32>,
+    /// AdamW's decoupled weight decay (default: the run config's
+    /// `[optimizer] weight_decay`, else 0.1).
+    #[arg(long, allow_negative_numbers = true)]
+    weight_decay: Option<f32>,
     /// Seed of the initial weights.
     #[arg(long, default_value_t = 1337, allow_negative_numbers = true)]
     seed: u64,
@@ -121,6 +147,7 @@ fn check_args(a: &TrainArgs) -> Result<()> {
     if !(a.lr.is_finite() && a.lr > 0.0) {
         bail!("--lr must be a positive number, got {}", a.lr);
     }
+    schedule_of(a)?;
     if !(a.clip.is_finite() && a.clip >= 0.0) {
         bail!(
             "--clip must be 0 (off) or a positive number, got {}",
@@ -153,6 +180,40 @@ fn check_args(a: &TrainArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The learning-rate schedule the flags ask for, checked.
+fn schedule_of(a: &TrainArgs) -> Result<Schedule> {
+    if a.schedule != "wsd" && a.decay_steps.is_some() {
+        bail!(
+            "--decay-steps is for --schedule wsd (this run's is {})",
+            a.schedule
+        );
+    }
+    if a.schedule == "constant" && a.min_lr.is_some() {
+        bail!("--min-lr is for --schedule cosine or wsd (this run's is constant)");
+    }
+    let total = a.schedule_steps.unwrap_or(a.steps);
+    let after = total.saturating_sub(a.warmup);
+    let decay = match a.schedule.as_str() {
+        "cosine" => Decay::Cosine,
+        "wsd" => Decay::Wsd {
+            decay_steps: a.decay_steps.unwrap_or((after / 5).max(1)),
+        },
+        _ => Decay::Constant,
+    };
+    let s = Schedule {
+        peak: a.lr,
+        min: match decay {
+            Decay::Constant => a.lr,
+            _ => a.min_lr.unwrap_or(a.lr / 10.0),
+        },
+        warmup: a.warmup,
+        decay,
+        total,
+    };
+    s.check().map_err(anyhow::Error::msg)?;
+    Ok(s)
 }
 
 /// Where this process stands in a job: alone, or one rank of an MPI job.
@@ -218,12 +279,21 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         None => Corpus::builtin_with(tokenizer)?,
     };
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
+    let mut optimizer = p.config.optimizer;
+    if let Some(wd) = a.weight_decay {
+        optimizer.weight_decay = wd;
+    }
+    optimizer.check()?;
     let opts = TrainOptions {
         seed: a.seed,
         adamw: AdamW {
             lr: a.lr,
-            ..AdamW::default()
+            beta1: optimizer.beta1,
+            beta2: optimizer.beta2,
+            eps: optimizer.eps,
+            weight_decay: optimizer.weight_decay,
         },
+        schedule: Some(schedule_of(&a)?),
         clip: a.clip,
         device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
         comm_timeout: match a.comm_timeout {
@@ -349,7 +419,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             let mut line = serde_json::json!({
                 "step": step,
                 "loss": s.loss,
-                "lr": a.lr,
+                "lr": s.lr,
                 "grad_norm": s.grad_norm,
                 "tokens_per_s": tps,
                 "peak_bytes": s.peak_bytes,

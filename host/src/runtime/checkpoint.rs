@@ -38,6 +38,10 @@ pub struct TrainState {
     pub step: u32,
     pub seed: u64,
     pub model: ModelConfig,
+    /// The learning-rate schedule trained under (absent in checkpoints
+    /// written before schedules: those resume under any).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schedule: Option<crate::runtime::Schedule>,
 }
 
 /// Everything needed to continue training.

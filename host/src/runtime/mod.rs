@@ -38,6 +38,7 @@ mod error;
 #[cfg(feature = "fingerprint")]
 mod fingerprint;
 mod ops;
+pub mod schedule;
 mod step;
 #[cfg(feature = "mpi")]
 mod wire;
@@ -48,6 +49,7 @@ pub use checkpoint::NamedTensors;
 pub use comm::Comm;
 pub use data::{Batch, Corpus, DataError, Tokenizer};
 pub use error::RuntimeError;
+pub use schedule::{Decay, Schedule};
 
 use crate::compile::plan::DevicePlan;
 use crate::compile::Plan;
@@ -63,7 +65,11 @@ use zero::{HostStates, ShardPart};
 #[derive(Clone, Debug)]
 pub struct TrainOptions {
     pub seed: u64,
+    /// AdamW's hyper-parameters; `adamw.lr` is the rate of every step
+    /// unless a schedule is given.
     pub adamw: AdamW,
+    /// The learning rate per step (`None`: `adamw.lr` throughout).
+    pub schedule: Option<Schedule>,
     /// Clip the global gradient norm to this (0: no clipping).
     pub clip: f32,
     /// Memory cap per device, bytes (`None`: no cap).
@@ -132,6 +138,7 @@ impl Default for TrainOptions {
         TrainOptions {
             seed: 1337,
             adamw: AdamW::default(),
+            schedule: None,
             clip: 1.0,
             device_memory: None,
             comm_timeout: None,
@@ -150,6 +157,8 @@ pub struct StepStats {
     pub step: u32,
     pub loss: f64,
     pub grad_norm: f64,
+    /// The learning rate this step's update ran at.
+    pub lr: f32,
     pub elapsed: Duration,
     /// Measured peak bytes per device (model states + transient buffers).
     pub peak_bytes: Vec<u64>,
@@ -190,6 +199,7 @@ struct StepInputs<'a> {
     batch: &'a Batch,
     loss_scale: f32,
     step: u32,
+    adamw: AdamW,
     opts: &'a TrainOptions,
     comm: &'a dyn Comm,
     epoch: Instant,
@@ -216,6 +226,7 @@ impl<B: Backend> Devices for Vec<Device<B>> {
             batch: i.batch,
             loss_scale: i.loss_scale,
             step: i.step,
+            adamw: i.adamw,
             opts: i.opts,
             comm: i.comm,
             devices: self,
@@ -403,6 +414,13 @@ impl Trainer {
         self.step
     }
 
+    /// The learning rate step `step` (1-based) updates at.
+    pub fn lr(&self, step: u32) -> f32 {
+        self.opts
+            .schedule
+            .map_or(self.opts.adamw.lr, |s| s.lr(step))
+    }
+
     /// Run one step on `batch` (the global batch).
     pub fn step(&mut self, batch: &Batch) -> Result<StepStats, RuntimeError> {
         let t = Instant::now();
@@ -417,12 +435,17 @@ impl Trainer {
             Some(f) => Box::new(f.step(self.step)),
             _ => Box::new(comm::LocalComm::new(timeout)),
         };
+        let lr = self.lr(self.step);
         let inputs = StepInputs {
             cfg: &self.cfg,
             segments: self.cfg.segments(),
             batch,
             loss_scale: scale,
             step: self.step,
+            adamw: AdamW {
+                lr,
+                ..self.opts.adamw
+            },
             opts: &self.opts,
             comm: comm.as_ref(),
             epoch: self.epoch,
@@ -459,6 +482,7 @@ impl Trainer {
             step: self.step,
             loss: loss * scale as f64,
             grad_norm,
+            lr,
             elapsed: t.elapsed(),
             peak_bytes,
             state_bytes,
@@ -517,6 +541,7 @@ impl Trainer {
                 step: self.step,
                 seed: self.opts.seed,
                 model: self.cfg.clone(),
+                schedule: Some(self.schedule()),
             },
             params,
             m,
@@ -574,6 +599,13 @@ impl Trainer {
         })
     }
 
+    /// The schedule the run follows (a constant one when none was given).
+    fn schedule(&self) -> Schedule {
+        self.opts
+            .schedule
+            .unwrap_or_else(|| Schedule::constant(self.opts.adamw.lr))
+    }
+
     /// Continue from a checkpoint (any strategy: every device takes the
     /// tensors of the segments it runs).
     pub fn restore(&mut self, ck: &checkpoint::Checkpoint) -> Result<(), RuntimeError> {
@@ -588,6 +620,14 @@ impl Trainer {
             m: self.by_id(&ck.m),
             v: self.by_id(&ck.v),
         };
+        if let Some(saved) = &ck.state.schedule {
+            self.schedule().continues(saved).map_err(|e| {
+                RuntimeError::Plan(format!(
+                    "the checkpoint at step {} was trained on another learning-rate schedule; resume with its settings: {e}",
+                    ck.state.step
+                ))
+            })?;
+        }
         self.devices.restore(&states)?;
         self.step = ck.state.step;
         Ok(())

@@ -38,6 +38,8 @@ pub(crate) struct StepCtx<'a, B: Backend> {
     pub batch: &'a Batch,
     pub loss_scale: f32,
     pub step: u32,
+    /// AdamW at this step's learning rate.
+    pub adamw: super::AdamW,
     pub opts: &'a TrainOptions,
     pub comm: &'a dyn Comm,
     /// Every device of this process (a receiver releases its sender's

@@ -385,7 +385,7 @@ pub(super) fn update<B: Backend>(
                 &mut b.m,
                 &mut b.v,
                 r.clone(),
-                &ctx.opts.adamw,
+                &ctx.adamw,
                 ctx.step,
                 scale,
                 dev.decay.contains(*n),

@@ -51,7 +51,7 @@ pub(super) fn update<B: Backend>(
             mm,
             vv,
             0..B::len(p),
-            &ctx.opts.adamw,
+            &ctx.adamw,
             ctx.step,
             scale,
             dev.decay.contains(*id),
