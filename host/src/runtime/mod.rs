@@ -416,9 +416,7 @@ impl Trainer {
 
     /// The learning rate step `step` (1-based) updates at.
     pub fn lr(&self, step: u32) -> f32 {
-        self.opts
-            .schedule
-            .map_or(self.opts.adamw.lr, |s| s.lr(step))
+        self.schedule().lr(step)
     }
 
     /// Run one step on `batch` (the global batch).
