@@ -717,3 +717,164 @@ fn schedules_resume_mid_warmup_and_mid_decay_exactly() {
     }
     let _ = std::fs::remove_dir_all(&h);
 }
+
+/// Periodic checkpoints survive a crash: a ZeRO-3 run under a warmup +
+/// cosine schedule saving every 2 steps is killed (SIGKILL) while its
+/// step-4 checkpoint is being written; the resume takes the step-2 one
+/// (`latest`), and continues with the uninterrupted run's losses and
+/// rates bit for bit. Damaged checkpoints are refused naming the file; a
+/// NaN weight stops the run at the first step, with no checkpoint of it.
+#[test]
+fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
+    use piper::runtime::checkpoint::{Checkpoint, PAUSE_ENV};
+    let h = home("killed");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    let common: Vec<String> = [
+        "train",
+        "--devices",
+        "2",
+        "--strategy",
+        "zero:stage=3",
+        "--warmup",
+        "2",
+        "--schedule",
+        "cosine",
+        "--steps",
+        "6",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let with = |extra: &[&str]| -> Vec<String> {
+        let mut a = common.clone();
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    let run = |a: Vec<String>| {
+        let refs: Vec<&str> = a.iter().map(|s| s.as_str()).collect();
+        piper(&h, &refs)
+    };
+    let lines = |f: &str| -> Vec<String> {
+        std::fs::read_to_string(h.join(f))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|v| format!("{}:{}:{}", v["step"], v["loss"], v["lr"]))
+            .collect()
+    };
+    let (ok, _, err) = run(with(&["--metrics", &p("full.jsonl")]));
+    assert!(ok, "{err}");
+
+    let ck = h.join("ck");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(with(&["--checkpoint", &p("ck"), "--checkpoint-every", "2"]))
+        .env("PIPER_HOME", &h)
+        .env(PAUSE_ENV, "400")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait until the step-4 checkpoint's first temporary file is on disk.
+    let tmp = ck
+        .join(".step-00000004.partial")
+        .join(".model.safetensors.tmp");
+    let t = std::time::Instant::now();
+    while !tmp.exists() {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(120),
+            "no step-4 checkpoint write began"
+        );
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap().trim(),
+        "step-00000002"
+    );
+    assert!(!ck.join("step-00000004").exists());
+
+    let (ok, _, err) = run(with(&[
+        "--resume",
+        &p("ck"),
+        "--checkpoint",
+        &p("ck"),
+        "--checkpoint-every",
+        "2",
+        "--metrics",
+        &p("resumed.jsonl"),
+    ]));
+    assert!(ok, "{err}");
+    assert!(
+        err.contains("step-00000002 (the latest) at step 2"),
+        "{err}"
+    );
+    assert_eq!(lines("resumed.jsonl"), lines("full.jsonl")[2..].to_vec());
+    // The killed write's leftovers are gone; steps 4 and 6 are whole.
+    assert!(!ck.join(".step-00000004.partial").exists());
+    assert!(ck.join("step-00000004/state.json").exists());
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap().trim(),
+        "step-00000006"
+    );
+
+    // A truncated model file is refused, naming it; so are flipped bytes
+    // inside a tensor (sizes intact).
+    let model = ck.join("step-00000006").join("model.safetensors");
+    let good = std::fs::read(&model).unwrap();
+    let resume6 = |extra: &[&str]| {
+        let mut a = with(&["--resume", &p("ck")]);
+        a.iter_mut().for_each(|s| {
+            if s == "6" {
+                *s = "8".into();
+            }
+        });
+        a.extend(extra.iter().map(|s| s.to_string()));
+        run(a)
+    };
+    std::fs::write(&model, &good[..good.len() - 1000]).unwrap();
+    let (ok, _, err) = resume6(&[]);
+    assert!(
+        !ok && err.contains(&model.display().to_string()) && err.contains("damaged"),
+        "{err}"
+    );
+    let mut flipped = good.clone();
+    let at = flipped.len() - 4000;
+    flipped[at..at + 10].iter_mut().for_each(|b| *b ^= 0x5a);
+    std::fs::write(&model, &flipped).unwrap();
+    let (ok, _, err) = resume6(&[]);
+    assert!(
+        !ok && err.contains("model.safetensors") && err.contains("sha256"),
+        "{err}"
+    );
+    std::fs::write(&model, &good).unwrap();
+
+    // A NaN in a weight (the checkpoint's digests made to match it): the
+    // run stops at the first step it trains, naming step and tensor, and
+    // writes no checkpoint of that state.
+    let dir = ck.join("step-00000006");
+    let mut bad = Checkpoint::load(&dir).unwrap();
+    bad.params.get_mut("h.0.attn.c_proj.weight").unwrap()[7] = f32::NAN;
+    bad.save(&dir).unwrap();
+    let (ok, _, err) = resume6(&[
+        "--schedule-steps",
+        "6",
+        "--checkpoint",
+        &p("ck2"),
+        "--checkpoint-every",
+        "1",
+    ]);
+    assert!(!ok, "trained on a NaN weight");
+    assert!(
+        err.contains("step 7: the loss is NaN")
+            && err.contains("parameter `h.0.attn.c_proj.weight` on device"),
+        "{err}"
+    );
+    assert!(
+        !h.join("ck2").join("latest").exists(),
+        "a checkpoint of the NaN state was written"
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}

@@ -245,6 +245,8 @@ fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
         .args([
             "--checkpoint",
             &p("ck"),
+            "--checkpoint-every",
+            "2",
             "--dump-step1",
             &p("four.st"),
             "--trace",
@@ -256,6 +258,14 @@ fn checkpoint_on_4_ranks_resume_on_2_equals_an_uninterrupted_run() {
         .args(["-x", &env, bin, "train", "--steps", "6"])
         .args(plan)
         .args(["--resume", &p("ck"), "--metrics", &p("resumed.jsonl")]));
+    // Every rank took part in each save (step 2, and the last, 3); the
+    // resume took `latest`.
+    let ck = h.join("ck");
+    assert!(ck.join("step-00000002/state.json").exists());
+    assert_eq!(
+        std::fs::read_to_string(ck.join("latest")).unwrap().trim(),
+        "step-00000003"
+    );
     let full = losses(&h.join("full.jsonl"));
     let resumed = losses(&h.join("resumed.jsonl"));
     assert_eq!(resumed, full[3..].to_vec(), "bit for bit");

@@ -716,3 +716,50 @@ fn training_gives_the_same_bits_on_any_thread_count_and_run_to_run() {
     let e = Trainer::new(&cfg, plan, opts).err().unwrap().to_string();
     assert!(e.contains("kernel threads: 0 per device"), "{e}");
 }
+
+/// A NaN in one weight stops the run at the first step it is trained on,
+/// naming the step, the device and the tensor, and no update runs: the
+/// weights after the failed step are those it started from. Whole tensors
+/// (data parallel) and ZeRO-3 shards, on the second device of the pair.
+#[test]
+fn a_nan_weight_stops_the_run_at_its_first_step_naming_device_and_tensor() {
+    let cfg = small();
+    let corpus = Corpus::builtin();
+    let cases: [(&str, Strategy); 2] = [
+        ("dp", &[("dp", &[])]),
+        ("zero3", &[("zero", &[("stage", "3")])]),
+    ];
+    for (name, strategy) in cases {
+        let plan = || plan_for(2, strategy);
+        let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+        first.step(&corpus.batch(1, 32, 16)).unwrap();
+        let mut ck = first.checkpoint().unwrap();
+        // The last element: ZeRO-3 keeps it in the second device's shard.
+        let w = ck.params.get_mut("h.1.mlp.c_proj.weight").unwrap();
+        *w.last_mut().unwrap() = f32::NAN;
+        let mut second = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
+        second.restore(&ck).unwrap();
+        let before = second.params().unwrap();
+        let err = second
+            .step(&corpus.batch(2, 32, 16))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("step 2: the loss is NaN")
+                && err.contains("parameter `h.1.mlp.c_proj.weight` on device")
+                && err.contains("no checkpoint"),
+            "{name}: {err}"
+        );
+        if name == "zero3" {
+            assert!(err.contains("on device 1"), "{name}: {err}");
+        }
+        let after = second.params().unwrap();
+        for (n, v) in &before {
+            let same = v
+                .iter()
+                .zip(&after[n])
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{name}: `{n}` was updated by the failed step");
+        }
+    }
+}

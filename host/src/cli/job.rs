@@ -52,38 +52,38 @@ impl Mpi {
         self.size
     }
 
-    /// Every rank compiled the same plan from the same data: compare plan
-    /// hashes and data fingerprints; any difference stops every rank with
+    /// Every rank compiled the same plan from the same data and resumes
+    /// from the same step: compare each `(what, value)` (`what` as in
+    /// "rank 1 {what} {value}"; values compared on their first 16
+    /// characters); any difference stops every rank with
     /// the differing values and ranks named.
-    pub fn agree(&self, plan_hash: &str, data: &str) -> Result<()> {
-        let mine = format!("{plan_hash:>16.16}{data:>16.16}");
-        let mine = mine.as_bytes();
-        let mut all = vec![0u8; 32 * self.size as usize];
-        SimpleCommunicator::world().all_gather_into(mine, &mut all[..]);
-        let field = |r: usize, half: usize| {
-            let at = 32 * r + 16 * half;
-            String::from_utf8_lossy(&all[at..at + 16]).into_owned()
+    pub fn agree(&self, fields: &[(&str, &str)]) -> Result<()> {
+        const W: usize = 16;
+        let row = W * fields.len();
+        let mine: String = fields.iter().map(|(_, v)| format!("{v:>W$.W$}")).collect();
+        let mut all = vec![0u8; row * self.size as usize];
+        SimpleCommunicator::world().all_gather_into(mine.as_bytes(), &mut all[..]);
+        let field = |r: usize, f: usize| {
+            let at = row * r + W * f;
+            String::from_utf8_lossy(&all[at..at + W])
+                .trim_start()
+                .to_string()
         };
         let mut diffs = Vec::new();
         for r in 1..self.size as usize {
-            if field(r, 0) != field(0, 0) {
-                diffs.push(format!(
-                    "rank {r} compiled plan {} but rank 0 compiled plan {}",
-                    field(r, 0),
-                    field(0, 0)
-                ));
-            }
-            if field(r, 1) != field(0, 1) {
-                diffs.push(format!(
-                    "rank {r} has data {} but rank 0 has data {}",
-                    field(r, 1),
-                    field(0, 1)
-                ));
+            for (f, (what, _)) in fields.iter().enumerate() {
+                if field(r, f) != field(0, f) {
+                    diffs.push(format!(
+                        "rank {r} {what} {} but rank 0 {what} {}",
+                        field(r, f),
+                        field(0, f)
+                    ));
+                }
             }
         }
         if !diffs.is_empty() {
             bail!(
-                "the ranks disagree before the first step (give every rank the same model, strategies, options and data): {}",
+                "the ranks disagree before the first step (give every rank the same model, strategies, options, data and checkpoint): {}",
                 diffs.join("; ")
             );
         }

@@ -6,7 +6,7 @@
 use super::RunArgs;
 use crate::compile::{compile, human_bytes};
 use crate::model::ModelConfig;
-use crate::runtime::checkpoint::{gpt2_entries, write_safetensors, Checkpoint};
+use crate::runtime::checkpoint::{self, gpt2_entries, write_safetensors, Checkpoint};
 use crate::runtime::{
     AdamW, Batch, Corpus, Decay, NamedTensors, Schedule, Tokenizer, TrainOptions, Trainer,
 };
@@ -70,11 +70,24 @@ pub struct TrainArgs {
     /// Append one JSON object per step (step, loss, lr, grad norm, tokens/s, peak bytes per device).
     #[arg(long)]
     metrics: Option<PathBuf>,
-    /// Save a checkpoint here at the end (GPT-2 safetensors, optimizer state, step).
-    #[arg(long)]
+    /// Save checkpoints under this directory, at the end and every
+    /// `--checkpoint-every` steps: `DIR/step-NNNNNNNN/` (GPT-2 safetensors,
+    /// AdamW state, `state.json` with each file's sha256), and `DIR/latest`
+    /// naming the newest. Each is written whole or not at all.
+    #[arg(long, value_name = "DIR")]
     checkpoint: Option<PathBuf>,
-    /// Continue from a checkpoint; `--steps` is then the total to reach.
-    #[arg(long)]
+    /// With `--checkpoint`: also save every N steps.
+    #[arg(long, value_name = "N", requires = "checkpoint", value_parser = clap::value_parser!(u32).range(1..))]
+    checkpoint_every: Option<u32>,
+    /// With `--checkpoint`: keep the newest K checkpoints, removing older
+    /// ones after each save (default: keep every one).
+    #[arg(long, value_name = "K", requires = "checkpoint", value_parser = clap::value_parser!(u32).range(1..))]
+    keep: Option<u32>,
+    /// Continue from a checkpoint: a `--checkpoint` directory (its newest
+    /// complete checkpoint) or one `step-NNNNNNNN` directory in it; every
+    /// file is checked against its sha256 first. `--steps` is then the
+    /// total to reach.
+    #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Write a Chrome-trace JSON of what each device's streams did (open in Perfetto).
     #[arg(long)]
@@ -312,13 +325,28 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             .map_err(anyhow::Error::msg)?,
         inject_panic: None,
     };
+    // Read (and every file checked) before the devices start, so a damaged
+    // checkpoint costs no setup.
+    let resumed = match &a.resume {
+        Some(path) => {
+            let (dir, found) = checkpoint::resolve(path)?;
+            let ck = Checkpoint::load(&dir)?;
+            Some((dir, found, ck))
+        }
+        None => None,
+    };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let devices = plan.devices.len();
     let hash = plan.hash.clone();
     #[cfg(feature = "mpi")]
     let mut trainer = match &job.ranks {
         Some(mpi) => {
-            mpi.agree(&plan.hash, &corpus.fingerprint())?;
+            let at = resumed.as_ref().map_or(0, |r| r.2.state.step).to_string();
+            mpi.agree(&[
+                ("compiled plan", &plan.hash),
+                ("has data", &corpus.fingerprint()),
+                ("resumes at step", &at),
+            ])?;
             let timeout = opts
                 .comm_timeout
                 .unwrap_or_else(|| crate::runtime::derived_comm_timeout(&plan));
@@ -329,11 +357,21 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     #[cfg(not(feature = "mpi"))]
     let mut trainer = Trainer::new(&cfg, plan, opts)?;
-    if let Some(dir) = &a.resume {
-        let ck = Checkpoint::load(dir)?;
-        trainer.restore(&ck)?;
+    if let Some((dir, found, ck)) = &resumed {
+        trainer.restore(ck)?;
         if job.leader {
-            eprintln!("resumed from {} at step {}", dir.display(), ck.state.step);
+            let how = match found {
+                checkpoint::Found::Directory => String::new(),
+                checkpoint::Found::Latest => " (the latest)".into(),
+                checkpoint::Found::Newest => {
+                    " (no `latest` pointer: the newest complete one)".into()
+                }
+            };
+            eprintln!(
+                "resumed from {}{how} at step {}",
+                dir.display(),
+                ck.state.step
+            );
         }
     }
     let first_step = trainer.step_count() + 1;
@@ -394,11 +432,18 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let (mut first, mut last) = (None, 0.0);
     let mut peaks = vec![0u64; devices];
     let (mut routed, mut dropped) = (0u64, 0u64);
+    let mut last_saved = None;
     for step in first_step..=a.steps {
         let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
-        let s = trainer
-            .step(&batch)
-            .with_context(|| format!("step {step}"))?;
+        let s = match trainer.step(&batch) {
+            Ok(s) => s,
+            // Names its step already.
+            Err(e @ crate::runtime::RuntimeError::NonFinite { .. }) => {
+                bar.abandon();
+                return Err(e.into());
+            }
+            Err(e) => return Err(anyhow::Error::new(e).context(format!("step {step}"))),
+        };
         if let (Some(path), 1) = (&a.dump_step1, step) {
             // Every rank gathers; the first (holding `initial`) writes.
             if let (Some(init), Some(grads)) = (&initial, trainer.gather_grads()?) {
@@ -430,13 +475,28 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             }
             writeln!(f, "{line}").context("writing metrics")?;
         }
+        if let Some(root) = &a.checkpoint {
+            let every = a.checkpoint_every.is_some_and(|n| step % n == 0);
+            if every || step == a.steps {
+                // Collective in an MPI job: every rank gathers at this
+                // step, the first writes.
+                if let Some(ck) = trainer.gather_checkpoint()? {
+                    let saved = checkpoint::save_step(root, &ck, a.keep.unwrap_or(0))?;
+                    let removed = match saved.removed.len() {
+                        0 => String::new(),
+                        n => format!(", {n} older removed (--keep)"),
+                    };
+                    let line =
+                        format!("checkpoint: {} (step {step}{removed})", saved.dir.display());
+                    match step == a.steps {
+                        true => last_saved = Some(line),
+                        false => bar.println(line),
+                    }
+                }
+            }
+        }
     }
     bar.finish_and_clear();
-    // Collective in an MPI job: every rank gathers, the first writes.
-    let checkpoint = match &a.checkpoint {
-        Some(_) => trainer.gather_checkpoint()?,
-        None => None,
-    };
     let trace = match a.trace.is_some() || a.report.is_some() {
         true => trainer.gather_trace()?,
         false => None,
@@ -461,13 +521,8 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                 .map_or("none: dropless".to_string(), |c| c.to_string())
         );
     }
-    if let (Some(dir), Some(ck)) = (&a.checkpoint, checkpoint) {
-        ck.save(dir)?;
-        println!(
-            "checkpoint: {} (step {})",
-            dir.display(),
-            trainer.step_count()
-        );
+    if let Some(line) = last_saved {
+        println!("{line}");
     }
     if let (Some(path), Some(trace)) = (&a.trace, &trace) {
         std::fs::write(path, trace.to_string())

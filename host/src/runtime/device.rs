@@ -527,6 +527,54 @@ impl<B: Backend> Device<B> {
         }
         Ok(out)
     }
+    /// The first tensor of this device holding a NaN or infinite value:
+    /// of its parameters (whole, ZeRO-3 shard, tensor-parallel slice), or
+    /// with `grads` of its gradients (whole, ZeRO-2/3 reduced shard).
+    pub(crate) fn non_finite(&self, grads: bool) -> Result<Option<String>, RuntimeError> {
+        let in_whole = |t: &ParamMap<Vec<f32>>| {
+            t.iter()
+                .find(|(_, v)| v.iter().any(|x| !x.is_finite()))
+                .map(|(id, _)| self.table.name(id).to_string())
+        };
+        let in_shards = |shards: &[zero::Shard]| {
+            shards.iter().find_map(|s| {
+                let i = s.values.iter().position(|x| !x.is_finite())?;
+                let flat = s.range.start + i;
+                let mut at = 0;
+                s.names.iter().find_map(|(id, len)| {
+                    let hit = (at..at + len).contains(&flat);
+                    at += len;
+                    hit.then(|| self.table.name(*id).to_string())
+                })
+            })
+        };
+        if !grads {
+            let params = self.params()?;
+            let mut shards = self.shards(zero::ShardPart::Param)?;
+            shards.extend(self.tp_shards(zero::ShardPart::Param)?);
+            return Ok(in_whole(&params)
+                .or_else(|| in_shards(&shards))
+                .map(|n| format!("parameter `{n}`")));
+        }
+        let grads = self.whole(&self.grads.lock().unwrap())?;
+        let buckets = self.buckets.lock().unwrap();
+        let mut shards = Vec::new();
+        for b in buckets.iter().filter(|b| b.zero >= 2) {
+            let values = self
+                .b
+                .download(&b.grad)
+                .map_err(|e| self.read_error("a ZeRO gradient shard", e))?;
+            shards.push(zero::Shard {
+                names: b.names.clone(),
+                total: b.total,
+                range: b.shard.clone(),
+                values,
+            });
+        }
+        Ok(in_whole(&grads)
+            .or_else(|| in_shards(&shards))
+            .map(|n| format!("the gradient of `{n}`")))
+    }
     pub(crate) fn events(&self) -> Vec<TraceEvent> {
         self.events.lock().unwrap().clone()
     }

@@ -56,6 +56,16 @@ pub enum RuntimeError {
     /// The kernel threads asked for cannot be given.
     #[error("kernel threads: {0}")]
     Threads(String),
+    /// The step's loss or gradient norm is not a number (NaN or
+    /// infinite): the run stops at it, as Megatron's NaN check does; the
+    /// update of that step was skipped on every device.
+    #[error("step {step}: the {what} is {value}; first non-finite value: {at}. The run stops here and no checkpoint of this state is written (resume from the last checkpoint, perhaps with a lower --lr)")]
+    NonFinite {
+        step: u32,
+        what: &'static str,
+        value: f64,
+        at: String,
+    },
     #[error("device {device}, stream `{stream}`: {op}: panicked: {message}")]
     Panic {
         device: u32,

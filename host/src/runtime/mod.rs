@@ -215,6 +215,9 @@ trait Devices: Send + Sync {
     /// What each device holds of one kind of state, in device order.
     fn parts(&self, part: ShardPart) -> Result<Vec<Part>, RuntimeError>;
     fn restore(&self, ck: &HostStates) -> Result<(), RuntimeError>;
+    /// The first device (in order) holding a NaN or infinite parameter,
+    /// else gradient, and which tensor it is.
+    fn non_finite(&self) -> Result<Option<(usize, String)>, RuntimeError>;
     fn events(&self) -> Vec<Vec<step::TraceEvent>>;
 }
 
@@ -257,6 +260,16 @@ impl<B: Backend> Devices for Vec<Device<B>> {
     }
     fn restore(&self, ck: &HostStates) -> Result<(), RuntimeError> {
         self.iter().try_for_each(|d| d.restore(ck))
+    }
+    fn non_finite(&self) -> Result<Option<(usize, String)>, RuntimeError> {
+        for grads in [false, true] {
+            for (i, d) in self.iter().enumerate() {
+                if let Some(what) = d.non_finite(grads)? {
+                    return Ok(Some((i, what)));
+                }
+            }
+        }
+        Ok(None)
     }
     fn events(&self) -> Vec<Vec<step::TraceEvent>> {
         self.iter().map(|d| d.events()).collect()
@@ -461,7 +474,10 @@ impl Trainer {
         let (mut routed, mut dropped) = (vec![0u64; n], vec![0u64; n]);
         for ((s, peak, states), &i) in self.devices.stats()?.into_iter().zip(&self.local) {
             losses[i] = s.loss;
-            grad_norm = f64::max(grad_norm, s.grad_norm);
+            // A NaN wins (`f64::max` would drop it).
+            if s.grad_norm.is_nan() || s.grad_norm > grad_norm {
+                grad_norm = s.grad_norm;
+            }
             (routed[i], dropped[i]) = (s.moe_routed, s.moe_dropped);
             peak_bytes[i] = peak;
             state_bytes[i] = states;
@@ -476,6 +492,9 @@ impl Trainer {
             );
         }
         let loss: f64 = losses.iter().fold(0.0, |a, x| a + x);
+        if !loss.is_finite() || !grad_norm.is_finite() {
+            return Err(self.non_finite(&losses, loss, grad_norm)?);
+        }
         let stats = StepStats {
             step: self.step,
             loss: loss * scale as f64,
@@ -490,6 +509,38 @@ impl Trainer {
         #[cfg(feature = "fingerprint")]
         fingerprint::record(self, batch, &stats);
         Ok(stats)
+    }
+
+    /// The error of a step whose loss or gradient norm is not finite,
+    /// naming where the first non-finite value is on this process's
+    /// devices: a parameter or gradient, else the device whose loss is.
+    fn non_finite(
+        &self,
+        losses: &[f64],
+        loss: f64,
+        grad_norm: f64,
+    ) -> Result<RuntimeError, RuntimeError> {
+        let (what, value) = match loss.is_finite() {
+            false => ("loss", loss),
+            true => ("gradient norm", grad_norm),
+        };
+        let device = |i: usize| self.plan.devices[i].device;
+        let at = match self.devices.non_finite()? {
+            Some((at, tensor)) => format!("{tensor} on device {}", device(self.local[at])),
+            None => match losses.iter().position(|l| !l.is_finite()) {
+                Some(i) => format!(
+                    "the loss of device {} (every parameter and gradient is finite)",
+                    device(i)
+                ),
+                None => "on another rank's devices".to_string(),
+            },
+        };
+        Ok(RuntimeError::NonFinite {
+            step: self.step,
+            what,
+            value,
+            at,
+        })
     }
 
     /// Host tensors by id as the edge names them.

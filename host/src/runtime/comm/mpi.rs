@@ -211,6 +211,12 @@ impl MpiFabric {
         use mpi::collective::SystemOperation;
         let w = world();
         let mut g = 0.0f64;
+        // MPI's max may drop a NaN: sent as +inf, still not finite.
+        let grad_norm = if grad_norm.is_nan() {
+            f64::INFINITY
+        } else {
+            grad_norm
+        };
         w.all_reduce_into(&grad_norm, &mut g, SystemOperation::max());
         let mine = losses.to_vec();
         w.all_reduce_into(&mine[..], losses, SystemOperation::sum());

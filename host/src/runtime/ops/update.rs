@@ -20,7 +20,10 @@ pub(super) fn update<B: Backend>(
         let local = local_sq(dev).map_err(fail)?;
         set_clip(dev, local.sqrt(), ctx.opts.clip);
     }
-    let scale = dev.state.lock().unwrap().clip_scale;
+    let (scale, norm) = {
+        let s = dev.state.lock().unwrap();
+        (s.clip_scale, s.grad_norm)
+    };
     let ids = owned(dev, &op.segments);
     if ctx.opts.capture_grads {
         let grads = dev.grads.lock().unwrap();
@@ -30,6 +33,12 @@ pub(super) fn update<B: Backend>(
                 cap.insert(*id, dev.b.duplicate(g).map_err(fail)?);
             }
         }
+    }
+    if !norm.is_finite() {
+        // A NaN or infinite gradient: no update, so the parameters stay
+        // those the step ran on (the trainer stops the run and names where
+        // the first non-finite value is); the gradients are kept for that.
+        return Ok(());
     }
     let mut params = dev.params.write().unwrap();
     let mut grads = dev.grads.lock().unwrap();

@@ -29,7 +29,9 @@ pub fn crossentropy_forward(
     });
     let mut total = 0.0f64;
     for i in 0..n {
-        total -= (probs[i * v + targets[i] as usize].max(1e-30) as f64).ln();
+        // Clamped away from 0, but a NaN stays NaN (`f32::max` would hide it).
+        let pt = probs[i * v + targets[i] as usize];
+        total -= (if pt.is_nan() { pt } else { pt.max(1e-30) } as f64).ln();
     }
     total
 }

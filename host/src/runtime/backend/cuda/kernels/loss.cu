@@ -2,7 +2,7 @@
 // block per row for the softmax, each row's loss term -ln p(target) in f64
 // (the host adds the rows in order when it reads the step's loss).
 
-// probs = softmax(logits) by rows of v; losses[row] = -ln(max(p[target], 1e-30))
+// probs = softmax(logits) by rows of v; losses[row] = -ln(max(p[target], 1e-30)), NaN kept
 extern "C" __global__ void crossentropy_forward(float* probs, double* losses, const float* logits,
                                                 const u32* targets, int n, int v) {
     int row = blockIdx.x;
@@ -22,7 +22,9 @@ extern "C" __global__ void crossentropy_forward(float* probs, double* losses, co
     for (int j = threadIdx.x; j < v; j += BLOCK) p[j] *= inv;
     __syncthreads();
     if (threadIdx.x == 0) {
-        float pt = fmaxf(p[targets[row]], 1e-30f);
+        // Clamped away from 0, but a NaN stays NaN (fmaxf would hide it).
+        float pt = p[targets[row]];
+        pt = isnan(pt) ? pt : fmaxf(pt, 1e-30f);
         losses[row] = -log((double)pt);
     }
 }
