@@ -74,7 +74,10 @@ impl Bench {
     /// Run step `s`; record its time and each device's idle fraction (the
     /// share of the step's span its compute stream did not run).
     fn step(&mut self, corpus: &Corpus, s: u32, record: bool) {
-        let st = self.trainer.step(&corpus.batch(s, 32, 64)).unwrap();
+        let st = self
+            .trainer
+            .step(&corpus.batch(s, 32, 64, 256).unwrap())
+            .unwrap();
         if !record {
             return;
         }

@@ -80,12 +80,12 @@ fn train_rate(cfg: &ModelConfig, steps: u32, threads: usize) -> (f64, f64) {
     let mut t = Trainer::new(cfg, plan, opts).unwrap();
     let corpus = Corpus::builtin();
     let (b, s) = (cfg.batch_size as usize, cfg.seq_len as usize);
-    t.step(&corpus.batch(1, b, s)).unwrap(); // warm-up
-                                             // Best step of the run (the machine is shared and noisy).
+    t.step(&corpus.batch(1, b, s, 256).unwrap()).unwrap(); // warm-up
+                                                           // Best step of the run (the machine is shared and noisy).
     let mut secs = f64::MAX;
     for i in 0..steps {
         let start = Instant::now();
-        t.step(&corpus.batch(i + 2, b, s)).unwrap();
+        t.step(&corpus.batch(i + 2, b, s, 256).unwrap()).unwrap();
         secs = secs.min(start.elapsed().as_secs_f64());
     }
     // FLOPs of a step from the model's cost hints: forward + backward (2×).

@@ -730,8 +730,29 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
     let h = home("killed");
     std::fs::create_dir_all(&h).unwrap();
     let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    // Trained on a token file `piper data tokenize` wrote.
+    for (name, seed) in [("text", 1u64), ("other", 2)] {
+        std::fs::write(h.join(format!("{name}.txt")), sentences(seed, 4000)).unwrap();
+        let (ok, out, err) = piper(
+            &h,
+            &[
+                "data",
+                "tokenize",
+                &p(&format!("{name}.txt")),
+                "--out",
+                &p(&format!("{name}.bin")),
+            ],
+        );
+        assert!(
+            ok && out.contains("uint16 tokens (byte tokenizer"),
+            "{out}{err}"
+        );
+    }
+    let tokens = p("text.bin");
     let common: Vec<String> = [
         "train",
+        "--data",
+        &tokens,
         "--devices",
         "2",
         "--strategy",
@@ -851,6 +872,15 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
     );
     std::fs::write(&model, &good).unwrap();
 
+    // Other data than the checkpoint's is refused, naming both.
+    let mut other = with(&["--resume", &p("ck")]);
+    other[2] = p("other.bin");
+    let (ok, _, err) = run(other);
+    assert!(
+        !ok && err.contains("the checkpoint was trained on") && err.contains("other.bin"),
+        "{err}"
+    );
+
     // A NaN in a weight (the checkpoint's digests made to match it): the
     // run stops at the first step it trains, naming step and tensor, and
     // writes no checkpoint of that state.
@@ -875,6 +905,84 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
     assert!(
         !h.join("ck2").join("latest").exists(),
         "a checkpoint of the NaN state was written"
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+/// `words` words of a small generated grammar, different per seed.
+fn sentences(seed: u64, words: usize) -> String {
+    const W: [&str; 12] = [
+        "the", "cat", "sees", "a", "dog", "near", "the", "hill", "and", "river", "runs", ".",
+    ];
+    let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..words)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            W[(state % W.len() as u64) as usize]
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn a_2gib_token_file_trains_in_the_memory_of_a_small_one() {
+    let h = home("bigtokens");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    std::fs::write(h.join("text.txt"), sentences(3, 20_000)).unwrap();
+    let (ok, _, err) = piper(
+        &h,
+        &["data", "tokenize", &p("text.txt"), "--out", &p("small.bin")],
+    );
+    assert!(ok, "{err}");
+    // The same tokens, then zeros (a sparse file) up to 2^30 uint16 tokens:
+    // a 2 GiB file whose header counts them all.
+    let small = std::fs::read(h.join("small.bin")).unwrap();
+    let count: u32 = 1 << 30;
+    let mut head = small.clone();
+    head[8..12].copy_from_slice(&count.to_le_bytes());
+    std::fs::write(h.join("big.bin"), &head).unwrap();
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(h.join("big.bin"))
+        .unwrap();
+    f.set_len(1024 + 2 * count as u64).unwrap();
+    drop(f);
+    let peak = |data: &str| {
+        let (ok, out, err) = piper(&h, &["train", "--steps", "12", "--data", &p(data)]);
+        assert!(ok, "{err}");
+        let line = out
+            .lines()
+            .find_map(|l| l.split("peak resident memory ").nth(1))
+            .unwrap_or_else(|| panic!("no resident-memory line: {out}"));
+        let (v, unit) = line.split_once(' ').unwrap();
+        let mib = v.parse::<f64>().unwrap()
+            * match unit {
+                "KiB" => 1.0 / 1024.0,
+                "MiB" => 1.0,
+                "GiB" => 1024.0,
+                other => panic!("unit {other}"),
+            };
+        let losses = out
+            .lines()
+            .find(|l| l.starts_with("done:"))
+            .unwrap()
+            .to_string();
+        (mib, losses.split(", ").nth(1).unwrap().to_string(), err)
+    };
+    let (small_mib, small_loss, _) = peak("small.bin");
+    let (big_mib, big_loss, err) = peak("big.bin");
+    assert!(
+        err.contains("1073741824 uint16 tokens, llm.c header"),
+        "{err}"
+    );
+    // The first 12 batches lie in the tokens both files share.
+    assert_eq!(big_loss, small_loss);
+    assert!(
+        big_mib < 200.0 && big_mib < small_mib + 16.0,
+        "a 2 GiB token file trained at {big_mib:.1} MiB resident (the small one at {small_mib:.1} MiB)"
     );
     let _ = std::fs::remove_dir_all(&h);
 }

@@ -110,7 +110,27 @@ fn same_runs(tag: &str, ranks: u32, args: &[&str], one_only: &[&str]) {
 fn dp_on_2_and_4_ranks() {
     // Under mpirun, `--devices` defaults to the world size.
     same_runs("dp", 2, &["--strategy", "dp"], &["--devices", "2"]);
-    same_as_one_process("dp4", 4, &["--devices", "4", "--strategy", "dp"]);
+    // Each rank reads its own replica's rows of a memory-mapped token file.
+    let h = home("dp4-tokens");
+    let text = h.join("text.txt");
+    std::fs::write(&text, "a token file read by four ranks. ".repeat(2000)).unwrap();
+    let tokens = h.join("tokens.bin");
+    run(Command::new(env!("CARGO_BIN_EXE_piper"))
+        .args(["data", "tokenize", text.to_str().unwrap(), "--out"])
+        .arg(&tokens)
+        .env("PIPER_HOME", &h));
+    same_as_one_process(
+        "dp4",
+        4,
+        &[
+            "--devices",
+            "4",
+            "--strategy",
+            "dp",
+            "--data",
+            tokens.to_str().unwrap(),
+        ],
+    );
 }
 
 /// The same run on 2 and on 4 ranks.

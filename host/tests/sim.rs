@@ -306,7 +306,7 @@ fn a_measured_run_reads_back_onto_its_plan_and_another_plans_trace_is_refused() 
     let mut t = Trainer::new(&model, plan.clone(), opts).unwrap();
     let corpus = Corpus::builtin();
     for step in 1..=3 {
-        t.step(&corpus.batch(step, 32, 64)).unwrap();
+        t.step(&corpus.batch(step, 32, 64, 256).unwrap()).unwrap();
     }
     let trace = t.trace_json();
     let m = from_trace(&plan, &trace, None).unwrap();

@@ -242,7 +242,7 @@ fn tensor_parallel_training_matches_one_device() {
 fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
     let mut trainer = Trainer::new(&small(), plan, opts).unwrap();
     trainer
-        .step(&Corpus::builtin().batch(1, 32, 16))
+        .step(&Corpus::builtin().batch(1, 32, 16, 256).unwrap())
         .unwrap_err()
         .to_string()
 }
@@ -262,7 +262,7 @@ fn a_memory_cap_too_small_is_a_clear_error_naming_device_and_op() {
     };
     let cfg = small();
     let mut trainer = Trainer::new(&cfg, plan, opts).unwrap();
-    let batch = Corpus::builtin().batch(1, 32, 16);
+    let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
     let err = trainer.step(&batch).unwrap_err().to_string();
     assert!(
         err.contains("device 0")
@@ -317,7 +317,12 @@ fn resume_from_a_checkpoint_is_bit_identical_to_an_uninterrupted_run() {
     let plan = || plan_for(4, &[("1f1b", &[("microbatches", "4")])]);
     let run = |trainer: &mut Trainer, steps: std::ops::RangeInclusive<u32>| -> Vec<f64> {
         steps
-            .map(|s| trainer.step(&corpus.batch(s, 32, 16)).unwrap().loss)
+            .map(|s| {
+                trainer
+                    .step(&corpus.batch(s, 32, 16, 256).unwrap())
+                    .unwrap()
+                    .loss
+            })
             .collect()
     };
     let mut full = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
@@ -364,7 +369,9 @@ fn spread_checkpoints_resume_on_the_same_and_another_plan() {
      -> Vec<f64> {
         steps
             .map(|s| {
-                let b = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+                let b = corpus
+                    .batch(s, cfg.batch_size as usize, cfg.seq_len as usize, 256)
+                    .unwrap();
                 trainer.step(&b).unwrap().loss
             })
             .collect()
@@ -447,7 +454,9 @@ fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
         let mut losses = Vec::new();
         let mut peak = 0;
         for s in 1..=steps {
-            let st = trainer.step(&corpus.batch(s, 32, 16)).unwrap();
+            let st = trainer
+                .step(&corpus.batch(s, 32, 16, 256).unwrap())
+                .unwrap();
             losses.push(st.loss);
             peak = peak.max(st.peak_bytes[0]);
         }
@@ -529,7 +538,12 @@ fn zero_checkpoints_resume_bit_identically_alone_and_inside_1f1b() {
     let corpus = Corpus::builtin();
     let run = |trainer: &mut Trainer, steps: std::ops::RangeInclusive<u32>| -> Vec<f64> {
         steps
-            .map(|s| trainer.step(&corpus.batch(s, 32, 16)).unwrap().loss)
+            .map(|s| {
+                trainer
+                    .step(&corpus.batch(s, 32, 16, 256).unwrap())
+                    .unwrap()
+                    .loss
+            })
             .collect()
     };
     let cases: [(&str, u32, Strategy); 6] = [
@@ -600,7 +614,7 @@ fn zero_checkpoints_resume_bit_identically_alone_and_inside_1f1b() {
 #[test]
 fn step1_gradients_under_zero3_inside_1f1b_are_complete_and_match_one_device() {
     let cfg = small();
-    let batch = Corpus::builtin().batch(1, 32, 16);
+    let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
     let grads = |devices: u32, strategy: Strategy| {
         let opts = TrainOptions {
             capture_grads: true,
@@ -682,7 +696,7 @@ fn training_gives_the_same_bits_on_any_thread_count_and_run_to_run() {
             assert_eq!(t.threads(), threads);
             let losses: Vec<u64> = (1..=3)
                 .map(|s| {
-                    let batch = corpus.batch(s, 8, 64);
+                    let batch = corpus.batch(s, 8, 64, 256).unwrap();
                     t.step(&batch).unwrap().loss.to_bits()
                 })
                 .collect();
@@ -732,7 +746,7 @@ fn a_nan_weight_stops_the_run_at_its_first_step_naming_device_and_tensor() {
     for (name, strategy) in cases {
         let plan = || plan_for(2, strategy);
         let mut first = Trainer::new(&cfg, plan(), TrainOptions::default()).unwrap();
-        first.step(&corpus.batch(1, 32, 16)).unwrap();
+        first.step(&corpus.batch(1, 32, 16, 256).unwrap()).unwrap();
         let mut ck = first.checkpoint().unwrap();
         // The last element: ZeRO-3 keeps it in the second device's shard.
         let w = ck.params.get_mut("h.1.mlp.c_proj.weight").unwrap();
@@ -741,7 +755,7 @@ fn a_nan_weight_stops_the_run_at_its_first_step_naming_device_and_tensor() {
         second.restore(&ck).unwrap();
         let before = second.params().unwrap();
         let err = second
-            .step(&corpus.batch(2, 32, 16))
+            .step(&corpus.batch(2, 32, 16, 256).unwrap())
             .unwrap_err()
             .to_string();
         assert!(
@@ -762,4 +776,44 @@ fn a_nan_weight_stops_the_run_at_its_first_step_naming_device_and_tensor() {
             assert!(same, "{name}: `{n}` was updated by the failed step");
         }
     }
+}
+
+#[test]
+fn each_data_parallel_replica_reads_only_its_own_rows_of_the_batch() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = small();
+    let b = cfg.batch_size as usize;
+    let plan = plan_with(
+        &host,
+        &cfg,
+        4,
+        &[
+            ("dp", &[("degree", "2")]),
+            ("1f1b", &[("microbatches", "4")]),
+        ],
+    )
+    .unwrap();
+    let mut parts: Vec<Vec<bool>> = (0..4)
+        .map(|d| piper::runtime::rows_read(&plan, &[d], b))
+        .collect();
+    let all = piper::runtime::rows_read(&plan, &[0, 1, 2, 3], b);
+    assert_eq!(all, vec![true; b], "the devices together read every row");
+    parts.sort();
+    parts.dedup();
+    // Two pipelines (the stages of one read the same rows), half each,
+    // disjoint.
+    assert_eq!(parts.len(), 2, "{parts:?}");
+    for p in &parts {
+        assert_eq!(p.iter().filter(|r| **r).count(), b / 2, "{p:?}");
+    }
+    assert!(parts[0].iter().zip(&parts[1]).all(|(x, y)| x != y));
+    // A process given only its rows trains on them; a row it did not read
+    // is an error naming it, never zeros trained on.
+    let corpus = Corpus::builtin();
+    let mut t = Trainer::new(&cfg, plan, TrainOptions::default()).unwrap();
+    let batch = corpus
+        .batch_rows(1, b, cfg.seq_len as usize, cfg.vocab, &parts[0])
+        .unwrap();
+    let err = t.step(&batch).unwrap_err().to_string();
+    assert!(err.contains("not read by this process"), "{err}");
 }

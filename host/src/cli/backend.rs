@@ -132,7 +132,7 @@ fn train(
     let corpus = Corpus::builtin();
     let (mut losses, mut peaks, mut secs) = (Vec::new(), vec![0u64; devices as usize], Vec::new());
     for s in 1..=steps {
-        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize, cfg.vocab)?;
         let st = t.step(&batch).with_context(|| format!("step {s}"))?;
         losses.push(st.loss);
         for (p, x) in peaks.iter_mut().zip(&st.peak_bytes) {

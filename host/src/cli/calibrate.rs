@@ -70,7 +70,12 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
     };
     let mut trainer = Trainer::new(&cfg, plan.clone(), opts)?;
     for step in 1..=a.steps {
-        let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
+        let batch = corpus.batch(
+            step,
+            cfg.batch_size as usize,
+            cfg.seq_len as usize,
+            cfg.vocab,
+        )?;
         trainer
             .step(&batch)
             .with_context(|| format!("calibration run `{strategy}`, step {step}"))?;

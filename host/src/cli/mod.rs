@@ -49,6 +49,9 @@ enum Command {
     /// Measure the CPU runtime on this machine and write the `cpu-local`
     /// cluster the simulator predicts it with.
     Calibrate(calibrate::CalibrateArgs),
+    /// Prepare training data.
+    #[command(subcommand)]
+    Data(DataCommand),
     /// Inspect, write, build and share strategy plugins.
     #[command(subcommand)]
     Plugin(PluginCommand),
@@ -119,6 +122,22 @@ struct PlanArgs {
     out: Option<PathBuf>,
     #[command(flatten)]
     sim: sim::SimArgs,
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Tokenize a UTF-8 text file into a token file for `piper train
+    /// --data FILE.bin` (llm.c's format: a 1 KiB header, then uint16
+    /// tokens, or uint32 for vocabularies over 65,536).
+    Tokenize {
+        text: PathBuf,
+        /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257).
+        #[arg(long, default_value = "byte")]
+        tokenizer: String,
+        /// The token file to write (replaced whole, never half-written).
+        #[arg(long, value_name = "FILE.bin")]
+        out: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -236,6 +255,11 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => train::train(*a),
         Command::Backend(BackendCommand::Check(a)) => backend::check(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Data(DataCommand::Tokenize {
+            text,
+            tokenizer,
+            out,
+        }) => tokenize(&text, &tokenizer, &out),
         Command::Plugin(PluginCommand::Info {
             plugin,
             json,
@@ -669,4 +693,21 @@ fn print_options(options: &[crate::plugin::OptionInfo]) {
             .unwrap_or_default();
         println!("    {:<14} {:<5}{d:<12}  {}", o.name, o.ty, o.help);
     }
+}
+
+/// `piper data tokenize`.
+fn tokenize(text: &std::path::Path, tokenizer: &str, out: &std::path::Path) -> Result<()> {
+    use crate::runtime::data::{self, file};
+    let tokenizer = crate::runtime::Tokenizer::parse(tokenizer)?;
+    let tokens = tokenizer.encode(&data::read_text(text)?)?;
+    let width = file::Width::for_vocab(tokenizer.vocab());
+    file::write(out, &tokens, width)?;
+    println!(
+        "{}: {} {} tokens ({} tokenizer, llm.c header)",
+        out.display(),
+        tokens.len(),
+        width.name(),
+        tokenizer.name()
+    );
+    Ok(())
 }

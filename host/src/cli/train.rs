@@ -7,6 +7,7 @@ use super::RunArgs;
 use crate::compile::{compile, human_bytes};
 use crate::model::ModelConfig;
 use crate::runtime::checkpoint::{self, gpt2_entries, write_safetensors, Checkpoint};
+use crate::runtime::data::file::Width;
 use crate::runtime::{
     AdamW, Batch, Corpus, Decay, NamedTensors, Schedule, Tokenizer, TrainOptions, Trainer,
 };
@@ -58,9 +59,15 @@ pub struct TrainArgs {
     /// Clip the global gradient norm to this (0: off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     clip: f32,
-    /// UTF-8 text to train on; default: the built-in corpus.
+    /// What to train on: UTF-8 text (tokenized by `--tokenizer`), or a
+    /// token file ending in `.bin` (nanoGPT's raw uint16, or llm.c's with
+    /// its header; memory-mapped, so any size); default: the built-in corpus.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// The tokens of a `.bin` file without a header: `uint16` (nanoGPT's
+    /// `prepare.py`, the default) or `uint32`.
+    #[arg(long, value_name = "TYPE", value_parser = ["uint16", "uint32"])]
+    token_type: Option<String>,
     /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257, e.g. with `--model gpt2-small`).
     #[arg(long, default_value = "byte")]
     tokenizer: String,
@@ -287,8 +294,10 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         false => None,
     };
     let tokenizer = Tokenizer::parse(&a.tokenizer)?;
+    let width = a.token_type.as_deref().map(Width::parse).transpose()?;
     let corpus = match &a.data {
-        Some(path) => Corpus::from_file_with(path, tokenizer)?,
+        Some(path) => Corpus::open(path, tokenizer, width)?,
+        None if width.is_some() => bail!("--token-type is for a `--data FILE.bin` token file"),
         None => Corpus::builtin_with(tokenizer)?,
     };
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
@@ -331,6 +340,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         Some(path) => {
             let (dir, found) = checkpoint::resolve(path)?;
             let ck = Checkpoint::load(&dir)?;
+            check_data(&dir, &ck, &corpus, &cfg)?;
             Some((dir, found, ck))
         }
         None => None,
@@ -433,8 +443,16 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let mut peaks = vec![0u64; devices];
     let (mut routed, mut dropped) = (0u64, 0u64);
     let mut last_saved = None;
+    let (b, t) = (cfg.batch_size as usize, cfg.seq_len as usize);
+    // Each process reads its own devices' rows (`--dump-step1` writes all).
+    let read = match a.dump_step1 {
+        Some(_) => vec![true; b],
+        None => trainer.rows_read(),
+    };
     for step in first_step..=a.steps {
-        let batch = corpus.batch(step, cfg.batch_size as usize, cfg.seq_len as usize);
+        let batch = corpus
+            .batch_rows(step, b, t, cfg.vocab, &read)
+            .with_context(|| format!("reading step {step}'s batch"))?;
         let s = match trainer.step(&batch) {
             Ok(s) => s,
             // Names its step already.
@@ -480,7 +498,8 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             if every || step == a.steps {
                 // Collective in an MPI job: every rank gathers at this
                 // step, the first writes.
-                if let Some(ck) = trainer.gather_checkpoint()? {
+                if let Some(mut ck) = trainer.gather_checkpoint()? {
+                    ck.state.data = Some(corpus.position(step, b, t));
                     let saved = checkpoint::save_step(root, &ck, a.keep.unwrap_or(0))?;
                     let removed = match saved.removed.len() {
                         0 => String::new(),
@@ -549,6 +568,57 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
             "  device {d}: peak {} measured, {} planned",
             human_bytes(*m),
             human_bytes(*p)
+        );
+    }
+    if let Some(rss) = peak_resident() {
+        println!("  this process: peak resident memory {}", human_bytes(rss));
+    }
+    Ok(())
+}
+
+/// The process's peak resident set (Linux's `VmHWM`): weights, buffers,
+/// the compiled plugins, and the pages of a token file it has read.
+fn peak_resident() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?;
+    kib.trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse::<u64>()
+        .ok()?
+        .checked_mul(1024)
+}
+
+/// A checkpoint that records its data resumes only on the same data,
+/// where the next step's batch starts where it would have.
+fn check_data(
+    dir: &std::path::Path,
+    ck: &Checkpoint,
+    corpus: &Corpus,
+    cfg: &ModelConfig,
+) -> Result<()> {
+    let Some(saved) = &ck.state.data else {
+        return Ok(());
+    };
+    let here = corpus.position(ck.state.step, cfg.batch_size as usize, cfg.seq_len as usize);
+    if saved.fingerprint != here.fingerprint || saved.tokens != here.tokens {
+        bail!(
+            "--resume {}: the checkpoint was trained on {} ({} tokens, fingerprint {}), this run's data is {} ({} tokens, fingerprint {}); give the same --data (and --tokenizer) to continue the run",
+            dir.display(),
+            saved.name,
+            saved.tokens,
+            saved.fingerprint,
+            here.name,
+            here.tokens,
+            here.fingerprint
+        );
+    }
+    if saved.next_token != here.next_token {
+        bail!(
+            "--resume {}: the checkpoint's next batch starts at token {} of the data, this run's would start at {}",
+            dir.display(),
+            saved.next_token,
+            here.next_token
         );
     }
     Ok(())

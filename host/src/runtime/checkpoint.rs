@@ -119,6 +119,10 @@ pub struct TrainState {
     /// written before schedules: those resume under any).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub schedule: Option<crate::runtime::Schedule>,
+    /// The data trained on and where the next step's batch starts (absent
+    /// in checkpoints written before it: those resume on any data).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<crate::runtime::DataPosition>,
 }
 
 /// Everything needed to continue training.
@@ -530,6 +534,7 @@ mod tests {
                 seed: 1,
                 model,
                 schedule: None,
+                data: None,
             },
             params: full(0.5),
             m: full(0.25),

@@ -47,7 +47,7 @@ mod zero;
 pub use backend::{AdamW, BackendKind};
 pub use checkpoint::NamedTensors;
 pub use comm::Comm;
-pub use data::{Batch, Corpus, DataError, Tokenizer};
+pub use data::{Batch, Corpus, DataError, DataPosition, Tokenizer};
 pub use error::RuntimeError;
 pub use schedule::{Decay, Schedule};
 
@@ -311,6 +311,21 @@ impl WithBackend for Setup<'_> {
     }
 }
 
+/// The rows of a global batch of `b` rows that the devices `devices` (indices
+/// in `plan.devices`) train on: a data-parallel replica's own part.
+pub fn rows_read(plan: &Plan, devices: &[usize], b: usize) -> Vec<bool> {
+    let mut read = vec![false; b];
+    let forwards = (devices.iter())
+        .filter_map(|&i| plan.devices.get(i))
+        .flat_map(|d| &d.streams)
+        .flat_map(|s| &s.ops);
+    for op in forwards.filter(|op| op.op == crate::compile::plan::OpKind::F && op.phase.is_none()) {
+        let rows = ops::compute::rows_of(op, b);
+        read[rows.start.min(b)..rows.end.min(b)].fill(true);
+    }
+    read
+}
+
 /// Trains a model by running a compiled plan.
 pub struct Trainer {
     cfg: ModelConfig,
@@ -425,6 +440,12 @@ impl Trainer {
     }
     pub fn step_count(&self) -> u32 {
         self.step
+    }
+
+    /// The rows of the global batch this process's devices read: all of
+    /// them in one process, a rank's data-parallel part under MPI.
+    pub fn rows_read(&self) -> Vec<bool> {
+        rows_read(&self.plan, &self.local, self.cfg.batch_size as usize)
     }
 
     /// The learning rate step `step` (1-based) updates at.
@@ -591,6 +612,7 @@ impl Trainer {
                 seed: self.opts.seed,
                 model: self.cfg.clone(),
                 schedule: Some(self.schedule()),
+                data: None,
             },
             params,
             m,

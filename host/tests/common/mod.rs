@@ -211,7 +211,9 @@ pub fn train(
     let mut peak_bytes = vec![0; devices as usize];
     let mut state_bytes = Vec::new();
     for s in 1..=steps {
-        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize);
+        let batch = corpus
+            .batch(s, cfg.batch_size as usize, cfg.seq_len as usize, 256)
+            .unwrap();
         let st = trainer.step(&batch).unwrap();
         losses.push(st.loss);
         for (p, x) in peak_bytes.iter_mut().zip(&st.peak_bytes) {

@@ -101,17 +101,31 @@ pub(super) fn with_peers<B: Backend, R>(
     f(None).map_err(fail)
 }
 
+/// The rows of a global batch of `b` a forward op trains on: piece
+/// `microbatch × DP degree + replica` of `batch_div`.
+pub(in crate::runtime) fn rows_of(op: &Op, b: usize) -> std::ops::Range<usize> {
+    let div = (op.batch_div as usize).max(1);
+    let rows = b / div;
+    let dp = div / op.microbatches.max(1) as usize;
+    let piece = op.microbatch as usize * dp + op.replica as usize;
+    piece * rows..(piece + 1) * rows
+}
+
 pub(super) fn forward<B: Backend>(
     dev: &Device<B>,
     op: &Op,
     ctx: &StepCtx<B>,
 ) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
-    let div = op.batch_div as usize;
-    let b = ctx.batch.b / div;
-    let dp = div / op.microbatches.max(1) as usize;
-    let piece = op.microbatch as usize * dp + op.replica as usize;
-    let (tokens, targets) = ctx.batch.rows(piece * b, b);
+    let rows = rows_of(op, ctx.batch.b);
+    let b = rows.len();
+    let (tokens, targets) = ctx.batch.rows(rows.start, b).ok_or_else(|| {
+        missing(
+            dev,
+            op,
+            &format!("batch rows {rows:?} (not read by this process)"),
+        )
+    })?;
     let input = dev.tensor_of(op, dev.take(op, TensorKind::Activation)?)?;
     // A tensor-parallel member holds 1/tp of the heads and MLP units; the
     // cache keeps the shapes for backward.

@@ -8,7 +8,7 @@
 //! stream's own thread.
 
 mod collective;
-mod compute;
+pub(super) mod compute;
 mod experts;
 mod p2p;
 mod update;
