@@ -986,3 +986,54 @@ fn a_2gib_token_file_trains_in_the_memory_of_a_small_one() {
     );
     let _ = std::fs::remove_dir_all(&h);
 }
+
+#[test]
+fn evaluation_reports_held_out_loss_the_same_under_every_strategy() {
+    let h = home("eval");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    std::fs::write(h.join("val.txt"), sentences(9, 3000)).unwrap();
+    let run = |name: &str, extra: &[&str]| {
+        let metrics = p(&format!("{name}.jsonl"));
+        let mut args = vec!["train", "--steps", "7", "--metrics", &metrics];
+        args.extend(extra);
+        let (ok, out, err) = piper(&h, &args);
+        assert!(ok, "{name}: {err}");
+        let lines: Vec<serde_json::Value> = std::fs::read_to_string(&metrics)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let evals: Vec<(u64, f64)> = (lines.iter())
+            .filter_map(|v| Some((v["step"].as_u64()?, v["eval_loss"].as_f64()?)))
+            .collect();
+        let losses: Vec<f64> = lines.iter().map(|v| v["loss"].as_f64().unwrap()).collect();
+        (evals, losses, out, err)
+    };
+    let eval = ["--eval-every", "3", "--eval-batches", "2"];
+    let (pp, _, out, err) = run("pp", &eval);
+    // Every 3 steps and at the last; printed beside the training loss.
+    assert_eq!(pp.iter().map(|e| e.0).collect::<Vec<_>>(), [3, 6, 7]);
+    assert!(err.contains("step 6: eval loss"), "{err}");
+    assert!(
+        err.contains("(held out)") && out.contains("eval loss"),
+        "{err}{out}"
+    );
+    assert!(pp[2].1 < pp[0].1, "the held-out loss falls: {pp:?}");
+    let zero3 = [&eval[..], &["--devices", "2", "--strategy", "zero:stage=3"]].concat();
+    let (z3, ..) = run("zero3", &zero3);
+    for ((s, a), (_, b)) in pp.iter().zip(&z3) {
+        assert!((a - b).abs() / a < 1e-5, "step {s}: 1f1b {a}, ZeRO-3 {b}");
+    }
+    // Other evaluation data: training sees all of its data, as without
+    // evaluation, and the optimizer is untouched.
+    let (_, plain, ..) = run("plain", &[]);
+    let val = p("val.txt");
+    let (own, with_eval, ..) = run("own", &[&eval[..], &["--eval-data", &val]].concat());
+    assert_eq!(with_eval, plain);
+    assert_eq!(own.len(), 3);
+    assert!(own.iter().zip(&pp).all(|(a, b)| a.1 != b.1));
+    let (ok, _, err) = piper(&h, &["train", "--eval-batches", "2"]);
+    assert!(!ok && err.contains("--eval-every"), "{err}");
+    let _ = std::fs::remove_dir_all(&h);
+}

@@ -42,17 +42,20 @@ fn run(cmd: &mut Command) -> Output {
     out
 }
 
-/// (loss, grad norm) per step of a metrics file.
+/// (loss, grad norm) per step of a metrics file; the evaluation loss
+/// stands in for the norm on a line with one, so it is compared too.
 fn losses(path: &Path) -> Vec<(f64, f64)> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
         .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .map(|v| {
-            (
+        .flat_map(|v| {
+            let mut out = vec![(
                 v["loss"].as_f64().unwrap(),
                 v["grad_norm"].as_f64().unwrap(),
-            )
+            )];
+            out.extend(v["eval_loss"].as_f64().map(|e| (e, e)));
+            out
         })
         .collect()
 }
@@ -89,12 +92,14 @@ fn same_runs(tag: &str, ranks: u32, args: &[&str], one_only: &[&str]) {
     // One job, one summary: rank 0 prints it.
     assert_eq!(stdout.matches("done: 10 steps").count(), 1, "{stdout}");
     let (a, b) = (losses(&one), losses(&many));
-    assert_eq!(a.len(), 10, "{tag}");
+    let lines = |p: &Path| std::fs::read_to_string(p).unwrap().lines().count();
+    assert_eq!(lines(&one), 10, "{tag}");
     assert_eq!(
-        b.len(),
+        lines(&many),
         10,
         "{tag}: one metrics line per step, from rank 0 only"
     );
+    assert_eq!(a.len(), b.len(), "{tag}: the same evaluations");
     for (step, (x, y)) in a.iter().zip(&b).enumerate() {
         let rel = |p: f64, q: f64| (p - q).abs() / p.abs().max(1e-12);
         assert!(
@@ -161,6 +166,13 @@ const ZERO3_1F1B: [&str; 6] = [
 #[test]
 fn zero3_inside_1f1b_on_2_and_4_ranks() {
     on_2_and_4_ranks("zero3", &ZERO3_1F1B);
+    // Evaluation's forward-only plan over the ranks, between steps.
+    let eval = [
+        &ZERO3_1F1B[..],
+        &["--eval-every", "4", "--eval-batches", "2"],
+    ]
+    .concat();
+    same_as_one_process("zero3-eval", 2, &eval);
 }
 
 #[test]

@@ -817,3 +817,141 @@ fn each_data_parallel_replica_reads_only_its_own_rows_of_the_batch() {
     let err = t.step(&batch).unwrap_err().to_string();
     assert!(err.contains("not read by this process"), "{err}");
 }
+
+/// Evaluate the held-out batch and each step's own batch before training
+/// on it, for 2 steps: (evaluation losses, the run).
+fn with_evals(
+    host: &PluginHost,
+    cfg: &piper::model::ModelConfig,
+    devices: u32,
+    strategy: Strategy,
+) -> (Vec<f64>, common::Run) {
+    let plan = plan_with(host, cfg, devices, strategy).unwrap();
+    let opts = TrainOptions {
+        adamw: piper::runtime::AdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut t = Trainer::new(cfg, plan, opts).unwrap();
+    let corpus = Corpus::builtin();
+    let (b, seq) = (cfg.batch_size as usize, cfg.seq_len as usize);
+    let held = corpus.batch(777, b, seq, 256).unwrap();
+    let (mut evals, mut losses) = (Vec::new(), Vec::new());
+    for s in 1..=2 {
+        let batch = corpus.batch(s, b, seq, 256).unwrap();
+        evals.push(t.eval(&held).unwrap());
+        let own = t.eval(&batch).unwrap();
+        let st = t.step(&batch).unwrap();
+        // The training step's forward is the same computation.
+        assert_eq!(own, st.loss, "step {s}: evaluation vs training forward");
+        assert_eq!(st.step, s, "evaluation does not count as a step");
+        losses.push(st.loss);
+    }
+    evals.push(t.eval(&held).unwrap());
+    let run = common::Run {
+        losses,
+        params: t.params().unwrap(),
+        peak_bytes: Vec::new(),
+        state_bytes: Vec::new(),
+    };
+    (evals, run)
+}
+
+#[test]
+fn evaluation_runs_forward_only_and_agrees_across_strategies() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let dense = piper::model::ModelConfig {
+        heads: 4,
+        ..small()
+    };
+    let moe = piper::model::ModelConfig {
+        heads: 4,
+        ..small_moe()
+    };
+    let zero3: Strategy = &[
+        ("zero", &[("stage", "3"), ("dp", "2")]),
+        ("1f1b", &[("microbatches", "4")]),
+    ];
+    let cases: [(&str, &piper::model::ModelConfig, u32, Strategy); 9] = [
+        ("dp", &dense, 2, &[("dp", &[])]),
+        ("gpipe", &dense, 4, &[("gpipe", &[("microbatches", "8")])]),
+        ("1f1b", &dense, 4, &[("1f1b", &[("microbatches", "8")])]),
+        ("zb-h1", &dense, 2, &[("zb-h1", &[("microbatches", "4")])]),
+        ("zero3+1f1b", &dense, 4, zero3),
+        ("zero2", &dense, 2, &[("zero", &[("stage", "2")])]),
+        (
+            "tp+1f1b",
+            &dense,
+            4,
+            &[("tp", &[("tp", "2")]), ("1f1b", &[("microbatches", "4")])],
+        ),
+        (
+            "dualpipev",
+            &dense,
+            4,
+            &[("dualpipev", &[("microbatches", "8")])],
+        ),
+        (
+            "dp+ep+dualpipev",
+            &moe,
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+    ];
+    let one = &[("1f1b", &[("stages", "1"), ("microbatches", "1")][..])][..];
+    let bases: Vec<_> = [&dense, &moe]
+        .iter()
+        .map(|cfg| (cfg.name.clone(), with_evals(&host, cfg, 1, one)))
+        .collect();
+    for (name, cfg, devices, strategy) in cases {
+        let (evals, run) = with_evals(&host, cfg, devices, strategy);
+        let (_, (base_evals, base)) = bases.iter().find(|(n, _)| *n == cfg.name).unwrap();
+        for (i, (a, b)) in evals.iter().zip(base_evals).enumerate() {
+            let rel = (a - b).abs() / b.abs();
+            assert!(rel < 1e-5, "{name}: evaluation {i}: {a} vs one device {b}");
+        }
+        // Evaluation changed nothing training depends on.
+        let plain = train(&host, cfg, devices, strategy, 2);
+        assert_eq!(run.losses, plain.losses, "{name}");
+        assert_eq!(run.params, plain.params, "{name}");
+        assert_same_training(name, &run, base);
+    }
+    // The forward-only plan: every forward, the activations' sends and
+    // receives and ZeRO-3's gathers; no backward, reduction or update.
+    let plan = plan_with(&host, &dense, 4, zero3).unwrap();
+    let fwd = piper::compile::forward_only(&plan).unwrap();
+    let kinds = |p: &piper::compile::Plan, f: &dyn Fn(&piper::compile::Op) -> bool| {
+        (p.devices.iter())
+            .flat_map(|d| &d.streams)
+            .flat_map(|s| &s.ops)
+            .filter(|o| f(o))
+            .count()
+    };
+    use piper::compile::OpKind;
+    let is_f = |o: &piper::compile::Op| o.op == OpKind::F;
+    assert_eq!(kinds(&fwd, &is_f), kinds(&plan, &is_f));
+    assert!(kinds(&fwd, &|o| o.op == OpKind::AllGather) > 0);
+    assert!(kinds(&fwd, &|o| o.op == OpKind::Send) > 0);
+    let backward = |o: &piper::compile::Op| {
+        matches!(
+            o.op,
+            OpKind::B
+                | OpKind::BI
+                | OpKind::BW
+                | OpKind::Update
+                | OpKind::AllReduce
+                | OpKind::ReduceScatter
+        )
+    };
+    assert_eq!(kinds(&fwd, &backward), 0);
+    assert!(kinds(&plan, &backward) > 0);
+    // The held-out loss falls as the model trains.
+    let (evals, _) = &bases[0].1;
+    assert!(evals[2] < evals[0], "{evals:?}");
+}

@@ -24,7 +24,7 @@ pub struct TrainArgs {
     #[command(flatten)]
     run: RunArgs,
     /// Optimizer steps (with `--resume`: the total to reach).
-    #[arg(long, default_value_t = 150, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 150, allow_negative_numbers = true, value_parser = clap::value_parser!(u32).range(1..=i32::MAX as i64))]
     steps: u32,
     /// Peak learning rate (AdamW), more than 0.
     #[arg(long, default_value_t = 3e-3, allow_negative_numbers = true)]
@@ -71,6 +71,21 @@ pub struct TrainArgs {
     /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257, e.g. with `--model gpt2-small`).
     #[arg(long, default_value = "byte")]
     tokenizer: String,
+    /// Evaluate every N steps (and at the last): the mean loss of
+    /// `--eval-batches` batches of held-out data, by a forward-only plan
+    /// of the same strategies on the same devices; the optimizer is not
+    /// touched. Without `--eval-data`, the last tenth of the data is held
+    /// out (and not trained on).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    eval_every: Option<u32>,
+    /// With `--eval-every`: batches per evaluation (the same ones each
+    /// time, so evaluations compare).
+    #[arg(long, value_name = "K", default_value_t = 10, requires = "eval_every", value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    eval_batches: u32,
+    /// With `--eval-every`: evaluate on this text or `.bin` token file
+    /// instead of holding out the data's last tenth.
+    #[arg(long, value_name = "FILE", requires = "eval_every")]
+    eval_data: Option<PathBuf>,
     /// Memory cap per device: bytes, or with a unit (`512MiB`, `2GiB`).
     #[arg(long)]
     device_memory: Option<String>,
@@ -300,7 +315,19 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         None if width.is_some() => bail!("--token-type is for a `--data FILE.bin` token file"),
         None => Corpus::builtin_with(tokenizer)?,
     };
+    let (corpus, held) = match (a.eval_every, &a.eval_data) {
+        (None, _) => (corpus, None),
+        (Some(_), Some(path)) => (corpus, Some(Corpus::open(path, tokenizer, width)?)),
+        (Some(_), None) => {
+            let (train, held) = corpus.hold_out(0.1);
+            (train, Some(held))
+        }
+    };
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
+    if let Some(h) = &held {
+        h.check(cfg.vocab, cfg.seq_len as usize)
+            .context("the evaluation data")?;
+    }
     let mut optimizer = p.config.optimizer;
     if let Some(wd) = a.weight_decay {
         optimizer.weight_decay = wd;
@@ -352,9 +379,11 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let mut trainer = match &job.ranks {
         Some(mpi) => {
             let at = resumed.as_ref().map_or(0, |r| r.2.state.step).to_string();
+            let eval = held.as_ref().map_or("none".into(), |h| h.fingerprint());
             mpi.agree(&[
                 ("compiled plan", &plan.hash),
                 ("has data", &corpus.fingerprint()),
+                ("evaluates on", &eval),
                 ("resumes at step", &at),
             ])?;
             let timeout = opts
@@ -414,6 +443,12 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         for line in &p.applied {
             eprintln!("  strategy {line}");
         }
+        if let (Some(h), Some(n)) = (&held, a.eval_every) {
+            eprintln!(
+                "  evaluation every {n} steps: {} batches of {}",
+                a.eval_batches, h.name
+            );
+        }
     }
     let mut metrics = match a.metrics.as_ref().filter(|_| job.leader) {
         Some(path) => Some(
@@ -443,6 +478,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let mut peaks = vec![0u64; devices];
     let (mut routed, mut dropped) = (0u64, 0u64);
     let mut last_saved = None;
+    let mut last_eval = None;
     let (b, t) = (cfg.batch_size as usize, cfg.seq_len as usize);
     // Each process reads its own devices' rows (`--dump-step1` writes all).
     let read = match a.dump_step1 {
@@ -478,6 +514,37 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         dropped += s.moe_dropped;
         bar.set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tps));
         bar.inc(1);
+        let eval_loss = match (&held, a.eval_every) {
+            (Some(h), Some(n)) if step % n == 0 || step == a.steps => {
+                let mut sum = 0.0;
+                for k in 1..=a.eval_batches {
+                    let batch = h
+                        .batch_rows(k, b, t, cfg.vocab, &read)
+                        .with_context(|| format!("reading evaluation batch {k}"))?;
+                    sum += match trainer.eval(&batch) {
+                        Ok(l) => l,
+                        Err(e @ crate::runtime::RuntimeError::NonFinite { .. }) => {
+                            bar.abandon();
+                            return Err(e.into());
+                        }
+                        Err(e) => {
+                            return Err(anyhow::Error::new(e)
+                                .context(format!("step {step}: evaluation batch {k}")))
+                        }
+                    };
+                }
+                let l = sum / a.eval_batches as f64;
+                if job.leader {
+                    say(
+                        &bar,
+                        format!("step {step}: eval loss {l:.4} (train loss {:.4})", s.loss),
+                    );
+                }
+                last_eval = Some((step, l));
+                Some(l)
+            }
+            _ => None,
+        };
         if let Some(f) = metrics.as_mut() {
             let mut line = serde_json::json!({
                 "step": step,
@@ -487,6 +554,9 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                 "tokens_per_s": tps,
                 "peak_bytes": s.peak_bytes,
             });
+            if let Some(l) = eval_loss {
+                line["eval_loss"] = l.into();
+            }
             if cfg.moe.is_some() {
                 line["moe_routed"] = s.moe_routed.into();
                 line["moe_dropped"] = s.moe_dropped.into();
@@ -509,7 +579,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                         format!("checkpoint: {} (step {step}{removed})", saved.dir.display());
                     match step == a.steps {
                         true => last_saved = Some(line),
-                        false => bar.println(line),
+                        false => say(&bar, line),
                     }
                 }
             }
@@ -532,6 +602,9 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         last,
         tokens_per_step * ran as f64 / secs
     );
+    if let Some((step, l)) = last_eval {
+        println!("  eval loss {l:.4} at step {step}");
+    }
     if let Some(moe) = &cfg.moe {
         println!(
             "  experts: {dropped} of {routed} token-expert assignments dropped ({:.2}%; capacity factor {})",
@@ -574,6 +647,12 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         println!("  this process: peak resident memory {}", human_bytes(rss));
     }
     Ok(())
+}
+
+/// A line above the progress bar, also when stderr is not a terminal (a
+/// run's log), where indicatif's `println` prints nothing.
+fn say(bar: &ProgressBar, line: String) {
+    bar.suspend(|| eprintln!("{line}"));
 }
 
 /// The process's peak resident set (Linux's `VmHWM`): weights, buffers,

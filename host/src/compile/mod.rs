@@ -28,12 +28,14 @@
 mod build;
 mod deadlock;
 mod flat;
+mod forward;
 mod groups;
 pub mod plan;
 #[cfg(test)]
 mod tests;
 
 pub use deadlock::{check_deadlock, DeadlockError};
+pub use forward::forward_only;
 pub use plan::{human_bytes, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamPlan, Wait};
 
 use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TrainingDag};

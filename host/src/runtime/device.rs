@@ -93,6 +93,8 @@ pub(crate) struct Device<B: Backend> {
     /// The ops another stream waits for, by (stream, op index), and the
     /// event recorded after each this step.
     pub(super) waited: std::collections::HashSet<(usize, usize)>,
+    /// The same of the forward-only plan, set at its first step.
+    pub(super) eval_waited: std::sync::OnceLock<std::collections::HashSet<(usize, usize)>>,
     pub(super) marks: Mutex<HashMap<(usize, usize), B::Event>>,
     pub(super) cv: Condvar,
     pub(super) captured: Mutex<ParamMap<B::Tensor>>,
@@ -401,6 +403,7 @@ impl<B: Backend> Device<B> {
             streams,
             progress: Mutex::new(vec![0; plan.streams.len()]),
             waited: super::step::waited_ops(plan),
+            eval_waited: Default::default(),
             marks: Mutex::new(HashMap::new()),
             cv: Condvar::new(),
             captured: Mutex::new(ParamMap::new()),

@@ -203,6 +203,7 @@ struct StepInputs<'a> {
     opts: &'a TrainOptions,
     comm: &'a dyn Comm,
     epoch: Instant,
+    eval: bool,
 }
 
 /// This process's devices, on whichever backend: what the trainer asks of
@@ -234,6 +235,7 @@ impl<B: Backend> Devices for Vec<Device<B>> {
             comm: i.comm,
             devices: self,
             epoch: i.epoch,
+            eval: i.eval,
             failures: std::sync::Mutex::new(Vec::new()),
         };
         step::run_step(self, plans, &ctx)
@@ -341,7 +343,16 @@ pub struct Trainer {
     fabric: Option<std::sync::Arc<comm::mpi::MpiFabric>>,
     step: u32,
     epoch: Instant,
+    /// The forward-only plan evaluation runs, derived at the first
+    /// [`Trainer::eval`].
+    eval_plan: Option<Plan>,
+    /// Evaluation batches run so far (their exchanges' keys under MPI).
+    evals: u32,
 }
+
+/// Exchanges of evaluation batches are keyed from here up, training steps
+/// below (`--steps` is at most `i32::MAX`).
+pub const EVAL_KEYS: u32 = 1 << 31;
 
 impl Trainer {
     /// Set up every device of the plan: parameters (initialised from `seed`),
@@ -415,6 +426,8 @@ impl Trainer {
             fabric: None,
             step: 0,
             epoch: Instant::now(),
+            eval_plan: None,
+            evals: 0,
         })
     }
 
@@ -481,6 +494,7 @@ impl Trainer {
             opts: &self.opts,
             comm: comm.as_ref(),
             epoch: self.epoch,
+            eval: false,
         };
         let plans: Vec<&DevicePlan> = self.local.iter().map(|&i| &self.plan.devices[i]).collect();
         let ran = self.devices.run_step(&plans, inputs);
@@ -530,6 +544,80 @@ impl Trainer {
         #[cfg(feature = "fingerprint")]
         fingerprint::record(self, batch, &stats);
         Ok(stats)
+    }
+
+    /// The loss of the current parameters on `batch` (a global batch, as
+    /// for [`Trainer::step`]), by the forward-only plan of the training
+    /// plan on the same devices: no gradient, optimizer state or step count
+    /// changes. Collective in an MPI job (every rank evaluates the same
+    /// batches in the same order).
+    pub fn eval(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        if self.eval_plan.is_none() {
+            let plan = crate::compile::forward_only(&self.plan).map_err(|e| {
+                RuntimeError::Plan(format!("the evaluation plan of {}: {e}", self.plan.hash))
+            })?;
+            self.eval_plan = Some(plan);
+        }
+        #[cfg(feature = "mpi")]
+        let key = EVAL_KEYS | (self.evals % EVAL_KEYS);
+        self.evals = self.evals.wrapping_add(1);
+        let scale = 1.0 / (batch.b * batch.t) as f32;
+        let timeout = self
+            .opts
+            .comm_timeout
+            .unwrap_or_else(|| derived_comm_timeout(&self.plan));
+        let comm: Box<dyn Comm> = match self.fabric() {
+            #[cfg(feature = "mpi")]
+            Some(f) => Box::new(f.step(key)),
+            _ => Box::new(comm::LocalComm::new(timeout)),
+        };
+        let opts = TrainOptions {
+            trace: false,
+            capture_grads: false,
+            ..self.opts.clone()
+        };
+        let inputs = StepInputs {
+            cfg: &self.cfg,
+            segments: self.cfg.segments(),
+            batch,
+            loss_scale: scale,
+            step: self.step,
+            adamw: self.opts.adamw,
+            opts: &opts,
+            comm: comm.as_ref(),
+            epoch: self.epoch,
+            eval: true,
+        };
+        let plan = self.eval_plan.as_ref().expect("derived above");
+        let plans: Vec<&DevicePlan> = self.local.iter().map(|&i| &plan.devices[i]).collect();
+        let ran = self.devices.run_step(&plans, inputs);
+        drop(comm);
+        ran?;
+        let n = self.plan.devices.len();
+        let mut losses = vec![0.0f64; n];
+        for ((s, _, _), &i) in self.devices.stats()?.into_iter().zip(&self.local) {
+            losses[i] = s.loss;
+        }
+        #[cfg(feature = "mpi")]
+        if let Some(f) = self.fabric() {
+            f.finish(key);
+            let mut none = [vec![0u64; n], vec![0u64; n], vec![0u64; n], vec![0u64; n]];
+            let [a, b, c, d] = &mut none;
+            f.reduce_stats(&mut losses, 0.0, [a, b, c, d]);
+        }
+        let loss = losses.iter().fold(0.0, |a, x| a + x);
+        if !loss.is_finite() {
+            return Err(RuntimeError::NonFinite {
+                step: self.step,
+                what: "evaluation loss",
+                value: loss,
+                at: match losses.iter().position(|l| !l.is_finite()) {
+                    Some(i) => format!("the loss of device {}", self.plan.devices[i].device),
+                    None => "on another rank's devices".into(),
+                },
+            });
+        }
+        Ok(loss * scale as f64)
     }
 
     /// The error of a step whose loss or gradient norm is not finite,

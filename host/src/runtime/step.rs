@@ -46,6 +46,8 @@ pub(crate) struct StepCtx<'a, B: Backend> {
     /// in-flight bytes).
     pub devices: &'a [Device<B>],
     pub epoch: std::time::Instant,
+    /// Running the forward-only (evaluation) plan.
+    pub eval: bool,
     /// Failures in the order they happened: the first is the cause, later
     /// ones (aborted waits, locks a panic left poisoned) are consequences.
     pub failures: Mutex<Vec<RuntimeError>>,
@@ -148,6 +150,10 @@ fn run_stream<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let stream = &dp.streams[si];
     let queue = &dev.streams[si];
+    let waited = match ctx.eval {
+        true => dev.eval_waited.get_or_init(|| waited_ops(dp)),
+        false => &dev.waited,
+    };
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
         for w in op.waits.iter() {
@@ -225,7 +231,7 @@ fn run_stream<B: Backend>(
         }
         // An op another stream waits for marks its point (before progress,
         // so a waiter that sees the progress finds the mark).
-        if dev.waited.contains(&(si, i)) {
+        if waited.contains(&(si, i)) {
             let mark = dev.b.record(queue);
             dev.marks.lock().unwrap().insert((si, i), mark);
         }

@@ -272,6 +272,27 @@ impl Corpus {
         ))
     }
 
+    /// The first part for training and the last `fraction` held out for
+    /// evaluation (nanoGPT's and Megatron's split: the tail, not a sample).
+    pub fn hold_out(&self, fraction: f64) -> (Corpus, Corpus) {
+        let n = self.len();
+        let held = ((n as f64 * fraction).ceil() as usize).min(n);
+        let cut = self.range.start + n - held;
+        let part = |range: Range<usize>, what: &str| Corpus {
+            name: format!(
+                "{}, tokens {}..{} ({what})",
+                self.name, range.start, range.end
+            ),
+            source: self.source.clone(),
+            range,
+            fingerprint: Default::default(),
+        };
+        (
+            part(self.range.start..cut, "training"),
+            part(cut..self.range.end, "held out"),
+        )
+    }
+
     /// Tokens this corpus reads.
     pub fn len(&self) -> usize {
         self.range.len()
@@ -485,6 +506,12 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!(&a.tokens[1..8], &a.targets[..7]);
         assert_ne!(batch(4).tokens, a.tokens);
+        // The held-out tail is the corpus's last tenth, apart from training.
+        let (train, held) = c.hold_out(0.1);
+        assert_eq!(train.len() + held.len(), c.len());
+        assert_eq!(held.len(), c.len().div_ceil(10));
+        assert_eq!(held.tokens(0, 8), c.tokens(train.len(), 8));
+        assert_ne!(train.fingerprint(), c.fingerprint());
         // A process reading rows 1 and 3 gets exactly those rows.
         let part = c
             .batch_rows(3, 4, 8, 256, &[false, true, false, true])
