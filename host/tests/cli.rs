@@ -113,6 +113,18 @@ fn bad_input_gets_a_clear_error_not_a_panic() {
         "no bundled strategy of that name",
     );
     check(&["plan", "--model", "huge"], "unknown model `huge`");
+    // A file that is not WebAssembly: one line naming it and its digest.
+    let junk = h.join("junk.wasm");
+    std::fs::create_dir_all(&h).unwrap();
+    std::fs::write(&junk, "not wasm at all").unwrap();
+    let (ok, _, err) = piper(&h, &["plan", "--strategy", junk.to_str().unwrap()]);
+    assert!(!ok);
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("junk.wasm` (sha256 ")
+            && err.contains("not a WebAssembly component (bad magic number"),
+        "{err}"
+    );
     // Numbers at their extremes, from the command line and from TOML.
     check(
         &[
@@ -250,6 +262,30 @@ fn a_first_runs_rough_edges_read_cleanly() {
         &["train", "--threads", "0"],
         "invalid value '0' for '--threads <THREADS>'",
     );
+    // A model whose plan needs hundreds of GiB per device: refused at once
+    // against what this machine has, naming both and the flag.
+    let huge = h.join("huge.toml");
+    std::fs::write(
+        &huge,
+        "name = \"huge\"\nlayers = 48\nd_model = 16384\nheads = 128\nseq_len = 1024\nvocab = 256\nbatch_size = 8\nlayers_per_region = 1\n",
+    )
+    .unwrap();
+    let start = std::time::Instant::now();
+    let err = check(
+        &["train", "--model", huge.to_str().unwrap(), "--devices", "1"],
+        "device 0 needs ",
+    );
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(5),
+        "refused after {:?}",
+        start.elapsed()
+    );
+    assert!(
+        err.contains(" at its predicted peak, but this machine has ")
+            && err.contains(" available")
+            && err.contains("--device-memory SIZE sets the cap"),
+        "{err}"
+    );
     std::fs::write(h.join("a-file"), "x").unwrap();
     check(
         &[
@@ -280,6 +316,7 @@ fn plugin_info_and_list() {
     // The sandbox limits and host budget in force: defaults, or a config's.
     assert!(
         out.contains("max_host_work        2000000000")
+            && out.contains("max_host_bytes       1610612736")
             && out.contains("max_nodes            4000000"),
         "{out}"
     );
@@ -1035,5 +1072,92 @@ fn evaluation_reports_held_out_loss_the_same_under_every_strategy() {
     assert!(own.iter().zip(&pp).all(|(a, b)| a.1 != b.1));
     let (ok, _, err) = piper(&h, &["train", "--eval-batches", "2"]);
     assert!(!ok && err.contains("--eval-every"), "{err}");
+    let _ = std::fs::remove_dir_all(&h);
+}
+
+/// `piper plugin verify`: every bundled strategy keeps the math on `tiny`
+/// (dense and dropless MoE; a model a plugin cannot plan is skipped), a plan
+/// that trains differently fails naming the worst tensor, and a plugin that
+/// splits one microbatch alone (which would train some rows twice and others
+/// never) is refused by the host, so it planned nothing and fails too.
+#[test]
+fn plugin_verify_passes_the_bundled_strategies_and_fails_a_plan_that_changes_the_math() {
+    let h = home("verify");
+    std::fs::create_dir_all(&h).unwrap();
+    let bundled = [
+        "dp",
+        "zero:stage=3",
+        "gpipe",
+        "1f1b",
+        "interleaved-1f1b",
+        "zb-h1",
+        "dualpipe",
+        "dualpipev",
+        "tp",
+        "ep",
+    ];
+    // Two at a time: this machine has two cores.
+    for pair in bundled.chunks(2) {
+        let runs: Vec<_> = pair
+            .iter()
+            .map(|p| {
+                let h = h.clone();
+                let p = p.to_string();
+                std::thread::spawn(move || (p.clone(), piper(&h, &["plugin", "verify", &p])))
+            })
+            .collect();
+        for r in runs {
+            let (p, (ok, out, err)) = r.join().unwrap();
+            assert!(ok, "{p}: {out}{err}");
+            assert!(out.contains("\nPASS: `"), "{p}: {out}");
+            // At least one model trained under it, every trained one within 1e-5.
+            assert!(out.contains("  ok\n"), "{p}: {out}");
+            assert!(!out.contains("DIFFERS"), "{p}: {out}");
+        }
+    }
+    // With capacity-limited experts, microbatches route other tokens past
+    // capacity than the whole batch does: the router's gradient differs.
+    let moe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/models/tiny-moe.toml"
+    );
+    let (ok, out, err) = piper(
+        &h,
+        &[
+            "plugin",
+            "verify",
+            "1f1b:microbatches=4",
+            "--model",
+            moe,
+            "--json",
+        ],
+    );
+    assert!(!ok, "{out}");
+    assert!(err.contains("does not train like one device"), "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["passed"], false);
+    let m = &v["models"][0];
+    assert!(m["grad_diff"].as_f64().unwrap() > 1e-3, "{m}");
+    let worst = m["grad_tensor"].as_str().unwrap();
+    assert!(worst.contains("mlp"), "{m}");
+    assert!(
+        v["verdict"].as_str().unwrap().contains(&format!(
+            "tiny-moe trains differently than on one device: step-1 gradient of `{worst}` differs by"
+        )),
+        "{v}"
+    );
+    // A microbatch split on its own: refused at plan time on every model.
+    let hostile = format!(
+        "{}/piper_testing_hostile.wasm:mode=part-split",
+        env!("PIPER_PLUGINS_WASM_DIR")
+    );
+    let (ok, out, _) = piper(&h, &["plugin", "verify", &hostile, "--devices", "1"]);
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains("FAIL: `hostile@0.1.0`")
+            && out.contains("it planned none of the models")
+            && out.contains("a split takes the whole model: the filter matches"),
+        "{out}"
+    );
     let _ = std::fs::remove_dir_all(&h);
 }

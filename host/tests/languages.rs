@@ -249,6 +249,20 @@ fn the_python_js_and_c_examples_plan_exactly_like_the_rust_1f1b() {
     eprintln!("compared {compared} plans");
 }
 
+/// `piper plugin verify` on the Python 1F1B example: it keeps the math.
+#[test]
+fn the_python_1f1b_example_passes_plugin_verify() {
+    if !available(Lang::Python, "the verify test") {
+        return;
+    }
+    let plugin = example("python");
+    let out = ok(piper().args(["plugin", "verify", &plugin.origin]));
+    assert!(
+        out.contains("PASS: `1f1b-py@") && out.contains("tiny-moe-dropless:"),
+        "{out}"
+    );
+}
+
 /// Apply `plugin` with `mode=...` to a 2-device tiny DAG: it must fail, leave
 /// the DAG as it was, and say every one of `wants` (and none of `not`).
 fn fails_with(plugin: &Plugin, mode: &str, wants: &[&str], not: &[&str]) {

@@ -7,7 +7,45 @@ use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper_sdk::{OptionValue, Options, Strategy};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
+
+/// Counts live heap bytes and their peak: what the host holds for a plugin,
+/// beside what `sandbox.max_host_bytes` estimates.
+struct Counting;
+static LIVE: AtomicI64 = AtomicI64::new(0);
+static PEAK: AtomicI64 = AtomicI64::new(0);
+
+fn account(delta: i64) {
+    let now = LIVE.fetch_add(delta, Relaxed) + delta;
+    PEAK.fetch_max(now, Relaxed);
+}
+
+// SAFETY: every call forwards to the system allocator unchanged.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        account(l.size() as i64);
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        account(-(l.size() as i64));
+        unsafe { System.dealloc(p, l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        account(new as i64);
+        let q = unsafe { System.realloc(p, l, new) };
+        account(-(l.size() as i64));
+        q
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+fn mib(b: i64) -> f64 {
+    b as f64 / (1 << 20) as f64
+}
 
 fn model() -> ModelConfig {
     ModelConfig::bench_128()
@@ -90,8 +128,8 @@ fn main() {
     // microbatches after ZeRO-3 over 8 (128 devices), against the defaults.
     let d = SandboxLimits::default();
     println!(
-        "host budget at PP=16 × 256 microbatches, ZeRO-3 × 8 (128 devices); defaults: {:.1e} work units, {} nodes, {} edges, {:.1e} fuel",
-        d.max_host_work as f64, d.max_nodes, d.max_edges, d.fuel as f64
+        "host budget at PP=16 × 256 microbatches, ZeRO-3 × 8 (128 devices); defaults: {:.1e} work units, {} nodes, {} edges, {:.1e} fuel, {:.0} MiB host bytes",
+        d.max_host_work as f64, d.max_nodes, d.max_edges, d.fuel as f64, mib(d.max_host_bytes as i64)
     );
     let bhost = PluginHost::new(d.clone(), Some(cache.clone())).unwrap();
     let zero = bhost.load("zero").unwrap();
@@ -112,9 +150,12 @@ fn main() {
                 &[("stage".into(), "3".into()), ("dp".into(), "8".into())],
             )
             .unwrap();
+        let before = LIVE.load(Relaxed);
+        PEAK.store(before, Relaxed);
         let t = Instant::now();
         let r = bhost.apply(&plugin, &mut dag, &args).unwrap();
         let el = t.elapsed();
+        let (peak, held) = (PEAK.load(Relaxed) - before, LIVE.load(Relaxed) - before);
         let work = r.host_work + z.host_work;
         println!(
             "  zero+{name:<16} {:>7.1} ms  work {:.2e} ({:>5.0}× margin)  nodes {:>7} ({:>4.0}×)  edges {:>8} ({:>4.0}×)  fuel {:.1e} ({:.0}×)  calls {}",
@@ -128,6 +169,16 @@ fn main() {
             r.fuel_used as f64,
             d.fuel as f64 / r.fuel_used as f64,
             r.host_calls
+        );
+        println!(
+            "  {:<22} host bytes: DAG {:.1} MiB measured, {:.1} MiB estimated ({:.0} B per node, {:.0} B per node or edge); apply peak {:.1} MiB ({:.1}× margin)",
+            "",
+            mib(held),
+            mib(dag.held_bytes() as i64),
+            held as f64 / dag.node_count() as f64,
+            held as f64 / (dag.node_count() + dag.edge_count()) as f64,
+            mib(peak),
+            d.max_host_bytes as f64 / peak as f64
         );
     }
 

@@ -6,9 +6,10 @@
 //! `scripts/gpu-check.sh` runs it on a GPU machine; on the CPU backend it
 //! checks the CPU against itself on another thread count.
 
+use super::verify::tiny_moe;
 use crate::compile::{compile, human_bytes};
 use crate::dag::{Cluster, TrainingDag};
-use crate::model::{ModelConfig, MoeConfig};
+use crate::model::ModelConfig;
 use crate::plugin::{PluginHost, SandboxLimits};
 use crate::runtime::backend::check::{self, KernelCheck};
 use crate::runtime::backend::{self, Backend, BackendError, BackendKind, Placement, WithBackend};
@@ -48,17 +49,6 @@ pub struct CheckArgs {
 /// orders, other `exp`), and strategies against one device on one backend.
 const TRAIN_VS_CPU: f64 = 1e-4;
 const STRATEGY_VS_ONE: f64 = 1e-5;
-
-/// The model MoE checks train: `tiny` with 4 experts, top-2, dropless.
-fn tiny_moe() -> ModelConfig {
-    let mut cfg = ModelConfig::tiny();
-    cfg.name = "tiny-moe-dropless".into();
-    cfg.layers = 4;
-    let mut moe = MoeConfig::new(4, 2);
-    moe.hidden = Some(128);
-    cfg.moe = Some(moe);
-    cfg
-}
 
 /// A strategy as bundled plugins with options.
 type Strategy = &'static [(&'static str, &'static [(&'static str, &'static str)])];

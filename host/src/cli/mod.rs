@@ -1,4 +1,4 @@
-//! The `piper` command line (clap): `plan`, `train`, `plugin info|list|new|build|check`.
+//! The `piper` command line (clap): `plan`, `train`, `plugin info|list|new|build|check|verify`.
 //! The last stage of the flow for a user; errors here are `anyhow` chains
 //! of the typed errors of each stage.
 
@@ -9,6 +9,7 @@ mod config;
 mod job;
 mod sim;
 mod train;
+mod verify;
 
 pub use config::{RunConfig, StrategySpec};
 
@@ -216,6 +217,10 @@ enum PluginCommand {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Does a strategy keep the math? Trains `tiny` (dense and with a
+    /// dropless MoE) under it and on one device, and holds the losses and
+    /// step-1 gradients to 1e-5, naming the worst tensor.
+    Verify(verify::VerifyArgs),
     /// What the host sees in a component: WIT version, imports, exports,
     /// `info()`, and whether this host accepts it (never runs `apply`).
     Check {
@@ -278,6 +283,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Plugin(PluginCommand::Check { file, json }) => plugin_check(&file, json),
+        Command::Plugin(PluginCommand::Verify(a)) => verify::verify(a),
         Command::Plugin(PluginCommand::Publish {
             file,
             reference,
@@ -377,53 +383,79 @@ pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
     }
     let mut dag =
         TrainingDag::build(&model, Cluster::new(devices)).context("building the model DAG")?;
-    let host = PluginHost::new(
-        config.sandbox.clone(),
-        Some(PluginHost::default_cache_dir()),
-    )?;
-    let lock = match (&args.lock, &args.config) {
-        (Some(p), _) => Some(registry::Lockfile::read(p)?),
-        (None, Some(c)) if registry::Lockfile::beside(c).is_file() => {
-            Some(registry::Lockfile::read(&registry::Lockfile::beside(c))?)
-        }
-        _ => None,
-    };
-    let trust = registry::Trust::new(&config.registry.trusted_keys)?;
-    let mut applied = Vec::new();
-    for s in &config.strategies {
-        let plugin = if registry::Reference::is_oci(&s.name) {
-            let r = registry::resolve_for_run(
-                &s.name,
-                &store()?,
-                &args.registry.access(),
-                lock.as_ref(),
-                &trust,
-                &host,
-            )?;
-            host.load_bytes(&r.bytes, &r.origin)?
-        } else {
-            host.load(&s.name)?
-        };
-        let report = host.apply(&plugin, &mut dag, &s.options)?;
-        applied.push(format!(
-            "{}@{} ({}): {} host calls, {:.2e} fuel, {:.1} ms",
-            plugin.info.name,
-            plugin.info.version,
-            s.options
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(","),
-            report.host_calls,
-            report.fuel_used as f64,
-            report.elapsed.as_secs_f64() * 1e3
-        ));
-    }
+    let strategies = Strategies::load(&config, args)?;
+    let applied = strategies.apply(&mut dag)?;
     Ok(Prepared {
         config,
         dag,
         applied,
     })
+}
+
+/// The run's strategies, loaded (bundled, from a file, or pulled and
+/// verified from a registry) into one sandboxed host.
+pub struct Strategies {
+    pub host: PluginHost,
+    pub plugins: Vec<(crate::plugin::Plugin, Vec<(String, String)>)>,
+}
+
+impl Strategies {
+    /// Load every strategy of `config`, under its `[sandbox]` limits.
+    pub fn load(config: &RunConfig, args: &RunArgs) -> Result<Self> {
+        let host = PluginHost::new(
+            config.sandbox.clone(),
+            Some(PluginHost::default_cache_dir()),
+        )?;
+        let lock = match (&args.lock, &args.config) {
+            (Some(p), _) => Some(registry::Lockfile::read(p)?),
+            (None, Some(c)) if registry::Lockfile::beside(c).is_file() => {
+                Some(registry::Lockfile::read(&registry::Lockfile::beside(c))?)
+            }
+            _ => None,
+        };
+        let trust = registry::Trust::new(&config.registry.trusted_keys)?;
+        let mut plugins = Vec::new();
+        for s in &config.strategies {
+            let plugin = if registry::Reference::is_oci(&s.name) {
+                let r = registry::resolve_for_run(
+                    &s.name,
+                    &store()?,
+                    &args.registry.access(),
+                    lock.as_ref(),
+                    &trust,
+                    &host,
+                )?;
+                host.load_bytes(&r.bytes, &r.origin)?
+            } else {
+                host.load(&s.name)?
+            };
+            plugins.push((plugin, s.options.clone()));
+        }
+        Ok(Strategies { host, plugins })
+    }
+
+    /// Apply them in order to `dag`; one line per strategy saying what it
+    /// cost.
+    pub fn apply(&self, dag: &mut TrainingDag) -> Result<Vec<String>> {
+        let mut applied = Vec::new();
+        for (plugin, options) in &self.plugins {
+            let report = self.host.apply(plugin, dag, options)?;
+            applied.push(format!(
+                "{}@{} ({}): {} host calls, {:.2e} fuel, {:.1} ms",
+                plugin.info.name,
+                plugin.info.version,
+                options
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                report.host_calls,
+                report.fuel_used as f64,
+                report.elapsed.as_secs_f64() * 1e3
+            ));
+        }
+        Ok(applied)
+    }
 }
 
 fn plan(a: PlanArgs) -> Result<()> {

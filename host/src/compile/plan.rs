@@ -445,7 +445,13 @@ impl StableHasher {
 impl Op {
     /// Short label: `F[PP0 MB3]`, `send[PP1 MB0]→2`, `all-reduce[PP3]`.
     pub fn label(&self) -> String {
-        let tags: Vec<String> = self.tags.iter().map(|(k, v)| format!("{k}{v}")).collect();
+        // At most 16 tags, then their count.
+        let mut tags: Vec<String> = (self.tags.iter().take(16))
+            .map(|(k, v)| format!("{k}{v}"))
+            .collect();
+        if self.tags.len() > 16 {
+            tags.push(format!("… ({} tags)", self.tags.len()));
+        }
         let mut s = if tags.is_empty() {
             self.op.to_string()
         } else {

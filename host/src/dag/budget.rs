@@ -13,10 +13,19 @@
 //! Work is counted in *units*: one unit per node or edge visited, created or
 //! copied. Predictions are upper bounds (for example, a split of `n` copies is
 //! assumed to bring one derived node per copied core node).
+//!
+//! Memory is counted in *bytes* against `sandbox.max_host_bytes`: what the
+//! DAG holds (estimated from its node and edge counts, its tag keys and the
+//! widest device group named, [`TrainingDag::held_bytes`]) plus what the
+//! current call has made for itself so far (filter matches, order plans,
+//! query results: its *temporaries*). Growth and temporaries are charged
+//! before they are made, so a call that would pass the budget is refused
+//! with the DAG unchanged.
 
 use super::error::{DagError, DagErrorKind};
-use super::TrainingDag;
-use std::sync::atomic::{AtomicU64, Ordering};
+use super::{EdgeKind, Node, TrainingDag};
+use petgraph::visit::{EdgeIndexable, NodeIndexable};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Interned names (tag keys, streams) per kind can never exceed their `u16` ids.
 pub const MAX_NAMES_HARD: u64 = u16::MAX as u64;
@@ -32,6 +41,9 @@ pub struct DagBudget {
     pub max_names: u64,
     /// Host work units for the whole call (`sandbox.max_host_work`).
     pub max_work: u64,
+    /// Bytes the DAG and one call's temporaries may take together
+    /// (`sandbox.max_host_bytes`).
+    pub max_bytes: u64,
 }
 
 /// The budget in force and the work spent against it. Interior mutability:
@@ -41,6 +53,11 @@ pub struct DagBudget {
 pub(crate) struct Meter {
     budget: Option<DagBudget>,
     used: AtomicU64,
+    /// Temporaries charged since the current call began.
+    temp: AtomicU64,
+    /// The widest device group a directive named (node device lists, and
+    /// a communication node's peers and groups, grow with it).
+    widest: AtomicU32,
 }
 
 impl Clone for Meter {
@@ -48,8 +65,50 @@ impl Clone for Meter {
         Meter {
             budget: self.budget.clone(),
             used: AtomicU64::new(self.used.load(Ordering::Relaxed)),
+            temp: AtomicU64::new(self.temp.load(Ordering::Relaxed)),
+            widest: AtomicU32::new(self.widest.load(Ordering::Relaxed)),
         }
     }
+}
+
+/// The estimate's per-item costs, in bytes. Each is an upper bound of what
+/// the item takes in the structures it lives in, measured with a counting
+/// allocator on the bundled strategies' DAGs (`cargo bench -p piper-e2e
+/// --bench plugin` prints estimate and measurement side by side).
+mod cost {
+    use super::{EdgeKind, Node};
+    /// A node's slot in the graph: the node and its two edge-list heads.
+    pub const NODE_SLOT: u64 = std::mem::size_of::<Option<Node>>() as u64 + 8;
+    /// An edge's slot: its kind, its ends and its two next-edge links.
+    pub const EDGE_SLOT: u64 = std::mem::size_of::<Option<EdgeKind>>() as u64 + 16;
+    /// A node's heap besides tags and devices: allocation headers, a
+    /// communication node's segment list.
+    pub const NODE_FIXED: u64 = 96;
+    /// One `(key, index)` tag of a node, with room to grow.
+    pub const TAG: u64 = 16;
+    /// One device of a node's group: its device list, and a communication
+    /// node's peers and groups.
+    pub const DEVICE: u64 = 16;
+    /// One filter-index entry: a key in a hash map with its list, as the
+    /// map grows.
+    pub const INDEX_ENTRY: u64 = 64;
+    /// The acyclicity snapshot `order` keeps, per node and per edge.
+    pub const TOPO_NODE: u64 = 32;
+    pub const TOPO_EDGE: u64 = 24;
+}
+
+/// Tag keys whose pairs the filter index lists (the first interned: the
+/// model's annotations and the first split dimensions); a node's pairs
+/// beyond them are found through its single-tag lists, so the index grows
+/// linearly, not quadratically, with the tags a node carries.
+pub(crate) const PAIR_KEYS: u16 = 8;
+
+/// Temporaries of a derived-node rebuild per node and edge of the DAG.
+const REBUILD_BYTES: u64 = 32;
+
+/// `12.3 MiB`-style sizes for budget messages.
+fn mib(b: u64) -> String {
+    crate::compile::human_bytes(b)
 }
 
 fn limit(call: &str, budget: &'static str, limit: u64, request: String) -> DagError {
@@ -69,7 +128,97 @@ impl TrainingDag {
         self.meter = Meter {
             budget,
             used: AtomicU64::new(0),
+            temp: AtomicU64::new(0),
+            widest: AtomicU32::new(self.meter.widest.load(Ordering::Relaxed)),
         };
+    }
+
+    /// A plugin's next call begins: the last one's temporaries are gone.
+    pub fn begin_call(&self) {
+        self.meter.temp.store(0, Ordering::Relaxed);
+    }
+
+    /// Record that a directive names a group of `n` devices.
+    pub(crate) fn note_group(&self, n: usize) {
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        self.meter.widest.fetch_max(n, Ordering::Relaxed);
+    }
+
+    /// Estimated bytes the DAG holds (see the module docs).
+    pub fn held_bytes(&self) -> u64 {
+        self.bytes_with(0, 0, 0)
+    }
+
+    /// Estimated bytes with `add_nodes`, `add_edges` and `add_keys` (tag
+    /// keys) more than now.
+    fn bytes_with(&self, add_nodes: u64, add_edges: u64, add_keys: u64) -> u64 {
+        use cost::*;
+        let nodes = (self.graph.node_bound() as u64).saturating_add(add_nodes);
+        let edges = (self.graph.edge_bound() as u64).saturating_add(add_edges);
+        let keys = (self.tag_names.len() as u64).saturating_add(add_keys);
+        let paired = keys.min(PAIR_KEYS as u64);
+        let entries = 1 + keys + paired * paired.saturating_sub(1) / 2;
+        let group = u64::from(self.meter.widest.load(Ordering::Relaxed).max(1));
+        let per_node = NODE_SLOT
+            + NODE_FIXED
+            + TOPO_NODE
+            + TAG.saturating_mul(keys)
+            + DEVICE.saturating_mul(group)
+            + INDEX_ENTRY.saturating_mul(entries);
+        let per_edge = EDGE_SLOT + TOPO_EDGE;
+        nodes
+            .saturating_mul(per_node)
+            .saturating_add(edges.saturating_mul(per_edge))
+    }
+
+    /// Refuse, before making them, `temp` bytes of temporaries for this
+    /// call on top of a DAG grown by `add_nodes`, `add_edges` and
+    /// `add_keys`; charge the temporaries when they fit.
+    pub(crate) fn check_bytes(
+        &self,
+        call: &str,
+        add_nodes: u64,
+        add_edges: u64,
+        add_keys: u64,
+        temp: u64,
+    ) -> Result<(), DagError> {
+        let Some(b) = &self.meter.budget else {
+            return Ok(());
+        };
+        let held = self.bytes_with(add_nodes, add_edges, add_keys);
+        let temps = self.meter.temp.load(Ordering::Relaxed).saturating_add(temp);
+        if held.saturating_add(temps) > b.max_bytes {
+            let grown = if add_nodes + add_edges + add_keys > 0 {
+                format!(
+                    "the DAG would hold about {} ({} nodes, {} edges)",
+                    mib(held),
+                    fmt_big((self.graph.node_bound() as u64).saturating_add(add_nodes)),
+                    fmt_big((self.graph.edge_bound() as u64).saturating_add(add_edges))
+                )
+            } else {
+                format!("the DAG holds about {}", mib(held))
+            };
+            return Err(limit(
+                call,
+                "sandbox.max_host_bytes",
+                b.max_bytes,
+                format!("{grown} and the call's temporaries {}", mib(temps)),
+            ));
+        }
+        self.meter.temp.store(temps, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Charge `bytes` of temporaries for this call, or refuse before
+    /// making them.
+    pub(crate) fn charge_bytes(&self, call: &str, bytes: u64) -> Result<(), DagError> {
+        self.check_bytes(call, 0, 0, 0, bytes)
+    }
+
+    /// [`charge_bytes`](Self::charge_bytes) for the plugin host's own
+    /// temporaries (query results it converts, arguments it copies).
+    pub fn charge_bytes_public(&self, call: &str, bytes: u64) -> Result<(), DagError> {
+        self.charge_bytes(call, bytes)
     }
 
     /// The budget in force, if any.
@@ -120,12 +269,25 @@ impl TrainingDag {
         self.charge(call, work)
     }
 
-    /// Refuse a change that would leave more nodes or edges than allowed.
+    /// Refuse a change that would leave more nodes or edges than allowed,
+    /// or a DAG over `sandbox.max_host_bytes`.
     pub(crate) fn check_growth(
         &self,
         call: &str,
         add_nodes: u64,
         add_edges: u64,
+    ) -> Result<(), DagError> {
+        self.check_growth_keys(call, add_nodes, add_edges, 0)
+    }
+
+    /// [`check_growth`](Self::check_growth) for a change that also interns
+    /// `add_keys` new tag keys carried by nodes.
+    pub(crate) fn check_growth_keys(
+        &self,
+        call: &str,
+        add_nodes: u64,
+        add_edges: u64,
+        add_keys: u64,
     ) -> Result<(), DagError> {
         let Some(b) = &self.meter.budget else {
             return Ok(());
@@ -156,7 +318,7 @@ impl TrainingDag {
                 ),
             ));
         }
-        Ok(())
+        self.check_bytes(call, add_nodes, add_edges, add_keys, 0)
     }
 
     /// Refuse names that would take the tag keys and streams past the budget
@@ -209,7 +371,13 @@ impl TrainingDag {
     /// edge is visited) first.
     pub(crate) fn sync_for(&mut self, call: &str) -> Result<(), DagError> {
         if self.dirty {
-            self.charge(call, (self.node_count() + self.edge_count()) as u64)?;
+            let (nodes, edges) = (
+                self.graph.node_bound() as u64,
+                self.graph.edge_bound() as u64,
+            );
+            self.charge(call, nodes + edges)?;
+            // The rebuild's maps and lists, over every node and edge.
+            self.charge_bytes(call, (nodes + edges).saturating_mul(REBUILD_BYTES))?;
             self.sync();
         }
         Ok(())

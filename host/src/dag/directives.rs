@@ -11,12 +11,21 @@ use super::{
     ReplicaSpec, StreamId, TensorKind, TrainingDag,
 };
 use foldhash::{HashSet, HashSetExt};
-use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
+use petgraph::visit::{EdgeIndexable, EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
 
 /// The most nodes or edges a directive reserves room for at once (it grows
 /// past that as usual).
 const RESERVE_MAX: usize = 1 << 24;
+
+/// Temporaries of an acyclicity proof, per node or edge it passes over
+/// (positions, degrees, stamps, adjacency).
+const PROOF_BYTES: u64 = 24;
+
+/// Temporaries of `split`: per node of the region (its set entry, its
+/// position, its copy) and per edge it may copy (the edge and its ends).
+const SPLIT_NODE_BYTES: u64 = 48;
+const SPLIT_EDGE_BYTES: u64 = 48;
 
 /// Options of `replicate` (data parallelism and ZeRO).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -110,6 +119,7 @@ impl TrainingDag {
                 ));
             }
         }
+        self.note_group(devices.len());
         Ok(devices.iter().map(|d| DeviceId(*d)).collect())
     }
 
@@ -205,6 +215,29 @@ impl TrainingDag {
             .filter(|id| self.graph[id.ix()].derived.is_none())
             .collect();
         let ids = self.compute_only(f, ids.clone(), &call).map(|_| ids)?;
+        // The whole model, or its pieces would run other shares of the batch
+        // than the rest: a split of one microbatch would give its copies
+        // rows that the other microbatches also train, and leave others out.
+        let computes = |list: &mut dyn Iterator<Item = NodeId>| {
+            list.filter(|id| {
+                let n = &self.graph[id.ix()];
+                n.derived.is_none() && matches!(n.kind, NodeKind::Compute { .. })
+            })
+            .count()
+        };
+        let (matched, all) = (
+            computes(&mut ids.iter().copied()),
+            computes(&mut self.node_ids()),
+        );
+        if matched < all {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "a split takes the whole model: the filter matches {matched} of its {all} compute \
+                     nodes, and a part split alone would train other rows of the batch than the rest"
+                )),
+            ));
+        }
         // Every node's batch share must stay representable.
         for &id in &ids {
             let div = self.graph[id.ix()].batch_div;
@@ -218,6 +251,14 @@ impl TrainingDag {
                 ));
             }
         }
+        // The region as a set, the edges it copies (at most every edge) and
+        // their ends.
+        self.charge_bytes(
+            &call,
+            (ids.len() as u64)
+                .saturating_mul(SPLIT_NODE_BYTES)
+                .saturating_add((self.graph.edge_bound() as u64).saturating_mul(SPLIT_EDGE_BYTES)),
+        )?;
         let set: HashSet<NodeId> = ids.iter().copied().collect();
         if let Some(key) = self.find_tag(dim) {
             if ids
@@ -281,7 +322,8 @@ impl TrainingDag {
         let copies = u64::from(n - 1);
         let add_nodes = copies.saturating_mul(ids.len() as u64).saturating_mul(2);
         let add_edges = copies.saturating_mul(edges.len() as u64).saturating_mul(2);
-        self.check_growth(&call, add_nodes, add_edges)?;
+        let new_key = u64::from(self.find_tag(dim).is_none());
+        self.check_growth_keys(&call, add_nodes, add_edges, new_key)?;
         self.charge(&call, add_nodes.saturating_add(add_edges))?;
         // Validated: from here on nothing fails. Room up front for the
         // copies and the derived nodes they may bring (the growth charged),
@@ -904,6 +946,7 @@ impl TrainingDag {
                 &call,
                 (self.node_count() + self.edge_count()) as u64 + n.saturating_mul(8),
             )?;
+            self.charge_bytes(&call, self.held_bytes())?;
             Some(self.clone())
         };
         let restore = |dag: &mut TrainingDag, snapshot: Option<TrainingDag>| {
@@ -937,6 +980,9 @@ impl TrainingDag {
         let mut sets: Vec<Vec<NodeId>> = Vec::new();
         for rg in resolved {
             let mut set = Vec::new();
+            // Deduplicated whenever it doubles: a group of many filters
+            // matching the same nodes holds about its union, not every match.
+            let mut unique = 0;
             for (f, r) in rg {
                 let m = self.select_resolved(r, call)?;
                 if m.is_empty() {
@@ -948,6 +994,11 @@ impl TrainingDag {
                     ));
                 }
                 set.extend(m);
+                if set.len() > 2 * unique.max(1024) {
+                    set.sort_unstable();
+                    set.dedup();
+                    unique = set.len();
+                }
             }
             set.sort_unstable();
             set.dedup();
@@ -1014,6 +1065,14 @@ impl TrainingDag {
         self.charge(
             call,
             (self.node_count() + self.edge_count() + markers + planned.len()) as u64,
+        )?;
+        // The proof's passes: arrays over nodes and edges, and the plan.
+        let proof = (self.graph.node_bound() + self.graph.edge_bound() + markers) as u64;
+        self.charge_bytes(
+            call,
+            proof
+                .saturating_mul(PROOF_BYTES)
+                .saturating_add((planned.len() as u64).saturating_mul(PROOF_BYTES * 2)),
         )?;
         let pos = match self.prove_acyclic(&planned, markers) {
             Ok(pos) => pos,
@@ -1285,14 +1344,21 @@ impl TrainingDag {
 
 /// `order([{..} | {..}, {..}, …])`, shortened for long schedules.
 fn order_call(groups: &[Vec<Filter>]) -> String {
+    // At most 16 filters of a group, then their count.
     let show: Vec<String> = groups
         .iter()
         .take(6)
         .map(|g| {
-            g.iter()
+            let mut s = g
+                .iter()
+                .take(16)
                 .map(|f| f.to_string())
                 .collect::<Vec<_>>()
-                .join(" | ")
+                .join(" | ");
+            if g.len() > 16 {
+                s.push_str(&format!(" | … ({} filters)", g.len()));
+            }
+            s
         })
         .collect();
     let more = if groups.len() > 6 {

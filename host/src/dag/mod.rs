@@ -593,12 +593,13 @@ impl TrainingDag {
         match self.node_ref(id) {
             None => format!("#{}", id.0),
             Some(n) => {
-                let tags: Vec<String> = n
-                    .tags
-                    .0
-                    .iter()
+                // At most 16 tags, then their count.
+                let mut tags: Vec<String> = (n.tags.0.iter().take(16))
                     .map(|(k, v)| format!("{}:{v}", self.tag_name(*k)))
                     .collect();
+                if n.tags.0.len() > 16 {
+                    tags.push(format!("… ({} tags)", n.tags.0.len()));
+                }
                 format!("{}{{{}}}#{}", n.kind.label(), tags.join(","), id.0)
             }
         }

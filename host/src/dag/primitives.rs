@@ -98,6 +98,14 @@ fn add_to<K: std::hash::Hash + Eq>(map: &mut HashMap<K, Ids>, key: K, id: NodeId
     }
 }
 
+/// Bytes of one node id in a list a call makes.
+pub(crate) const ID_BYTES: u64 = std::mem::size_of::<NodeId>() as u64;
+
+/// Does the index list pairs with this key ([`super::budget::PAIR_KEYS`])?
+fn paired(k: TagKey) -> bool {
+    k.0 < super::budget::PAIR_KEYS
+}
+
 fn tag_key(k: TagKey, v: u32) -> u64 {
     (k.0 as u64) << 32 | v as u64
 }
@@ -164,8 +172,10 @@ impl Index {
         let label = label_of(&n.kind);
         for (i, &(k, v)) in n.tags.0.iter().enumerate() {
             add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
-            for &second in &n.tags.0[i + 1..] {
-                add_to(&mut self.by_label_pair, pair_key(label, (k, v), second), id);
+            for &second in n.tags.0[i + 1..].iter().filter(|t| paired(t.0)) {
+                if paired(k) {
+                    add_to(&mut self.by_label_pair, pair_key(label, (k, v), second), id);
+                }
             }
         }
         self.by_label[label as usize].push(id);
@@ -222,7 +232,10 @@ impl Index {
     pub(crate) fn add_tag(&mut self, id: NodeId, n: &super::Node, k: TagKey, v: u32) {
         let label = label_of(&n.kind);
         add_to(&mut self.by_label_tag, label_tag_key(label, k, v), id);
-        for &(k2, v2) in &n.tags.0 {
+        if !paired(k) {
+            return;
+        }
+        for &(k2, v2) in n.tags.0.iter().filter(|t| paired(t.0)) {
             if k2 < k {
                 add_to(
                     &mut self.by_label_pair,
@@ -332,8 +345,9 @@ impl TrainingDag {
         exact.sort_unstable();
         'pick: {
             if let Some(l) = label {
-                for (i, &first) in exact.iter().enumerate() {
-                    for &second in &exact[i + 1..] {
+                // Pairs of keys the index lists pairs of.
+                for (i, &first) in exact.iter().enumerate().filter(|(_, t)| paired(t.0)) {
+                    for &second in exact[i + 1..].iter().filter(|t| paired(t.0)) {
                         let list = index.by_label_pair.get(&pair_key(l, first, second));
                         consider(&mut best, list.map(Ids::as_slice));
                         if best.is_some_and(|b| b.len() <= 1) {
@@ -359,11 +373,12 @@ impl TrainingDag {
                             .filter_map(move |l| index.by_label_tag.get(&label_tag_key(l, k, i)))
                             .map(Ids::as_slice)
                     };
-                    if let Some(&(k, i)) = exact
-                        .iter()
-                        .min_by_key(|&&(k, i)| lists(k, i).map(|l| l.len()).sum::<usize>())
-                    {
-                        unlabelled = lists(k, i).flatten().copied().collect();
+                    let size =
+                        |&&(k, i): &&(TagKey, u32)| lists(k, i).map(|l| l.len()).sum::<usize>();
+                    if let Some(t) = exact.iter().min_by_key(size) {
+                        let ids = size(&t) as u64;
+                        self.charge_bytes(call, ids.saturating_mul(ID_BYTES))?;
+                        unlabelled = lists(t.0, t.1).flatten().copied().collect();
                         best = Some(&unlabelled);
                     }
                 }
@@ -371,6 +386,8 @@ impl TrainingDag {
         }
         let scan = best.map_or(self.node_count(), |b| b.len()) as u64;
         self.charge(call, scan.saturating_mul(r.tags.len() as u64 + 1))?;
+        // The matches: at most every candidate.
+        self.charge_bytes(call, scan.saturating_mul(ID_BYTES))?;
         let mut ids: Vec<NodeId> = match best {
             Some(list) => list
                 .iter()
@@ -403,6 +420,7 @@ impl TrainingDag {
     /// or matches nothing).
     pub fn query(&mut self, f: &Filter) -> Result<Vec<NodeInfo>, DagError> {
         let ids = self.query_ids(f)?;
+        self.charge_bytes(&format!("query({f})"), self.infos_bytes(&ids) / 2)?;
         Ok(self.infos(&ids))
     }
 
@@ -667,6 +685,26 @@ impl TrainingDag {
             },
             NodeKind::Marker => NodeCost::default(),
         }
+    }
+
+    /// What reading `ids` back as [`NodeInfo`]s, and converting those for a
+    /// plugin, takes: each record, its tag names, devices and segments,
+    /// twice (the host's records and the converted ones).
+    pub fn infos_bytes(&self, ids: &[NodeId]) -> u64 {
+        const RECORD: u64 = std::mem::size_of::<NodeInfo>() as u64 + 64;
+        const TAG: u64 = 64;
+        ids.iter()
+            .filter_map(|id| self.node_ref(*id))
+            .map(|n| {
+                let segments = match &n.kind {
+                    NodeKind::Update { segments } => segments.len(),
+                    NodeKind::Comm(c) => c.segments.len(),
+                    _ => 1,
+                } as u64;
+                RECORD + TAG * n.tags.0.len() as u64 + 4 * (n.devices.len() as u64 + segments)
+            })
+            .fold(0u64, u64::saturating_add)
+            .saturating_mul(2)
     }
 
     pub(crate) fn info(&self, id: NodeId) -> NodeInfo {

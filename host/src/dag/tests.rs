@@ -66,10 +66,12 @@ fn split_copies_the_region_and_tags_microbatches() {
 #[test]
 fn split_errors_leave_the_dag_unchanged() {
     let mut dag = tiny(1);
-    fails_unchanged(&mut dag, "not contiguous", |d| {
-        d.split(&"{PASS:F}".parse().unwrap(), "MB", 2)
-    });
-    fails_unchanged(&mut dag, "not contiguous", |d| {
+    fails_unchanged(
+        &mut dag,
+        "the filter matches 8 of its 16 compute nodes",
+        |d| d.split(&"{PASS:F}".parse().unwrap(), "MB", 2),
+    );
+    fails_unchanged(&mut dag, "a split takes the whole model", |d| {
         d.split(&Filter::tag("PP", 2), "MB", 2)
     });
     fails_unchanged(&mut dag, "unknown tag `XX`", |d| {
@@ -83,7 +85,14 @@ fn split_errors_leave_the_dag_unchanged() {
     fails_unchanged(&mut dag, "already split along `MB`", |d| {
         d.split(&Filter::all(), "MB", 2)
     });
-    // A second, nested dimension is fine.
+    // One microbatch split again would train rows another microbatch
+    // trains too: refused.
+    fails_unchanged(
+        &mut dag,
+        "the filter matches 16 of its 32 compute nodes",
+        |d| d.split(&Filter::tag("MB", 0), "X", 2),
+    );
+    // A second, nested dimension over the whole model is fine.
     dag.split(&Filter::all(), "SUB", 2).unwrap();
     assert_eq!(count(&mut dag, "{PASS:F}"), 32);
 }

@@ -87,6 +87,10 @@ fn neighbour(n: dag::Neighbour) -> wit::Neighbour {
 /// Bytes of arguments copied into the host that cost one unit of host work.
 const BYTES_PER_UNIT: usize = 16;
 
+/// A string argument's own bytes besides its text (its header and
+/// allocation, and a filter tag's match beside it).
+const STRING_BYTES: u64 = 48;
+
 /// What a call's arguments weigh: strings and list lengths, checked against
 /// the host budget before anything else is done with them.
 #[derive(Default)]
@@ -160,12 +164,18 @@ impl PluginState {
             Ok(Ok(()))
         })();
         let r = match r? {
-            // Lifting the arguments copied them: charge their bytes.
+            // Lifting the arguments copied them: charge their bytes, as work
+            // and as memory (the lifted copy and the host's own).
             Ok(()) => {
                 let bytes: usize = args.strings.iter().map(|s| s.len()).sum::<usize>()
                     + args.lists.iter().map(|(_, n)| n * 4).sum::<usize>();
-                self.dag()
-                    .charge_public("reading the arguments", (bytes / BYTES_PER_UNIT) as u64)
+                let held = (bytes as u64)
+                    .saturating_add((args.strings.len() as u64).saturating_mul(STRING_BYTES))
+                    .saturating_mul(2);
+                let dag = self.dag();
+                dag.begin_call();
+                dag.charge_public("reading the arguments", (bytes / BYTES_PER_UNIT) as u64)
+                    .and_then(|()| dag.charge_bytes_public("reading the arguments", held))
                     .map_err(|e| e.to_string())
             }
             Err(m) => Err(m),
@@ -320,7 +330,13 @@ impl wdag::HostTrainingDag for PluginState {
         check!(self.enter(&h, Args::default().filter(&f)));
         let f = filter(f);
         let ids = check!(self.query_bounded(&f));
-        // Building each record reads the node's tags and cost.
+        // Building each record reads the node's tags and cost; the records
+        // and their conversion are charged before they are made.
+        let bytes = self.dag().infos_bytes(&ids);
+        let charge = self
+            .dag()
+            .charge_bytes_public(&format!("query({f})"), bytes);
+        check!(self.done(charge));
         let infos = self.dag().infos(&ids);
         Ok(Ok(infos.into_iter().map(info).collect()))
     }

@@ -46,6 +46,11 @@ pub struct SandboxLimits {
     /// created): each directive predicts its work and is refused before
     /// doing it when that exceeds what is left.
     pub max_host_work: u64,
+    /// Bytes the host may hold on the plugin's behalf: the DAG it rewrites
+    /// (nodes, edges, tags, index) and each call's temporaries (filter
+    /// matches, order plans, query results, copied arguments), estimated
+    /// before they are made; a call that would pass it is refused.
+    pub max_host_bytes: u64,
 }
 
 impl Default for SandboxLimits {
@@ -65,6 +70,7 @@ impl Default for SandboxLimits {
             max_list_len: 1 << 20,
             max_error_bytes: 4096,
             max_host_work: 2_000_000_000,
+            max_host_bytes: 3 << 29,
         }
     }
 }
@@ -119,6 +125,7 @@ impl SandboxLimits {
         range("max_list_len", self.max_list_len as u64, 1, u32::MAX as u64)?;
         range("max_error_bytes", self.max_error_bytes as u64, 64, 1 << 30)?;
         range("max_host_work", self.max_host_work, 1, u64::MAX / 2)?;
+        range("max_host_bytes", self.max_host_bytes, 16 << 20, 1 << 40)?;
         Ok(())
     }
 
@@ -129,7 +136,18 @@ impl SandboxLimits {
             max_edges: self.max_edges,
             max_names: self.max_names,
             max_work: self.max_host_work,
+            max_bytes: self.max_host_bytes,
         }
+    }
+
+    /// Bytes wasmtime may copy out of the guest's memory for one host call
+    /// (its "hostcall fuel", which counts what lifting the arguments
+    /// allocates): an eighth of `max_host_bytes`, at most wasmtime's own
+    /// default of 128 MiB. A guest can point many list elements at one
+    /// string; without this cap one call could make the host copy far more
+    /// than the guest holds.
+    pub fn argument_bytes(&self) -> u64 {
+        (self.max_host_bytes / 8).min(128 << 20)
     }
 
     /// `(key, value)` pairs in the order of the `[sandbox]` table, for
@@ -150,6 +168,7 @@ impl SandboxLimits {
             ("max_list_len", self.max_list_len.to_string()),
             ("max_error_bytes", self.max_error_bytes.to_string()),
             ("max_host_work", self.max_host_work.to_string()),
+            ("max_host_bytes", self.max_host_bytes.to_string()),
         ]
     }
 }

@@ -469,8 +469,9 @@ impl PluginHost {
                 return Ok(c);
             }
         }
+        not_a_component(bytes)?;
         let t = Instant::now();
-        let component = Component::new(&self.engine, bytes).map_err(|e| format!("{e:#}"))?;
+        let component = Component::new(&self.engine, bytes).map_err(|e| one_line(&e))?;
         self.compiles.fetch_add(1, Ordering::Relaxed);
         tracing::info!(
             "plugin {}: compiled in {:.0} ms (cache miss)",
@@ -571,6 +572,7 @@ impl PluginHost {
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.set_fuel(l.fuel).expect("fuel is enabled");
+        store.set_hostcall_fuel(usize::try_from(l.argument_bytes()).unwrap_or(usize::MAX));
         store.set_epoch_deadline(l.deadline_ms.div_ceil(TICK.as_millis() as u64) + 1);
         (store, stderr)
     }
@@ -600,6 +602,15 @@ impl PluginHost {
         }
         if format!("{e:#}").contains("write beyond capacity of MemoryOutputPipe") {
             return Cause::Output(l.max_log_bytes);
+        }
+        // wasmtime's hostcall fuel: lifting one call's arguments (or a
+        // result) would copy more than `argument_bytes` out of the guest.
+        if format!("{e:#}").contains("fuel allocated for hostcalls has been exhausted") {
+            return Cause::Limit(format!(
+                "over the host budget `sandbox.max_host_bytes` = {}: one call's arguments would copy more than {} into the host (an eighth of the budget, at most 128 MiB; lists or strings repeated by reference count each time)",
+                l.max_host_bytes,
+                crate::compile::human_bytes(l.argument_bytes())
+            ));
         }
         let err_text = String::from_utf8_lossy(&stderr.contents()).into_owned();
         match e.downcast_ref::<Trap>() {
@@ -829,4 +840,58 @@ fn panic_message(stderr: &str) -> Option<String> {
         msg.join(" ").trim(),
         location.replace("panicked at ", "at ")
     ))
+}
+
+/// What the first eight bytes say when they are not a component's header:
+/// the wasm magic number, then the component encoding's version and layer
+/// (`0d 00 01 00`; a core module has version 1, layer 0).
+fn not_a_component(bytes: &[u8]) -> Result<(), String> {
+    const MAGIC: &[u8; 4] = b"\0asm";
+    const COMPONENT: [u8; 4] = [0x0d, 0x00, 0x01, 0x00];
+    const MODULE: [u8; 4] = [0x01, 0x00, 0x00, 0x00];
+    if bytes.len() < 8 || &bytes[..4] != MAGIC {
+        return Err(format!(
+            "not a WebAssembly component (bad magic number: the file starts with {}, a component with 00 61 73 6d)",
+            hex_prefix(bytes)
+        ));
+    }
+    match &bytes[4..8] {
+        v if v == COMPONENT => Ok(()),
+        v if v == MODULE => Err(
+            "a core WebAssembly module, not a component: build for wasm32-wasip2, or wrap it with \
+             `wasm-tools component new` (strategies are components of the piper:strategy world)"
+                .into(),
+        ),
+        _ => Err(format!(
+            "not a WebAssembly component (unknown version and layer {})",
+            hex_prefix(&bytes[4..8])
+        )),
+    }
+}
+
+/// Up to the first 8 bytes as hex, for messages.
+fn hex_prefix(bytes: &[u8]) -> String {
+    if bytes.is_empty() {
+        return "nothing (an empty file)".into();
+    }
+    bytes
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A compile error in one line: the chain's messages joined, each one's
+/// lines folded (wasmparser spreads its expected bytes over many).
+fn one_line(e: &wasmtime::Error) -> String {
+    e.chain()
+        .map(|c| {
+            c.to_string()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect::<Vec<_>>()
+        .join(": ")
 }

@@ -97,12 +97,17 @@ pub struct TrainOptions {
 /// on this machine (Open MPI's and MPICH's local rank count), at least 1.
 pub fn default_threads(devices_here: usize) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let local_ranks = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+    (cores / (devices_here.max(1) * local_ranks())).max(1)
+}
+
+/// The ranks of this job on this machine (Open MPI's or MPICH's count; 1
+/// outside MPI): they share its cores and memory.
+fn local_ranks() -> usize {
+    ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
         .unwrap_or(1)
-        .max(1);
-    (cores / (devices_here.max(1) * local_ranks)).max(1)
+        .max(1)
 }
 
 /// The most kernel threads a device may be given.
@@ -399,13 +404,6 @@ impl Trainer {
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
         let table = Arc::new(ParamTable::new(cfg));
-        let setup = Setup {
-            cfg,
-            table: &table,
-            plan: &plan,
-            opts: &opts,
-            local: &local,
-        };
         let local_devices: Vec<u32> = local.iter().map(|&i| plan.devices[i].device).collect();
         let peaks: Vec<u64> = local.iter().map(|&i| plan.devices[i].peak_bytes).collect();
         let place = backend::Placement {
@@ -413,8 +411,21 @@ impl Trainer {
             peaks: &peaks,
             threads,
         };
-        let devices = backend::with_backend(opts.backend, &place, setup)
-            .map_err(|e| RuntimeError::Setup(format!("{} backend: {e}", opts.backend.name())))??;
+        let kind = opts.backend;
+        let on_backend =
+            |e: BackendError| RuntimeError::Setup(format!("{} backend: {e}", kind.name()));
+        if opts.device_memory.is_none() {
+            opts.device_memory =
+                backend::default_cap(kind, &place, local_ranks()).map_err(on_backend)?;
+        }
+        let setup = Setup {
+            cfg,
+            table: &table,
+            plan: &plan,
+            opts: &opts,
+            local: &local,
+        };
+        let devices = backend::with_backend(kind, &place, setup).map_err(on_backend)??;
         Ok(Trainer {
             cfg: cfg.clone(),
             plan,

@@ -169,6 +169,25 @@ pub fn with_backend<W: WithBackend>(
     }
 }
 
+/// Each device's memory cap when the run gives none: on the CPU, the
+/// machine's available memory shared among the placement's devices and the
+/// `ranks` on this machine, a device whose predicted peak passes its share
+/// refused before anything is allocated (`cpu::memory`); on GPUs, none (the
+/// predicted peaks are held to each GPU's free memory when it opens).
+pub fn default_cap(
+    kind: BackendKind,
+    place: &Placement<'_>,
+    ranks: usize,
+) -> Result<Option<u64>, BackendError> {
+    match kind {
+        BackendKind::Cpu => match cpu::memory::available_bytes() {
+            Some(available) => cpu::memory::default_cap(place, available, ranks).map(Some),
+            None => Ok(None),
+        },
+        BackendKind::Cuda { .. } => Ok(None),
+    }
+}
+
 /// One kernel call as the trace shows it: times in µs since the trainer's
 /// epoch.
 #[derive(Clone, Debug)]

@@ -3,8 +3,8 @@
 //! the host survives, and that the next plugin runs normally.
 
 use piper_sdk::{
-    export_strategy, log, Dag, DagErrorKind, Error, Filter, LogLevel, OptionSpec, Options, Pass,
-    PluginInfo, Strategy,
+    log, Dag, DagErrorKind, Error, Filter, LogLevel, OptionSpec, Options, Pass, PluginInfo,
+    Strategy,
 };
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -42,7 +42,8 @@ impl Strategy for Hostile {
             Some("ok"),
             "ok | loop | alloc | recurse | panic | error | nomatch | cycle | flood | global \
              | sleep | huge-split | log-flood | print-flood | priority | long-string \
-             | long-list | names | path-flood | big-error | wasi-resources",
+             | long-list | names | path-flood | big-error | wasi-resources \
+             | filter-flood | split-chain | tag-flood | query-hoard | alias-args | part-split",
         ))
         .option(OptionSpec::int(
             "calls",
@@ -176,6 +177,52 @@ impl Strategy for Hostile {
                 black_box(&held);
                 place_all(dag)
             }
+            // --- legal calls that make the host hold memory in bulk ---
+            "filter-flood" => {
+                // One order whose first group is 300 000 filters matching
+                // every node: each filter's matches are a list the host makes.
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 16)?;
+                dag.order(&[vec![Filter::all(); 300_000], vec![Filter::all()]])?;
+                Ok(())
+            }
+            "split-chain" => {
+                // Doubling splits along new dimensions until the host says no.
+                place_all(dag)?;
+                for i in 0..64 {
+                    dag.split(&Filter::all(), &format!("D{i}"), 2)?;
+                }
+                Ok(())
+            }
+            "tag-flood" => {
+                // Splits of one copy along 1 000 dimensions: no new nodes,
+                // but every node carries every tag (and the index lists them).
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 1024)?;
+                for i in 0..1000 {
+                    dag.split(&Filter::all(), &format!("T{i}"), 1)?;
+                }
+                Ok(())
+            }
+            "query-hoard" => {
+                // Every node's record, again and again, all kept.
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 64)?;
+                let mut hoard = Vec::new();
+                for _ in 0..100_000 {
+                    hoard.push(dag.query(&Filter::all())?);
+                }
+                black_box(&hoard);
+                Ok(())
+            }
+            "part-split" => {
+                // Microbatch 0 split again on its own: its halves would
+                // train rows microbatch 1 trains too (the host refuses it).
+                place_all(dag)?;
+                dag.split(&Filter::all(), "MB", 2)?;
+                dag.split(&Filter::tag("MB", 0), "X", 2)?;
+                Ok(())
+            }
             "big-error" => {
                 // A 16 MiB error message: the host shows a bounded part.
                 Err(Error::msg("e".repeat(16 << 20)))
@@ -185,4 +232,49 @@ impl Strategy for Hostile {
     }
 }
 
-export_strategy!(Hostile);
+/// The exports: `Hostile` through the SDK, except `mode=alias-args`, which
+/// calls the raw bindings with arguments no safe guest code can make.
+struct Export;
+
+impl piper_sdk::bindings::Guest for Export {
+    fn info() -> piper_sdk::bindings::PluginInfo {
+        piper_sdk::__export::info::<Hostile>()
+    }
+    fn apply(
+        dag: &piper_sdk::bindings::piper::strategy::dag::TrainingDag,
+        options: Vec<piper_sdk::bindings::OptionEntry>,
+    ) -> Result<(), String> {
+        let aliased = options.iter().any(|o| {
+            o.name == "mode"
+                && matches!(&o.value, piper_sdk::bindings::OptionValue::Str(m) if m == "alias-args")
+        });
+        if aliased {
+            return aliased_arguments(dag);
+        }
+        piper_sdk::__export::apply::<Hostile>(dag, options)
+    }
+}
+
+piper_sdk::bindings::export!(Export with_types_in piper_sdk::bindings);
+
+/// One `split` whose filter has 1 Mi tags whose keys all point at the same
+/// 4 KiB string: 12 MiB of guest memory that lifting would copy into 4 GiB
+/// of host strings.
+fn aliased_arguments(
+    dag: &piper_sdk::bindings::piper::strategy::dag::TrainingDag,
+) -> Result<(), String> {
+    use piper_sdk::bindings::piper::strategy::types::{Filter as RawFilter, TagFilter, TagMatch};
+    let key = "k".repeat(4096);
+    let tags: Vec<TagFilter> = (0..1 << 20)
+        .map(|_| TagFilter {
+            // SAFETY: never dropped (forgotten below) and never written:
+            // only its pointer and length are passed to the host.
+            key: unsafe { String::from_raw_parts(key.as_ptr() as *mut u8, key.len(), key.len()) },
+            value: TagMatch::Any,
+        })
+        .collect();
+    let filter = RawFilter { tags, pass: None };
+    let r = dag.split(&filter, "MB", 2);
+    std::mem::forget(filter);
+    r.map_err(|e| format!("{e:?}"))
+}

@@ -16,6 +16,7 @@ pub mod embedding;
 pub mod layernorm;
 pub mod loss;
 pub mod matmul;
+pub mod memory;
 pub mod moe;
 pub mod par;
 pub mod profile;
