@@ -13,4 +13,5 @@ pub mod model;
 pub mod plugin;
 pub mod registry;
 pub mod runtime;
+pub mod search;
 pub mod sim;

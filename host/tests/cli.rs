@@ -1161,3 +1161,123 @@ fn plugin_verify_passes_the_bundled_strategies_and_fails_a_plan_that_changes_the
     );
     let _ = std::fs::remove_dir_all(&h);
 }
+
+/// `piper plan --search` on this machine's virtual devices: every candidate
+/// ends one way or another (the counts add up), the best is written as a run
+/// config that `plan --config` reproduces (same hash) and `train --config`
+/// runs, a candidate called out of memory under a cap is refused by the
+/// runtime under that cap, and a cap nothing fits says so with the figures.
+#[test]
+fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit() {
+    let h = home("search");
+    std::fs::create_dir_all(&h).unwrap();
+    let p = |n: &str| h.join(n).to_str().unwrap().to_string();
+    let search = |extra: &[&str]| {
+        let mut a = vec![
+            "plan",
+            "--search",
+            "--devices",
+            "4",
+            "--cluster",
+            "cpu-local",
+        ];
+        a.extend_from_slice(extra);
+        piper(&h, &a)
+    };
+    let (ok, out, err) = search(&["--out", &p("best.toml"), "--report", &p("search.html")]);
+    assert!(ok, "{out}{err}");
+    // "N candidates in S s (R/s): a cut …, b failed, c over …, d duplicate …, e simulated, f not tried"
+    let line = out.lines().find(|l| l.contains(" candidates in ")).unwrap();
+    let nums: Vec<u64> = line
+        .split(|c: char| !c.is_ascii_digit() && c != '.')
+        .filter_map(|w| w.parse::<u64>().ok())
+        .collect();
+    let (total, parts) = (nums[0], &nums[nums.len() - 6..]);
+    assert_eq!(parts.iter().sum::<u64>(), total, "{line}");
+    assert!(total > 50, "{line}");
+    assert!(
+        out.contains("#1 ") && out.contains(" beat #2 ") && out.contains("× faster: "),
+        "{out}"
+    );
+    let hash = out
+        .lines()
+        .find_map(|l| l.split("(plan ").nth(1))
+        .map(|s| s[..16].to_string())
+        .unwrap_or_else(|| panic!("{out}"));
+    let (ok, plan, err) = piper(&h, &["plan", "--config", &p("best.toml"), "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&plan).unwrap();
+    assert_eq!(v["hash"], hash.as_str());
+    let (ok, out2, err) = piper(&h, &["train", "--config", &p("best.toml"), "--steps", "2"]);
+    assert!(ok && out2.contains("done: 2 steps"), "{out2}{err}");
+    let html = std::fs::read_to_string(p("search.html")).unwrap();
+    assert!(
+        html.contains("#1 ") && html.contains("#2 "),
+        "the report stacks the top candidates"
+    );
+
+    // Under a cap: what the search calls out of memory, the runtime refuses.
+    let (ok, json, err) = search(&["--device-memory", "6MiB", "--json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let over: Vec<String> = (v["candidates"].as_array().unwrap().iter())
+        .filter(|c| c["outcome"] == "over-cap" || c["outcome"] == "cut-by-estimate")
+        .map(|c| c["candidate"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!over.is_empty(), "{}", v["summary"]);
+    for c in over.iter().step_by(over.len().div_ceil(3)) {
+        let mut a = vec![
+            "train",
+            "--devices",
+            "4",
+            "--device-memory",
+            "6MiB",
+            "--steps",
+            "1",
+        ];
+        for s in c.split('+') {
+            a.extend(["--strategy", s]);
+        }
+        let (ok, _, err) = piper(&h, &a);
+        assert!(!ok && err.contains("out of memory"), "{c}: {err}");
+    }
+
+    // Nothing fits: the smallest peak, the cap and the closest knob.
+    let (ok, _, err) = search(&["--device-memory", "64KiB"]);
+    assert!(!ok);
+    assert!(
+        err.contains("nothing fits tiny on cpu-local")
+            && err.contains("against the cap 64.00 KiB")
+            && err.contains("more devices"),
+        "{err}"
+    );
+
+    // A plugin of one's own in the space: a component file with its values.
+    let space = h.join("space.toml");
+    std::fs::write(
+        &space,
+        format!(
+            "bundled = false\n[[plugin]]\nname = \"{}/piper_plugin_zb_h1.wasm\"\nrole = \"pipeline\"\n[plugin.options]\nmicrobatches = [4, 8]\n",
+            env!("PIPER_PLUGINS_WASM_DIR")
+        ),
+    )
+    .unwrap();
+    let (ok, out, err) = search(&["--search-space", space.to_str().unwrap()]);
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("2 candidates in "), "{out}");
+    assert!(
+        out.contains("  1  piper_plugin_zb_h1.wasm:microbatches="),
+        "{out}"
+    );
+    std::fs::write(
+        &space,
+        "[[plugin]]\nname = \"x\"\nrole = \"pipeline\"\n[plugin.options]\nmicrobatches = []\n",
+    )
+    .unwrap();
+    let (ok, _, err) = search(&["--search-space", space.to_str().unwrap()]);
+    assert!(
+        !ok && err.contains("option `microbatches` = []: an empty list"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&h);
+}

@@ -254,13 +254,32 @@ fn plan_for(devices: u32, strategy: Strategy) -> piper::compile::Plan {
 
 #[test]
 fn a_memory_cap_too_small_is_a_clear_error_naming_device_and_op() {
-    let plan = plan_for(2, &[("1f1b", &[("microbatches", "4")])]);
+    let mut plan = plan_for(2, &[("1f1b", &[("microbatches", "4")])]);
     let predicted = plan.devices[0].peak_bytes;
+    let cap = predicted / 2;
     let opts = TrainOptions {
-        device_memory: Some(predicted / 2),
+        device_memory: Some(cap),
         ..Default::default()
     };
     let cfg = small();
+    // A plan predicted past the cap: refused before anything is allocated.
+    let err = Trainer::new(&cfg, plan.clone(), opts.clone())
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        err.contains("device 0: setup: out of memory: the plan's predicted peak is")
+            && err.contains(&format!(
+                "over its cap of {}",
+                piper::compile::human_bytes(cap)
+            )),
+        "{err}"
+    );
+    // A plan that underestimates its peak is still held to the cap by the
+    // steps' own accounting, which names the op that passed it.
+    for d in &mut plan.devices {
+        d.peak_bytes = 0;
+    }
     let mut trainer = Trainer::new(&cfg, plan, opts).unwrap();
     let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
     let err = trainer.step(&batch).unwrap_err().to_string();

@@ -7,6 +7,7 @@ mod calibrate;
 mod config;
 #[cfg(feature = "mpi")]
 mod job;
+mod search;
 mod sim;
 mod train;
 mod verify;
@@ -40,7 +41,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Apply strategies to a model's DAG and print the per-device plans.
-    Plan(PlanArgs),
+    Plan(Box<PlanArgs>),
     /// Train: apply the strategies, compile, and run the plans on the
     /// runtime's devices (virtual CPU devices, or GPUs with `--backend cuda`).
     Train(Box<train::TrainArgs>),
@@ -123,6 +124,8 @@ struct PlanArgs {
     out: Option<PathBuf>,
     #[command(flatten)]
     sim: sim::SimArgs,
+    #[command(flatten)]
+    search: search::SearchArgs,
 }
 
 #[derive(Subcommand)]
@@ -256,7 +259,7 @@ pub fn main() -> ExitCode {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Plan(a) => plan(a),
+        Command::Plan(a) => plan(*a),
         Command::Train(a) => train::train(*a),
         Command::Backend(BackendCommand::Check(a)) => backend::check(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
@@ -399,13 +402,18 @@ pub struct Strategies {
     pub plugins: Vec<(crate::plugin::Plugin, Vec<(String, String)>)>,
 }
 
-impl Strategies {
-    /// Load every strategy of `config`, under its `[sandbox]` limits.
-    pub fn load(config: &RunConfig, args: &RunArgs) -> Result<Self> {
-        let host = PluginHost::new(
-            config.sandbox.clone(),
-            Some(PluginHost::default_cache_dir()),
-        )?;
+/// Loads plugins by the names a run gives them: bundled names and paths
+/// directly, `oci://` references through the local store (pulled and
+/// verified, pinned by the lockfile, signed by a trusted key).
+pub struct Loader<'a> {
+    pub host: &'a PluginHost,
+    lock: Option<registry::Lockfile>,
+    trust: registry::Trust,
+    args: &'a RunArgs,
+}
+
+impl<'a> Loader<'a> {
+    pub fn new(host: &'a PluginHost, config: &RunConfig, args: &'a RunArgs) -> Result<Self> {
         let lock = match (&args.lock, &args.config) {
             (Some(p), _) => Some(registry::Lockfile::read(p)?),
             (None, Some(c)) if registry::Lockfile::beside(c).is_file() => {
@@ -414,23 +422,45 @@ impl Strategies {
             _ => None,
         };
         let trust = registry::Trust::new(&config.registry.trusted_keys)?;
-        let mut plugins = Vec::new();
-        for s in &config.strategies {
-            let plugin = if registry::Reference::is_oci(&s.name) {
-                let r = registry::resolve_for_run(
-                    &s.name,
-                    &store()?,
-                    &args.registry.access(),
-                    lock.as_ref(),
-                    &trust,
-                    &host,
-                )?;
-                host.load_bytes(&r.bytes, &r.origin)?
-            } else {
-                host.load(&s.name)?
-            };
-            plugins.push((plugin, s.options.clone()));
+        Ok(Loader {
+            host,
+            lock,
+            trust,
+            args,
+        })
+    }
+
+    pub fn load(&self, name: &str) -> Result<crate::plugin::Plugin> {
+        if registry::Reference::is_oci(name) {
+            let r = registry::resolve_for_run(
+                name,
+                &store()?,
+                &self.args.registry.access(),
+                self.lock.as_ref(),
+                &self.trust,
+                self.host,
+            )?;
+            return Ok(self.host.load_bytes(&r.bytes, &r.origin)?);
         }
+        Ok(self.host.load(name)?)
+    }
+}
+
+impl Strategies {
+    /// Load every strategy of `config`, under its `[sandbox]` limits.
+    pub fn load(config: &RunConfig, args: &RunArgs) -> Result<Self> {
+        let host = PluginHost::new(
+            config.sandbox.clone(),
+            Some(PluginHost::default_cache_dir()),
+        )?;
+        let plugins = {
+            let loader = Loader::new(&host, config, args)?;
+            let mut plugins = Vec::new();
+            for s in &config.strategies {
+                plugins.push((loader.load(&s.name)?, s.options.clone()));
+            }
+            plugins
+        };
         Ok(Strategies { host, plugins })
     }
 
@@ -459,6 +489,12 @@ impl Strategies {
 }
 
 fn plan(a: PlanArgs) -> Result<()> {
+    if a.search.search {
+        return search::run(&a.run, &a.sim, &a.search, a.out.as_deref(), a.json);
+    }
+    if !a.sim.simulate && (a.sim.cluster.is_some() || a.sim.report.is_some()) {
+        bail!("--cluster and --report time a plan: give --simulate (or --search)");
+    }
     if !a.sim.compare.is_empty() {
         if a.json || a.out.is_some() {
             bail!("--compare prints one row per candidate: --json and --out write one plan, run them per candidate");

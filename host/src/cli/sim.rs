@@ -15,8 +15,9 @@ pub struct SimArgs {
     #[arg(long)]
     pub simulate: bool,
     /// `h100-8x`, `h100-cluster[:NODES]`, `h200-1`, `cpu-local` or a TOML
-    /// file (default: `h100-8x`, or `h100-cluster` with enough nodes).
-    #[arg(long, requires = "simulate")]
+    /// file (default: `h100-8x`, or `h100-cluster` with enough nodes); with
+    /// `--simulate` or `--search`.
+    #[arg(long)]
     pub cluster: Option<String>,
     /// Write the simulated timeline as Chrome-trace JSON (Perfetto).
     #[arg(long, requires = "simulate")]
@@ -24,8 +25,9 @@ pub struct SimArgs {
     /// Write the simulated timeline as SVG.
     #[arg(long, requires = "simulate")]
     pub svg: Option<PathBuf>,
-    /// Write a self-contained HTML report: timeline, memory over time, summary.
-    #[arg(long, requires = "simulate")]
+    /// Write a self-contained HTML report: timeline, memory over time,
+    /// summary (with `--search`: the top candidates stacked).
+    #[arg(long)]
     pub report: Option<PathBuf>,
     /// Compare candidates on one cluster: each a strategy list joined by `+`
     /// (`zero:stage=1+1f1b:microbatches=8`) or a run config file; repeat

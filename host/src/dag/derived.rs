@@ -146,15 +146,10 @@ impl TrainingDag {
         seg: u32,
         placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
     ) -> (u64, u64) {
-        let s = &self.segments()[seg as usize];
-        if s.expert_block.is_none() {
+        let all = self.expert_param_elems[seg as usize];
+        if all == 0 {
             return (0, 1);
         }
-        let all: u64 = crate::model::params::segment_entries(&self.model, s)
-            .iter()
-            .filter(|e| e.expert.is_some())
-            .map(|e| e.numel() as u64)
-            .sum();
         let spread = match &placement[seg as usize] {
             Some((devs, Some(r))) if self.specs[*r as usize].expert_parallel.is_some() => {
                 devs.len().max(1) as u64

@@ -450,6 +450,9 @@ pub struct TrainingDag {
     pub(crate) expert_phases: Option<crate::model::ExpertPhaseCost>,
     /// A topological order kept across `order` calls (`topo.rs`).
     pub(crate) topo: Option<topo::Topo>,
+    /// Per segment, the elements of its experts' parameters (0 for a dense
+    /// segment): read for every derived node, computed once.
+    pub(crate) expert_param_elems: Vec<u64>,
 }
 
 pub(crate) const COMPUTE: StreamId = StreamId(0);
@@ -462,7 +465,19 @@ impl TrainingDag {
 
     /// An empty DAG for `model` (used by the builder).
     pub(crate) fn empty(model: ModelConfig, segments: Vec<Segment>, cluster: Cluster) -> Self {
+        let expert_param_elems = segments
+            .iter()
+            .map(|s| match s.expert_block {
+                None => 0,
+                Some(_) => crate::model::params::segment_entries(&model, s)
+                    .iter()
+                    .filter(|e| e.expert.is_some())
+                    .map(|e| e.numel() as u64)
+                    .sum(),
+            })
+            .collect();
         TrainingDag {
+            expert_param_elems,
             graph: StableDiGraph::new(),
             segments,
             cluster,

@@ -258,18 +258,17 @@ pub fn part_entries(cfg: &ModelConfig, part: Part) -> Vec<Entry> {
 /// The parameters a segment reads (each once, in order).
 pub fn segment_entries(cfg: &ModelConfig, seg: &Segment) -> Vec<Entry> {
     let mut out: Vec<Entry> = Vec::new();
+    // An entry is one (role, layer, expert): a set, not a scan of `out`
+    // (an expert segment of 128 experts has 515 entries).
+    let mut seen = std::collections::HashSet::new();
     for p in &seg.parts {
         for e in part_entries(cfg, *p) {
-            if !out.iter().any(|m| same(m, &e)) {
+            if seen.insert((e.role, e.layer, e.expert)) {
                 out.push(e);
             }
         }
     }
     out
-}
-
-fn same(a: &Entry, b: &Entry) -> bool {
-    a.role == b.role && a.layer == b.layer && a.expert == b.expert
 }
 
 /// A linear layer's weight and bias.

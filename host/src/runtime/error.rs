@@ -9,6 +9,12 @@ use crate::compile::plan::Op;
 pub enum RuntimeError {
     #[error("the plan cannot run: {0}")]
     Plan(String),
+    #[error("device {device}: setup: out of memory: the plan's predicted peak is {peak}, over its cap of {cap} (--device-memory): use a strategy that holds less per device (ZeRO, more pipeline stages, more microbatches) or raise the cap")]
+    PlanOverCap {
+        device: u32,
+        peak: String,
+        cap: String,
+    },
     #[error("device {device}: {op}: out of memory: it needs {need} more with {live} in use, over its cap of {cap} (model states take {states})")]
     OutOfMemory {
         device: u32,

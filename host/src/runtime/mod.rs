@@ -414,9 +414,23 @@ impl Trainer {
         let kind = opts.backend;
         let on_backend =
             |e: BackendError| RuntimeError::Setup(format!("{} backend: {e}", kind.name()));
-        if opts.device_memory.is_none() {
-            opts.device_memory =
-                backend::default_cap(kind, &place, local_ranks()).map_err(on_backend)?;
+        match opts.device_memory {
+            None => {
+                opts.device_memory =
+                    backend::default_cap(kind, &place, local_ranks()).map_err(on_backend)?;
+            }
+            // A cap given: a plan predicted past it is refused before it
+            // allocates (the steps' own accounting still holds it to the cap).
+            Some(cap) => {
+                let over = (local_devices.iter().zip(&peaks)).find(|(_, p)| **p > cap);
+                if let Some((&device, &peak)) = over {
+                    return Err(RuntimeError::PlanOverCap {
+                        device,
+                        peak: crate::compile::human_bytes(peak),
+                        cap: crate::compile::human_bytes(cap),
+                    });
+                }
+            }
         }
         let setup = Setup {
             cfg,

@@ -1,0 +1,601 @@
+//! The search space: compositions of strategy plugins in the orders that
+//! make sense — data parallelism (`dp`, or `zero` stage 1–3) → tensor
+//! parallelism → expert parallelism → one pipeline schedule — each plugin's
+//! options over the values that divide the model and the cluster, and any
+//! plugin a `--search-space` file names with its own value lists.
+//!
+//! ```toml
+//! bundled = true                      # the bundled library too (default)
+//! [[plugin]]
+//! name = "path/to/my_pipeline.wasm"   # a bundled name, a path or oci://HOST/REPO:TAG
+//! role = "pipeline"                   # replicate | tensor | experts | pipeline
+//! [plugin.options]
+//! microbatches = [8, 16]              # the values tried
+//! chunks = { from = 1, to = 4 }       # an integer range, both ends included
+//! stream = "pp"                       # one value
+//! ```
+
+use crate::model::ModelConfig;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One strategy of a candidate: a plugin and its options (as text, as the
+/// command line gives them).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Step {
+    pub plugin: String,
+    pub options: Vec<(String, String)>,
+}
+
+impl Step {
+    fn new(plugin: &str, options: &[(&str, String)]) -> Self {
+        Step {
+            plugin: plugin.into(),
+            options: options
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
+        }
+    }
+    /// `zero:stage=1,dp=2`.
+    pub fn label(&self) -> String {
+        let name = self.plugin.rsplit('/').next().unwrap_or(&self.plugin);
+        if self.options.is_empty() {
+            return name.to_string();
+        }
+        let opts: Vec<String> = self
+            .options
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        format!("{name}:{}", opts.join(","))
+    }
+}
+
+/// Strategies applied in order.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Candidate {
+    pub steps: Vec<Step>,
+    /// The data-parallel degree, tensor-parallel degree and pipeline
+    /// positions it spreads the model over, when the space knows them
+    /// (bundled plugins), for the memory estimate.
+    #[serde(skip)]
+    pub shape: Option<Shape>,
+}
+
+impl Candidate {
+    /// `zero:stage=1,dp=2+1f1b:microbatches=8`, as `--compare` takes it.
+    pub fn label(&self) -> String {
+        self.steps
+            .iter()
+            .map(Step::label)
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+}
+
+/// How a candidate of the bundled library spreads the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shape {
+    /// Data-parallel degree and ZeRO stage (0: plain data parallelism).
+    pub dp: u32,
+    pub zero: u8,
+    pub tp: u32,
+    /// Expert-parallel degree (1 without `ep`).
+    pub ep: u32,
+    /// Pipeline positions (devices ÷ dp ÷ tp).
+    pub pp: u32,
+    /// Model copies each position holds (DualPipe's two).
+    pub copies: u32,
+    /// Microbatches a replica's batch is cut into (1 without a pipeline).
+    pub microbatches: u32,
+    /// Model chunks a position holds (interleaving's virtual stages,
+    /// DualPipeV's two, DualPipe's two directions; 1 otherwise).
+    pub chunks: u32,
+}
+
+/// Where a plugin goes in a composition.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    Replicate,
+    Tensor,
+    Experts,
+    Pipeline,
+}
+
+/// A plugin of a search-space file with the option values to try.
+#[derive(Clone, Debug, PartialEq)]
+pub struct UserPlugin {
+    pub name: String,
+    pub role: Role,
+    /// Each option's values (text); the candidates take their product.
+    pub options: Vec<(String, Vec<String>)>,
+}
+
+/// A `--search-space` file.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SpaceFile {
+    pub bundled: bool,
+    pub plugins: Vec<UserPlugin>,
+}
+
+/// A search-space file that cannot be used: the key and value named.
+#[derive(Debug, thiserror::Error)]
+pub enum SpaceError {
+    #[error("search space {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("search space {path}: plugin {plugin}: option `{key}` = {value}: {why}")]
+    Value {
+        path: String,
+        plugin: String,
+        key: String,
+        value: String,
+        why: String,
+    },
+    #[error("search space {path}: {why}")]
+    Empty { path: String, why: String },
+}
+
+/// Gradient bucket sizes tried beside the 25 MiB default, bytes.
+const OTHER_BUCKETS: [u64; 2] = [4 << 20, 100 << 20];
+
+/// The most values one option may list, and candidates one file may add.
+const MAX_VALUES: usize = 256;
+const MAX_USER_COMBINATIONS: usize = 4096;
+
+impl SpaceFile {
+    /// Parse a search-space file's text (`path` names it in errors).
+    pub fn parse(text: &str, path: &str) -> Result<Self, SpaceError> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct File {
+            #[serde(default = "yes")]
+            bundled: bool,
+            #[serde(default)]
+            plugin: Vec<FilePlugin>,
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct FilePlugin {
+            name: String,
+            role: Role,
+            #[serde(default)]
+            options: BTreeMap<String, toml::Value>,
+        }
+        fn yes() -> bool {
+            true
+        }
+        let file: File = toml::from_str(text).map_err(|e| SpaceError::Parse {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        let mut plugins = Vec::new();
+        for p in file.plugin {
+            if p.name.trim().is_empty() {
+                return Err(SpaceError::Empty {
+                    path: path.into(),
+                    why: "a [[plugin]] with an empty `name`".into(),
+                });
+            }
+            let mut options = Vec::new();
+            let mut combinations = 1usize;
+            for (key, value) in &p.options {
+                let bad = |why: &str| SpaceError::Value {
+                    path: path.into(),
+                    plugin: p.name.clone(),
+                    key: key.clone(),
+                    value: value.to_string(),
+                    why: why.into(),
+                };
+                let values = values_of(value).map_err(|w| bad(&w))?;
+                if values.is_empty() {
+                    return Err(bad("an empty list: give at least one value"));
+                }
+                combinations = combinations.saturating_mul(values.len());
+                if combinations > MAX_USER_COMBINATIONS {
+                    return Err(bad(&format!(
+                        "the plugin's options would make more than {MAX_USER_COMBINATIONS} combinations"
+                    )));
+                }
+                options.push((key.clone(), values));
+            }
+            plugins.push(UserPlugin {
+                name: p.name,
+                role: p.role,
+                options,
+            });
+        }
+        if !file.bundled && plugins.is_empty() {
+            return Err(SpaceError::Empty {
+                path: path.into(),
+                why: "`bundled = false` and no [[plugin]]: the space is empty".into(),
+            });
+        }
+        Ok(SpaceFile {
+            bundled: file.bundled,
+            plugins,
+        })
+    }
+}
+
+/// An option's values: one scalar, a list of scalars, or `{ from, to }`.
+fn values_of(v: &toml::Value) -> Result<Vec<String>, String> {
+    let scalar = |v: &toml::Value| -> Result<String, String> {
+        match v {
+            toml::Value::String(s) => Ok(s.clone()),
+            toml::Value::Integer(i) => Ok(i.to_string()),
+            toml::Value::Float(f) if f.is_finite() => Ok(f.to_string()),
+            toml::Value::Boolean(b) => Ok(b.to_string()),
+            _ => Err("not a string, integer, finite float or boolean".into()),
+        }
+    };
+    match v {
+        toml::Value::Array(items) => {
+            if items.len() > MAX_VALUES {
+                return Err(format!("more than {MAX_VALUES} values"));
+            }
+            items.iter().map(scalar).collect()
+        }
+        toml::Value::Table(t) => {
+            let end = |k: &str| -> Result<i64, String> {
+                match t.get(k) {
+                    Some(toml::Value::Integer(i)) => Ok(*i),
+                    Some(_) => Err(format!("`{k}` must be an integer")),
+                    None => Err(format!("a range needs `from` and `to`, `{k}` is missing")),
+                }
+            };
+            if let Some(k) = t.keys().find(|k| *k != "from" && *k != "to") {
+                return Err(format!("a range takes `from` and `to` only, not `{k}`"));
+            }
+            let (from, to) = (end("from")?, end("to")?);
+            if to < from {
+                return Err(format!("the range ends ({to}) before it starts ({from})"));
+            }
+            if (to - from) as u64 >= MAX_VALUES as u64 {
+                return Err(format!("more than {MAX_VALUES} values"));
+            }
+            Ok((from..=to).map(|i| i.to_string()).collect())
+        }
+        other => scalar(other).map(|s| vec![s]),
+    }
+}
+
+/// Every combination of the option lists.
+fn combinations(options: &[(String, Vec<String>)]) -> Vec<Vec<(String, String)>> {
+    let mut out = vec![Vec::new()];
+    for (key, values) in options {
+        out = out
+            .into_iter()
+            .flat_map(|prefix| {
+                values.iter().map(move |v| {
+                    let mut p = prefix.clone();
+                    p.push((key.clone(), v.clone()));
+                    p
+                })
+            })
+            .collect();
+    }
+    out
+}
+
+/// The divisors of `n` from 2 up.
+fn divisors(n: u32) -> Vec<u32> {
+    (2..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// A choice for one role: its steps (none, or one) and what it does to
+/// the shape (`None` for a user plugin: unknown).
+type Choice = (Option<Step>, Option<(u32, u8)>);
+
+/// Every candidate for `model` on `devices` devices, `per_node` to a node.
+pub fn enumerate(
+    model: &ModelConfig,
+    devices: u32,
+    per_node: u32,
+    file: Option<&SpaceFile>,
+) -> Vec<Candidate> {
+    let bundled = file.is_none_or(|f| f.bundled);
+    let user = |role: Role| -> Vec<Step> {
+        file.map(|f| {
+            f.plugins
+                .iter()
+                .filter(|p| p.role == role)
+                .flat_map(|p| {
+                    combinations(&p.options).into_iter().map(|options| Step {
+                        plugin: p.name.clone(),
+                        options,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+    };
+    let moe = model.moe.is_some();
+    let regions = model.region_sizes().len() as u32;
+    let batch = model.batch_size;
+
+    // Data parallelism: (step, (degree, ZeRO stage)).
+    let mut replicate: Vec<Choice> = vec![(None, Some((1, 0)))];
+    if bundled {
+        for d in divisors(devices) {
+            if !batch.is_multiple_of(d) {
+                continue;
+            }
+            // The default 25 MiB gradient buckets (DDP's), smaller and
+            // larger ones; ZeRO-3 works per segment, with or without
+            // resharding after the forward.
+            let dd = ("degree", d.to_string());
+            replicate.push((
+                Some(Step::new("dp", std::slice::from_ref(&dd))),
+                Some((d, 0)),
+            ));
+            for b in OTHER_BUCKETS {
+                replicate.push((
+                    Some(Step::new(
+                        "dp",
+                        &[dd.clone(), ("bucket-bytes", b.to_string())],
+                    )),
+                    Some((d, 0)),
+                ));
+            }
+            for z in 1..=3u8 {
+                let base = [("stage", z.to_string()), ("dp", d.to_string())];
+                replicate.push((Some(Step::new("zero", &base)), Some((d, z))));
+                let others: Vec<(&str, String)> = match z {
+                    3 => vec![("reshard-after-forward", "false".into())],
+                    _ => OTHER_BUCKETS
+                        .iter()
+                        .map(|b| ("bucket-bytes", b.to_string()))
+                        .collect(),
+                };
+                for other in others {
+                    let mut more = base.to_vec();
+                    more.push(other);
+                    replicate.push((Some(Step::new("zero", &more)), Some((d, z))));
+                }
+            }
+        }
+    }
+    replicate.extend(user(Role::Replicate).into_iter().map(|s| (Some(s), None)));
+
+    let mut out = Vec::new();
+    for (rep, rep_shape) in &replicate {
+        let dp = rep_shape.map(|s| s.0);
+        let rest = dp.map(|d| devices / d);
+        // Tensor parallelism inside a node; not with data parallelism yet,
+        // nor on expert segments.
+        let mut tensor: Vec<(Option<Step>, Option<u32>)> = vec![(None, Some(1))];
+        if bundled && !moe && dp == Some(1) {
+            for t in divisors(devices) {
+                let fits = t <= per_node
+                    && model.heads.is_multiple_of(t)
+                    && (4 * model.d_model).is_multiple_of(t);
+                if fits {
+                    tensor.push((Some(Step::new("tp", &[("tp", t.to_string())])), Some(t)));
+                }
+            }
+        }
+        if dp == Some(1) || dp.is_none() {
+            tensor.extend(user(Role::Tensor).into_iter().map(|s| (Some(s), None)));
+        }
+        for (tp_step, tp) in &tensor {
+            let positions = match (rest, tp) {
+                (Some(r), Some(t)) if r % t == 0 => Some(r / t),
+                (Some(_), Some(_)) => continue,
+                _ => None,
+            };
+            // Expert parallelism over the data-parallel group (or every
+            // device), MoE models only.
+            let mut experts: Vec<(Option<Step>, u32)> = vec![(None, 1)];
+            if moe {
+                if bundled {
+                    let e = match dp {
+                        Some(1) => devices,
+                        Some(d) => d,
+                        None => 1,
+                    };
+                    if e > 1 && model.moe.as_ref().is_some_and(|m| m.experts % e == 0) {
+                        experts.push((Some(Step::new("ep", &[])), e));
+                    }
+                }
+                experts.extend(user(Role::Experts).into_iter().map(|s| (Some(s), 1)));
+            }
+            for (ep_step, ep) in &experts {
+                // ZeRO-2/3 on expert segments under expert parallelism is
+                // not supported (ZeRO-1 shards the rest's moments).
+                if ep_step.is_some() && rep_shape.is_some_and(|(_, z)| z >= 2) {
+                    continue;
+                }
+                // `ep` alone replicates the model over every device.
+                let positions = match (ep_step.is_some(), dp, positions) {
+                    (true, Some(1), Some(_)) if tp_step.is_none() => Some(1),
+                    (_, _, p) => p,
+                };
+                let head: Vec<Step> = [rep, tp_step, ep_step]
+                    .into_iter()
+                    .flatten()
+                    .cloned()
+                    .collect();
+                let shape = |pp: u32, copies: u32, microbatches: u32, chunks: u32| {
+                    rep_shape.zip(*tp).map(|((d, z), t)| Shape {
+                        dp: d,
+                        zero: z,
+                        tp: t,
+                        ep: *ep,
+                        pp,
+                        copies,
+                        microbatches,
+                        chunks,
+                    })
+                };
+                // No pipeline: the model must already be on every device.
+                if positions == Some(1) && !head.is_empty() {
+                    out.push(Candidate {
+                        steps: head.clone(),
+                        shape: shape(1, 1, 1, 1),
+                    });
+                    continue;
+                }
+                let replicas = dp.unwrap_or(1);
+                for (step, m, chunks) in
+                    pipelines(positions, regions, batch / replicas.max(1), bundled)
+                {
+                    let copies = if step.plugin == "dualpipe" { 2 } else { 1 };
+                    // ZeRO over DualPipe's parameter copies is not supported.
+                    if copies == 2 && rep_shape.is_some_and(|(_, z)| z > 0) {
+                        continue;
+                    }
+                    let mut steps = head.clone();
+                    steps.push(step);
+                    out.push(Candidate {
+                        steps,
+                        shape: positions.and_then(|p| shape(p, copies, m, chunks)),
+                    });
+                }
+                for step in user(Role::Pipeline) {
+                    let mut steps = head.clone();
+                    steps.push(step);
+                    out.push(Candidate { steps, shape: None });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The bundled pipeline schedules over `positions` pipeline devices (when
+/// known), with microbatch counts that divide a replica's `batch` rows and
+/// meet each schedule's documented preconditions; each with its microbatch
+/// count and the model chunks a position holds.
+fn pipelines(
+    positions: Option<u32>,
+    regions: u32,
+    batch: u32,
+    bundled: bool,
+) -> Vec<(Step, u32, u32)> {
+    let Some(p) = positions.filter(|p| *p >= 2 && bundled) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for k in [1, 2, 4, 8, 16] {
+        let m = p * k;
+        if m == 0 || !batch.is_multiple_of(m) {
+            continue;
+        }
+        let mb = ("microbatches", m.to_string());
+        if regions >= p {
+            for name in ["gpipe", "1f1b", "zb-h1"] {
+                out.push((Step::new(name, std::slice::from_ref(&mb)), m, 1));
+            }
+            if p % 2 == 0 && m >= 2 * p && m % 2 == 0 {
+                out.push((Step::new("dualpipe", std::slice::from_ref(&mb)), m, 2));
+            }
+        }
+        if regions >= 2 * p && m >= 2 * p {
+            out.push((Step::new("dualpipev", std::slice::from_ref(&mb)), m, 2));
+        }
+        for v in [2u32, 4] {
+            if regions >= p * v {
+                out.push((
+                    Step::new(
+                        "interleaved-1f1b",
+                        &[("virtual", v.to_string()), mb.clone()],
+                    ),
+                    m,
+                    v,
+                ));
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bundled_space_divides_the_model_and_the_cluster() {
+        let tiny = ModelConfig::tiny();
+        let all = enumerate(&tiny, 4, 4, None);
+        let labels: Vec<String> = all.iter().map(Candidate::label).collect();
+        for want in [
+            "dp:degree=4",
+            "zero:stage=3,dp=4",
+            "zero:stage=1,dp=2+1f1b:microbatches=4",
+            "tp:tp=2+gpipe:microbatches=2",
+            "tp:tp=4",
+            "1f1b:microbatches=16",
+            "dualpipev:microbatches=8",
+            "interleaved-1f1b:virtual=2,microbatches=4",
+        ] {
+            assert!(
+                labels.contains(&want.to_string()),
+                "{want} missing: {labels:?}"
+            );
+        }
+        // Not with dp yet; degrees divide the devices; no duplicates.
+        assert!(!labels.iter().any(|l| l.contains("dp=2+tp")));
+        assert!(!labels.iter().any(|l| l.contains("dp=3")));
+        let mut sorted = labels.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(sorted.len(), labels.len());
+        // A bundled candidate knows its shape.
+        let c = all
+            .iter()
+            .find(|c| c.label() == "zero:stage=2,dp=2+1f1b:microbatches=4")
+            .unwrap();
+        assert_eq!(
+            c.shape,
+            Some(Shape {
+                dp: 2,
+                zero: 2,
+                tp: 1,
+                ep: 1,
+                pp: 2,
+                copies: 1,
+                microbatches: 4,
+                chunks: 1,
+            })
+        );
+    }
+
+    #[test]
+    fn a_space_file_adds_plugins_with_value_lists_and_names_bad_values() {
+        let f = SpaceFile::parse(
+            "bundled = false\n[[plugin]]\nname = \"my.wasm\"\nrole = \"pipeline\"\n[plugin.options]\nmicrobatches = [4, 8]\nchunks = { from = 1, to = 3 }\nstream = \"pp\"\n",
+            "space.toml",
+        )
+        .unwrap();
+        let all = enumerate(&ModelConfig::tiny(), 4, 4, Some(&f));
+        assert_eq!(
+            all.len(),
+            6,
+            "{:?}",
+            all.iter().map(Candidate::label).collect::<Vec<_>>()
+        );
+        assert!(all.iter().all(|c| c.steps.len() == 1 && c.shape.is_none()));
+        for (text, want) in [
+            ("[[plugin]]\nname = \"x\"\nrole = \"pipe\"\n", "unknown variant `pipe`"),
+            (
+                "[[plugin]]\nname = \"x\"\nrole = \"pipeline\"\n[plugin.options]\nmb = []\n",
+                "option `mb` = []: an empty list",
+            ),
+            (
+                "[[plugin]]\nname = \"x\"\nrole = \"pipeline\"\n[plugin.options]\nmb = { from = 9, to = 2 }\n",
+                "the range ends (2) before it starts (9)",
+            ),
+            (
+                "[[plugin]]\nname = \"x\"\nrole = \"pipeline\"\n[plugin.options]\nmb = { from = 1, to = 100000 }\n",
+                "more than 256 values",
+            ),
+            ("bundled = false\n", "the space is empty"),
+            ("colour = 3\n", "unknown field `colour`"),
+        ] {
+            let e = SpaceFile::parse(text, "space.toml").unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("space.toml"), "{text}: {e}");
+        }
+    }
+}
