@@ -13,13 +13,19 @@ export PATH="$PWD/target/guest-venv/bin:$PATH"
 cargo test --workspace
 # The CUDA backend (--features cuda) builds and tests without a GPU: its
 # kernels compile through NVRTC (scripts/nvrtc.sh installs it), and
-# `--backend cuda` names what this machine lacks. One build serves it and the
-# multi-process tests (real `mpirun` jobs of `piper train --features mpi`).
+# `--backend cuda` names what this machine lacks. One build serves it, the
+# multi-process tests (real `mpirun` jobs of `piper train --features mpi`)
+# and the host boundary again with the release profile's checks (overflow
+# checks and debug assertions off in the host crate): the hostile-plugin and
+# randomized boundary tests must behave the same there.
 nvrtc=$(./scripts/nvrtc.sh)
 export LD_LIBRARY_PATH="${nvrtc:+$nvrtc:}${LD_LIBRARY_PATH:-}"
+release_checks=(--config 'profile.dev.package.piper.overflow-checks=false'
+  --config 'profile.dev.package.piper.debug-assertions=false')
+boundary=(--test plugins --test boundary)
 if command -v mpirun >/dev/null && command -v mpicc >/dev/null; then
-  cargo test -p piper --features "mpi cuda" --lib --test mpi --test cuda
+  cargo test -p piper --features "mpi cuda" "${release_checks[@]}" --lib --test mpi --test cuda "${boundary[@]}"
 else
   echo "NOT RUN: the MPI tests need Open MPI (apt install openmpi-bin libopenmpi-dev libclang-dev); .ci/run installs it"
-  cargo test -p piper --features cuda --lib --test cuda
+  cargo test -p piper --features cuda "${release_checks[@]}" --lib --test cuda "${boundary[@]}"
 fi

@@ -263,6 +263,65 @@ fn the_python_1f1b_example_passes_plugin_verify() {
     );
 }
 
+/// `piper plan --search` with the Python 1F1B in the space beside a
+/// bundled schedule: the search applies it at each of its option values
+/// and names it, at the value that wins, as the best.
+#[test]
+fn plan_search_finds_a_python_plugin_at_its_winning_option_value() {
+    if !available(Lang::Python, "the search test") {
+        return;
+    }
+    let plugin = example("python");
+    let dir = outside("search");
+    let space = dir.join("space.toml");
+    std::fs::write(
+        &space,
+        format!(
+            "bundled = false\n\
+             [[plugin]]\nname = \"{}\"\nrole = \"pipeline\"\n[plugin.options]\nmicrobatches = [2, 16]\n\
+             [[plugin]]\nname = \"gpipe\"\nrole = \"pipeline\"\n[plugin.options]\nmicrobatches = [4]\n",
+            plugin.origin
+        ),
+    )
+    .unwrap();
+    let out = ok(piper().args([
+        "plan",
+        "--search",
+        "--model",
+        "gpt2-small",
+        "--global-batch",
+        "64",
+        "--devices",
+        "4",
+        "--cluster",
+        "h100-8x",
+        "--search-space",
+        space.to_str().unwrap(),
+        "--json",
+    ]));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let top: Vec<&str> = (v["top"].as_array().unwrap().iter())
+        .map(|c| c.as_str().unwrap())
+        .collect();
+    let file = Path::new(&plugin.origin)
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        top,
+        [
+            format!("{file}:microbatches=16"),
+            "gpipe:microbatches=4".to_string(),
+            format!("{file}:microbatches=2"),
+        ],
+        "{}",
+        v["summary"]
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Apply `plugin` with `mode=...` to a 2-device tiny DAG: it must fail, leave
 /// the DAG as it was, and say every one of `wants` (and none of `not`).
 fn fails_with(plugin: &Plugin, mode: &str, wants: &[&str], not: &[&str]) {

@@ -655,3 +655,111 @@ fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
         "{nv:.3e} vs {ib:.3e}"
     );
 }
+
+#[test]
+fn devices_sharing_a_nodes_cores_compute_at_its_pace_and_alone_at_their_own() {
+    // A node of 64 virtual devices with two cores' worth of compute.
+    let own = Cluster {
+        compute_slots: None,
+        ..Cluster::cpu_local_default()
+    };
+    let shared = |slots: f64| Cluster {
+        compute_slots: Some(slots),
+        ..own.clone()
+    };
+    let busy = |s: &Simulation| s.devices.iter().map(|d| d.busy).sum::<f64>();
+    // Four replicas compute at once: on two slots each runs at half speed,
+    // so every compute op takes twice as long; the all-reduces do not.
+    let dp = plan_of(4, 4, &[("dp", &[("degree", "4")])]);
+    let (a, b) = (
+        simulate(&dp, &own).unwrap(),
+        simulate(&dp, &shared(2.0)).unwrap(),
+    );
+    assert!(
+        (busy(&b) / busy(&a) - 2.0).abs() < 1e-9,
+        "{} vs {}",
+        busy(&b),
+        busy(&a)
+    );
+    assert!(b.step_time > 1.5 * a.step_time && b.step_time < 2.0 * a.step_time + 1e-12);
+    // As many slots as devices: nothing shared, the same timeline.
+    let c = simulate(&dp, &shared(4.0)).unwrap();
+    assert!((c.step_time - a.step_time).abs() < 1e-12 * a.step_time.max(1.0));
+    // A 1F1B pipeline over two devices never runs more than two compute
+    // ops at once: two slots change nothing, one slot serialises them.
+    let pipe = plan_of(4, 2, &[("1f1b", &[("microbatches", "4")])]);
+    let (p, q, r) = (
+        simulate(&pipe, &own).unwrap(),
+        simulate(&pipe, &shared(2.0)).unwrap(),
+        simulate(&pipe, &shared(1.0)).unwrap(),
+    );
+    assert!((q.step_time - p.step_time).abs() < 1e-9 * p.step_time);
+    assert!(
+        r.step_time > p.step_time,
+        "{} vs {}",
+        r.step_time,
+        p.step_time
+    );
+    // On one slot no two compute spans of the node overlap in progress:
+    // the step is at least all the compute of every device in a row.
+    assert!(
+        r.step_time >= busy(&p) * (1.0 - 1e-9),
+        "{} vs {}",
+        r.step_time,
+        busy(&p)
+    );
+}
+
+#[test]
+fn balanced_boundaries_recover_the_bubble_the_lm_head_makes_on_gpt2_small() {
+    // gpt2-small's last region also holds the 50,257-word head: cut
+    // evenly, its stage sets the pace of 1F1B on 4 H100s.
+    let model = ModelConfig {
+        batch_size: 64,
+        ..ModelConfig::gpt2_small()
+    };
+    let h = host();
+    let p = h.load("1f1b").unwrap();
+    let plan = |opts: &[(&str, &str)]| {
+        let mut dag = TrainingDag::build(&model, Devices::new(4)).unwrap();
+        let o: Vec<(String, String)> = (opts.iter())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        h.apply(&p, &mut dag, &o).map(|_| compile(&dag).unwrap())
+    };
+    let cluster = Cluster::h100_8x();
+    let even = simulate(&plan(&[("microbatches", "16")]).unwrap(), &cluster).unwrap();
+    let costs = piper::search::space::region_costs(&model);
+    let firsts = piper::search::space::balanced_boundaries(&costs, 4).unwrap();
+    let text: Vec<String> = firsts.iter().map(u32::to_string).collect();
+    let text = text.join("/");
+    let balanced = plan(&[("microbatches", "16"), ("boundaries", &text)]).unwrap();
+    let bal = simulate(&balanced, &cluster).unwrap();
+    eprintln!(
+        "gpt2-small, 1f1b × 16 on 4 H100s: even bubble {:.1}%, step {:.2} ms; boundaries {text}: bubble {:.1}%, step {:.2} ms",
+        even.bubble * 100.0,
+        even.step_time * 1e3,
+        bal.bubble * 100.0,
+        bal.step_time * 1e3
+    );
+    assert!(even.bubble > 0.4, "{}", even.bubble);
+    assert!(
+        bal.bubble < even.bubble - 0.15,
+        "{} vs {}",
+        bal.bubble,
+        even.bubble
+    );
+    assert!(bal.step_time < 0.8 * even.step_time);
+    // The plugin names a wrong cut.
+    for (b, want) in [
+        (
+            "0/4",
+            "1f1b: boundaries name 2 stages' first regions, the pipeline has 4 stages",
+        ),
+        ("0/4/4/9", "4 follows 4"),
+        ("0/3/7/x", "`x` is not a region index"),
+    ] {
+        let e = plan(&[("boundaries", b)]).unwrap_err().to_string();
+        assert!(e.contains(want), "{b}: {e}");
+    }
+}

@@ -115,16 +115,68 @@ impl Pipeline {
         })
     }
 
+    /// Cut the stages at the `boundaries` option when it is given (the
+    /// first `PP` region of each stage, see [`parse_boundaries`]); the even
+    /// cut of [`Pipeline::layout`] otherwise.
+    pub fn with_boundaries(mut self, options: &crate::Options, who: &str) -> Result<Self, Error> {
+        if let Some(text) = options.str("boundaries")? {
+            let firsts = parse_boundaries(text, who)?;
+            self.cut_at(&firsts, who)?;
+        }
+        Ok(self)
+    }
+
+    /// Cut the stages so stage `s` starts at region `firsts[s]` and runs to
+    /// the next stage's first (the last stage to the last region): one
+    /// first region per stage, the first 0, strictly increasing.
+    pub fn cut_at(&mut self, firsts: &[u32], who: &str) -> Result<(), Error> {
+        let stages = self.regions.len();
+        let n_regions = self.regions.iter().flatten().max().map_or(0, |r| r + 1);
+        if firsts.len() != stages {
+            return Err(Error::msg(format!(
+                "{who}: boundaries name {} stages' first regions, the pipeline has {stages} stages",
+                firsts.len()
+            )));
+        }
+        if firsts.first() != Some(&0) {
+            return Err(Error::msg(format!(
+                "{who}: boundaries must start at region 0 (the first stage's first region), got {firsts:?}"
+            )));
+        }
+        if let Some(w) = firsts.windows(2).find(|w| w[1] <= w[0]) {
+            return Err(Error::msg(format!(
+                "{who}: boundaries must increase (every stage holds at least one region): {} follows {} in {firsts:?}",
+                w[1], w[0]
+            )));
+        }
+        if let Some(last) = firsts.last().filter(|l| **l >= n_regions) {
+            return Err(Error::msg(format!(
+                "{who}: boundary {last} is past the model's last PP region ({} regions, 0 to {})",
+                n_regions,
+                n_regions.saturating_sub(1)
+            )));
+        }
+        self.regions = (0..stages)
+            .map(|s| {
+                let end = firsts.get(s + 1).copied().unwrap_or(n_regions);
+                (firsts[s]..end).collect()
+            })
+            .collect();
+        Ok(())
+    }
+
     /// The usual prologue of a pipeline strategy: lay out the stages from the
-    /// `stages` option, read `microbatches` (default 2 × stages), split the
-    /// batch into them and place the stages with transfers on the `stream`
-    /// option (default `pp`). Returns the layout and the microbatch count.
+    /// `stages` option (cut at `boundaries` when given), read `microbatches`
+    /// (default 2 × stages), split the batch into them and place the stages
+    /// with transfers on the `stream` option (default `pp`). Returns the
+    /// layout and the microbatch count.
     pub fn split_and_place(
         dag: &mut dyn Dag,
         options: &crate::Options,
         who: &str,
     ) -> Result<(Self, u32), Error> {
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, who)?;
+        let pipe =
+            Pipeline::plan(dag, options.u32("stages")?, who)?.with_boundaries(options, who)?;
         let mbs = microbatches(options, 2 * pipe.stages(), who)?;
         pipe.split_place(dag, options, mbs)?;
         Ok((pipe, mbs))
@@ -172,9 +224,43 @@ impl Pipeline {
     }
 }
 
+/// The most stages a `boundaries` option may name.
+const MAX_BOUNDARIES: usize = 4096;
+
+/// A `boundaries` option's text: the first `PP` region of each stage,
+/// separated by `/` (`0/4/8/11`, as a command line's `k=v,k=v` leaves
+/// commas to the options) or commas inside brackets (`[0, 4, 8, 11]`, as a
+/// TOML list arrives). Megatron's first/last-stage layer counts are the
+/// common case: a lighter last stage for the LM head.
+pub fn parse_boundaries(text: &str, who: &str) -> Result<Vec<u32>, Error> {
+    let t = text.trim();
+    let inner = t
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .unwrap_or(t);
+    let mut out = Vec::new();
+    for item in inner.split(['/', ',']).map(str::trim) {
+        if out.len() == MAX_BOUNDARIES {
+            return Err(Error::msg(format!(
+                "{who}: boundaries name more than {MAX_BOUNDARIES} stages"
+            )));
+        }
+        let r = item.parse::<u32>().map_err(|_| {
+            Error::msg(format!(
+                "{who}: boundaries `{}`: `{}` is not a region index (give each stage's first PP region, e.g. `0/4/8/11`)",
+                t.chars().take(80).collect::<String>(),
+                item.chars().take(40).collect::<String>()
+            ))
+        })?;
+        out.push(r);
+    }
+    Ok(out)
+}
+
 /// The options every pipeline plugin takes: `stages` and `microbatches`
 /// (no default: the plugin derives them; `stages_help` and
-/// `microbatches_help` say how) and the transfer `stream` (default `pp`).
+/// `microbatches_help` say how), `boundaries` (default: an even cut) and
+/// the transfer `stream` (default `pp`).
 pub fn pipeline_options(
     info: crate::PluginInfo,
     stages_help: &str,
@@ -183,6 +269,11 @@ pub fn pipeline_options(
     use crate::OptionSpec;
     info.option(OptionSpec::int("stages", None, stages_help))
         .option(OptionSpec::int("microbatches", None, microbatches_help))
+        .option(OptionSpec::str(
+            "boundaries",
+            None,
+            "first PP region of each stage, e.g. 0/4/8/11 (default: regions cut evenly, earlier stages taking the remainder)",
+        ))
         .option(OptionSpec::str(
             "stream",
             Some("pp"),
@@ -479,6 +570,44 @@ pub fn merge_for_overlap(f: &[Option<u32>], b: &[Option<u32>]) -> Vec<(u8, usize
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn boundaries_cut_the_stages_where_told_and_name_what_is_wrong() {
+        assert_eq!(parse_boundaries("0/4/8/11", "1f1b").unwrap(), [0, 4, 8, 11]);
+        assert_eq!(
+            parse_boundaries(" [0, 4, 8, 11] ", "1f1b").unwrap(),
+            [0, 4, 8, 11]
+        );
+        let e = parse_boundaries("0/four", "1f1b").unwrap_err().to_string();
+        assert!(e.contains("`four` is not a region index"), "{e}");
+        let even = Pipeline {
+            groups: vec![vec![0], vec![1], vec![2], vec![3]],
+            regions: (0..4).map(|s| (3 * s..3 * s + 3).collect()).collect(),
+            position: vec![0, 1, 2, 3],
+        };
+        let mut p = even.clone();
+        p.cut_at(&[0, 4, 8, 11], "1f1b").unwrap();
+        assert_eq!(
+            p.regions,
+            vec![vec![0, 1, 2, 3], vec![4, 5, 6, 7], vec![8, 9, 10], vec![11]]
+        );
+        assert_eq!(p.groups, even.groups);
+        for (firsts, want) in [
+            (
+                &[0, 4, 8][..],
+                "boundaries name 3 stages' first regions, the pipeline has 4",
+            ),
+            (&[1, 4, 8, 11][..], "must start at region 0"),
+            (&[0, 4, 4, 11][..], "4 follows 4"),
+            (
+                &[0, 4, 8, 12][..],
+                "boundary 12 is past the model's last PP region (12 regions, 0 to 11)",
+            ),
+        ] {
+            let e = even.clone().cut_at(firsts, "1f1b").unwrap_err().to_string();
+            assert!(e.contains(want), "{firsts:?}: {e}");
+        }
+    }
 
     #[test]
     fn dual_schedule_runs_every_pass_of_both_phases_once() {

@@ -132,6 +132,18 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     if let Some(m) = machine_memory() {
         base.memory_bytes = m;
     }
+    // The devices share this machine's cores: as many compute at full
+    // speed at once as the cores give each its kernel threads.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let slots = (cores as f64 / runs[0].threads.max(1) as f64).max(1.0);
+    base.compute_slots = Some(slots);
+    if f64::from(d) > slots {
+        eprintln!(
+            "note: {d} devices × {} kernel thread(s) share {cores} core(s) while measuring: the fitted rates are of shared cores and the simulator will share them again (calibrate with --devices {} or fewer)",
+            runs[0].threads,
+            slots.floor()
+        );
+    }
     let (cluster, fits) = samples.fit(&base)?;
     cluster.validate()?;
     for f in &fits {

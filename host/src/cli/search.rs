@@ -144,6 +144,7 @@ pub fn run(
         println!("  {summary}");
         print_failures(&result);
         print_table(&result, top, cap);
+        print_balanced(&result, top);
         if let Some(w) = &why {
             println!(
                 "#1 {} beat #2 {}: {w}",
@@ -197,8 +198,12 @@ fn summary(r: &Search) -> String {
     let secs = r.elapsed.as_secs_f64();
     let c = |f: fn(&Outcome) -> bool| r.count(f);
     format!(
-        "{n} candidates in {secs:.1} s ({:.1}/s): {} cut by the memory estimate, {} failed, {} over the cap by their plan, {} duplicate plans, {} simulated, {} not tried (budget)",
+        "{n} candidates in {secs:.1} s ({:.1}/s{}): {} cut by the memory estimate, {} failed, {} over the cap by their plan, {} duplicate plans, {} simulated, {} not tried (budget)",
         n as f64 / secs.max(1e-9),
+        match r.balanced_from.len() {
+            0 => String::new(),
+            k => format!("; the last {k} the fastest pipelines again with stages balanced by the cost hints"),
+        },
         c(|o| matches!(o, Outcome::CutByEstimate { .. })),
         c(|o| matches!(o, Outcome::Failed { .. })),
         c(|o| matches!(o, Outcome::OverCap { .. })),
@@ -251,6 +256,28 @@ fn print_table(r: &Search, top: &[(usize, &Scored)], cap: u64) {
             s.bubble * 100.0,
             human_time(s.exposed_comm),
             format!("{} / {}", human_bytes(s.peak()), human_bytes(cap)),
+        );
+    }
+}
+
+/// What balancing the stages recovered, for each balanced candidate in
+/// the top: its bubble and step against the even cut's.
+fn print_balanced(r: &Search, top: &[(usize, &Scored)]) {
+    for (b, o) in r.balanced_pairs() {
+        if !top.iter().any(|(i, _)| *i == b) {
+            continue;
+        }
+        let (Outcome::Simulated(sb), Outcome::Simulated(so)) = (&r.outcomes[b], &r.outcomes[o])
+        else {
+            continue;
+        };
+        println!(
+            "  stages balanced by the cost hints: {}: bubble {:.1}% -> {:.1}%, step {} -> {}",
+            r.candidates[b].label(),
+            so.bubble * 100.0,
+            sb.bubble * 100.0,
+            human_time(so.step_time),
+            human_time(sb.step_time),
         );
     }
 }

@@ -12,6 +12,9 @@
 //! the plan hash kept so a plan two candidates share is simulated once; the
 //! plan's predicted peaks against the cap; and the simulator on the cluster.
 //! Every candidate ends in one [`Outcome`], so none is skipped silently.
+//! Last, the fastest pipelines are tried again with their stages cut where
+//! the cost hints balance them (the pipeline plugins' `boundaries`), rather
+//! than in equal runs of regions.
 
 pub mod space;
 
@@ -89,6 +92,9 @@ pub type Plugins = HashMap<String, Result<Plugin, String>>;
 pub struct Search {
     pub candidates: Vec<Candidate>,
     pub outcomes: Vec<Outcome>,
+    /// The last candidates are the fastest pipelines tried again with
+    /// balanced stages: the index of each one's even-cut original.
+    pub balanced_from: Vec<usize>,
     pub elapsed: Duration,
 }
 
@@ -106,6 +112,18 @@ impl Search {
             .collect();
         r.sort_by(|a, b| a.1.step_time.total_cmp(&b.1.step_time).then(a.0.cmp(&b.0)));
         r
+    }
+    /// The balanced candidates with their even-cut originals, both
+    /// simulated: (balanced, original) indices.
+    pub fn balanced_pairs(&self) -> Vec<(usize, usize)> {
+        let base = self.candidates.len() - self.balanced_from.len();
+        (self.balanced_from.iter().enumerate())
+            .map(|(k, of)| (base + k, *of))
+            .filter(|(b, o)| {
+                matches!(self.outcomes[*b], Outcome::Simulated(_))
+                    && matches!(self.outcomes[*o], Outcome::Simulated(_))
+            })
+            .collect()
     }
     /// How many candidates ended each way.
     pub fn count(&self, f: impl Fn(&Outcome) -> bool) -> usize {
@@ -200,14 +218,56 @@ fn step_flops(model: &ModelConfig) -> f64 {
         .sum()
 }
 
+/// The fastest simulated pipelines tried again with their stages cut at
+/// boundaries balanced by the cost hints ([`space::balanced`]).
+pub const REFINED: usize = 16;
+
 /// Try every candidate; see the module docs for the order of the checks.
+/// Then the [`REFINED`] fastest pipelines again with balanced stages, as
+/// candidates of their own after the enumerated ones.
 pub fn search(host: &PluginHost, q: Query) -> Search {
     let start = Instant::now();
+    let mut all = q.candidates.clone();
+    let mut first: HashMap<String, usize> = HashMap::new();
+    let mut outcomes = evaluate(host, &q, &all, 0, start, &mut first);
+    let mut ranked: Vec<(usize, f64)> = (outcomes.iter().enumerate())
+        .filter_map(|(i, o)| match o {
+            Outcome::Simulated(s) => Some((i, s.step_time)),
+            _ => None,
+        })
+        .collect();
+    ranked.sort_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+    let (balanced_from, balanced): (Vec<usize>, Vec<Candidate>) = (ranked.iter())
+        .filter_map(|(i, _)| space::balanced(&all[*i], q.model).map(|c| (*i, c)))
+        .take(REFINED)
+        .unzip();
+    let base = all.len();
+    all.extend(balanced);
+    let more = evaluate(host, &q, &all[base..], base, start, &mut first);
+    outcomes.extend(more);
+    Search {
+        candidates: all,
+        outcomes,
+        balanced_from,
+        elapsed: start.elapsed(),
+    }
+}
+
+/// The outcomes of `candidates` (numbered from `base` in the search):
+/// estimate, plan, duplicates (against `first`, every plan hash seen so
+/// far), cap, simulation.
+fn evaluate(
+    host: &PluginHost,
+    q: &Query,
+    candidates: &[Candidate],
+    base: usize,
+    start: Instant,
+    first: &mut HashMap<String, usize>,
+) -> Vec<Outcome> {
     let over_budget = || q.budget.is_some_and(|b| start.elapsed() > b);
-    let n = q.candidates.len();
+    let n = candidates.len();
     // Phase 1, every core: the estimate, then apply and compile.
-    let planned: Vec<Result<Plan, Outcome>> = q
-        .candidates
+    let planned: Vec<Result<Plan, Outcome>> = candidates
         .par_iter()
         .map(|c| {
             if let Some(shape) = &c.shape {
@@ -219,12 +279,11 @@ pub fn search(host: &PluginHost, q: Query) -> Search {
             if over_budget() {
                 return Err(Outcome::NotTried);
             }
-            plan_of(host, &q, c).map_err(|reason| Outcome::Failed { reason })
+            plan_of(host, q, c).map_err(|reason| Outcome::Failed { reason })
         })
         .collect();
     // In enumeration order: duplicates of an earlier plan, and plans whose
     // predicted peak passes the cap.
-    let mut first: HashMap<String, usize> = HashMap::new();
     let mut outcomes: Vec<Option<Outcome>> = vec![None; n];
     let mut to_simulate: Vec<(usize, Plan)> = Vec::new();
     for (i, r) in planned.into_iter().enumerate() {
@@ -235,7 +294,7 @@ pub fn search(host: &PluginHost, q: Query) -> Search {
                     outcomes[i] = Some(Outcome::Duplicate { of });
                     continue;
                 }
-                first.insert(plan.hash.clone(), i);
+                first.insert(plan.hash.clone(), base + i);
                 let worst = (plan.devices.iter())
                     .map(|d| (d.peak_bytes, d.device))
                     .max()
@@ -280,19 +339,15 @@ pub fn search(host: &PluginHost, q: Query) -> Search {
                 }))
             }
         };
-        done.lock().unwrap().push((i, o));
+        done.lock().unwrap_or_else(|p| p.into_inner()).push((i, o));
     });
-    for (i, o) in done.into_inner().unwrap() {
+    for (i, o) in done.into_inner().unwrap_or_else(|p| p.into_inner()) {
         outcomes[i] = Some(o);
     }
-    Search {
-        candidates: q.candidates,
-        outcomes: outcomes
-            .into_iter()
-            .map(|o| o.expect("every candidate has an outcome"))
-            .collect(),
-        elapsed: start.elapsed(),
-    }
+    outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(Outcome::NotTried))
+        .collect()
 }
 
 /// Why `a` (faster) beat `b`: the figures that differ most, largest first.

@@ -511,6 +511,113 @@ fn pipelines(
     out
 }
 
+/// Each `PP` region's compute: the forward and backward FLOPs of its
+/// segments (the cost hints the simulator times).
+pub fn region_costs(model: &ModelConfig) -> Vec<f64> {
+    let mut costs = vec![0.0; model.region_sizes().len()];
+    for s in model.segments() {
+        if let Some(c) = costs.get_mut(s.region as usize) {
+            *c += s.cost.fwd_flops + s.cost.bwd_flops;
+        }
+    }
+    costs
+}
+
+/// The most regions the balanced cut's search takes on (it is quadratic in
+/// them, times the stages).
+const MAX_BALANCED_REGIONS: usize = 2048;
+
+/// The first region of each of `stages` contiguous runs of `costs` that
+/// make the heaviest run lightest (and, among those, the runs' squared sum
+/// smallest: the lighter stages even too), when that heaviest run is
+/// lighter than the even cut's ([`crate::sdk`]'s pipelines cut evenly,
+/// earlier stages taking the remainder); `None` when the even cut is as
+/// good, or the sizes are out of range.
+pub fn balanced_boundaries(costs: &[f64], stages: u32) -> Option<Vec<u32>> {
+    let (n, k) = (costs.len(), stages as usize);
+    if k < 2 || k > n || n > MAX_BALANCED_REGIONS {
+        return None;
+    }
+    let mut prefix = vec![0.0; n + 1];
+    for (i, c) in costs.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + c;
+    }
+    let run = |a: usize, b: usize| prefix[b] - prefix[a];
+    let even_heaviest = {
+        let (per, extra) = (n / k, n % k);
+        let mut start = 0;
+        let mut worst: f64 = 0.0;
+        for s in 0..k {
+            let end = start + per + usize::from(s < extra);
+            worst = worst.max(run(start, end));
+            start = end;
+        }
+        worst
+    };
+    // best[j][i]: the first i regions in j runs, as (heaviest, squares);
+    // from[j][i]: where the last of those runs starts.
+    let worse = |a: (f64, f64), b: (f64, f64)| a.0.total_cmp(&b.0).then(a.1.total_cmp(&b.1));
+    let none = (f64::INFINITY, f64::INFINITY);
+    let mut best = vec![vec![none; n + 1]; k + 1];
+    let mut from = vec![vec![0usize; n + 1]; k + 1];
+    best[0][0] = (0.0, 0.0);
+    for j in 1..=k {
+        for i in j..=n - (k - j) {
+            for start in (j - 1)..i {
+                let prev = best[j - 1][start];
+                if prev.0.is_infinite() {
+                    continue;
+                }
+                let c = run(start, i);
+                let cand = (prev.0.max(c), prev.1 + c * c);
+                if worse(cand, best[j][i]).is_lt() {
+                    best[j][i] = cand;
+                    from[j][i] = start;
+                }
+            }
+        }
+    }
+    if best[k][n].0 >= even_heaviest * (1.0 - 1e-9) {
+        return None;
+    }
+    let mut firsts = vec![0u32; k];
+    let mut i = n;
+    for j in (1..=k).rev() {
+        let start = from[j][i];
+        firsts[j - 1] = start as u32;
+        i = start;
+    }
+    Some(firsts)
+}
+
+/// `c` with its bundled pipeline cut at [`balanced_boundaries`] of
+/// `model`'s region costs, when that cut is lighter than the even one.
+/// `None` for candidates without a bundled pipeline (or a known shape).
+pub fn balanced(c: &Candidate, model: &ModelConfig) -> Option<Candidate> {
+    let shape = c.shape?;
+    let last = c.steps.last()?;
+    let stages = match last.plugin.as_str() {
+        "dualpipe" => shape.pp,
+        "gpipe" | "1f1b" | "zb-h1" | "dualpipev" | "interleaved-1f1b" => {
+            shape.pp.checked_mul(shape.chunks)?
+        }
+        _ => return None,
+    };
+    if last.options.iter().any(|(k, _)| k == "boundaries") {
+        return None;
+    }
+    let firsts = balanced_boundaries(&region_costs(model), stages)?;
+    let text = firsts
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join("/");
+    let mut out = c.clone();
+    let step = out.steps.last_mut()?;
+    step.options.push(("boundaries".into(), text));
+    Some(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -560,6 +667,46 @@ mod tests {
                 chunks: 1,
             })
         );
+    }
+
+    #[test]
+    fn balanced_boundaries_lighten_the_heaviest_stage_or_keep_the_even_cut() {
+        // gpt2-small: twelve one-layer regions, the last also holding the
+        // LM head (about five layers' worth): the head's stage goes alone.
+        let m = ModelConfig::gpt2_small();
+        let costs = region_costs(&m);
+        assert_eq!(costs.len(), 12);
+        assert!(costs[11] > 4.0 * costs[5], "{costs:?}");
+        let firsts = balanced_boundaries(&costs, 4).unwrap();
+        assert_eq!(firsts, [0, 3, 7, 11]);
+        // Even costs: the even cut is already the best.
+        assert_eq!(balanced_boundaries(&[1.0; 12], 4), None);
+        // The heaviest run is never heavier than the even cut's, over
+        // assorted shapes; every stage keeps a region.
+        for (costs, k) in [
+            (vec![1.0, 9.0, 1.0, 1.0, 1.0, 1.0, 1.0], 3),
+            (vec![5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 4),
+            (vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], 2),
+        ] {
+            if let Some(f) = balanced_boundaries(&costs, k) {
+                assert_eq!(f.len(), k as usize);
+                assert_eq!(f[0], 0);
+                assert!(f.windows(2).all(|w| w[0] < w[1]), "{f:?}");
+            }
+        }
+        assert_eq!(balanced_boundaries(&[1.0; 3], 4), None);
+        // A candidate gains the option; one without a pipeline does not.
+        let all = enumerate(&m, 4, 4, None);
+        let c = all
+            .iter()
+            .find(|c| c.label() == "1f1b:microbatches=16")
+            .unwrap();
+        assert_eq!(
+            balanced(c, &m).unwrap().label(),
+            "1f1b:microbatches=16,boundaries=0/3/7/11"
+        );
+        let dp = all.iter().find(|c| c.label() == "dp:degree=4").unwrap();
+        assert!(balanced(dp, &m).is_none());
     }
 
     #[test]

@@ -17,6 +17,11 @@
 //! [op_overhead_s]              # fixed seconds per compute op (launches, framework)
 //! F = 0.0
 //! ```
+//!
+//! `compute_slots = 2` says a node's devices share its compute (virtual
+//! devices on one machine's cores): up to 2 compute ops run at full speed
+//! at once, more share it equally. Left out, every device computes on its
+//! own, as GPUs do.
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -78,6 +83,11 @@ pub struct Cluster {
     pub efficiency: Efficiency,
     #[serde(default)]
     pub op_overhead_s: Overhead,
+    /// Compute ops a node runs at full speed at once, when its devices
+    /// share its compute (CPU cores ÷ kernel threads per device); `None`:
+    /// each device has its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compute_slots: Option<f64>,
 }
 
 /// A cluster description that cannot be used.
@@ -118,6 +128,7 @@ impl Cluster {
             inter_latency_s: 10e-6,
             efficiency: Efficiency::default(),
             op_overhead_s: Overhead::default(),
+            compute_slots: None,
         }
     }
 
@@ -143,7 +154,8 @@ impl Cluster {
     }
 
     /// This machine's virtual CPU devices before calibration: one core's
-    /// worth each, in-memory transfers.
+    /// worth each, sharing the machine's cores when more compute at once,
+    /// in-memory transfers.
     pub fn cpu_local_default() -> Self {
         Cluster {
             name: "cpu-local".into(),
@@ -163,6 +175,9 @@ impl Cluster {
                 bw: 1.0,
             },
             op_overhead_s: Overhead::default(),
+            compute_slots: Some(
+                std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
+            ),
         }
     }
 
@@ -241,6 +256,11 @@ impl Cluster {
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(field(f, v, "zero or more and finite"));
+            }
+        }
+        if let Some(s) = self.compute_slots {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(field("compute_slots", s, "positive and finite"));
             }
         }
         if self.devices_per_node == 0 {

@@ -16,6 +16,12 @@ pub trait CostModel {
     /// op (an expert pass exchanging its tokens inside the op: `shard` on
     /// `compute`). Reported as exposed communication, since the op waits on it.
     fn in_op_exchange(&self, op: &Op) -> f64;
+    /// Whether a node's devices share its compute (virtual devices on the
+    /// cores of one machine), and how; `None`: each device computes on its
+    /// own (GPUs).
+    fn shared_compute(&self) -> Option<super::Sharing> {
+        None
+    }
 }
 
 /// AdamW reads parameters, gradients and two moments and writes three of
@@ -60,6 +66,15 @@ impl CostModel for Cluster {
             }
             _ => 0.0,
         }
+    }
+
+    fn shared_compute(&self) -> Option<super::Sharing> {
+        self.compute_slots
+            .filter(|s| *s < f64::from(self.devices_per_node))
+            .map(|slots| super::Sharing {
+                devices_per_node: self.devices_per_node,
+                slots,
+            })
     }
 
     fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {

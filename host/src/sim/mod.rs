@@ -25,7 +25,8 @@ pub use cluster::{Cluster, ClusterError};
 pub use cost::{CostModel, UnitCosts};
 
 use crate::compile::plan::{OpKind, Plan, Spread};
-use std::collections::{BTreeMap, HashMap};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
 /// What a span of a timeline shows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -298,13 +299,226 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
         fill[a as usize] += 1;
     }
     drop(edges);
-    // Kahn's order; collectives start when their whole group has arrived.
     let mut ready_at = vec![0f64; n];
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
     let mut arrived: HashMap<u32, usize> = HashMap::new();
-    let mut queue: Vec<usize> = (0..n).filter(|&g| indeg[g] == 0).collect();
     let mut done = 0usize;
+    if let Some(share) = costs.shared_compute() {
+        // Devices of a node share its compute: ops in time order.
+        let mut run = SharedRun {
+            share,
+            now: 0.0,
+            ready: BinaryHeap::new(),
+            active: HashMap::new(),
+        };
+        for g in (0..n).filter(|&g| indeg[g] == 0) {
+            run.ready.push(Reverse((Time(0.0), g)));
+        }
+        let release = |g: usize,
+                       run: &mut SharedRun,
+                       end: &[f64],
+                       ready_at: &mut [f64],
+                       indeg: &mut [u32]| {
+            for &s in &succ[head[g] as usize..head[g + 1] as usize] {
+                let s = s as usize;
+                ready_at[s] = ready_at[s].max(end[g]);
+                indeg[s] -= 1;
+                if indeg[s] == 0 {
+                    run.ready.push(Reverse((Time(ready_at[s]), s)));
+                }
+            }
+        };
+        loop {
+            let next_ready = run.ready.peek().map_or(f64::INFINITY, |r| (r.0).0 .0);
+            let (next_end, finishing) = run.next_end();
+            if next_ready.is_infinite() && next_end.is_infinite() {
+                break;
+            }
+            if next_end < next_ready {
+                run.advance(next_end);
+                let (node, k) = finishing;
+                let Some(ops) = run.active.get_mut(&node) else {
+                    break;
+                };
+                let (g, _) = ops.swap_remove(k);
+                end[g] = next_end;
+                release(g, &mut run, &end, &mut ready_at, &mut indeg);
+                done += 1;
+                continue;
+            }
+            let Some(Reverse((Time(t), g))) = run.ready.pop() else {
+                break;
+            };
+            run.advance(t);
+            let (_, o) = op_of(g);
+            let d = at[g].0;
+            match o.op {
+                OpKind::AllReduce
+                | OpKind::ReduceScatter
+                | OpKind::AllGather
+                | OpKind::AllToAll => {
+                    let group = &members[&o.node];
+                    let c = arrived.entry(o.node).or_insert(0);
+                    *c += 1;
+                    if *c < group.len() {
+                        continue;
+                    }
+                    let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
+                    let t = costs.collective(o, &devs);
+                    for &m in group {
+                        start[m] = run.now;
+                        end[m] = run.now + t;
+                    }
+                    for &m in group {
+                        release(m, &mut run, &end, &mut ready_at, &mut indeg);
+                        done += 1;
+                    }
+                    continue;
+                }
+                OpKind::Send => {
+                    start[g] = run.now;
+                    end[g] = run.now + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+                }
+                OpKind::Recv => {
+                    start[g] = run.now;
+                    end[g] = run.now.max(end[send_of[g]]);
+                }
+                _ => {
+                    start[g] = run.now;
+                    let work = costs.compute(o);
+                    if work > 0.0 {
+                        let node = d / share.devices_per_node.max(1);
+                        run.active.entry(node).or_default().push((g, work));
+                        continue;
+                    }
+                    end[g] = run.now;
+                }
+            }
+            release(g, &mut run, &end, &mut ready_at, &mut indeg);
+            done += 1;
+        }
+    } else {
+        run_in_dependency_order(
+            &ix,
+            plan,
+            costs,
+            (&succ, &head),
+            &members,
+            &send_of,
+            &mut indeg,
+            &mut ready_at,
+            (&mut start, &mut end),
+            &mut done,
+        );
+    }
+    drop(arrived);
+    if done < n {
+        let g = (0..n).find(|&g| end[g].is_nan()).unwrap_or(0);
+        let (s, o) = op_of(g);
+        return Err(SimError::Stuck {
+            stuck: n - done,
+            device: at[g].0,
+            stream: s.stream.clone(),
+            index: at[g].2 as usize,
+            label: o.label(),
+        });
+    }
+    finish(plan, &ix, costs, &start, &end)
+}
+
+/// How a node's devices share its compute ([`CostModel::shared_compute`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sharing {
+    pub devices_per_node: u32,
+    /// Compute ops that run at full speed at once on a node; more share
+    /// it equally.
+    pub slots: f64,
+}
+
+/// A time for the ready heap, ordered by `total_cmp`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Time(f64);
+impl Eq for Time {}
+impl PartialOrd for Time {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Time {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&o.0)
+    }
+}
+
+/// The time-ordered run of [`simulate`] under shared compute: ops become
+/// ready at their dependencies' ends; running compute ops of a node
+/// progress at `min(1, slots ÷ running)` of their full speed.
+struct SharedRun {
+    share: Sharing,
+    now: f64,
+    ready: BinaryHeap<Reverse<(Time, usize)>>,
+    /// Per node: (op, seconds of work left at full speed).
+    active: HashMap<u32, Vec<(usize, f64)>>,
+}
+
+impl SharedRun {
+    fn rate(&self, running: usize) -> f64 {
+        (self.share.slots / running.max(1) as f64).min(1.0)
+    }
+    /// The first end among running ops, and which (node, position).
+    fn next_end(&self) -> (f64, (u32, usize)) {
+        let mut best = (f64::INFINITY, (0, 0));
+        for (node, ops) in &self.active {
+            let r = self.rate(ops.len());
+            for (k, (_, left)) in ops.iter().enumerate() {
+                let t = self.now + left / r;
+                if t < best.0 || (t == best.0 && (*node, k) < best.1) {
+                    best = (t, (*node, k));
+                }
+            }
+        }
+        best
+    }
+    /// Move the clock to `t`, every running op progressing at its rate.
+    fn advance(&mut self, t: f64) {
+        let dt = t - self.now;
+        if dt > 0.0 {
+            for ops in self.active.values_mut() {
+                let r = (self.share.slots / ops.len().max(1) as f64).min(1.0);
+                for (_, left) in ops.iter_mut() {
+                    *left = (*left - dt * r).max(0.0);
+                }
+            }
+            self.now = t;
+        }
+    }
+}
+
+/// Kahn's order without contention: every op starts when its dependencies
+/// end; collectives when their whole group has arrived.
+#[allow(clippy::too_many_arguments)]
+fn run_in_dependency_order(
+    ix: &OpIndex,
+    plan: &Plan,
+    costs: &dyn CostModel,
+    (succ, head): (&[u32], &[u32]),
+    members: &HashMap<u32, Vec<usize>>,
+    send_of: &[usize],
+    indeg: &mut [u32],
+    ready_at: &mut [f64],
+    (start, end): (&mut [f64], &mut [f64]),
+    done: &mut usize,
+) {
+    let (at, local) = (&ix.at, &ix.local);
+    let n = at.len();
+    let op_of = |g: usize| {
+        let (d, _, i) = at[g];
+        let s = &plan.devices[d as usize].streams[local[g] as usize];
+        &s.ops[i as usize]
+    };
+    let mut arrived: HashMap<u32, usize> = HashMap::new();
+    let mut queue: Vec<usize> = (0..n).filter(|&g| indeg[g] == 0).collect();
     let release =
         |g: usize, queue: &mut Vec<usize>, end: &[f64], ready_at: &mut [f64], indeg: &mut [u32]| {
             for &s in &succ[head[g] as usize..head[g + 1] as usize] {
@@ -317,7 +531,7 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             }
         };
     while let Some(g) = queue.pop() {
-        let (_, o) = op_of(g);
+        let o = op_of(g);
         let d = at[g].0;
         match o.op {
             OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
@@ -335,8 +549,8 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
                     end[m] = t0 + t;
                 }
                 for &m in group {
-                    release(m, &mut queue, &end, &mut ready_at, &mut indeg);
-                    done += 1;
+                    release(m, &mut queue, end, ready_at, indeg);
+                    *done += 1;
                 }
                 continue;
             }
@@ -355,21 +569,21 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
                 end[g] = start[g] + costs.compute(o);
             }
         }
-        release(g, &mut queue, &end, &mut ready_at, &mut indeg);
-        done += 1;
+        release(g, &mut queue, end, ready_at, indeg);
+        *done += 1;
     }
-    if done < n {
-        let g = (0..n).find(|&g| end[g].is_nan()).unwrap_or(0);
-        let (s, o) = op_of(g);
-        return Err(SimError::Stuck {
-            stuck: n - done,
-            device: at[g].0,
-            stream: s.stream.clone(),
-            index: at[g].2 as usize,
-            label: o.label(),
-        });
-    }
-    let mut sim = assemble(plan, &ix, &start, &end);
+}
+
+/// The timeline of (start, end) per op, with exchanges inside compute ops
+/// counted as exposed communication.
+fn finish(
+    plan: &Plan,
+    ix: &OpIndex,
+    costs: &dyn CostModel,
+    start: &[f64],
+    end: &[f64],
+) -> Result<Simulation, SimError> {
+    let mut sim = assemble(plan, ix, start, end);
     // Exchanges inside compute ops are communication the device waits on.
     for (dp, summary) in plan.devices.iter().zip(&mut sim.devices) {
         for o in dp.streams.iter().flat_map(|s| &s.ops) {

@@ -30,7 +30,8 @@ impl Strategy for DualPipe {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let who = "dualpipe";
         // 1. Copy A's stages, one per device; preconditions with the numbers.
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, who)?;
+        let pipe =
+            Pipeline::plan(dag, options.u32("stages")?, who)?.with_boundaries(options, who)?;
         let p = pipe.stages();
         if p % 2 == 1 {
             return Err(Error::msg(format!(

@@ -50,7 +50,8 @@ impl Strategy for DualPipeV {
             2,
             &|s, p| if s < p { s } else { 2 * p - 1 - s },
             who,
-        )?;
+        )?
+        .with_boundaries(options, who)?;
         let p = pipe.positions();
         let m = microbatches(options, 2 * pipe.stages(), who)?;
         if m < 2 * p {

@@ -65,7 +65,8 @@ impl Strategy for Interleaved {
             )));
         }
         // 1. Stage s = k·p + r sits on device r: chunk k of device r.
-        let pipe = Pipeline::layout(dag, options.u32("stages")?, v, &|s, p| s % p, who)?;
+        let pipe = Pipeline::layout(dag, options.u32("stages")?, v, &|s, p| s % p, who)?
+            .with_boundaries(options, who)?;
         let p = pipe.positions();
         let m = microbatches(options, 2 * p, who)?;
         if !m.is_multiple_of(p) {

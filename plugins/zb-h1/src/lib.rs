@@ -78,7 +78,8 @@ impl Strategy for ZbH1 {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         // 1. Stages on device groups; the schedule needs m ≥ p to reach its
         //    steady state.
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, "zb-h1")?;
+        let pipe = Pipeline::plan(dag, options.u32("stages")?, "zb-h1")?
+            .with_boundaries(options, "zb-h1")?;
         let p = pipe.stages();
         let m = piper_sdk::pipeline::microbatches(options, 2 * p, "zb-h1")?;
         if m < p {
