@@ -33,6 +33,22 @@ fn seconds(text: &str) -> f64 {
     }
 }
 
+/// The median step time of a `tiny` run's `--metrics` file (tokens per
+/// step ÷ tokens/s), the first step (warm-up) left out.
+fn median_step(metrics: &Path) -> f64 {
+    let mut steps: Vec<f64> = std::fs::read_to_string(metrics)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (32 * 64) as f64 / v["tokens_per_s"].as_f64().unwrap()
+        })
+        .collect();
+    steps.sort_by(f64::total_cmp);
+    steps[steps.len() / 2]
+}
+
 /// One training run of `strategy` on 2 devices with the calibrated
 /// cluster: its measured median step (the runtime's own step times, the
 /// first step, warm-up, left out), the simulator's prediction from its
@@ -65,17 +81,7 @@ fn measure(
             cluster.to_str().unwrap(),
         ],
     );
-    let mut steps: Vec<f64> = std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (32 * 64) as f64 / v["tokens_per_s"].as_f64().unwrap()
-        })
-        .collect();
-    steps.sort_by(f64::total_cmp);
-    let measured = steps[steps.len() / 2];
+    let measured = median_step(metrics);
     let line = out
         .lines()
         .find(|l| l.starts_with("report:"))
@@ -160,17 +166,7 @@ fn train_median(home: &Path, candidate: &str, metrics: &Path) -> f64 {
     }
     args.extend(["--metrics", metrics.to_str().unwrap()]);
     piper(home, &args);
-    let mut steps: Vec<f64> = std::fs::read_to_string(metrics)
-        .unwrap()
-        .lines()
-        .skip(1)
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (32 * 64) as f64 / v["tokens_per_s"].as_f64().unwrap()
-        })
-        .collect();
-    steps.sort_by(f64::total_cmp);
-    steps[steps.len() / 2]
+    median_step(metrics)
 }
 
 #[test]

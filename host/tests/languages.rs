@@ -245,6 +245,46 @@ fn the_python_js_and_c_examples_plan_exactly_like_the_rust_1f1b() {
             );
             compared += 1;
         }
+        // The Python and JS SDKs' pipelines cut at `boundaries` as Rust's
+        // does (the C example lays out its stages itself, evenly).
+        if lang == Lang::C {
+            continue;
+        }
+        let cut: &[Case] = &[
+            (
+                8,
+                4,
+                None,
+                &[("microbatches", "8"), ("boundaries", "0/3/5/7")],
+            ),
+            (
+                8,
+                4,
+                Some(("dp", &[("degree", "2")])),
+                &[("boundaries", "[0, 5]")],
+            ),
+        ];
+        for (layers, devices, before, opts) in cut {
+            let want = plan_hash(&rust, *layers, *devices, *before, opts);
+            assert_ne!(want, plan_hash(&rust, *layers, *devices, *before, &[]));
+            let got = plan_hash(&plugin, *layers, *devices, *before, opts);
+            assert_eq!(got, want, "{} 1F1B with {opts:?}", lang.title());
+            compared += 1;
+        }
+        let mut dag = TrainingDag::build(&model(8), Cluster::new(4)).unwrap();
+        let e = host()
+            .apply(
+                &plugin,
+                &mut dag,
+                &[("boundaries".into(), "0/4/4/7".into())],
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("boundaries must increase") && e.contains("4 follows 4"),
+            "{}: {e}",
+            lang.title()
+        );
     }
     eprintln!("compared {compared} plans");
 }

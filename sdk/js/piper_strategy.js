@@ -228,10 +228,40 @@ export class Pipeline {
     return new Pipeline(groups, regions);
   }
 
-  /** Lay out `stages` (option), split into `microbatches` (default 2 x
-   *  stages) and place each stage, transfers on the `stream` option. */
+  /** Cut the stages at the `boundaries` option when it is given (each
+   *  stage's first PP region, see `parseBoundaries`); the even cut of
+   *  `plan` otherwise. */
+  withBoundaries(options, who) {
+    const text = options.str('boundaries');
+    if (text !== undefined) this.cutAt(parseBoundaries(text, who), who);
+    return this;
+  }
+
+  /** Stage s starts at region firsts[s] and runs to the next stage's first
+   *  (the last stage to the last region): one first region per stage, the
+   *  first 0, strictly increasing. */
+  cutAt(firsts, who) {
+    const stages = this.regions.length;
+    const n = 1 + this.regions.flat().reduce((m, r) => Math.max(m, r), -1);
+    const shown = `[${firsts.join(', ')}]`;
+    if (firsts.length !== stages) throw new Error(`${who}: boundaries name ${firsts.length} stages' first regions, the pipeline has ${stages} stages`);
+    if (firsts[0] !== 0) throw new Error(`${who}: boundaries must start at region 0 (the first stage's first region), got ${shown}`);
+    for (let i = 1; i < firsts.length; i++) {
+      if (firsts[i] <= firsts[i - 1]) throw new Error(`${who}: boundaries must increase (every stage holds at least one region): ${firsts[i]} follows ${firsts[i - 1]} in ${shown}`);
+    }
+    const last = firsts[firsts.length - 1];
+    if (last >= n) throw new Error(`${who}: boundary ${last} is past the model's last PP region (${n} regions, 0 to ${Math.max(n - 1, 0)})`);
+    this.regions = firsts.map((a, s) => {
+      const end = s + 1 < firsts.length ? firsts[s + 1] : n;
+      return Array.from({ length: end - a }, (_, i) => a + i);
+    });
+  }
+
+  /** Lay out `stages` (option, cut at `boundaries` when given), split into
+   *  `microbatches` (default 2 x stages) and place each stage, transfers on
+   *  the `stream` option. */
   static splitAndPlace(dag, options, who) {
-    const pipe = Pipeline.plan(dag, options.u32('stages'), who);
+    const pipe = Pipeline.plan(dag, options.u32('stages'), who).withBoundaries(options, who);
     const mbs = options.u32('microbatches') ?? 2 * pipe.stages();
     if (mbs === 0) throw new Error(`${who} needs at least 1 microbatch, got 0`);
     dag.split(Filter.all(), 'MB', mbs);
@@ -248,9 +278,30 @@ export class Pipeline {
   step(s, mb, pass) { return this.regions[s].map((r) => Filter.tag('PP', r).and('MB', mb).pass(pass)); }
 }
 
-/** The options every pipeline plugin takes: stages, microbatches, stream. */
+const MAX_BOUNDARIES = 4096;
+
+/** A `boundaries` option's text: each stage's first PP region, separated by
+ *  `/` (`0/4/8/11`) or commas inside brackets (`[0, 4, 8, 11]`). */
+export function parseBoundaries(text, who) {
+  const t = text.trim();
+  const inner = t.startsWith('[') && t.endsWith(']') ? t.slice(1, -1) : t;
+  const out = [];
+  for (const raw of inner.split(/[/,]/)) {
+    const item = raw.trim();
+    if (out.length === MAX_BOUNDARIES) throw new Error(`${who}: boundaries name more than ${MAX_BOUNDARIES} stages`);
+    if (!/^[0-9]+$/.test(item) || Number(item) > 0xffffffff) {
+      throw new Error(`${who}: boundaries \`${t.slice(0, 80)}\`: \`${item.slice(0, 40)}\` is not a region index (give each stage's first PP region, e.g. \`0/4/8/11\`)`);
+    }
+    out.push(Number(item));
+  }
+  return out;
+}
+
+/** The options every pipeline plugin takes: stages, microbatches,
+ *  boundaries (default: an even cut), stream. */
 export function pipelineOptions(info, stagesHelp, microbatchesHelp) {
   return info.option(OptionSpec.int('stages', undefined, stagesHelp))
     .option(OptionSpec.int('microbatches', undefined, microbatchesHelp))
+    .option(OptionSpec.str('boundaries', undefined, 'first PP region of each stage, e.g. 0/4/8/11 (default: regions cut evenly, earlier stages taking the remainder)'))
     .option(OptionSpec.str('stream', 'pp', 'stream of the activation/gradient transfers'));
 }

@@ -360,11 +360,43 @@ class Pipeline:
             nxt += take
         return Pipeline(groups, regions)
 
+    def with_boundaries(self, options, who):
+        """Cut the stages at the `boundaries` option when it is given (each
+        stage's first PP region, see `parse_boundaries`); the even cut of
+        `plan` otherwise."""
+        text = options.str("boundaries")
+        if text is not None:
+            self.cut_at(parse_boundaries(text, who), who)
+        return self
+
+    def cut_at(self, firsts, who):
+        """Stage s starts at region firsts[s] and runs to the next stage's
+        first (the last stage to the last region): one first region per
+        stage, the first 0, strictly increasing."""
+        stages = len(self.regions)
+        n = 1 + max((r for rs in self.regions for r in rs), default=-1)
+        if len(firsts) != stages:
+            raise ValueError("%s: boundaries name %d stages' first regions, the pipeline has %d stages"
+                             % (who, len(firsts), stages))
+        if not firsts or firsts[0] != 0:
+            raise ValueError("%s: boundaries must start at region 0 (the first stage's first region), got %s"
+                             % (who, firsts))
+        for a, b in zip(firsts, firsts[1:]):
+            if b <= a:
+                raise ValueError("%s: boundaries must increase (every stage holds at least one region): "
+                                 "%d follows %d in %s" % (who, b, a, firsts))
+        if firsts[-1] >= n:
+            raise ValueError("%s: boundary %d is past the model's last PP region (%d regions, 0 to %d)"
+                             % (who, firsts[-1], n, max(n - 1, 0)))
+        ends = firsts[1:] + [n]
+        self.regions = [list(range(a, b)) for a, b in zip(firsts, ends)]
+
     @staticmethod
     def split_and_place(dag, options, who):
-        """Lay out `stages` (option), split into `microbatches` (default 2 x
-        stages) and place each stage, transfers on the `stream` option."""
-        pipe = Pipeline.plan(dag, options.u32("stages"), who)
+        """Lay out `stages` (option, cut at `boundaries` when given), split
+        into `microbatches` (default 2 x stages) and place each stage,
+        transfers on the `stream` option."""
+        pipe = Pipeline.plan(dag, options.u32("stages"), who).with_boundaries(options, who)
         mbs = options.u32("microbatches")
         if mbs is None:
             mbs = 2 * pipe.stages()
@@ -385,8 +417,34 @@ class Pipeline:
         return [Filter.tag("PP", r).and_("MB", mb).pass_(pass_name) for r in self.regions[s]]
 
 
+_MAX_BOUNDARIES = 4096
+
+
+def parse_boundaries(text, who):
+    """A `boundaries` option's text: each stage's first PP region, separated
+    by `/` (`0/4/8/11`) or commas inside brackets (`[0, 4, 8, 11]`)."""
+    t = text.strip()
+    inner = t[1:-1] if t.startswith("[") and t.endswith("]") else t
+    out = []
+    for item in inner.replace(",", "/").split("/"):
+        item = item.strip()
+        if len(out) == _MAX_BOUNDARIES:
+            raise ValueError("%s: boundaries name more than %d stages" % (who, _MAX_BOUNDARIES))
+        if not item or len(item) > 10 or any(c not in "0123456789" for c in item) \
+                or int(item) > 0xFFFFFFFF:
+            raise ValueError("%s: boundaries `%s`: `%s` is not a region index "
+                             "(give each stage's first PP region, e.g. `0/4/8/11`)"
+                             % (who, t[:80], item[:40]))
+        out.append(int(item))
+    return out
+
+
 def pipeline_options(info, stages_help, microbatches_help):
-    """The options every pipeline plugin takes: stages, microbatches, stream."""
+    """The options every pipeline plugin takes: stages, microbatches,
+    boundaries (default: an even cut), stream."""
     return (info.option(OptionSpec.int("stages", None, stages_help))
                 .option(OptionSpec.int("microbatches", None, microbatches_help))
+                .option(OptionSpec.str("boundaries", None,
+                                       "first PP region of each stage, e.g. 0/4/8/11 "
+                                       "(default: regions cut evenly, earlier stages taking the remainder)"))
                 .option(OptionSpec.str("stream", "pp", "stream of the activation/gradient transfers")))

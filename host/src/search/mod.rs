@@ -352,35 +352,30 @@ fn evaluate(
 
 /// Why `a` (faster) beat `b`: the figures that differ most, largest first.
 pub fn why(a: &Scored, b: &Scored) -> String {
-    let mut parts: Vec<(f64, String)> = Vec::new();
+    let time = sim::report::human_time;
     let idle = |s: &Scored| s.bubble * s.step_time;
-    let d_idle = idle(b) - idle(a);
-    parts.push((
-        d_idle.abs(),
-        format!(
-            "bubble {:.1}% vs {:.1}%",
-            a.bubble * 100.0,
-            b.bubble * 100.0
+    let mut parts: Vec<(f64, String)> = vec![
+        (
+            (idle(b) - idle(a)).abs(),
+            format!(
+                "bubble {:.1}% vs {:.1}%",
+                a.bubble * 100.0,
+                b.bubble * 100.0
+            ),
         ),
-    ));
-    let d_comm = b.exposed_comm - a.exposed_comm;
-    parts.push((
-        d_comm.abs(),
-        format!(
-            "exposed communication {} vs {}",
-            sim::report::human_time(a.exposed_comm),
-            sim::report::human_time(b.exposed_comm)
+        (
+            (b.exposed_comm - a.exposed_comm).abs(),
+            format!(
+                "exposed communication {} vs {}",
+                time(a.exposed_comm),
+                time(b.exposed_comm)
+            ),
         ),
-    ));
-    let d_busy = b.busy - a.busy;
-    parts.push((
-        d_busy.abs(),
-        format!(
-            "compute per device {} vs {}",
-            sim::report::human_time(a.busy),
-            sim::report::human_time(b.busy)
+        (
+            (b.busy - a.busy).abs(),
+            format!("compute per device {} vs {}", time(a.busy), time(b.busy)),
         ),
-    ));
+    ];
     parts.sort_by(|x, y| y.0.total_cmp(&x.0));
     let speed = b.step_time / a.step_time.max(f64::MIN_POSITIVE);
     format!(
