@@ -1,23 +1,36 @@
 //! `cargo bench -p piper --features mpi --bench mpi`: the same plans in one
 //! process and on 2 MPI ranks (one device per rank, loopback), side by side
 //! in one run: `tiny` and a mid-size model (6 layers, d_model 384, batch
-//! 8×256), each under `dp` over 2 devices and `1f1b` over 2 stages. For each:
-//! the median step time (from the metrics, first step left out) and the time
-//! a device spends in communication ops per step (sends, receives and
-//! collectives, waiting included; from the trace, mean over devices).
+//! 8×256), each under `dp`, `zero:stage=3` and `1f1b` over 2 devices. For
+//! each: the median step time (from the metrics, first step left out), the
+//! time a device spends in communication ops per step (sends, receives and
+//! collectives, waiting included; from the trace, mean over devices), and
+//! the bytes device 0 sent in a step (`comm_bytes`) beside the plan's
+//! prediction (the summary's `planned`).
+//!
+//! `PIPER_AGAINST=/path/to/an/older/piper` (built with `--features mpi`)
+//! runs that binary's 2-rank job too, in 3 pairs alternating which goes
+//! first, and prints the median ratio of communication time per step (this
+//! one's / the older's) — how the collectives compare with an earlier
+//! transport; this machine's speed drifts, a ratio taken pair by pair less. Both
+//! binaries should come from the same profile (`cargo bench --profile dev`
+//! builds this one as `target/debug/piper`).
 
 use std::path::Path;
 use std::process::Command;
 
 const STEPS: u32 = 6;
+/// Pairs of 2-rank runs against `PIPER_AGAINST`.
+const PAIRS: usize = 3;
 
-fn run(cmd: &mut Command) {
+fn run(cmd: &mut Command) -> String {
     let out = cmd.output().expect("run piper");
     assert!(
         out.status.success(),
         "{cmd:?}:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 fn is_root() -> bool {
@@ -59,8 +72,44 @@ fn comm_ms(trace: &Path) -> f64 {
     per_device.values().sum::<f64>() / n / (STEPS - 1) as f64
 }
 
+/// Bytes device 0 sent in step 2, when the binary records them.
+fn sent_bytes(metrics: &Path) -> Option<u64> {
+    let text = std::fs::read_to_string(metrics).ok()?;
+    let line = text.lines().nth(1)?;
+    let v: serde_json::Value = serde_json::from_str(line).ok()?;
+    v["comm_bytes"][0].as_u64()
+}
+
+/// The summary's prediction for device 0: `sent X in the last step, Y planned`.
+fn planned_bytes(stdout: &str) -> Option<String> {
+    let line = stdout.lines().find(|l| l.contains("device 0: peak"))?;
+    let at = line.find("in the last step, ")? + "in the last step, ".len();
+    Some(line[at..].trim_end_matches(" planned").to_string())
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64)
+}
+
+/// A 2-rank job of `bin`; its stdout.
+fn two_ranks(bin: &str, dir: &Path, args: &[String], metrics: &Path, trace: &Path) -> String {
+    let mut mpirun = Command::new("mpirun");
+    if is_root() {
+        mpirun.arg("--allow-run-as-root");
+    }
+    mpirun
+        .args(["--oversubscribe", "-n", "2", "-x"])
+        .arg(format!("PIPER_HOME={}", dir.display()))
+        .arg(bin)
+        .args(args)
+        .args(["--metrics", metrics.to_str().unwrap()])
+        .args(["--trace", trace.to_str().unwrap()]);
+    run(&mut mpirun)
+}
+
 fn main() {
     let bin = env!("CARGO_BIN_EXE_piper");
+    let against = std::env::var("PIPER_AGAINST").ok();
     let dir = std::env::temp_dir().join(format!("piper-bench-mpi-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -73,11 +122,19 @@ fn main() {
     let tiny_tokens = 32.0 * 64.0;
     let mid_tokens = 8.0 * 256.0;
     println!(
-        "{:<6} {:<22} {:>12} {:>12} {:>7} {:>12} {:>12}",
-        "model", "strategy", "1 process", "2 ranks", "ratio", "comm 1 proc", "comm 2 ranks"
+        "{:<6} {:<20} {:>11} {:>11} {:>6} {:>11} {:>11} {:>22}",
+        "model",
+        "strategy",
+        "1 process",
+        "2 ranks",
+        "ratio",
+        "comm 1 proc",
+        "comm 2 ranks",
+        "sent/step (planned)"
     );
+    let mut versus = Vec::new();
     for (model, tokens) in [("tiny", tiny_tokens), ("mid", mid_tokens)] {
-        for strategy in ["dp", "1f1b:microbatches=4"] {
+        for strategy in ["dp", "zero:stage=3", "1f1b:microbatches=4"] {
             let mut args: Vec<String> = vec!["train".into(), "--devices".into(), "2".into()];
             if model == "tiny" {
                 args.extend(["--model".into(), "tiny".into()]);
@@ -97,26 +154,57 @@ fn main() {
                 .args(["--metrics", f("one.jsonl").to_str().unwrap()])
                 .args(["--trace", f("one.trace").to_str().unwrap()])
                 .env("PIPER_HOME", &dir));
-            let mut mpirun = Command::new("mpirun");
-            if is_root() {
-                mpirun.arg("--allow-run-as-root");
-            }
-            run(mpirun
-                .args(["--oversubscribe", "-n", "2", "-x"])
-                .arg(format!("PIPER_HOME={}", dir.display()))
-                .arg(bin)
-                .args(&args)
-                .args(["--metrics", f("two.jsonl").to_str().unwrap()])
-                .args(["--trace", f("two.trace").to_str().unwrap()]));
+            let ours = || two_ranks(bin, &dir, &args, &f("two.jsonl"), &f("two.trace"));
+            let stdout = match &against {
+                // Pairs, alternating which binary goes first; the median of
+                // each pair's ratio.
+                Some(old) => {
+                    let theirs = || two_ranks(old, &dir, &args, &f("old.jsonl"), &f("old.trace"));
+                    let (mut out, mut ratios, mut ms) = (String::new(), Vec::new(), Vec::new());
+                    for pair in 0..PAIRS {
+                        if pair % 2 == 0 {
+                            out = ours();
+                            theirs();
+                        } else {
+                            theirs();
+                            out = ours();
+                        }
+                        let (a, b) = (comm_ms(&f("old.trace")), comm_ms(&f("two.trace")));
+                        ratios.push(b / a);
+                        ms.push((a, b));
+                    }
+                    versus.push((tag.clone(), ms, median(ratios)));
+                    out
+                }
+                None => ours(),
+            };
             let (one, two) = (
                 step_ms(&f("one.jsonl"), tokens),
                 step_ms(&f("two.jsonl"), tokens),
             );
+            let sent = sent_bytes(&f("two.jsonl")).map_or("-".into(), mib);
+            let planned = planned_bytes(&stdout).unwrap_or_else(|| "-".into());
             println!(
-                "{model:<6} {strategy:<22} {one:>9.1} ms {two:>9.1} ms {:>6.2}× {:>9.1} ms {:>9.1} ms",
+                "{model:<6} {strategy:<20} {one:>8.1} ms {two:>8.1} ms {:>5.2}× {:>8.1} ms {:>8.1} ms {:>22}",
                 two / one,
                 comm_ms(&f("one.trace")),
                 comm_ms(&f("two.trace")),
+                format!("{sent} ({planned})"),
+            );
+        }
+    }
+    if let Some(old) = &against {
+        println!(
+            "\ncommunication per step on 2 ranks, {old} -> this binary, {PAIRS} alternating pairs:"
+        );
+        for (tag, ms, ratio) in &versus {
+            let pairs: Vec<String> = ms
+                .iter()
+                .map(|(a, b)| format!("{a:.1} -> {b:.1}"))
+                .collect();
+            println!(
+                "  {tag:<12} median ratio {ratio:.2}×  (ms: {})",
+                pairs.join(", ")
             );
         }
     }

@@ -458,7 +458,7 @@ fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let steps = 6;
     let mut base = None;
-    let mut peaks = Vec::new();
+    let (mut peaks, mut sents) = (Vec::new(), Vec::new());
     for stage in 0..=3 {
         let st = stage.to_string();
         let strategy: Strategy = &[
@@ -467,18 +467,21 @@ fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
         ];
         let plan = plan_for(2, strategy);
         let predicted = plan.devices[0].peak_bytes;
+        let planned_sent = plan.predicted_sent_bytes()[0];
         let cfg = small();
         let mut trainer = Trainer::new(&cfg, plan, TrainOptions::default()).unwrap();
         let corpus = Corpus::builtin();
         let mut losses = Vec::new();
-        let mut peak = 0;
+        let (mut peak, mut sent) = (0, 0);
         for s in 1..=steps {
             let st = trainer
                 .step(&corpus.batch(s, 32, 16, 256).unwrap())
                 .unwrap();
             losses.push(st.loss);
             peak = peak.max(st.peak_bytes[0]);
+            sent = st.comm_bytes[0];
         }
+        sents.push((sent, planned_sent));
         let base = base.get_or_insert_with(|| losses.clone());
         for (a, b) in losses.iter().zip(base.iter()) {
             assert!((a - b).abs() / b < 1e-5, "ZeRO-{stage}: loss {a} vs DP {b}");
@@ -486,6 +489,31 @@ fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
         peaks.push((peak, predicted));
     }
     eprintln!("ZeRO-0..3 peak bytes on device 0 (measured, planned): {peaks:?}");
+    eprintln!("ZeRO-0..3 bytes device 0 sent per step (measured, planned): {sents:?}");
+    // The bytes a device sends are the plan's, within the grad-norm's few
+    // bytes: a reduce-scatter and an all-gather move half an all-reduce
+    // each, so ZeRO-1 sends what DP does (1/N of the gradients each way)
+    // and ZeRO-2 half an all-reduce more per extra microbatch. ZeRO-3 also
+    // gathers the tied embedding's bucket for the head, which the plan's
+    // gather of the head leaves out.
+    let rel = |(m, p): (u64, u64)| (m as f64 - p as f64).abs() / p as f64;
+    for (stage, s) in sents.iter().enumerate().take(3) {
+        assert!(
+            rel(*s) < 1e-3,
+            "ZeRO-{stage}: sent {s:?} (measured, planned)"
+        );
+    }
+    assert!(
+        sents[3].0 >= sents[3].1 && rel(sents[3]) < 0.15,
+        "ZeRO-3: sent {:?}",
+        sents[3]
+    );
+    assert_eq!(sents[1].0, sents[0].0, "ZeRO-1 and DP: {sents:?}");
+    // (The grad-norm's 4 bytes are not multiplied.)
+    assert!(
+        (2 * sents[2].0).abs_diff(3 * sents[0].0) <= 8,
+        "ZeRO-2, 2 microbatches: {sents:?}"
+    );
     // The plan predicts the measured peak within 5% at every stage (measured
     // here: within 2%).
     for (stage, (measured, planned)) in peaks.iter().enumerate() {

@@ -4,6 +4,7 @@
 
 mod backend;
 mod calibrate;
+mod comm;
 mod config;
 #[cfg(feature = "mpi")]
 mod job;
@@ -51,6 +52,10 @@ enum Command {
     /// Measure the CPU runtime on this machine and write the `cpu-local`
     /// cluster the simulator predicts it with.
     Calibrate(calibrate::CalibrateArgs),
+    /// Check the runtime's communication (in one process, or across the
+    /// ranks of an MPI job).
+    #[command(subcommand)]
+    Comm(CommCommand),
     /// Prepare training data.
     #[command(subcommand)]
     Data(DataCommand),
@@ -150,6 +155,15 @@ enum BackendCommand {
     /// the CPU's losses, strategies against one device, and with `--bench`
     /// gpt2-small's speed; `check.json` in `--out`.
     Check(backend::CheckArgs),
+}
+
+#[derive(Subcommand)]
+enum CommCommand {
+    /// Every collective (all-reduce, reduce-scatter, all-gather, all-to-all)
+    /// over groups of 1 to N devices with uneven sizes against a reference,
+    /// and the bytes each device sent against the algorithm's; under
+    /// `mpirun`, across the ranks.
+    Check(comm::CheckArgs),
 }
 
 #[derive(Subcommand)]
@@ -263,6 +277,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(a) => train::train(*a),
         Command::Backend(BackendCommand::Check(a)) => backend::check(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
+        Command::Comm(CommCommand::Check(a)) => comm::check(a),
         Command::Data(DataCommand::Tokenize {
             text,
             tokenizer,

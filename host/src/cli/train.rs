@@ -373,6 +373,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         None => None,
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
+    let predicted_sent = plan.predicted_sent_bytes();
     let devices = plan.devices.len();
     let hash = plan.hash.clone();
     #[cfg(feature = "mpi")]
@@ -476,6 +477,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let start = Instant::now();
     let (mut first, mut last) = (None, 0.0);
     let mut peaks = vec![0u64; devices];
+    let mut sent = vec![0u64; devices];
     let (mut routed, mut dropped) = (0u64, 0u64);
     let mut last_saved = None;
     let mut last_eval = None;
@@ -507,6 +509,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         let tps = tokens_per_step / s.elapsed.as_secs_f64();
         first.get_or_insert(s.loss);
         last = s.loss;
+        sent.clone_from(&s.comm_bytes);
         for (p, m) in peaks.iter_mut().zip(&s.peak_bytes) {
             *p = (*p).max(*m);
         }
@@ -553,6 +556,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                 "grad_norm": s.grad_norm,
                 "tokens_per_s": tps,
                 "peak_bytes": s.peak_bytes,
+                "comm_bytes": s.comm_bytes,
             });
             if let Some(l) = eval_loss {
                 line["eval_loss"] = l.into();
@@ -637,8 +641,17 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         write_report(path, sim_cluster.as_ref(), trainer.plan(), trace, &cfg.name)?;
     }
     for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
+        let (s, ps) = (sent.get(d).copied(), predicted_sent.get(d).copied());
+        let sent = match (s, ps) {
+            (Some(s), Some(ps)) if s > 0 || ps > 0 => format!(
+                "; sent {} in the last step, {} planned",
+                human_bytes(s),
+                human_bytes(ps)
+            ),
+            _ => String::new(),
+        };
         println!(
-            "  device {d}: peak {} measured, {} planned",
+            "  device {d}: peak {} measured, {} planned{sent}",
             human_bytes(*m),
             human_bytes(*p)
         );

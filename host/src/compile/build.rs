@@ -369,10 +369,20 @@ fn describe<'a>(
         }
     };
     // A collective stages this device's contribution and the result while
-    // it runs (the runtime accounts both against the cap).
+    // it runs (the runtime accounts both against the cap): the whole buffer
+    // twice for an all-reduce; the whole and one member's chunk for a
+    // reduce-scatter (its contribution, its chunk of the sum) or an
+    // all-gather (its shard, the gathered whole).
     let staging = match &n.kind {
         NodeKind::Comm(c) if !c.op.is_p2p() && c.purpose != CommPurpose::GradNorm => {
-            comm_bytes(c, div).saturating_mul(2)
+            let whole = comm_bytes(c, div);
+            match c.op {
+                CommOp::ReduceScatter | CommOp::AllGather => {
+                    let members = c.groups.iter().map(|g| g.len()).max().unwrap_or(1);
+                    whole.saturating_add(whole.div_ceil(members.max(1) as u64))
+                }
+                _ => whole.saturating_mul(2),
+            }
         }
         _ => 0,
     };

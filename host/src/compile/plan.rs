@@ -467,6 +467,32 @@ impl Op {
 }
 
 impl Plan {
+    /// Bytes each device sends per step by this plan, as the runtime's
+    /// transports move them: its sends, (N−1)/N of each reduce-scatter's,
+    /// all-gather's and all-to-all's buffer over N members, twice that for
+    /// an all-reduce. Exchanges inside tensor- and expert-parallel compute
+    /// ops are not in it.
+    pub fn predicted_sent_bytes(&self) -> Vec<u64> {
+        self.devices
+            .iter()
+            .map(|d| {
+                let ops = d.streams.iter().flat_map(|s| s.ops.iter());
+                let part = |op: &Op| {
+                    let n = op.group.as_ref().map_or(1, |g| g.len()).max(1) as f64;
+                    op.bytes as f64 * (n - 1.0) / n
+                };
+                ops.map(|op| match op.op {
+                    OpKind::Send => op.bytes as f64,
+                    OpKind::AllReduce => 2.0 * part(op),
+                    OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => part(op),
+                    _ => 0.0,
+                })
+                .sum::<f64>()
+                .round() as u64
+            })
+            .collect()
+    }
+
     /// Hash of the plan body (everything but `hash`): each stream's ops
     /// hashed on their own ([`StreamHasher`], in parallel), then each
     /// device's sizes and stream hashes, then the devices in order. The

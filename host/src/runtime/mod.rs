@@ -170,6 +170,9 @@ pub struct StepStats {
     /// Model states per device (parameters, gradients, optimizer moments,
     /// sharded or not) as the runtime allocated them.
     pub state_bytes: Vec<u64>,
+    /// Bytes each device sent to other devices this step (messages and its
+    /// part of every collective, as the transport moved them).
+    pub comm_bytes: Vec<u64>,
     /// MoE: expert assignments (token × top-k choice) routed this step,
     /// and how many of them capacity dropped (zero for dense models).
     pub moe_routed: u64,
@@ -523,6 +526,7 @@ impl Trainer {
         };
         let plans: Vec<&DevicePlan> = self.local.iter().map(|&i| &self.plan.devices[i]).collect();
         let ran = self.devices.run_step(&plans, inputs);
+        let sent = comm.sent_bytes();
         drop(comm);
         ran?;
         // Per plan device (zeros for another rank's, filled in by the
@@ -532,6 +536,12 @@ impl Trainer {
         let (mut losses, mut grad_norm) = (vec![0.0f64; n], 0.0f64);
         let (mut peak_bytes, mut state_bytes) = (vec![0u64; n], vec![0u64; n]);
         let (mut routed, mut dropped) = (vec![0u64; n], vec![0u64; n]);
+        let mut comm_bytes = vec![0u64; n];
+        for (&d, &b) in &sent {
+            if let Some(c) = comm_bytes.get_mut(d as usize) {
+                *c = b;
+            }
+        }
         for ((s, peak, states), &i) in self.devices.stats()?.into_iter().zip(&self.local) {
             losses[i] = s.loss;
             // A NaN wins (`f64::max` would drop it).
@@ -548,7 +558,13 @@ impl Trainer {
             grad_norm = f.reduce_stats(
                 &mut losses,
                 grad_norm,
-                [&mut peak_bytes, &mut state_bytes, &mut routed, &mut dropped],
+                [
+                    &mut peak_bytes,
+                    &mut state_bytes,
+                    &mut routed,
+                    &mut dropped,
+                    &mut comm_bytes,
+                ],
             );
         }
         let loss: f64 = losses.iter().fold(0.0, |a, x| a + x);
@@ -563,6 +579,7 @@ impl Trainer {
             elapsed: t.elapsed(),
             peak_bytes,
             state_bytes,
+            comm_bytes,
             moe_routed: routed.iter().sum(),
             moe_dropped: dropped.iter().sum(),
         };
@@ -626,9 +643,9 @@ impl Trainer {
         #[cfg(feature = "mpi")]
         if let Some(f) = self.fabric() {
             f.finish(key);
-            let mut none = [vec![0u64; n], vec![0u64; n], vec![0u64; n], vec![0u64; n]];
-            let [a, b, c, d] = &mut none;
-            f.reduce_stats(&mut losses, 0.0, [a, b, c, d]);
+            let mut none: [Vec<u64>; 5] = std::array::from_fn(|_| vec![0u64; n]);
+            let [a, b, c, d, e] = &mut none;
+            f.reduce_stats(&mut losses, 0.0, [a, b, c, d, e]);
         }
         let loss = losses.iter().fold(0.0, |a, x| a + x);
         if !loss.is_finite() {

@@ -8,6 +8,7 @@
 
 use super::backend::{Backend, BackendError, ParamId, ParamMap};
 use super::buffers::Buf;
+use super::comm::even_shards;
 use super::device::{Device, Spreads};
 use super::error::RuntimeError;
 use super::ops::{comm_error, missing};
@@ -15,7 +16,6 @@ use super::step::StepCtx;
 use crate::compile::plan::{CommPurpose, DevicePlan, Op, TensorKind};
 use crate::model::params::ParamTable;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 
 /// Full host tensors of the three kinds of state, by id (a checkpoint's).
 pub(crate) struct HostStates {
@@ -61,14 +61,6 @@ impl<B: Backend> Bucket<B> {
                 (lo < hi).then(|| (n, lo - at..hi - at, lo - s.start..hi - s.start))
             })
             .collect()
-    }
-    /// A host vector of the full layout with `shard_data` (this device's
-    /// slice) in place, zeros elsewhere.
-    fn padded(&self, b: &B, shard_data: &B::Tensor) -> Result<Vec<f32>, BackendError> {
-        let mut v = vec![0.0; self.total];
-        let host = b.download_range(shard_data, 0..self.shard.len())?;
-        v[self.shard.clone()].copy_from_slice(&host);
-        Ok(v)
     }
     /// This device's shard of the full tensors in `t`, laid out flat.
     fn shard_of(&self, b: &B, t: &ParamMap<B::Tensor>) -> Result<B::Tensor, BackendError> {
@@ -142,8 +134,9 @@ pub(super) fn layout<B: Backend>(
             })
             .collect::<Result<Vec<_>, BackendError>>()?;
         let total: usize = names.iter().map(|(_, l)| l).sum();
-        let per = total.div_ceil(n);
-        let shard = (rank * per).min(total)..((rank + 1) * per).min(total);
+        let lens = even_shards(total, n);
+        let at: usize = lens[..rank].iter().sum();
+        let shard = at..at + lens[rank];
         let mut bucket = Bucket {
             segments: segs,
             total,
@@ -229,8 +222,7 @@ pub(crate) fn assemble(shards: impl IntoIterator<Item = Shard>, out: &mut ParamM
 
 impl<B: Backend> Device<B> {
     /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
-    /// AdamW moments (ZeRO-1/2/3) or the last step's reduced gradients
-    /// (ZeRO-2/3, when captured).
+    /// AdamW moments or the last step's reduced gradients (when captured).
     pub(crate) fn shards(&self, part: ShardPart) -> Result<Vec<Shard>, RuntimeError> {
         let buckets = self.buckets.lock().unwrap();
         let captured = self.captured_shards.lock().unwrap();
@@ -327,20 +319,94 @@ pub(super) fn norm_sq<B: Backend>(
     dev.b.sum_squares(&pieces)
 }
 
+/// The chunk lengths of `op`'s bucket over `group` (one per member, in
+/// group order), checked against this device's shard.
+pub(super) fn member_lens<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    group: &[u32],
+) -> Result<Vec<usize>, RuntimeError> {
+    let buckets = dev.buckets.lock().unwrap();
+    let b = buckets
+        .iter()
+        .find(|b| *b.segments == *op.segments)
+        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
+    lens_of(dev, op, b, group)
+}
+
+/// `b`'s chunks over `group`: the shards its layout gave each member.
+fn lens_of<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    b: &Bucket<B>,
+    group: &[u32],
+) -> Result<Vec<usize>, RuntimeError> {
+    let lens = even_shards(b.total, group.len());
+    let pos = group.iter().position(|d| *d == dev.id);
+    let start = pos.map(|p| lens[..p].iter().sum::<usize>());
+    match (pos, start) {
+        (Some(p), Some(at)) if at == b.shard.start && lens[p] == b.shard.len() => Ok(lens),
+        _ => Err(RuntimeError::Plan(format!(
+            "device {}: {}: its ZeRO shard {:?} of {} values is not its part of group {group:?}",
+            dev.id,
+            super::error::label(op),
+            b.shard,
+            b.total
+        ))),
+    }
+}
+
 /// ZeRO-2/3: add this device's shard of a reduced microbatch gradient to
 /// its bucket.
 pub(super) fn accumulate_shard<B: Backend>(
     dev: &Device<B>,
     op: &Op,
-    sum: &[f32],
+    shard: &[f32],
 ) -> Result<(), RuntimeError> {
     let mut buckets = dev.buckets.lock().unwrap();
     let b = buckets
         .iter_mut()
         .find(|b| *b.segments == *op.segments)
         .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-    let shard = b.shard.clone();
-    dev.b.add_host(&mut b.grad, 0, &sum[shard]);
+    if shard.len() != b.shard.len() {
+        return Err(missing(
+            dev,
+            op,
+            &format!("a gradient shard of {} values", b.shard.len()),
+        ));
+    }
+    dev.b.add_host(&mut b.grad, 0, shard);
+    Ok(())
+}
+
+/// ZeRO-1: put this device's shard of the reduced gradients into its whole
+/// gradients. The rest of them stays this device's own, unreduced: only
+/// the shard is read after this (the norm, the sharded step, a capture).
+pub(super) fn write_grad_shard<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    shard: &[f32],
+) -> Result<(), RuntimeError> {
+    // Gradients before buckets, as the update locks them.
+    let mut grads = dev.grads.lock().unwrap();
+    let buckets = dev.buckets.lock().unwrap();
+    let b = buckets
+        .iter()
+        .find(|b| *b.segments == *op.segments)
+        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
+    if shard.len() != b.shard.len() {
+        return Err(missing(
+            dev,
+            op,
+            &format!("a gradient shard of {} values", b.shard.len()),
+        ));
+    }
+    for (n, in_tensor, in_shard) in b.pieces() {
+        let g = grads
+            .get_mut(n)
+            .ok_or_else(|| missing(dev, op, &format!("gradient {}", dev.table.name(n))))?;
+        dev.b.write(g, in_tensor.start, &shard[in_shard]);
+    }
     Ok(())
 }
 
@@ -360,8 +426,12 @@ pub(super) fn update<B: Backend>(
     if ctx.opts.capture_grads {
         let mut cap = dev.captured_shards.lock().unwrap();
         for (i, b) in buckets.iter().enumerate() {
-            if b.zero >= 2 && b.within(&op.segments) {
-                cap.insert(i, bk.duplicate(&b.grad)?);
+            if b.within(&op.segments) {
+                let reduced = match b.zero {
+                    1 => b.shard_of(bk, grads)?,
+                    _ => bk.duplicate(&b.grad)?,
+                };
+                cap.insert(i, reduced);
             }
         }
     }
@@ -411,17 +481,17 @@ pub(super) fn update<B: Backend>(
     Ok(())
 }
 
-/// A bucket's parameters padded to its full layout: this device's shard in
-/// place, zeros elsewhere (summed over the group, that is an all-gather).
-fn params_padded<B: Backend>(
+/// This device's shard of a bucket's parameters: its own (ZeRO-3) or cut
+/// from the full ones (ZeRO-1/2), on the host.
+fn param_shard<B: Backend>(
     dev: &Device<B>,
     b: &Bucket<B>,
     params: &ParamMap<B::Tensor>,
 ) -> Result<Vec<f32>, BackendError> {
-    if b.zero >= 3 {
-        return b.padded(&dev.b, &b.param);
+    match b.zero >= 3 {
+        true => dev.b.download_range(&b.param, 0..b.shard.len()),
+        false => dev.b.download_owned(b.shard_of(&dev.b, params)?),
     }
-    b.padded(&dev.b, &b.shard_of(&dev.b, params)?)
 }
 
 /// ZeRO-1/2, after the sharded step: gather every member's updated shard
@@ -435,16 +505,17 @@ pub(super) fn param_refresh<B: Backend>(
     let fail = |e| dev.backend_error(op, e);
     // Locks in the update's order (parameters, then buckets): an update of
     // another bucket may run on the compute stream meanwhile.
-    let padded = {
+    let (mine, lens) = {
         let params = dev.params.read().unwrap();
         let buckets = dev.buckets.lock().unwrap();
         let b = buckets
             .iter()
             .find(|b| *b.segments == *op.segments)
             .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-        params_padded(dev, b, &params).map_err(fail)?
+        let lens = lens_of(dev, op, b, group)?;
+        (param_shard(dev, b, &params).map_err(fail)?, vec![lens])
     };
-    let full = all_gather_padded(dev, op, ctx, group, padded)?;
+    let full = gather_shards(dev, op, ctx, group, mine, &lens)?;
     let mut params = dev.params.write().unwrap();
     let buckets = dev.buckets.lock().unwrap();
     let b = buckets
@@ -455,7 +526,7 @@ pub(super) fn param_refresh<B: Backend>(
         let p = params
             .get_mut(n)
             .ok_or_else(|| fail(BackendError::MissingParam(n)))?;
-        dev.b.write(p, 0, &full[at..at + len]);
+        dev.b.write(p, 0, &full[0][at..at + len]);
     }
     Ok(())
 }
@@ -478,25 +549,22 @@ pub(super) fn param_gather<B: Backend>(
         .iter()
         .filter(|b| b.names.iter().any(|(n, _)| need.contains(n)))
         .collect();
-    let mut padded = Vec::new();
+    let mut mine = Vec::new();
+    let mut lens = Vec::with_capacity(used.len());
     for b in &used {
-        padded.extend(params_padded(dev, b, &params).map_err(fail)?);
+        mine.extend(param_shard(dev, b, &params).map_err(fail)?);
+        lens.push(lens_of(dev, op, b, group)?);
     }
     drop(params);
-    let full = all_gather_padded(dev, op, ctx, group, padded)?;
+    let full = gather_shards(dev, op, ctx, group, mine, &lens)?;
     let mut out: ParamMap<B::Tensor> = ParamMap::new();
-    let mut base = 0;
-    for b in &used {
+    for (b, full) in used.iter().zip(&full) {
         for (n, at, len) in b.offsets() {
             if need.contains(&n) {
-                let t = dev
-                    .b
-                    .upload(full[base + at..base + at + len].to_vec())
-                    .map_err(fail)?;
+                let t = dev.b.upload(full[at..at + len].to_vec()).map_err(fail)?;
                 out.insert(n, t);
             }
         }
-        base += b.total;
     }
     drop(buckets);
     let own = dev.params.read().unwrap();
@@ -511,18 +579,41 @@ pub(super) fn param_gather<B: Backend>(
     dev.put(op, TensorKind::Param, Buf::Params(out))
 }
 
-/// Sum every member's zero-padded shards (an all-gather on the all-reduce
-/// fabric); the contribution and the result count against the device's cap
-/// while it runs.
-fn all_gather_padded<B: Backend>(
+/// All-gather the shards of several buckets at once: `mine` is this
+/// device's shard of each, one after the other, `lens[i]` bucket i's
+/// shard lengths over the group; returns each bucket's full layout. The
+/// contribution and the result count against the device's cap while it
+/// runs.
+fn gather_shards<B: Backend>(
     dev: &Device<B>,
     op: &Op,
     ctx: &StepCtx<B>,
     group: &[u32],
-    padded: Vec<f32>,
-) -> Result<Arc<Vec<f32>>, RuntimeError> {
-    let _staging = dev.reserve(op, padded.len() as u64 * 8)?;
-    ctx.comm
-        .all_reduce("all-gather", op.node, group, dev.id, padded)
-        .map_err(|cause| comm_error(dev, op, cause))
+    mine: Vec<f32>,
+    lens: &[Vec<usize>],
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    let totals: Vec<usize> = lens.iter().map(|l| l.iter().sum()).collect();
+    let whole: usize = totals.iter().sum();
+    let _staging = dev.reserve(op, (mine.len() + whole) as u64 * 4)?;
+    let got = ctx
+        .comm
+        .all_gather(op.op.as_str(), op.node, group, dev.id, mine)
+        .map_err(|cause| comm_error(dev, op, cause))?;
+    if got.len() != whole {
+        return Err(missing(
+            dev,
+            op,
+            &format!("{whole} gathered parameter values (got {})", got.len()),
+        ));
+    }
+    // Member r's block holds its shard of every bucket in turn.
+    let mut full: Vec<Vec<f32>> = totals.iter().map(|t| Vec::with_capacity(*t)).collect();
+    let mut at = 0;
+    for r in 0..group.len() {
+        for (f, l) in full.iter_mut().zip(lens) {
+            f.extend_from_slice(&got[at..at + l[r]]);
+            at += l[r];
+        }
+    }
+    Ok(full)
 }

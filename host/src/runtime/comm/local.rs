@@ -1,25 +1,43 @@
 //! The in-process [`Comm`]: devices are threads of one process. Mailboxes
-//! and collectives live in one mutex-guarded table; reductions add the
-//! members' contributions in device order (a `BTreeMap` by device), so
-//! results are bit-identical from run to run.
+//! and collectives live in one mutex-guarded table. A collective is a
+//! meeting: each member leaves its buffer (shared, not copied) and, once
+//! all are there, reads what the algorithm sends it (its chunk of every
+//! member's buffer, or every member's shard) outside the lock; sums add in
+//! device order, so results are bit-identical from run to run and to the
+//! MPI transport. The bytes a device's buffer gives to other members count
+//! as sent by it.
 
-use super::{sum_in_device_order, Comm, CommError};
+use super::{check_group, chunk_start, even_shards, sum_in_device_order, Comm, CommError};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-#[derive(Default)]
-struct Collective {
-    contrib: BTreeMap<u32, Vec<f32>>,
-    result: Option<Result<Arc<Vec<f32>>, CommError>>,
-    taken: usize,
+/// What one member left at a meeting: its buffer and, for a
+/// reduce-scatter, how it is cut.
+#[derive(Clone)]
+struct Left {
+    data: Arc<Vec<f32>>,
+    lens: Arc<[usize]>,
 }
 
 #[derive(Default)]
+struct Meeting {
+    left: BTreeMap<u32, Left>,
+    /// Members that have read the others' buffers; the meeting ends when
+    /// all have.
+    read: usize,
+}
+
+/// Phases of one collective (an all-reduce meets twice).
+const SCATTER: u8 = 0;
+const GATHER: u8 = 1;
+
+#[derive(Default)]
 struct State {
-    mail: HashMap<(u32, u32, u32), Arc<Vec<f32>>>,
-    colls: HashMap<(u32, Vec<u32>), Collective>,
+    mail: HashMap<(u64, u32, u32), Arc<Vec<f32>>>,
+    meetings: HashMap<(u32, u8, Vec<u32>), Meeting>,
+    sent: BTreeMap<u32, u64>,
 }
 
 /// The shared fabric of one training step between devices of this process.
@@ -39,6 +57,214 @@ impl LocalComm {
             abort: AtomicBool::new(false),
         }
     }
+
+    /// Put a message in mailbox `(key, from, to)`; `count` adds its bytes to
+    /// `from`'s (a message from another rank was counted there).
+    pub(super) fn post(
+        &self,
+        key: u64,
+        from: u32,
+        to: u32,
+        data: Arc<Vec<f32>>,
+        count: bool,
+    ) -> Result<(), CommError> {
+        let mut s = self.state.lock().unwrap();
+        let bytes = data.len() as u64 * 4;
+        match s.mail.entry((key, from, to)) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                return Err(CommError::Duplicate {
+                    node: key as u32,
+                    from,
+                    to,
+                })
+            }
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert(data);
+            }
+        }
+        if count {
+            *s.sent.entry(from).or_default() += bytes;
+        }
+        self.cv.notify_all();
+        Ok(())
+    }
+
+    /// Add `bytes` to what `device` sent (a transport's own messages).
+    pub(super) fn count(&self, device: u32, bytes: u64) {
+        *self.state.lock().unwrap().sent.entry(device).or_default() += bytes;
+    }
+
+    /// Take the message of mailbox `(key, from, to)`, waiting at most the
+    /// timeout (`what` names it in errors).
+    pub(super) fn take(
+        &self,
+        key: u64,
+        from: u32,
+        to: u32,
+        what: &str,
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        let start = Instant::now();
+        let mut s = self.state.lock().unwrap();
+        loop {
+            if let Some(d) = s.mail.remove(&(key, from, to)) {
+                return Ok(d);
+            }
+            if self.aborted() {
+                return Err(CommError::Aborted);
+            }
+            let Some(left) = self.timeout.checked_sub(start.elapsed()) else {
+                return Err(CommError::RecvTimeout {
+                    me: to,
+                    peer: from,
+                    node: key as u32,
+                    what: what.into(),
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            };
+            s = self
+                .cv
+                .wait_timeout(s, left.min(Duration::from_millis(200)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// Leave `mine` at the meeting of `(node, phase, group)` and return
+    /// what every member left, by device, once all have (at most the
+    /// timeout; a member that never comes is named).
+    fn meet(
+        &self,
+        op: &str,
+        node: u32,
+        phase: u8,
+        group: &[u32],
+        me: u32,
+        mine: Left,
+    ) -> Result<BTreeMap<u32, Left>, CommError> {
+        let start = Instant::now();
+        let key = (node, phase, group.to_vec());
+        let mut s = self.state.lock().unwrap();
+        let m = s.meetings.entry(key.clone()).or_default();
+        if m.left.insert(me, mine).is_some() {
+            return Err(CommError::Mismatch {
+                op: op.into(),
+                node,
+                group: group.to_vec(),
+                sizes: format!("device {me} joined twice"),
+            });
+        }
+        if m.left.len() == group.len() {
+            self.cv.notify_all();
+        }
+        loop {
+            let m = s
+                .meetings
+                .get_mut(&key)
+                .expect("a meeting lasts until every member read it");
+            if m.left.len() == group.len() {
+                let all = m.left.clone();
+                m.read += 1;
+                if m.read == group.len() {
+                    s.meetings.remove(&key);
+                }
+                return Ok(all);
+            }
+            if self.aborted() {
+                return Err(CommError::Aborted);
+            }
+            let Some(left) = self.timeout.checked_sub(start.elapsed()) else {
+                let missing = group
+                    .iter()
+                    .copied()
+                    .filter(|d| !m.left.contains_key(d))
+                    .collect();
+                return Err(CommError::CollectiveTimeout {
+                    op: op.into(),
+                    node,
+                    group: group.to_vec(),
+                    me,
+                    missing,
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            };
+            s = self
+                .cv
+                .wait_timeout(s, left.min(Duration::from_millis(200)))
+                .unwrap()
+                .0;
+        }
+    }
+
+    /// A reduce-scatter at meeting phase `phase`.
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(
+        &self,
+        op: &str,
+        node: u32,
+        phase: u8,
+        group: &[u32],
+        me: u32,
+        data: Vec<f32>,
+        lens: &[usize],
+    ) -> Result<Vec<f32>, CommError> {
+        let pos = check_group(op, node, group, me, Some((data.len(), lens)))?;
+        let len = data.len();
+        let mine = Left {
+            data: Arc::new(data),
+            lens: lens.into(),
+        };
+        let all = self.meet(op, node, phase, group, me, mine)?;
+        if all
+            .values()
+            .any(|l| l.data.len() != len || *l.lens != *lens)
+        {
+            let same_len = all.values().all(|l| l.data.len() == len);
+            return Err(CommError::Mismatch {
+                op: op.into(),
+                node,
+                group: group.to_vec(),
+                sizes: all
+                    .iter()
+                    .map(|(d, l)| match same_len {
+                        true => format!("device {d}: {len} floats in chunks {:?}", l.lens),
+                        false => format!("device {d}: {} floats", l.data.len()),
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            });
+        }
+        let at = chunk_start(lens, pos);
+        let range = at..at + lens[pos];
+        let chunks = all.iter().map(|(d, l)| (*d, &l.data[range.clone()]));
+        let sum = sum_in_device_order(op, node, group, chunks)?;
+        self.count(me, (len - lens[pos]) as u64 * 4);
+        Ok(sum)
+    }
+
+    /// An all-gather at meeting phase `phase`.
+    fn gather(
+        &self,
+        op: &str,
+        node: u32,
+        phase: u8,
+        group: &[u32],
+        me: u32,
+        shard: Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        check_group(op, node, group, me, None)?;
+        let len = shard.len();
+        let mine = Left {
+            data: Arc::new(shard),
+            lens: Arc::new([]),
+        };
+        let all = self.meet(op, node, phase, group, me, mine)?;
+        let mut full = Vec::with_capacity(all.values().map(|l| l.data.len()).sum());
+        for d in group {
+            full.extend_from_slice(&all[d].data);
+        }
+        self.count(me, (len * (group.len() - 1)) as u64 * 4);
+        Ok(Arc::new(full))
+    }
 }
 
 impl Comm for LocalComm {
@@ -56,21 +282,7 @@ impl Comm for LocalComm {
     /// Buffered send: never blocks. A second message to a mailbox whose
     /// first was not received yet is an error, never an overwrite.
     fn send(&self, pair: u32, from: u32, to: u32, data: Arc<Vec<f32>>) -> Result<(), CommError> {
-        let mut s = self.state.lock().unwrap();
-        match s.mail.entry((pair, from, to)) {
-            std::collections::hash_map::Entry::Occupied(_) => {
-                return Err(CommError::Duplicate {
-                    node: pair,
-                    from,
-                    to,
-                })
-            }
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert(data);
-            }
-        }
-        self.cv.notify_all();
-        Ok(())
+        self.post(u64::from(pair), from, to, data, true)
     }
 
     /// The wait limit of every receive and collective.
@@ -80,34 +292,10 @@ impl Comm for LocalComm {
 
     /// Receive the matching send, waiting at most the timeout.
     fn recv(&self, pair: u32, from: u32, to: u32, what: &str) -> Result<Arc<Vec<f32>>, CommError> {
-        let start = Instant::now();
-        let mut s = self.state.lock().unwrap();
-        loop {
-            if let Some(d) = s.mail.remove(&(pair, from, to)) {
-                return Ok(d);
-            }
-            if self.aborted() {
-                return Err(CommError::Aborted);
-            }
-            let left = self.timeout.checked_sub(start.elapsed());
-            let Some(left) = left else {
-                return Err(CommError::RecvTimeout {
-                    me: to,
-                    peer: from,
-                    node: pair,
-                    what: what.into(),
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            };
-            s = self
-                .cv
-                .wait_timeout(s, left.min(Duration::from_millis(200)))
-                .unwrap()
-                .0;
-        }
+        self.take(u64::from(pair), from, to, what)
     }
 
-    /// Sum `data` over `group` (every member gets the sum).
+    /// A reduce-scatter of even chunks, then an all-gather of the sums.
     fn all_reduce(
         &self,
         op: &str,
@@ -116,55 +304,36 @@ impl Comm for LocalComm {
         me: u32,
         data: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError> {
-        let start = Instant::now();
-        let key = (node, group.to_vec());
-        let mut s = self.state.lock().unwrap();
-        {
-            let c = s.colls.entry(key.clone()).or_default();
-            c.contrib.insert(me, data);
-            if c.contrib.len() == group.len() && c.result.is_none() {
-                let contrib = c.contrib.iter().map(|(d, v)| (*d, v.as_slice()));
-                c.result = Some(sum_in_device_order(op, node, group, contrib).map(Arc::new));
-                self.cv.notify_all();
-            }
-        }
-        loop {
-            let c = s
-                .colls
-                .get_mut(&key)
-                .expect("collective entry exists until all took it");
-            if let Some(r) = &c.result {
-                let r = r.clone();
-                c.taken += 1;
-                if c.taken == group.len() {
-                    s.colls.remove(&key);
-                }
-                return r;
-            }
-            if self.aborted() {
-                return Err(CommError::Aborted);
-            }
-            let Some(left) = self.timeout.checked_sub(start.elapsed()) else {
-                let missing = group
-                    .iter()
-                    .copied()
-                    .filter(|d| !c.contrib.contains_key(d))
-                    .collect();
-                return Err(CommError::CollectiveTimeout {
-                    op: op.into(),
-                    node,
-                    group: group.to_vec(),
-                    me,
-                    missing,
-                    waited_ms: start.elapsed().as_millis() as u64,
-                });
-            };
-            s = self
-                .cv
-                .wait_timeout(s, left.min(Duration::from_millis(200)))
-                .unwrap()
-                .0;
-        }
+        let lens = even_shards(data.len(), group.len());
+        let chunk = self.scatter(op, node, SCATTER, group, me, data, &lens)?;
+        self.gather(op, node, GATHER, group, me, chunk)
+    }
+
+    fn reduce_scatter(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        data: Vec<f32>,
+        lens: &[usize],
+    ) -> Result<Vec<f32>, CommError> {
+        self.scatter(op, node, SCATTER, group, me, data, lens)
+    }
+
+    fn all_gather(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        shard: Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        self.gather(op, node, GATHER, group, me, shard)
+    }
+
+    fn sent_bytes(&self) -> BTreeMap<u32, u64> {
+        self.state.lock().unwrap().sent.clone()
     }
 }
 

@@ -1,20 +1,31 @@
 //! Communication between devices, as the runtime sees it: buffered
 //! point-to-point messages matched by (send node, source, destination) and
-//! sum collectives matched by (node, group). The runtime talks only to the
+//! the collectives plans name (all-reduce, reduce-scatter, all-gather,
+//! all-to-all) matched by (node, group). The runtime talks only to the
 //! [`Comm`] trait; an implementation decides how bytes move:
 //!
 //! - [`local::LocalComm`]: devices that are threads of this process
-//!   (mailboxes and shared reductions in memory);
-//! - an MPI implementation (devices on other ranks: point-to-point and
-//!   collectives over sub-communicators), and a NCCL one on the CUDA backend,
-//!   implement the same calls.
+//!   (mailboxes and collectives in shared memory);
+//! - [`mpi::MpiComm`] (feature `mpi`): devices on other ranks, the same
+//!   collectives over MPI messages.
 //!
-//! Contract every implementation keeps: reductions add the members'
-//! contributions in device order (results bit-identical from run to run and
-//! across implementations); every wait is bounded by [`Comm::timeout`] and
-//! ends early with [`CommError::Aborted`] once any device fails; errors name
-//! the devices involved.
+//! Every collective is the direct (pairwise) algorithm: a reduce-scatter
+//! sends each member the chunk of the buffer it owns and each member sums
+//! its own chunk; an all-gather sends each member's shard to every other
+//! member; an all-reduce is the two in turn. Of a buffer of S bytes over N
+//! members, each member sends (N−1)/N·S for a reduce-scatter or an
+//! all-gather (its own shard N−1 times) and 2(N−1)/N·S for an all-reduce:
+//! a ring's volume, in one round instead of N−1. Each implementation
+//! records the bytes every device sends ([`Comm::sent_bytes`]).
+//!
+//! Contract every implementation keeps: each element of a reduction is the
+//! members' contributions added in device order from zero (the same
+//! additions in one process and across ranks: results are bit-identical run
+//! to run and between transports); every wait is bounded by
+//! [`Comm::timeout`] and ends early with [`CommError::Aborted`] once any
+//! device fails; errors name the devices involved.
 
+pub mod check;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -83,8 +94,14 @@ pub fn sum_in_device_order<'a>(
                 .join(", "),
         });
     }
-    let mut sum = vec![0.0f32; n];
-    for (_, v) in contrib {
+    let mut members = contrib;
+    // `0.0 + first`, then each other member in turn: the additions from
+    // zero, without a pass that only writes the zeros.
+    let mut sum: Vec<f32> = match members.next() {
+        Some((_, first)) => first.iter().map(|x| 0.0 + x).collect(),
+        None => Vec::new(),
+    };
+    for (_, v) in members {
         for (a, b) in sum.iter_mut().zip(v) {
             *a += b;
         }
@@ -99,6 +116,66 @@ pub fn sum_in_device_order<'a>(
 /// (bit 31). `None` when the numbers do not fit.
 pub fn in_op_key(node: u32, phase: u32) -> Option<u32> {
     (node < (1 << 20) && phase < (1 << 10)).then_some((1 << 30) | (node << 10) | phase)
+}
+
+/// The chunk lengths of `total` elements over `n` members: `ceil(total/n)`
+/// each, the last ones shorter or empty (ZeRO's shards, an all-reduce's
+/// chunks).
+pub fn even_shards(total: usize, n: usize) -> Vec<usize> {
+    let n = n.max(1);
+    let per = total.div_ceil(n);
+    (0..n)
+        .map(|r| ((r + 1) * per).min(total) - (r * per).min(total))
+        .collect()
+}
+
+/// The mailbox key of phase `phase` of the collective of plan node (or
+/// in-op key) `node`, when a transport builds it on point-to-point
+/// messages: above every `u32` key of sends, receives and all-to-alls.
+pub fn collective_key(node: u32, phase: u8) -> u64 {
+    (1u64 << 32) | (u64::from(phase) << 40) | u64::from(node)
+}
+
+/// `group`'s size problem for a collective, if any: `me` must be a member,
+/// each member once, and `lens` (a reduce-scatter's chunks) one per member
+/// adding up to `len`.
+fn check_group(
+    op: &str,
+    node: u32,
+    group: &[u32],
+    me: u32,
+    shape: Option<(usize, &[usize])>,
+) -> Result<usize, CommError> {
+    let bad = |sizes: String| CommError::Mismatch {
+        op: op.into(),
+        node,
+        group: group.to_vec(),
+        sizes,
+    };
+    let Some(pos) = group.iter().position(|d| *d == me) else {
+        return Err(bad(format!("device {me} is not a member")));
+    };
+    let mut sorted = group.to_vec();
+    sorted.sort_unstable();
+    if sorted.windows(2).any(|w| w[0] == w[1]) {
+        return Err(bad("a device is named twice".into()));
+    }
+    if let Some((len, lens)) = shape {
+        let total = lens.iter().try_fold(0usize, |a, l| a.checked_add(*l));
+        if lens.len() != group.len() || total != Some(len) {
+            return Err(bad(format!(
+                "device {me} cut {len} floats into {} chunks of {lens:?} for a group of {}",
+                lens.len(),
+                group.len()
+            )));
+        }
+    }
+    Ok(pos)
+}
+
+/// Where member `pos`'s chunk starts.
+fn chunk_start(lens: &[usize], pos: usize) -> usize {
+    lens[..pos].iter().sum()
 }
 
 /// How devices exchange tensors during a step (one instance per step).
@@ -119,6 +196,31 @@ pub trait Comm: Send + Sync {
         me: u32,
         data: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError>;
+    /// Reduce-scatter: `data` (the same length on every member) is cut
+    /// into `lens` (one chunk per member, in group order, the same on every
+    /// member); member `group[i]` gets the sum of every member's chunk `i`.
+    fn reduce_scatter(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        data: Vec<f32>,
+        lens: &[usize],
+    ) -> Result<Vec<f32>, CommError>;
+    /// All-gather: every member gets the members' shards concatenated in
+    /// group order (shards may differ in length).
+    fn all_gather(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        shard: Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>, CommError>;
+    /// Bytes each device of this process sent so far in this step (its
+    /// messages and its part of every collective), by device.
+    fn sent_bytes(&self) -> std::collections::BTreeMap<u32, u64>;
     /// All-to-all over `group` (ascending devices): `chunks[i]` goes to
     /// `group[i]`, and the result's `[i]` came from `group[i]` (this device's
     /// own chunk stays here). Chunks may differ in size. `key` tells this

@@ -2,18 +2,25 @@
 //! ranks in contiguous blocks ([`Ranks`]); a rank runs its own devices as
 //! threads, exactly as in one process. Traffic between two devices of one
 //! rank stays in the rank's [`LocalComm`]; a message to a device of another
-//! rank goes out as one MPI message (a small header, then the floats), and a
-//! dispatcher thread on the receiving rank puts it into that rank's table for
-//! the message's step, so a receive waits the same way whoever sent.
+//! rank goes out as two MPI messages (a small head, then the floats straight
+//! from the sender's buffer), and a dispatcher thread on the receiving rank
+//! puts it into that rank's table for the message's step, so a receive waits
+//! the same way whoever sent.
 //!
-//! Collectives over devices of several ranks gather every member's
-//! contribution at the group's lowest device, which adds them in device order
-//! and sends the sum back: the same additions in the same order as
-//! [`LocalComm`], so results are bit-identical to one process. An abort
-//! reaches every rank. MPI itself starts the ranks, says who is who, moves
-//! the bytes and tears the job down; this needs `MPI_THREAD_MULTIPLE`.
+//! Collectives over devices of several ranks are the direct algorithm of
+//! [`super`] on these messages: a reduce-scatter sends each member its
+//! chunk of this device's buffer and sums the chunks it receives in device
+//! order (the same additions in the same order as [`LocalComm`], so results
+//! are bit-identical to one process); an all-gather sends this device's
+//! shard to every other member. A group within one rank stays in its
+//! [`LocalComm`]. An abort reaches every rank. MPI itself starts the ranks,
+//! says who is who, moves the bytes and tears the job down; this needs
+//! `MPI_THREAD_MULTIPLE`.
 
-use super::{sum_in_device_order, Comm, CommError, LocalComm};
+use super::{
+    check_group, chunk_start, collective_key, even_shards, sum_in_device_order, Comm, CommError,
+    LocalComm,
+};
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
 use std::collections::BTreeMap;
@@ -21,13 +28,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-const TAG_MSG: i32 = 11;
+/// A message is two: its head (step, mailbox key in two words, source,
+/// destination) then its floats, sent straight from the sender's buffer.
+const TAG_HEAD: i32 = 11;
+const TAG_DATA: i32 = 14;
 const TAG_ABORT: i32 = 12;
 const TAG_STOP: i32 = 13;
-/// Mailbox keys of collective traffic (node ids stay below 2³¹: the host
-/// budget caps nodes far lower).
-const COLLECTIVE: u32 = 1 << 31;
-const HEADER: usize = 4 * 4;
 
 /// Which rank runs which plan device: contiguous blocks, the first
 /// `devices % ranks` ranks one device more.
@@ -72,25 +78,18 @@ pub struct MpiFabric {
     tables: Mutex<BTreeMap<u32, Arc<LocalComm>>>,
     aborted: AtomicBool,
     dispatcher: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Held while a message to that rank goes out (head, then data).
+    sending: Vec<Mutex<()>>,
 }
 
 fn world() -> SimpleCommunicator {
     SimpleCommunicator::world()
 }
 
-fn encode(step: u32, pair: u32, from: u32, to: u32, data: &[f32]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(HEADER + 4 * data.len());
-    for w in [step, pair, from, to] {
-        b.extend_from_slice(&w.to_le_bytes());
-    }
-    for x in data {
-        b.extend_from_slice(&x.to_le_bytes());
-    }
-    b
-}
-
-fn word(b: &[u8], i: usize) -> u32 {
-    u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().expect("4 bytes"))
+/// A message's head: its words carried as floats' bit patterns (MPI copies
+/// the bytes; nothing computes on them), so every message is floats.
+fn head(step: u32, key: u64, from: u32, to: u32) -> [f32; 5] {
+    [step, key as u32, (key >> 32) as u32, from, to].map(f32::from_bits)
 }
 
 impl MpiFabric {
@@ -98,6 +97,7 @@ impl MpiFabric {
     /// MPI is initialised with `MPI_THREAD_MULTIPLE`.
     pub fn start(ranks: Ranks, timeout: Duration) -> Arc<MpiFabric> {
         let fabric = Arc::new(MpiFabric {
+            sending: (0..ranks.size).map(|_| Mutex::new(())).collect(),
             ranks,
             timeout,
             tables: Mutex::new(BTreeMap::new()),
@@ -140,32 +140,34 @@ impl MpiFabric {
                 continue;
             };
             idle = Duration::ZERO;
-            let (msg, status) = probed.matched_receive_vec::<u8>();
-            match status.tag() {
-                TAG_STOP => return,
-                TAG_ABORT => {
+            let (msg, status) = probed.matched_receive_vec::<f32>();
+            match (status.tag(), msg.len()) {
+                (TAG_STOP, _) => return,
+                (TAG_ABORT, _) => {
                     self.aborted.store(true, Ordering::SeqCst);
                     for c in self.tables.lock().unwrap().values() {
                         c.abort();
                     }
                 }
-                TAG_MSG if msg.len() >= HEADER && (msg.len() - HEADER).is_multiple_of(4) => {
-                    let (step, pair, from, to) =
-                        (word(&msg, 0), word(&msg, 1), word(&msg, 2), word(&msg, 3));
-                    let data: Vec<f32> = msg[HEADER..]
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-                        .collect();
-                    if let Err(e) = self.table(step).send(pair, from, to, Arc::new(data)) {
+                (TAG_HEAD, 5) => {
+                    let [step, lo, hi, from, to] = [0, 1, 2, 3, 4].map(|i| msg[i].to_bits());
+                    let key = u64::from(lo) | u64::from(hi) << 32;
+                    // The floats follow from the same rank (its sends to
+                    // this rank go head then data, one message at a time).
+                    let (data, _) = w
+                        .process_at_rank(status.source_rank())
+                        .receive_vec_with_tag::<f32>(TAG_DATA);
+                    // Counted by the sending rank.
+                    let table = self.table(step);
+                    if let Err(e) = table.post(key, from, to, Arc::new(data), false) {
                         tracing::error!("rank {}: {e}", self.ranks.rank);
                         self.abort_all();
                     }
                 }
-                tag => {
+                (tag, _) => {
                     tracing::error!(
-                        "rank {}: a malformed message (tag {tag}, {} bytes) from rank {}",
+                        "rank {}: a malformed message (tag {tag}) from rank {}",
                         self.ranks.rank,
-                        msg.len(),
                         status.source_rank()
                     );
                     self.abort_all();
@@ -185,7 +187,7 @@ impl MpiFabric {
         for r in 0..self.ranks.size {
             if r != self.ranks.rank {
                 w.process_at_rank(r as i32)
-                    .send_with_tag(&[0u8][..], TAG_ABORT);
+                    .send_with_tag(&[0f32][..], TAG_ABORT);
             }
         }
     }
@@ -204,10 +206,10 @@ impl MpiFabric {
         self.tables.lock().unwrap().remove(&step);
     }
 
-    /// Every rank's step figures, combined: per-device losses, peak and
-    /// state bytes (each device's from its rank, zeros elsewhere: the sum is
-    /// exact) and the norm's maximum, which is returned.
-    pub fn reduce_stats(&self, losses: &mut [f64], grad_norm: f64, counts: [&mut [u64]; 4]) -> f64 {
+    /// Every rank's step figures, combined: per-device losses and counts
+    /// (peak, state and sent bytes, expert routing; each device's from its
+    /// rank, zeros elsewhere: the sum is exact) and the norm's maximum, which is returned.
+    pub fn reduce_stats(&self, losses: &mut [f64], grad_norm: f64, counts: [&mut [u64]; 5]) -> f64 {
         use mpi::collective::SystemOperation;
         let w = world();
         let mut g = 0.0f64;
@@ -257,7 +259,7 @@ impl MpiFabric {
         if let Some(h) = handle {
             world()
                 .process_at_rank(self.ranks.rank as i32)
-                .send_with_tag(&[0u8][..], TAG_STOP);
+                .send_with_tag(&[0f32][..], TAG_STOP);
             let _ = h.join();
         }
     }
@@ -270,26 +272,119 @@ pub struct MpiComm {
     local: Arc<LocalComm>,
 }
 
-impl Comm for MpiComm {
-    fn send(&self, pair: u32, from: u32, to: u32, data: Arc<Vec<f32>>) -> Result<(), CommError> {
-        let owner = self.fabric.ranks.owner(to);
-        if owner == self.fabric.ranks.rank {
-            return self.local.send(pair, from, to, data);
+impl MpiComm {
+    /// Send to mailbox `(key, from, to)`: into this rank's table, or as one
+    /// MPI message to the rank of `to`.
+    fn post(&self, key: u64, from: u32, to: u32, data: Arc<Vec<f32>>) -> Result<(), CommError> {
+        match self.fabric.ranks.is_local(to) {
+            true => self.local.post(key, from, to, data, true),
+            false => self.post_remote(key, from, to, &data),
         }
+    }
+
+    /// [`Self::post`] of a slice: copied once, into the table or the message.
+    fn post_slice(&self, key: u64, from: u32, to: u32, data: &[f32]) -> Result<(), CommError> {
+        match self.fabric.ranks.is_local(to) {
+            true => self
+                .local
+                .post(key, from, to, Arc::new(data.to_vec()), true),
+            false => self.post_remote(key, from, to, data),
+        }
+    }
+
+    fn post_remote(&self, key: u64, from: u32, to: u32, data: &[f32]) -> Result<(), CommError> {
         if self.aborted() {
             return Err(CommError::Aborted);
         }
-        let msg = encode(self.step, pair, from, to, &data);
-        world()
-            .process_at_rank(owner as i32)
-            .send_with_tag(&msg[..], TAG_MSG);
+        self.local.count(from, data.len() as u64 * 4);
+        let owner = self.fabric.ranks.owner(to);
+        let w = world();
+        let peer = w.process_at_rank(owner as i32);
+        // Head and data back to back: the receiver pairs them in order.
+        let _one_at_a_time = self.fabric.sending[owner as usize].lock().unwrap();
+        peer.send_with_tag(&head(self.step, key, from, to)[..], TAG_HEAD);
+        peer.send_with_tag(data, TAG_DATA);
         Ok(())
     }
 
-    fn recv(&self, pair: u32, from: u32, to: u32, what: &str) -> Result<Arc<Vec<f32>>, CommError> {
-        self.local.recv(pair, from, to, what)
+    fn on_ranks(&self, group: &[u32]) -> bool {
+        !group.iter().all(|d| self.fabric.ranks.is_local(*d))
     }
 
+    /// A reduce-scatter across ranks at phase `phase` of `node`: each
+    /// other member's chunk of `data` goes to it; this device's chunk of
+    /// every member's buffer comes here and is summed in device order.
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(
+        &self,
+        op: &str,
+        node: u32,
+        phase: u8,
+        group: &[u32],
+        me: u32,
+        data: Vec<f32>,
+        lens: &[usize],
+    ) -> Result<Vec<f32>, CommError> {
+        let pos = check_group(op, node, group, me, Some((data.len(), lens)))?;
+        let key = collective_key(node, phase);
+        for (i, &peer) in group.iter().enumerate() {
+            if peer != me {
+                let at = chunk_start(lens, i);
+                self.post_slice(key, me, peer, &data[at..at + lens[i]])?;
+            }
+        }
+        let at = chunk_start(lens, pos);
+        let own = &data[at..at + lens[pos]];
+        let mut got: BTreeMap<u32, Arc<Vec<f32>>> = BTreeMap::new();
+        for &peer in group.iter().filter(|p| **p != me) {
+            got.insert(peer, self.local.take(key, peer, me, op)?);
+        }
+        let chunks = group.iter().map(|d| match got.get(d) {
+            Some(c) => (*d, c.as_slice()),
+            None => (*d, own),
+        });
+        let mut sorted: Vec<(u32, &[f32])> = chunks.collect();
+        sorted.sort_by_key(|(d, _)| *d);
+        sum_in_device_order(op, node, group, sorted.into_iter()).inspect_err(|_| self.abort())
+    }
+
+    /// An all-gather across ranks at phase `phase` of `node`.
+    fn gather(
+        &self,
+        op: &str,
+        node: u32,
+        phase: u8,
+        group: &[u32],
+        me: u32,
+        shard: Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        check_group(op, node, group, me, None)?;
+        let key = collective_key(node, phase);
+        let shard = Arc::new(shard);
+        for &peer in group.iter().filter(|p| **p != me) {
+            self.post(key, me, peer, shard.clone())?;
+        }
+        let mut full = Vec::new();
+        for &peer in group {
+            match peer == me {
+                true => full.extend_from_slice(&shard),
+                false => full.extend_from_slice(&self.local.take(key, peer, me, op)?),
+            }
+        }
+        Ok(Arc::new(full))
+    }
+}
+
+impl Comm for MpiComm {
+    fn send(&self, pair: u32, from: u32, to: u32, data: Arc<Vec<f32>>) -> Result<(), CommError> {
+        self.post(u64::from(pair), from, to, data)
+    }
+
+    fn recv(&self, pair: u32, from: u32, to: u32, what: &str) -> Result<Arc<Vec<f32>>, CommError> {
+        self.local.take(u64::from(pair), from, to, what)
+    }
+
+    /// A reduce-scatter of even chunks, then an all-gather of the sums.
     fn all_reduce(
         &self,
         op: &str,
@@ -298,33 +393,45 @@ impl Comm for MpiComm {
         me: u32,
         data: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError> {
-        let ranks = &self.fabric.ranks;
-        if group.iter().all(|d| ranks.is_local(*d)) {
+        if !self.on_ranks(group) {
             return self.local.all_reduce(op, node, group, me, data);
         }
-        let key = node | COLLECTIVE;
-        let leader = group.iter().copied().min().unwrap_or(me);
-        if me != leader {
-            self.send(key, me, leader, Arc::new(data))?;
-            return self.recv(key, leader, me, op);
+        let lens = even_shards(data.len(), group.len());
+        let chunk = self.scatter(op, node, 0, group, me, data, &lens)?;
+        self.gather(op, node, 1, group, me, chunk)
+    }
+
+    fn reduce_scatter(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        data: Vec<f32>,
+        lens: &[usize],
+    ) -> Result<Vec<f32>, CommError> {
+        if !self.on_ranks(group) {
+            return self.local.reduce_scatter(op, node, group, me, data, lens);
         }
-        let mut contrib: BTreeMap<u32, Arc<Vec<f32>>> = BTreeMap::new();
-        contrib.insert(me, Arc::new(data));
-        for &m in group.iter().filter(|m| **m != me) {
-            contrib.insert(m, self.recv(key, m, me, op)?);
+        self.scatter(op, node, 0, group, me, data, lens)
+    }
+
+    fn all_gather(
+        &self,
+        op: &str,
+        node: u32,
+        group: &[u32],
+        me: u32,
+        shard: Vec<f32>,
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        if !self.on_ranks(group) {
+            return self.local.all_gather(op, node, group, me, shard);
         }
-        let sum = sum_in_device_order(
-            op,
-            node,
-            group,
-            contrib.iter().map(|(d, v)| (*d, v.as_slice())),
-        )
-        .inspect_err(|_| self.abort())?;
-        let sum = Arc::new(sum);
-        for &m in group.iter().filter(|m| **m != me) {
-            self.send(key, me, m, sum.clone())?;
-        }
-        Ok(sum)
+        self.gather(op, node, 1, group, me, shard)
+    }
+
+    fn sent_bytes(&self) -> BTreeMap<u32, u64> {
+        self.local.sent_bytes()
     }
 
     fn abort(&self) {

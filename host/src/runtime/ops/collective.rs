@@ -1,12 +1,13 @@
 //! Gradient collectives: the global gradient norm (an all-reduce of Σ g²),
 //! and the reductions of data parallelism (`grad-sync`), of the tied
 //! embedding across stages (`tied-grad`) and of parameter copies
-//! (`copy-grad`): whole gradients, or with ZeRO-2/3 each microbatch's
-//! gradients, of which each device keeps its shard.
+//! (`copy-grad`): whole gradients all-reduced, or with ZeRO reduce-scattered
+//! (ZeRO-1 the accumulated gradients, ZeRO-2/3 each microbatch's), each
+//! device getting its shard.
 
 use super::update::{local_sq, set_clip};
 use super::{comm_error, missing, owned};
-use crate::compile::plan::{CommPurpose, Op, TensorKind};
+use crate::compile::plan::{CommPurpose, Op, OpKind, TensorKind};
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::Buf;
 use crate::runtime::device::Device;
@@ -125,6 +126,25 @@ pub(super) fn reduce_grads<B: Backend>(
         .b
         .download_owned(contribution(dev, op, &ids, per_microbatch)?)
         .map_err(fail)?;
+    if op.op == OpKind::ReduceScatter && !tied {
+        // ZeRO: this device gets its shard of the reduced gradients (of
+        // each microbatch's, ZeRO-2/3; of the accumulated ones, ZeRO-1).
+        let lens = zero::member_lens(dev, op, group)?;
+        let own = group
+            .iter()
+            .position(|d| *d == dev.id)
+            .map_or(0, |p| lens[p]);
+        // Staging: this device's contribution and its reduced shard.
+        let _staging = dev.reserve(op, (flat.len() + own) as u64 * 4)?;
+        let shard = ctx
+            .comm
+            .reduce_scatter(op.op.as_str(), op.node, group, dev.id, flat, &lens)
+            .map_err(|e| comm_error(dev, op, e))?;
+        return match per_microbatch {
+            true => zero::accumulate_shard(dev, op, &shard),
+            false => zero::write_grad_shard(dev, op, &shard),
+        };
+    }
     // Staging: this device's contribution and the reduced result.
     let _staging = dev.reserve(op, flat.len() as u64 * 8)?;
     let sum = ctx
@@ -137,9 +157,6 @@ pub(super) fn reduce_grads<B: Backend>(
         let mut t: ParamMap<B::Tensor> = ParamMap::new();
         t.insert(dev.table.wte, dev.b.upload(sum.to_vec()).map_err(fail)?);
         dev.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
-    } else if per_microbatch {
-        // Keep this device's shard of the reduced gradients.
-        zero::accumulate_shard(dev, op, &sum)?;
     } else {
         let mut grads = dev.grads.lock().unwrap();
         let mut at = 0;

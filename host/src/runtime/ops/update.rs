@@ -4,7 +4,7 @@
 
 use super::owned;
 use crate::compile::plan::Op;
-use crate::runtime::backend::{Backend, BackendError, ParamMap};
+use crate::runtime::backend::{Backend, BackendError, ParamId, ParamMap};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
@@ -26,9 +26,17 @@ pub(super) fn update<B: Backend>(
     };
     let ids = owned(dev, &op.segments);
     if ctx.opts.capture_grads {
+        // ZeRO buckets capture their reduced shards (`zero::update`).
+        let sharded: std::collections::HashSet<ParamId> = dev
+            .buckets
+            .lock()
+            .unwrap()
+            .iter()
+            .flat_map(|b| b.names.iter().map(|(n, _)| *n))
+            .collect();
         let grads = dev.grads.lock().unwrap();
         let mut cap = dev.captured.lock().unwrap();
-        for id in &ids {
+        for id in ids.iter().filter(|id| !sharded.contains(id)) {
             if let Some(g) = grads.get(*id) {
                 cap.insert(*id, dev.b.duplicate(g).map_err(fail)?);
             }
