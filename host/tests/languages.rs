@@ -530,10 +530,21 @@ fn plugin_new_writes_a_skeleton_that_builds_and_plans_in_every_language_outside_
             continue;
         }
         let name = format!("my-{flag}");
-        ok(piper()
+        let made = ok(piper()
             .args(["plugin", "new", &name, "--lang", flag, "--dir"])
             .arg(&parent));
         let dir = parent.join(&name);
+        // The next steps that work here: the build, after `npm install`
+        // for JavaScript (its toolchain is a package of the folder).
+        assert!(
+            made.contains(&format!("  piper plugin build {}", dir.display())),
+            "{made}"
+        );
+        assert_eq!(
+            made.contains(&format!("(cd {} && npm install)", dir.display())),
+            lang == Lang::Js,
+            "{made}"
+        );
         assert!(dir.join("README.md").is_file());
         let readme = std::fs::read_to_string(dir.join("README.md")).unwrap();
         assert!(readme.contains("piper plugin build"), "{readme}");
@@ -572,6 +583,25 @@ fn plugin_new_writes_a_skeleton_that_builds_and_plans_in_every_language_outside_
             .args(["plan", "--model", "tiny", "--devices", "2", "--strategy"])
             .arg(&wasm));
         assert!(plan.contains(&format!("{name}@0.1.0")), "{plan}");
+        if lang == Lang::Rust {
+            // A syntax error: the compiler's own diagnostic and the command
+            // that reproduces it, not cargo's JSON messages.
+            let lib = dir.join("src/lib.rs");
+            let text = std::fs::read_to_string(&lib).unwrap();
+            std::fs::write(&lib, format!("{text}\nfn broken( {{\n")).unwrap();
+            let o = build.output().unwrap();
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(!o.status.success());
+            assert!(
+                err.contains("unclosed delimiter") && err.contains("src/lib.rs"),
+                "{err}"
+            );
+            assert!(!err.contains("\"reason\""), "{err}");
+            assert!(
+                err.contains("cargo build --release --target wasm32-wasip2 --manifest-path"),
+                "{err}"
+            );
+        }
     }
     let _ = std::fs::remove_dir_all(&parent);
 }

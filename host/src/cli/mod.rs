@@ -292,7 +292,10 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plugin(PluginCommand::New { name, lang, dir }) => {
             let made = author::new_plugin(&name, lang, &dir)?;
             println!("created {} ({} strategy)", made.display(), lang.title());
-            println!("next: piper plugin build {}", made.display());
+            println!("next:");
+            for step in author::next_steps(lang, &made) {
+                println!("  {step}");
+            }
             Ok(())
         }
         Command::Plugin(PluginCommand::Build { dir, out }) => {

@@ -100,16 +100,80 @@ fn runs(program: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Run a command; a failure carries its output (the last 8 KiB).
-fn run(cmd: &mut Command) -> Result<std::process::Output, AuthorError> {
-    let shown = format!(
+/// What to run, in order, before `piper plugin build DIR` works for a new
+/// `lang` plugin in `dir` on this machine, and that command last: the
+/// toolchain's install line when it is missing, `npm install` in a
+/// JavaScript folder that has no componentize-js yet.
+pub fn next_steps(lang: Lang, dir: &Path) -> Vec<String> {
+    let mut steps = Vec::new();
+    match lang {
+        Lang::Rust => {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            if !runs(&cargo) {
+                steps.push("curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh".into());
+            }
+            if !runs(&cargo) || !rust_target_installed() {
+                steps.push("rustup target add wasm32-wasip2".into());
+            }
+        }
+        Lang::Python => {
+            if !runs("componentize-py") {
+                steps.push(format!(
+                    "pip install componentize-py=={}",
+                    embedded::COMPONENTIZE_PY
+                ));
+            }
+        }
+        Lang::Js => {
+            if !runs("node") {
+                steps.push(
+                    "apt-get install nodejs npm   (or https://nodejs.org, version 20 or newer)"
+                        .into(),
+                );
+            }
+            if !dir
+                .join("node_modules/@bytecodealliance/componentize-js")
+                .is_dir()
+            {
+                steps.push(format!("(cd {} && npm install)", dir.display()));
+            }
+        }
+        Lang::C => {
+            if find_clang().is_none() {
+                steps.push(C_INSTALL.into());
+            }
+        }
+    }
+    steps.push(format!("piper plugin build {}", dir.display()));
+    steps
+}
+
+/// A command as a user would type it.
+fn shown(cmd: &Command) -> String {
+    format!(
         "{} {}",
         cmd.get_program().to_string_lossy(),
         cmd.get_args()
             .map(|a| a.to_string_lossy())
             .collect::<Vec<_>>()
             .join(" ")
-    );
+    )
+}
+
+/// Run a command; a failure carries its output (the last 8 KiB).
+fn run(cmd: &mut Command) -> Result<std::process::Output, AuthorError> {
+    let shown = shown(cmd);
+    run_as(cmd, shown, true)
+}
+
+/// [`run`], naming the command `shown` in a failure, with the tool's
+/// standard output in it or not (cargo's is its JSON messages: its rendered
+/// diagnostics are on standard error).
+fn run_as(
+    cmd: &mut Command,
+    shown: String,
+    with_stdout: bool,
+) -> Result<std::process::Output, AuthorError> {
     let out = cmd.output().map_err(|e| AuthorError::Failed {
         cmd: shown.clone(),
         status: "could not start".into(),
@@ -117,7 +181,9 @@ fn run(cmd: &mut Command) -> Result<std::process::Output, AuthorError> {
     })?;
     if !out.status.success() {
         let mut text = String::from_utf8_lossy(&out.stderr).into_owned();
-        text.push_str(&String::from_utf8_lossy(&out.stdout));
+        if with_stdout {
+            text.push_str(&String::from_utf8_lossy(&out.stdout));
+        }
         if text.len() > 8192 {
             let mut cut = text.len() - 8192;
             while !text.is_char_boundary(cut) {
@@ -150,15 +216,33 @@ fn rust(dir: &Path, component: &Path) -> Result<(), AuthorError> {
             install: "rustup target add wasm32-wasip2".into(),
         });
     }
-    let out = run(Command::new(&cargo)
-        .current_dir(dir)
-        .args(["build", "--release", "--target", "wasm32-wasip2"])
+    // Built with cargo's JSON messages (to find the artifact), quiet (no
+    // progress lines); a failure shows the compiler's rendered diagnostics
+    // and the plain command.
+    let mut plain = Command::new(&cargo);
+    plain
         .args([
-            "--message-format",
-            "json-render-diagnostics",
+            "build",
+            "--release",
+            "--target",
+            "wasm32-wasip2",
             "--manifest-path",
         ])
-        .arg(dir.join("Cargo.toml")))?;
+        .arg(dir.join("Cargo.toml"));
+    let reproduce = shown(&plain);
+    let out = run_as(
+        Command::new(&cargo)
+            .current_dir(dir)
+            .args(["build", "--quiet", "--release", "--target", "wasm32-wasip2"])
+            .args([
+                "--message-format",
+                "json-render-diagnostics",
+                "--manifest-path",
+            ])
+            .arg(dir.join("Cargo.toml")),
+        reproduce,
+        false,
+    )?;
     // The cdylib of the package in `dir`, from cargo's artifact messages.
     let manifest = dir.join("Cargo.toml");
     let mut wasm = None;

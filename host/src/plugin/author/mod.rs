@@ -15,7 +15,7 @@ mod build;
 mod check;
 mod new;
 
-pub use build::{build, Built};
+pub use build::{build, next_steps, Built};
 pub use check::{check, Inspection};
 pub use new::new_plugin;
 
