@@ -319,6 +319,34 @@ pub(super) fn norm_sq<B: Backend>(
     dev.b.sum_squares(&pieces)
 }
 
+/// The bucket `op` reduces or gathers (the one over its segments), at
+/// `index` in this device's buckets.
+fn bucket_index<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    buckets: &[Bucket<B>],
+) -> Result<usize, RuntimeError> {
+    buckets
+        .iter()
+        .position(|b| *b.segments == *op.segments)
+        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))
+}
+
+/// The bucket `op` reduces, checked to take a shard of `len` values.
+fn shard_bucket<'a, B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    buckets: &'a mut [Bucket<B>],
+    len: usize,
+) -> Result<&'a mut Bucket<B>, RuntimeError> {
+    let b = &mut buckets[bucket_index(dev, op, buckets)?];
+    if len != b.shard.len() {
+        let what = format!("a gradient shard of {} values", b.shard.len());
+        return Err(missing(dev, op, &what));
+    }
+    Ok(b)
+}
+
 /// The chunk lengths of `op`'s bucket over `group` (one per member, in
 /// group order), checked against this device's shard.
 pub(super) fn member_lens<B: Backend>(
@@ -327,11 +355,7 @@ pub(super) fn member_lens<B: Backend>(
     group: &[u32],
 ) -> Result<Vec<usize>, RuntimeError> {
     let buckets = dev.buckets.lock().unwrap();
-    let b = buckets
-        .iter()
-        .find(|b| *b.segments == *op.segments)
-        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-    lens_of(dev, op, b, group)
+    lens_of(dev, op, &buckets[bucket_index(dev, op, &buckets)?], group)
 }
 
 /// `b`'s chunks over `group`: the shards its layout gave each member.
@@ -364,17 +388,7 @@ pub(super) fn accumulate_shard<B: Backend>(
     shard: &[f32],
 ) -> Result<(), RuntimeError> {
     let mut buckets = dev.buckets.lock().unwrap();
-    let b = buckets
-        .iter_mut()
-        .find(|b| *b.segments == *op.segments)
-        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-    if shard.len() != b.shard.len() {
-        return Err(missing(
-            dev,
-            op,
-            &format!("a gradient shard of {} values", b.shard.len()),
-        ));
-    }
+    let b = shard_bucket(dev, op, &mut buckets, shard.len())?;
     dev.b.add_host(&mut b.grad, 0, shard);
     Ok(())
 }
@@ -389,18 +403,8 @@ pub(super) fn write_grad_shard<B: Backend>(
 ) -> Result<(), RuntimeError> {
     // Gradients before buckets, as the update locks them.
     let mut grads = dev.grads.lock().unwrap();
-    let buckets = dev.buckets.lock().unwrap();
-    let b = buckets
-        .iter()
-        .find(|b| *b.segments == *op.segments)
-        .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
-    if shard.len() != b.shard.len() {
-        return Err(missing(
-            dev,
-            op,
-            &format!("a gradient shard of {} values", b.shard.len()),
-        ));
-    }
+    let mut buckets = dev.buckets.lock().unwrap();
+    let b = shard_bucket(dev, op, &mut buckets, shard.len())?;
     for (n, in_tensor, in_shard) in b.pieces() {
         let g = grads
             .get_mut(n)
@@ -508,20 +512,14 @@ pub(super) fn param_refresh<B: Backend>(
     let (mine, lens) = {
         let params = dev.params.read().unwrap();
         let buckets = dev.buckets.lock().unwrap();
-        let b = buckets
-            .iter()
-            .find(|b| *b.segments == *op.segments)
-            .ok_or_else(|| missing(dev, op, "its ZeRO bucket"))?;
+        let b = &buckets[bucket_index(dev, op, &buckets)?];
         let lens = lens_of(dev, op, b, group)?;
         (param_shard(dev, b, &params).map_err(fail)?, vec![lens])
     };
     let full = gather_shards(dev, op, ctx, group, mine, &lens)?;
     let mut params = dev.params.write().unwrap();
     let buckets = dev.buckets.lock().unwrap();
-    let b = buckets
-        .iter()
-        .find(|b| *b.segments == *op.segments)
-        .expect("found above");
+    let b = &buckets[bucket_index(dev, op, &buckets)?];
     for (n, at, len) in b.offsets() {
         let p = params
             .get_mut(n)

@@ -7,7 +7,7 @@
 //! MPI transport. The bytes a device's buffer gives to other members count
 //! as sent by it.
 
-use super::{check_group, chunk_start, even_shards, sum_in_device_order, Comm, CommError};
+use super::{check_group, chunk_start, sum_in_device_order, Comm, CommError};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -29,7 +29,8 @@ struct Meeting {
     read: usize,
 }
 
-/// Phases of one collective (an all-reduce meets twice).
+/// Meeting phases: an all-reduce's reduce-scatter and all-gather share its
+/// node.
 const SCATTER: u8 = 0;
 const GATHER: u8 = 1;
 
@@ -195,13 +196,12 @@ impl LocalComm {
         }
     }
 
-    /// A reduce-scatter at meeting phase `phase`.
+    /// A reduce-scatter (meeting phase `SCATTER`).
     #[allow(clippy::too_many_arguments)]
     fn scatter(
         &self,
         op: &str,
         node: u32,
-        phase: u8,
         group: &[u32],
         me: u32,
         data: Vec<f32>,
@@ -213,7 +213,7 @@ impl LocalComm {
             data: Arc::new(data),
             lens: lens.into(),
         };
-        let all = self.meet(op, node, phase, group, me, mine)?;
+        let all = self.meet(op, node, SCATTER, group, me, mine)?;
         if all
             .values()
             .any(|l| l.data.len() != len || *l.lens != *lens)
@@ -241,12 +241,11 @@ impl LocalComm {
         Ok(sum)
     }
 
-    /// An all-gather at meeting phase `phase`.
+    /// An all-gather (meeting phase `GATHER`).
     fn gather(
         &self,
         op: &str,
         node: u32,
-        phase: u8,
         group: &[u32],
         me: u32,
         shard: Vec<f32>,
@@ -257,7 +256,7 @@ impl LocalComm {
             data: Arc::new(shard),
             lens: Arc::new([]),
         };
-        let all = self.meet(op, node, phase, group, me, mine)?;
+        let all = self.meet(op, node, GATHER, group, me, mine)?;
         let mut full = Vec::with_capacity(all.values().map(|l| l.data.len()).sum());
         for d in group {
             full.extend_from_slice(&all[d].data);
@@ -295,20 +294,6 @@ impl Comm for LocalComm {
         self.take(u64::from(pair), from, to, what)
     }
 
-    /// A reduce-scatter of even chunks, then an all-gather of the sums.
-    fn all_reduce(
-        &self,
-        op: &str,
-        node: u32,
-        group: &[u32],
-        me: u32,
-        data: Vec<f32>,
-    ) -> Result<Arc<Vec<f32>>, CommError> {
-        let lens = even_shards(data.len(), group.len());
-        let chunk = self.scatter(op, node, SCATTER, group, me, data, &lens)?;
-        self.gather(op, node, GATHER, group, me, chunk)
-    }
-
     fn reduce_scatter(
         &self,
         op: &str,
@@ -318,7 +303,7 @@ impl Comm for LocalComm {
         data: Vec<f32>,
         lens: &[usize],
     ) -> Result<Vec<f32>, CommError> {
-        self.scatter(op, node, SCATTER, group, me, data, lens)
+        self.scatter(op, node, group, me, data, lens)
     }
 
     fn all_gather(
@@ -329,7 +314,7 @@ impl Comm for LocalComm {
         me: u32,
         shard: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError> {
-        self.gather(op, node, GATHER, group, me, shard)
+        self.gather(op, node, group, me, shard)
     }
 
     fn sent_bytes(&self) -> BTreeMap<u32, u64> {

@@ -187,7 +187,9 @@ pub trait Comm: Send + Sync {
     /// waiting at most the timeout.
     fn recv(&self, pair: u32, from: u32, to: u32, what: &str) -> Result<Arc<Vec<f32>>, CommError>;
     /// Sum `data` over `group` in device order; every member gets the sum.
-    /// `op` names the collective in errors.
+    /// `op` names the collective in errors. A reduce-scatter of even chunks,
+    /// then an all-gather of the sums (the two never share a mailbox or a
+    /// meeting: each transport keeps them apart by phase).
     fn all_reduce(
         &self,
         op: &str,
@@ -195,7 +197,11 @@ pub trait Comm: Send + Sync {
         group: &[u32],
         me: u32,
         data: Vec<f32>,
-    ) -> Result<Arc<Vec<f32>>, CommError>;
+    ) -> Result<Arc<Vec<f32>>, CommError> {
+        let lens = even_shards(data.len(), group.len());
+        let chunk = self.reduce_scatter(op, node, group, me, data, &lens)?;
+        self.all_gather(op, node, group, me, chunk)
+    }
     /// Reduce-scatter: `data` (the same length on every member) is cut
     /// into `lens` (one chunk per member, in group order, the same on every
     /// member); member `group[i]` gets the sum of every member's chunk `i`.

@@ -18,8 +18,7 @@
 //! `MPI_THREAD_MULTIPLE`.
 
 use super::{
-    check_group, chunk_start, collective_key, even_shards, sum_in_device_order, Comm, CommError,
-    LocalComm,
+    check_group, chunk_start, collective_key, sum_in_device_order, Comm, CommError, LocalComm,
 };
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -311,7 +310,7 @@ impl MpiComm {
         !group.iter().all(|d| self.fabric.ranks.is_local(*d))
     }
 
-    /// A reduce-scatter across ranks at phase `phase` of `node`: each
+    /// A reduce-scatter across ranks (mailbox phase 0 of `node`): each
     /// other member's chunk of `data` goes to it; this device's chunk of
     /// every member's buffer comes here and is summed in device order.
     #[allow(clippy::too_many_arguments)]
@@ -319,14 +318,13 @@ impl MpiComm {
         &self,
         op: &str,
         node: u32,
-        phase: u8,
         group: &[u32],
         me: u32,
         data: Vec<f32>,
         lens: &[usize],
     ) -> Result<Vec<f32>, CommError> {
         let pos = check_group(op, node, group, me, Some((data.len(), lens)))?;
-        let key = collective_key(node, phase);
+        let key = collective_key(node, 0);
         for (i, &peer) in group.iter().enumerate() {
             if peer != me {
                 let at = chunk_start(lens, i);
@@ -339,27 +337,25 @@ impl MpiComm {
         for &peer in group.iter().filter(|p| **p != me) {
             got.insert(peer, self.local.take(key, peer, me, op)?);
         }
-        let chunks = group.iter().map(|d| match got.get(d) {
-            Some(c) => (*d, c.as_slice()),
-            None => (*d, own),
-        });
-        let mut sorted: Vec<(u32, &[f32])> = chunks.collect();
-        sorted.sort_by_key(|(d, _)| *d);
-        sum_in_device_order(op, node, group, sorted.into_iter()).inspect_err(|_| self.abort())
+        // By device (the map's order), this device's own chunk in its place.
+        let mut chunks: BTreeMap<u32, &[f32]> = got.iter().map(|(d, c)| (*d, &c[..])).collect();
+        chunks.insert(me, own);
+        let by_device = chunks.iter().map(|(d, c)| (*d, *c));
+        sum_in_device_order(op, node, group, by_device).inspect_err(|_| self.abort())
     }
 
-    /// An all-gather across ranks at phase `phase` of `node`.
+    /// An all-gather across ranks (mailbox phase 1 of `node`: an
+    /// all-reduce's two halves share its node).
     fn gather(
         &self,
         op: &str,
         node: u32,
-        phase: u8,
         group: &[u32],
         me: u32,
         shard: Vec<f32>,
     ) -> Result<Arc<Vec<f32>>, CommError> {
         check_group(op, node, group, me, None)?;
-        let key = collective_key(node, phase);
+        let key = collective_key(node, 1);
         let shard = Arc::new(shard);
         for &peer in group.iter().filter(|p| **p != me) {
             self.post(key, me, peer, shard.clone())?;
@@ -384,23 +380,6 @@ impl Comm for MpiComm {
         self.local.take(u64::from(pair), from, to, what)
     }
 
-    /// A reduce-scatter of even chunks, then an all-gather of the sums.
-    fn all_reduce(
-        &self,
-        op: &str,
-        node: u32,
-        group: &[u32],
-        me: u32,
-        data: Vec<f32>,
-    ) -> Result<Arc<Vec<f32>>, CommError> {
-        if !self.on_ranks(group) {
-            return self.local.all_reduce(op, node, group, me, data);
-        }
-        let lens = even_shards(data.len(), group.len());
-        let chunk = self.scatter(op, node, 0, group, me, data, &lens)?;
-        self.gather(op, node, 1, group, me, chunk)
-    }
-
     fn reduce_scatter(
         &self,
         op: &str,
@@ -413,7 +392,7 @@ impl Comm for MpiComm {
         if !self.on_ranks(group) {
             return self.local.reduce_scatter(op, node, group, me, data, lens);
         }
-        self.scatter(op, node, 0, group, me, data, lens)
+        self.scatter(op, node, group, me, data, lens)
     }
 
     fn all_gather(
@@ -427,7 +406,7 @@ impl Comm for MpiComm {
         if !self.on_ranks(group) {
             return self.local.all_gather(op, node, group, me, shard);
         }
-        self.gather(op, node, 1, group, me, shard)
+        self.gather(op, node, group, me, shard)
     }
 
     fn sent_bytes(&self) -> BTreeMap<u32, u64> {
