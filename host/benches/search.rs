@@ -38,6 +38,7 @@ fn llama3_8b_like() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: None,
+        ..Default::default()
     }
 }
 
@@ -58,6 +59,7 @@ fn qwen3_30b_a3b_like() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: Some(moe),
+        ..Default::default()
     }
 }
 

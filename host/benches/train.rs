@@ -159,6 +159,7 @@ fn main() {
         layers_per_region: 1,
         regions: None,
         moe: None,
+        ..Default::default()
     };
     // Alternating rounds, best of each (the machine is shared and noisy).
     let mut gemm = vec![0.0f64; counts.len()];

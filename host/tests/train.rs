@@ -238,6 +238,69 @@ fn tensor_parallel_training_matches_one_device() {
     );
 }
 
+/// The small model in the Llama family: RMSNorm, rotary positions, SwiGLU,
+/// 4 query heads over 2 key/value heads, Qwen3's q/k norms, an untied head.
+fn small_llama() -> piper::model::ModelConfig {
+    piper::model::ModelConfig {
+        name: "small-llama".into(),
+        heads: 4,
+        family: piper::model::Family::Llama,
+        kv_heads: Some(2),
+        intermediate: Some(88),
+        qk_norm: true,
+        norm_eps: Some(1e-6),
+        ..small()
+    }
+}
+
+#[test]
+fn the_llama_family_trains_to_one_devices_losses_under_every_strategy() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = small_llama();
+    let base = one_device(&host, &cfg, steps);
+    assert!(
+        base.losses[steps as usize - 1] < base.losses[0] - 0.3,
+        "one device learns: {:?}",
+        base.losses
+    );
+    let cases: [(&str, u32, Strategy); 11] = [
+        ("dp", 2, &[("dp", &[])]),
+        ("zero(1)", 2, &[("zero", &[("stage", "1")])]),
+        ("zero(2)", 2, &[("zero", &[("stage", "2")])]),
+        ("zero(3)", 2, &[("zero", &[("stage", "3")])]),
+        ("gpipe", 4, &[("gpipe", &[("microbatches", "8")])]),
+        ("1f1b", 4, &[("1f1b", &[("microbatches", "8")])]),
+        ("zb-h1", 4, &[("zb-h1", &[("microbatches", "8")])]),
+        ("dualpipev", 4, &[("dualpipev", &[("microbatches", "8")])]),
+        (
+            "zero(3)+1f1b",
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+        ("tp on 2", 2, &[("tp", &[])]),
+        (
+            "tp+1f1b",
+            4,
+            &[("tp", &[("tp", "2")]), ("1f1b", &[("microbatches", "4")])],
+        ),
+    ];
+    for (name, devices, strategy) in cases {
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+    }
+    // Tensor parallelism splits key/value heads too: 4 devices over 2 of them
+    // is refused with the numbers.
+    let err = plan_with(&host, &cfg, 4, &[("tp", &[])]).unwrap_err();
+    assert!(
+        err.contains("query heads (4), key/value heads (kv_heads 2) and the MLP's hidden units (intermediate 88): each must divide by 4"),
+        "{err}"
+    );
+}
+
 /// The error of the first step of `plan` on the small model.
 fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
     let mut trainer = Trainer::new(&small(), plan, opts).unwrap();

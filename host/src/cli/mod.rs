@@ -79,7 +79,7 @@ pub struct RunArgs {
     /// Run config (TOML): model, devices, strategies with options, sandbox limits.
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// A preset (`tiny`, `gpt2-small`) or a model TOML file.
+    /// A preset (`tiny`, `gpt2-small`, `llama-tiny`) or a model TOML file.
     #[arg(long)]
     pub model: Option<String>,
     /// Number of (virtual) devices.

@@ -336,7 +336,7 @@ fn validate_edges(
     let segs = dag.segments();
     if let (Some(e), Some(h)) = (
         segs.iter().position(|s| s.has_embedding()),
-        segs.iter().position(|s| s.has_head()),
+        segs.iter().position(|s| s.has_head() && s.tied_elems > 0),
     ) {
         if let (Some(pe), Some(ph)) = (&placement[e], &placement[h]) {
             let tied = g.node_weights().any(

@@ -380,7 +380,9 @@ impl TrainingDag {
         let copies = self.segment_copies();
         if let (Some(e), Some(h)) = (
             self.segments().iter().position(|s| s.has_embedding()),
-            self.segments().iter().position(|s| s.has_head()),
+            self.segments()
+                .iter()
+                .position(|s| s.has_head() && s.tied_elems > 0),
         ) {
             let same_copies = copies[e].len() > 1 && copies[e] == copies[h];
             if e != h && ((placement[e].is_some() && placement[e] == placement[h]) || same_copies) {
@@ -421,9 +423,13 @@ impl TrainingDag {
             sources[seg] = vec![(None, node)];
         }
 
-        // 3. Tied embedding / head gradients across groups.
+        // 3. Tied embedding / head gradients across groups (a head of its
+        // own, as an untied Llama's, needs none).
         let emb = self.segments().iter().position(|s| s.has_embedding());
-        let head = self.segments().iter().position(|s| s.has_head());
+        let head = self
+            .segments()
+            .iter()
+            .position(|s| s.has_head() && s.tied_elems > 0);
         if let (Some(e), Some(h)) = (emb, head) {
             if let (Some((ge, re)), Some((gh, rh))) = (placement[e].clone(), placement[h].clone()) {
                 let disjoint = ge.iter().all(|d| !gh.contains(d));

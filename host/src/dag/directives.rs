@@ -848,11 +848,8 @@ impl TrainingDag {
             ))
         };
         let n = devs.len() as u32;
-        let (heads, width) = (self.model.heads, self.model.d_model.saturating_mul(4));
-        if !heads.is_multiple_of(n) || !width.is_multiple_of(n) {
-            return invalid(format!(
-                "tensor parallelism over {n} devices needs the heads ({heads}) and the MLP width 4·d_model ({width}) to divide by {n}"
-            ));
+        if let Err(m) = self.model.tensor_split(n) {
+            return invalid(m);
         }
         if let Some(id) = compute.iter().find(|id| match self.graph[id.ix()].kind {
             NodeKind::Compute { segment, .. } => {

@@ -3,7 +3,7 @@
 //! for the whole global batch (`batch_size × seq_len` tokens); the DAG scales
 //! them by the share of the batch a node runs.
 
-use super::{ModelConfig, Part, DTYPE_BYTES};
+use super::{Family, ModelConfig, Part, DTYPE_BYTES};
 use serde::{Deserialize, Serialize};
 
 /// Cost hints of a part (or a sum of parts).
@@ -47,6 +47,9 @@ impl PartCost {
 
 /// Cost of one part over the global batch.
 pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
+    if cfg.family == Family::Llama {
+        return llama_part_cost(cfg, part);
+    }
     let d = cfg.d_model as f64;
     let t = cfg.seq_len as f64;
     let v = cfg.vocab as f64;
@@ -125,11 +128,24 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             b, // the loss
         ),
     };
-    // Parameters: the part's entries of the parameter table; the head's `wte`
-    // is the embedding's (tied).
+    finish(cfg, part, (fwd, wgrad_share, saved, stash, act_in, act_out))
+}
+
+/// A part's cost from its forward FLOPs and bytes: backward is twice the
+/// forward, the weight pass `wgrad_share` of it; the parameters are the
+/// part's entries of the parameter table, the head's tied embedding the
+/// embedding's.
+fn finish(
+    cfg: &ModelConfig,
+    part: Part,
+    (fwd, wgrad_share, saved, stash, act_in, act_out): (f64, f64, f64, f64, f64, f64),
+) -> PartCost {
+    use super::params::Role;
     let params: f64 = super::params::part_entries(cfg, part)
         .iter()
-        .filter(|e| !(part == Part::Head && e.role == super::params::Role::TokenEmbedding))
+        .filter(|e| {
+            !(part == Part::Head && matches!(e.role, Role::TokenEmbedding | Role::EmbedTokens))
+        })
         .map(|e| e.shape.iter().map(|x| *x as f64).product::<f64>())
         .sum::<f64>();
     PartCost {
@@ -142,6 +158,74 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         saved_bytes: saved as u64,
         stash_bytes: stash as u64,
     }
+}
+
+/// A Llama-family part's cost: the tensors its composition
+/// (`runtime/backend/llama.rs`) keeps, counted the same way.
+fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
+    let a = cfg.arch();
+    let d = cfg.d_model as f64;
+    let t = cfg.seq_len as f64;
+    let v = cfg.vocab as f64;
+    let (h, kvh) = (a.heads as f64, a.kv_heads as f64);
+    let (qw, kvw, hid) = (a.q_width() as f64, a.kv_width() as f64, a.hidden as f64);
+    let n = cfg.batch_size as f64 * t;
+    let b = DTYPE_BYTES as f64;
+    let hidden = n * d * b;
+    let qk = if a.qk_norm { 1.0 } else { 0.0 };
+    // Attention half: projections, QKᵀ and AV, rotary and norms.
+    let attn_fwd = 2.0 * n * d * (2.0 * qw + 2.0 * kvw) + 4.0 * n * t * qw;
+    // x, norm out, rstd; q, k before their norms and their rstds (qk_norm);
+    // the packed rotated q/k/v (3 qw), probabilities (h t), attention out.
+    let attn_saved = (2.0 * d + 1.0 + qk * (qw + kvw + h + kvh) + 4.0 * qw + h * t) * n * b;
+    // weight pass: x, norm out, rstd, attention out (+ q/k and rstds); the
+    // gradients of out, q, k, v, norm out (+ q/k after their norms).
+    let attn_stash = (2.0 * d + 1.0 + qw + qk * (qw + kvw + h + kvh))
+        + (2.0 * d + qw + 2.0 * kvw + qk * (qw + kvw));
+    let attn_stash = attn_stash * n * b;
+    let mlp_fwd = 2.0 * n * 3.0 * d * hid;
+    // x2, norm out, rstd, gate, up, silu(gate)·up.
+    let mlp_saved = (2.0 * d + 1.0 + 3.0 * hid) * n * b;
+    // weight pass: x2, norm out, rstd, silu(gate)·up; the gradients of
+    // out, gate, up, norm out.
+    let mlp_stash = (2.0 * d + 1.0 + hid + 2.0 * d + 2.0 * hid) * n * b;
+    let (fwd, saved, stash, act_in, act_out) = match part {
+        Part::Embedding => (n * d, n * 4.0, n * 4.0 + hidden, n * 4.0, hidden),
+        Part::Block(_) => (
+            attn_fwd + mlp_fwd,
+            attn_saved + mlp_saved,
+            attn_stash + mlp_stash,
+            hidden,
+            hidden,
+        ),
+        Part::Attention(_) => (attn_fwd, attn_saved, attn_stash, hidden, hidden),
+        Part::Experts(_) => {
+            let m = cfg.moe.as_ref();
+            let (e, k, eh) = m.map_or((0.0, 0.0, 0.0), |m| {
+                (
+                    m.experts as f64,
+                    m.top_k as f64,
+                    m.hidden_width(cfg.d_model) as f64,
+                )
+            });
+            (
+                2.0 * n * d * e + 2.0 * n * k * 3.0 * d * eh,
+                ((2.0 * d + 1.0 + e) + k * (3.0 * eh + d)) * n * b,
+                ((3.0 * d + 1.0 + e) + k * (3.0 * eh + d)) * n * b,
+                hidden,
+                hidden,
+            )
+        }
+        Part::Head => (
+            2.0 * n * d * v + 5.0 * n * v,
+            (2.0 * d + 1.0 + v) * n * b,
+            (3.0 * d + 1.0 + v) * n * b,
+            hidden,
+            b,
+        ),
+    };
+    let share = if part == Part::Embedding { 1.0 } else { 0.5 };
+    finish(cfg, part, (fwd, share, saved, stash, act_in, act_out))
 }
 
 /// How an expert segment's work divides between the phases `shard` splits

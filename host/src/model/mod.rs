@@ -1,5 +1,5 @@
-//! Model: the first stage of the flow. A GPT-2-style decoder described by a
-//! [`ModelConfig`] (preset, TOML file or Rust), cut into annotated
+//! Model: the first stage of the flow. A decoder of the GPT-2 or the Llama
+//! family ([`Family`]: Llama 3, Qwen3) described by a [`ModelConfig`] (preset, TOML file or Rust), cut into annotated
 //! [`Segment`]s, each carrying cost hints. A leaf of the crate: it depends on
 //! nothing else here; `dag/`'s builder turns a config into the initial global
 //! training DAG.
@@ -91,8 +91,68 @@ impl MoeConfig {
     }
 }
 
-/// A GPT-2-style decoder and the global batch it trains on.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The architecture a config describes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Family {
+    /// GPT-2: learned positions, LayerNorm with biases, GELU MLP of
+    /// 4·d_model, biases everywhere, tied head.
+    #[default]
+    Gpt2,
+    /// Llama 3 / Qwen3: RMSNorm, rotary positions, SwiGLU MLP of
+    /// `intermediate`, grouped-query attention (`kv_heads`), no biases,
+    /// a head of its own unless `tie_embeddings`; Qwen3's per-head q/k
+    /// RMSNorm with `qk_norm`.
+    Llama,
+}
+
+impl Family {
+    pub fn is_gpt2(&self) -> bool {
+        *self == Family::Gpt2
+    }
+    pub fn name(&self) -> &'static str {
+        match self {
+            Family::Gpt2 => "gpt2",
+            Family::Llama => "llama",
+        }
+    }
+}
+
+/// A config's architecture with every default resolved: what the
+/// parameter table, the cost hints and the kernels read.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Arch {
+    pub family: Family,
+    /// Query heads and key/value heads (equal without grouped-query attention).
+    pub heads: u32,
+    pub kv_heads: u32,
+    /// Channels per head (`d_model / heads` unless given).
+    pub head_dim: u32,
+    /// Hidden width of a dense MLP: 4·d_model (GPT-2) or `intermediate`.
+    pub hidden: u32,
+    /// Rotary base (Llama).
+    pub rope_theta: f64,
+    /// Per-head RMSNorm of queries and keys (Qwen3).
+    pub qk_norm: bool,
+    /// The head reads the token embedding (GPT-2 always).
+    pub tied: bool,
+    /// The norms' epsilon.
+    pub norm_eps: f32,
+}
+
+impl Arch {
+    /// Width of the queries (and of attention's output): heads × head_dim.
+    pub fn q_width(&self) -> u32 {
+        self.heads * self.head_dim
+    }
+    /// Width of the keys and of the values: kv_heads × head_dim.
+    pub fn kv_width(&self) -> u32 {
+        self.kv_heads * self.head_dim
+    }
+}
+
+/// A decoder (GPT-2 or Llama family) and the global batch it trains on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     #[serde(default = "default_name")]
@@ -112,6 +172,33 @@ pub struct ModelConfig {
     pub regions: Option<Vec<u32>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moe: Option<MoeConfig>,
+    /// `gpt2` (default) or `llama`; the fields below are the Llama
+    /// family's (Hugging Face's `LlamaConfig` / `Qwen3Config` names).
+    #[serde(default, skip_serializing_if = "Family::is_gpt2")]
+    pub family: Family,
+    /// Key/value heads of grouped-query attention (default `heads`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_heads: Option<u32>,
+    /// Channels per head (default `d_model / heads`; Qwen3 sets 128).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<u32>,
+    /// SwiGLU hidden width (required for `llama`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intermediate: Option<u32>,
+    /// Rotary base (default 10000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// The head reuses the token embedding (default false for `llama`;
+    /// GPT-2's is always tied).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tie_embeddings: Option<bool>,
+    /// Qwen3's per-head RMSNorm of queries and keys.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
+    /// RMSNorm's epsilon (default 1e-5; Qwen3 uses 1e-6). GPT-2's
+    /// LayerNorm always uses 1e-5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_eps: Option<f64>,
 }
 
 fn default_name() -> String {
@@ -122,7 +209,7 @@ fn one() -> u32 {
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 2] = ["tiny", "gpt2-small"];
+pub const PRESETS: [&str; 3] = ["tiny", "gpt2-small", "llama-tiny"];
 
 impl ModelConfig {
     /// `tiny`: trains in seconds on a CPU. 8 layers, each its own `PP` region, so
@@ -140,6 +227,7 @@ impl ModelConfig {
             layers_per_region: 1,
             regions: None,
             moe: None,
+            ..Default::default()
         }
     }
 
@@ -158,6 +246,7 @@ impl ModelConfig {
             layers_per_region: 1,
             regions: None,
             moe: None,
+            ..Default::default()
         }
     }
 
@@ -174,6 +263,61 @@ impl ModelConfig {
             layers_per_region: 1,
             regions: None,
             moe: None,
+            ..Default::default()
+        }
+    }
+
+    /// `llama-tiny`: `tiny`'s shape in the Llama family, with what makes it
+    /// Llama and Qwen3 all in use: 4 query heads over 2 key/value heads,
+    /// SwiGLU of width 176, rotary positions, q/k norms, an untied head.
+    pub fn llama_tiny() -> Self {
+        ModelConfig {
+            name: "llama-tiny".into(),
+            family: Family::Llama,
+            kv_heads: Some(2),
+            intermediate: Some(176),
+            rope_theta: Some(10_000.0),
+            tie_embeddings: Some(false),
+            qk_norm: true,
+            norm_eps: Some(1e-6),
+            ..Self::tiny()
+        }
+    }
+
+    /// The architecture with its defaults resolved (call after
+    /// [`ModelConfig::validate`]: the sizes divide).
+    pub fn arch(&self) -> Arch {
+        let llama = self.family == Family::Llama;
+        let head_dim = self
+            .head_dim
+            .unwrap_or(self.d_model / self.heads.max(1))
+            .max(1);
+        Arch {
+            family: self.family,
+            heads: self.heads,
+            kv_heads: if llama {
+                self.kv_heads.unwrap_or(self.heads)
+            } else {
+                self.heads
+            },
+            head_dim: if llama {
+                head_dim
+            } else {
+                self.d_model / self.heads.max(1)
+            },
+            hidden: if llama {
+                self.intermediate.unwrap_or(0)
+            } else {
+                self.d_model.saturating_mul(4)
+            },
+            rope_theta: self.rope_theta.unwrap_or(10_000.0),
+            qk_norm: llama && self.qk_norm,
+            tied: !llama || self.tie_embeddings.unwrap_or(false),
+            norm_eps: if llama {
+                self.norm_eps.unwrap_or(1e-5) as f32
+            } else {
+                1e-5
+            },
         }
     }
 
@@ -182,6 +326,7 @@ impl ModelConfig {
         match name {
             "tiny" => Ok(Self::tiny()),
             "gpt2-small" => Ok(Self::gpt2_small()),
+            "llama-tiny" => Ok(Self::llama_tiny()),
             _ => Err(ModelError::UnknownPreset {
                 name: name.into(),
                 known: PRESETS.to_vec(),
@@ -247,7 +392,8 @@ impl ModelConfig {
                 return Err(self.invalid(format!("{field} must be at least 1, got 0")));
             }
         }
-        if !self.d_model.is_multiple_of(self.heads) {
+        self.validate_family()?;
+        if self.head_dim.is_none() && !self.d_model.is_multiple_of(self.heads) {
             return Err(self.invalid(format!(
                 "d_model must be divisible by heads: d_model {} heads {}",
                 self.d_model, self.heads
@@ -264,10 +410,13 @@ impl ModelConfig {
             self.layers as u64,
         );
         let experts = self.moe.as_ref().map_or(1, |m| m.experts.max(1) as u64);
+        let arch = self.arch();
         let hidden = self
             .moe
             .as_ref()
-            .map_or(4 * c, |m| m.hidden_width(self.d_model) as u64);
+            .map_or(arch.hidden as u64, |m| m.hidden_width(self.d_model) as u64);
+        // Attention's widths may pass d_model (Qwen3: 16 heads of 128 over 1024).
+        let c = c.max(arch.q_width() as u64);
         for (what, product) in [
             (
                 "batch_size × seq_len × vocab",
@@ -353,6 +502,91 @@ impl ModelConfig {
             }
         }
         Ok(())
+    }
+
+    /// The Llama family's fields: present only there, and sizes that fit.
+    fn validate_family(&self) -> Result<(), ModelError> {
+        let llama_only = [
+            ("kv_heads", self.kv_heads.is_some()),
+            ("head_dim", self.head_dim.is_some()),
+            ("intermediate", self.intermediate.is_some()),
+            ("rope_theta", self.rope_theta.is_some()),
+            ("tie_embeddings", self.tie_embeddings.is_some()),
+            ("qk_norm", self.qk_norm),
+            ("norm_eps", self.norm_eps.is_some()),
+        ];
+        if self.family == Family::Gpt2 {
+            if let Some((field, _)) = llama_only.iter().find(|(_, set)| *set) {
+                return Err(self.invalid(format!(
+                    "`{field}` belongs to the Llama family: add family = \"llama\" (GPT-2 has LayerNorm, learned positions, a 4·d_model GELU MLP and a tied head)"
+                )));
+            }
+            return Ok(());
+        }
+        let intermediate = self.intermediate.ok_or_else(|| {
+            self.invalid("family = \"llama\" needs `intermediate`, the SwiGLU MLP's hidden width (Llama 3 8B: 14336)")
+        })?;
+        if intermediate == 0 || intermediate > 1 << 24 {
+            return Err(self.invalid(format!(
+                "intermediate must be in 1..=16777216, got {intermediate}"
+            )));
+        }
+        let kv = self.kv_heads.unwrap_or(self.heads);
+        if kv == 0 || self.heads == 0 || !self.heads.is_multiple_of(kv) {
+            return Err(self.invalid(format!(
+                "kv_heads must divide heads (each key/value head serves heads / kv_heads query heads): heads {} kv_heads {kv}",
+                self.heads
+            )));
+        }
+        if let Some(hd) = self.head_dim {
+            if hd == 0 || hd > 1 << 16 {
+                return Err(self.invalid(format!("head_dim must be in 1..=65536, got {hd}")));
+            }
+        }
+        let hd = self.head_dim.unwrap_or(self.d_model / self.heads.max(1));
+        if !hd.is_multiple_of(2) {
+            return Err(self.invalid(format!(
+                "rotary embeddings rotate pairs of channels: head_dim must be even, got {hd}"
+            )));
+        }
+        if let Some(theta) = self.rope_theta {
+            if !(theta.is_finite() && theta > 1.0 && theta <= 1e12) {
+                return Err(self.invalid(format!(
+                    "rope_theta must be a number in (1, 1e12], got {theta}"
+                )));
+            }
+        }
+        if let Some(eps) = self.norm_eps {
+            if !(eps.is_finite() && eps > 0.0 && eps <= 1.0) {
+                return Err(self.invalid(format!("norm_eps must be a number in (0, 1], got {eps}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Can tensor parallelism over `n` devices split this model (heads,
+    /// key/value heads and the MLP's hidden units each divide by `n`)? The
+    /// message names the numbers when not.
+    pub fn tensor_split(&self, n: u32) -> Result<(), String> {
+        let a = self.arch();
+        let n = n.max(1);
+        match a.family {
+            Family::Gpt2 if !a.heads.is_multiple_of(n) || !a.hidden.is_multiple_of(n) => Err(format!(
+                "tensor parallelism over {n} devices needs the heads ({}) and the MLP width 4·d_model ({}) to divide by {n}",
+                a.heads, a.hidden
+            )),
+            Family::Llama
+                if !a.heads.is_multiple_of(n)
+                    || !a.kv_heads.is_multiple_of(n)
+                    || !a.hidden.is_multiple_of(n) =>
+            {
+                Err(format!(
+                    "tensor parallelism over {n} devices splits query heads ({}), key/value heads (kv_heads {}) and the MLP's hidden units (intermediate {}): each must divide by {n}",
+                    a.heads, a.kv_heads, a.hidden
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Layer counts of the `PP` regions, in order.
@@ -456,7 +690,7 @@ impl Segment {
         for p in &parts {
             let c = part_cost(cfg, *p);
             cost.add(&c);
-            if matches!(p, Part::Head) {
+            if matches!(p, Part::Head) && cfg.arch().tied {
                 tied = cfg.vocab as u64 * cfg.d_model as u64;
             }
         }

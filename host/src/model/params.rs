@@ -15,7 +15,7 @@
 //! walk over a device's states in id order (ZeRO's flat bucket layouts, the
 //! sums of the gradient norm) is the order checkpoints list them in.
 
-use super::{ModelConfig, Part, Segment};
+use super::{Family, ModelConfig, Part, Segment};
 use std::collections::HashMap;
 
 /// A parameter of the model: its index in the [`ParamTable`].
@@ -57,6 +57,25 @@ pub enum Role {
     ExpertProjBias,
     LnfWeight,
     LnfBias,
+    // The Llama family (Hugging Face's names).
+    EmbedTokens,
+    AttnNorm,
+    QProj,
+    KProj,
+    VProj,
+    QNorm,
+    KNorm,
+    OProj,
+    MlpNorm,
+    GateProj,
+    UpProj,
+    DownProj,
+    MoeGate,
+    ExpertGate,
+    ExpertUp,
+    ExpertDown,
+    FinalNorm,
+    LmHead,
 }
 
 /// How a parameter starts (GPT-2's initialisation).
@@ -109,13 +128,16 @@ impl Entry {
         self.shape.iter().product()
     }
 
-    /// Its GPT-2 name (`wte`, `h.3.attn.c_attn.weight`, `h.1.mlp.experts.2.c_fc.bias`).
+    /// Its GPT-2 name (`wte`, `h.3.attn.c_attn.weight`,
+    /// `h.1.mlp.experts.2.c_fc.bias`), or its Hugging Face Llama name
+    /// (`model.layers.0.self_attn.q_proj.weight`).
     pub fn name(&self) -> String {
         use Role::*;
         let l = self.layer.unwrap_or(0);
         let x = self.expert.unwrap_or(0);
         let h = |s: &str| format!("h.{l}.{s}");
         let e = |s: &str| format!("h.{l}.mlp.experts.{x}.{s}");
+        let m = |s: &str| format!("model.layers.{l}.{s}");
         match self.role {
             TokenEmbedding => "wte".into(),
             PositionEmbedding => "wpe".into(),
@@ -138,6 +160,24 @@ impl Entry {
             ExpertProjBias => e("c_proj.bias"),
             LnfWeight => "ln_f.weight".into(),
             LnfBias => "ln_f.bias".into(),
+            EmbedTokens => "model.embed_tokens.weight".into(),
+            AttnNorm => m("input_layernorm.weight"),
+            QProj => m("self_attn.q_proj.weight"),
+            KProj => m("self_attn.k_proj.weight"),
+            VProj => m("self_attn.v_proj.weight"),
+            QNorm => m("self_attn.q_norm.weight"),
+            KNorm => m("self_attn.k_norm.weight"),
+            OProj => m("self_attn.o_proj.weight"),
+            MlpNorm => m("post_attention_layernorm.weight"),
+            GateProj => m("mlp.gate_proj.weight"),
+            UpProj => m("mlp.up_proj.weight"),
+            DownProj => m("mlp.down_proj.weight"),
+            MoeGate => m("mlp.gate.weight"),
+            ExpertGate => m(&format!("mlp.experts.{x}.gate_proj.weight")),
+            ExpertUp => m(&format!("mlp.experts.{x}.up_proj.weight")),
+            ExpertDown => m(&format!("mlp.experts.{x}.down_proj.weight")),
+            FinalNorm => "model.norm.weight".into(),
+            LmHead => "lm_head.weight".into(),
         }
     }
 
@@ -152,12 +192,20 @@ impl Entry {
             Role::QkvWeight | Role::QkvBias => TpSplit::Rows { blocks: 3 },
             Role::FcWeight | Role::FcBias => TpSplit::Rows { blocks: 1 },
             Role::AttnProjWeight | Role::MlpProjWeight => TpSplit::Cols,
+            // Heads are contiguous rows of q/k/v (kv heads split as query
+            // heads do), hidden units rows of gate/up.
+            Role::QProj | Role::KProj | Role::VProj | Role::GateProj | Role::UpProj => {
+                TpSplit::Rows { blocks: 1 }
+            }
+            Role::OProj | Role::DownProj => TpSplit::Cols,
             _ => TpSplit::Replicated,
         }
     }
 
     /// GPT-2's initialisation: N(0, 0.02) weights, residual projections
-    /// scaled by 1/√(2·layers), zero biases, unit layernorm gains.
+    /// scaled by 1/√(2·layers), zero biases, unit layernorm gains. The
+    /// Llama family's is Hugging Face's: N(0, 0.02) for every matrix and
+    /// the embedding, unit norm gains.
     pub fn init(&self, layers: u32) -> Init {
         use Role::*;
         match self.role {
@@ -170,6 +218,9 @@ impl Entry {
             TokenEmbedding | PositionEmbedding | QkvWeight | FcWeight | Router | ExpertFcWeight => {
                 Init::Normal { std: 0.02 }
             }
+            AttnNorm | QNorm | KNorm | MlpNorm | FinalNorm => Init::Ones,
+            EmbedTokens | QProj | KProj | VProj | OProj | GateProj | UpProj | DownProj
+            | MoeGate | ExpertGate | ExpertUp | ExpertDown | LmHead => Init::Normal { std: 0.02 },
         }
     }
 
@@ -188,8 +239,11 @@ impl Entry {
 }
 
 /// The parameters of one part, in the part's order (the head lists `wte`
-/// too: it uses it).
+/// too when it is tied: it uses it).
 pub fn part_entries(cfg: &ModelConfig, part: Part) -> Vec<Entry> {
+    if cfg.family == Family::Llama {
+        return llama_part_entries(cfg, part);
+    }
     use Role::*;
     let (c, v, t) = (
         cfg.d_model as usize,
@@ -255,6 +309,72 @@ pub fn part_entries(cfg: &ModelConfig, part: Part) -> Vec<Entry> {
     }
 }
 
+/// A Llama-family part's parameters, in Hugging Face's order.
+fn llama_part_entries(cfg: &ModelConfig, part: Part) -> Vec<Entry> {
+    use Role::*;
+    let a = cfg.arch();
+    let (c, v) = (cfg.d_model as usize, cfg.vocab as usize);
+    let (qw, kvw, hd, hid) = (
+        a.q_width() as usize,
+        a.kv_width() as usize,
+        a.head_dim as usize,
+        a.hidden as usize,
+    );
+    match part {
+        Part::Embedding => vec![Entry::new(EmbedTokens, None, None, vec![v, c])],
+        Part::Attention(l) => {
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            let mut out = vec![
+                p(AttnNorm, vec![c]),
+                p(QProj, vec![qw, c]),
+                p(KProj, vec![kvw, c]),
+                p(VProj, vec![kvw, c]),
+            ];
+            if a.qk_norm {
+                out.extend([p(QNorm, vec![hd]), p(KNorm, vec![hd])]);
+            }
+            out.push(p(OProj, vec![c, qw]));
+            out
+        }
+        Part::Block(l) => {
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            let mut out = llama_part_entries(cfg, Part::Attention(l));
+            out.extend([
+                p(MlpNorm, vec![c]),
+                p(GateProj, vec![hid, c]),
+                p(UpProj, vec![hid, c]),
+                p(DownProj, vec![c, hid]),
+            ]);
+            out
+        }
+        Part::Experts(l) => {
+            let Some(moe) = &cfg.moe else {
+                return Vec::new();
+            };
+            let (e, eh) = (moe.experts as usize, moe.hidden_width(cfg.d_model) as usize);
+            let p = |r, shape| Entry::new(r, Some(l), None, shape);
+            let mut out = vec![p(MlpNorm, vec![c]), p(MoeGate, vec![e, c])];
+            for x in 0..e as u32 {
+                let q = |r, shape| Entry::new(r, Some(l), Some(x), shape);
+                out.extend([
+                    q(ExpertGate, vec![eh, c]),
+                    q(ExpertUp, vec![eh, c]),
+                    q(ExpertDown, vec![c, eh]),
+                ]);
+            }
+            out
+        }
+        Part::Head => vec![
+            Entry::new(FinalNorm, None, None, vec![c]),
+            if a.tied {
+                Entry::new(EmbedTokens, None, None, vec![v, c])
+            } else {
+                Entry::new(LmHead, None, None, vec![v, c])
+            },
+        ],
+    }
+}
+
 /// The parameters a segment reads (each once, in order).
 pub fn segment_entries(cfg: &ModelConfig, seg: &Segment) -> Vec<Entry> {
     let mut out: Vec<Entry> = Vec::new();
@@ -304,6 +424,52 @@ pub struct ExpertsIds {
     pub experts: Vec<MlpIds>,
 }
 
+/// A Llama-family attention half: `x + o(attention(rope(q), rope(k),
+/// v))` of `norm(x)`, with Qwen3's per-head norms of q and k.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlamaAttnIds {
+    pub norm: ParamId,
+    pub q: ParamId,
+    pub k: ParamId,
+    pub v: ParamId,
+    pub q_norm: Option<ParamId>,
+    pub k_norm: Option<ParamId>,
+    pub o: ParamId,
+}
+
+/// A SwiGLU MLP: `down(silu(gate(x)) · up(x))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SwiGluIds {
+    pub gate: ParamId,
+    pub up: ParamId,
+    pub down: ParamId,
+}
+
+/// One Llama-family layer's parameters (the MLP's norm and MLP absent on
+/// expert layers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlamaLayerIds {
+    pub attn: LlamaAttnIds,
+    pub mlp_norm: Option<ParamId>,
+    pub mlp: Option<SwiGluIds>,
+}
+
+/// The parameters only one family has.
+#[derive(Clone, Debug)]
+pub enum FamilyIds {
+    Gpt2 {
+        wpe: ParamId,
+        lnf: Norm,
+        layers: Vec<LayerIds>,
+    },
+    Llama {
+        norm: ParamId,
+        /// `lm_head`, or the token embedding when tied.
+        lm_head: ParamId,
+        layers: Vec<LlamaLayerIds>,
+    },
+}
+
 /// One layer's parameters.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LayerIds {
@@ -323,10 +489,9 @@ pub struct ParamTable {
     by_name: HashMap<String, ParamId>,
     /// Ids in the model's order (embedding, layers, head).
     model_order: Vec<ParamId>,
+    /// The token embedding (`wte`, `model.embed_tokens.weight`).
     pub wte: ParamId,
-    pub wpe: ParamId,
-    pub lnf: Norm,
-    layers: Vec<LayerIds>,
+    pub family: FamilyIds,
 }
 
 impl ParamTable {
@@ -361,6 +526,49 @@ impl ParamTable {
             })
         };
         use Role::*;
+        let model_order = in_model_order.iter().map(|n| by_name[n]).collect();
+        if cfg.family == Family::Llama {
+            let must = |r: Role, l: Option<u32>| id(r, l, None).expect("the part lists it");
+            let layers = (0..cfg.layers)
+                .map(|l| {
+                    let s = Some(l);
+                    let mlp = match (
+                        id(GateProj, s, None),
+                        id(UpProj, s, None),
+                        id(DownProj, s, None),
+                    ) {
+                        (Some(gate), Some(up), Some(down)) => Some(SwiGluIds { gate, up, down }),
+                        _ => None,
+                    };
+                    LlamaLayerIds {
+                        attn: LlamaAttnIds {
+                            norm: must(AttnNorm, s),
+                            q: must(QProj, s),
+                            k: must(KProj, s),
+                            v: must(VProj, s),
+                            q_norm: id(QNorm, s, None),
+                            k_norm: id(KNorm, s, None),
+                            o: must(OProj, s),
+                        },
+                        mlp_norm: mlp.and(id(MlpNorm, s, None)),
+                        mlp,
+                    }
+                })
+                .collect();
+            let wte = must(EmbedTokens, None);
+            return ParamTable {
+                model_order,
+                wte,
+                family: FamilyIds::Llama {
+                    norm: must(FinalNorm, None),
+                    lm_head: id(LmHead, None, None).unwrap_or(wte),
+                    layers,
+                },
+                entries,
+                names,
+                by_name,
+            };
+        }
         let layers = (0..cfg.layers)
             .map(|l| {
                 let s = Some(l);
@@ -401,16 +609,17 @@ impl ParamTable {
                 }
             })
             .collect();
-        let model_order = in_model_order.iter().map(|n| by_name[n]).collect();
         ParamTable {
             model_order,
             wte: id(TokenEmbedding, None, None).expect("the embedding is listed"),
-            wpe: id(PositionEmbedding, None, None).expect("the embedding is listed"),
-            lnf: pair(LnfWeight, LnfBias, None).expect("the head is listed"),
+            family: FamilyIds::Gpt2 {
+                wpe: id(PositionEmbedding, None, None).expect("the embedding is listed"),
+                lnf: pair(LnfWeight, LnfBias, None).expect("the head is listed"),
+                layers,
+            },
             entries,
             names,
             by_name,
-            layers,
         }
     }
 
@@ -442,9 +651,22 @@ impl ParamTable {
     pub fn by_name(&self, name: &str) -> Option<ParamId> {
         self.by_name.get(name).copied()
     }
-    /// Layer `l`'s parameters.
+    /// Layer `l`'s parameters in a GPT-2 table.
+    ///
+    /// # Panics
+    /// On a Llama table (the compositions dispatch on the family first).
     pub fn layer(&self, l: u32) -> &LayerIds {
-        &self.layers[l as usize]
+        match &self.family {
+            FamilyIds::Gpt2 { layers, .. } => &layers[l as usize],
+            FamilyIds::Llama { .. } => panic!("a GPT-2 layer asked of a Llama table"),
+        }
+    }
+    /// GPT-2's position embedding and final layernorm.
+    pub fn gpt2_ends(&self) -> Option<(ParamId, Norm)> {
+        match &self.family {
+            FamilyIds::Gpt2 { wpe, lnf, .. } => Some((*wpe, *lnf)),
+            FamilyIds::Llama { .. } => None,
+        }
     }
     /// Does `id` belong to one expert (and which)?
     pub fn expert_of(&self, id: ParamId) -> Option<u32> {

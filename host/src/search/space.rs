@@ -368,9 +368,7 @@ pub fn enumerate(
         let mut tensor: Vec<(Option<Step>, Option<u32>)> = vec![(None, Some(1))];
         if bundled && !moe && dp == Some(1) {
             for t in divisors(devices) {
-                let fits = t <= per_node
-                    && model.heads.is_multiple_of(t)
-                    && (4 * model.d_model).is_multiple_of(t);
+                let fits = t <= per_node && model.tensor_split(t).is_ok();
                 if fits {
                     tensor.push((Some(Step::new("tp", &[("tp", t.to_string())])), Some(t)));
                 }

@@ -153,6 +153,7 @@ pub fn small() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: None,
+        ..Default::default()
     }
 }
 

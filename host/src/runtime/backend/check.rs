@@ -168,16 +168,16 @@ pub fn kernels<R: Backend, B: Backend>(
     let wpe = k.pair(&rng.vec(t * c, 0.5))?;
     let mut emb = k.pair(&vec![0.0; n * c])?;
     k.run(
-        |r| r.embedding_forward(&mut emb.r, &tr, &wte.r, &wpe.r, bb, t, c),
-        |g| g.embedding_forward(&mut emb.b, &tb, &wte.b, &wpe.b, bb, t, c),
+        |r| r.embedding_forward(&mut emb.r, &tr, &wte.r, Some(&wpe.r), bb, t, c),
+        |g| g.embedding_forward(&mut emb.b, &tb, &wte.b, Some(&wpe.b), bb, t, c),
     )?;
     k.record("embedding_forward", FP32, &[&emb])?;
     let dout = k.pair(&rng.vec(n * c, 1.0))?;
     let mut dwte = k.pair(&rng.vec(v * c, 0.1))?;
     let mut dwpe = k.pair(&rng.vec(t * c, 0.1))?;
     k.run(
-        |r| r.embedding_backward_weight(&mut dwte.r, &mut dwpe.r, &dout.r, &tr, bb, t, c),
-        |g| g.embedding_backward_weight(&mut dwte.b, &mut dwpe.b, &dout.b, &tb, bb, t, c),
+        |r| r.embedding_backward_weight(&mut dwte.r, Some(&mut dwpe.r), &dout.r, &tr, bb, t, c),
+        |g| g.embedding_backward_weight(&mut dwte.b, Some(&mut dwpe.b), &dout.b, &tb, bb, t, c),
     )?;
     k.record("embedding_backward_weight", FP32, &[&dwte, &dwpe])?;
 
@@ -246,8 +246,8 @@ pub fn kernels<R: Backend, B: Backend>(
     let res = k.pair(&rng.vec(n * oc, 1.0))?;
     let mut yr = k.pair(&vec![0.0; n * oc])?;
     k.run(
-        |r| r.matmul_forward_residual(&mut yr.r, &res.r, &x.r, &lw.r, &lb.r, n, c, oc),
-        |g| g.matmul_forward_residual(&mut yr.b, &res.b, &x.b, &lw.b, &lb.b, n, c, oc),
+        |r| r.matmul_forward_residual(&mut yr.r, &res.r, &x.r, &lw.r, Some(&lb.r), n, c, oc),
+        |g| g.matmul_forward_residual(&mut yr.b, &res.b, &x.b, &lw.b, Some(&lb.b), n, c, oc),
     )?;
     k.record("matmul_forward_residual", FP32, &[&yr])?;
     let dy = k.pair(&rng.vec(n * oc, 1.0))?;
@@ -413,7 +413,122 @@ pub fn kernels<R: Backend, B: Backend>(
     k.run(|r| r.fill_zero(&mut dst.r), |g| g.fill_zero(&mut dst.b))?;
     k.record("duplicate", 0.0, &[&dup])?;
     k.record("fill_zero", 0.0, &[&dst])?;
+    llama_kernels(&mut k, &mut rng, (bb, t, c, v))?;
     Ok(k.out)
+}
+
+/// The Llama family's kernels: RMSNorm, the embedding without positions,
+/// RoPE, grouped-query packing (8 query heads of 12 over 2 kv heads),
+/// SwiGLU, a linear layer onto the residual without bias.
+fn llama_kernels<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+    (bb, t, c, v): (usize, usize, usize, usize),
+) -> Result<(), BackendError> {
+    let n = bb * t;
+    let (nh, kvh, hd, hid) = (8usize, 2usize, 12usize, 200usize);
+    let (qw, kvw) = (nh * hd, kvh * hd);
+    let x = k.pair(&rng.vec(n * c, 2.0))?;
+    let w = k.pair(&rng.vec(c, 1.0))?;
+    let dout = k.pair(&rng.vec(n * c, 1.0))?;
+    let (mut y, mut rstd) = (k.pair(&vec![0.0; n * c])?, k.pair(&vec![0.0; n])?);
+    k.run(
+        |r| r.rmsnorm_forward(&mut y.r, &mut rstd.r, &x.r, &w.r, n, c, 1e-6),
+        |g| g.rmsnorm_forward(&mut y.b, &mut rstd.b, &x.b, &w.b, n, c, 1e-6),
+    )?;
+    k.record("rmsnorm_forward", FP32, &[&y, &rstd])?;
+    let mut dx = k.pair(&rng.vec(n * c, 0.5))?;
+    k.run(
+        |r| r.rmsnorm_backward_input(&mut dx.r, &dout.r, &x.r, &w.r, &rstd.r, n, c),
+        |g| g.rmsnorm_backward_input(&mut dx.b, &dout.b, &x.b, &w.b, &rstd.b, n, c),
+    )?;
+    k.record("rmsnorm_backward_input", FP32, &[&dx])?;
+    let mut dw = k.pair(&rng.vec(c, 0.1))?;
+    k.run(
+        |r| r.rmsnorm_backward_weight(&mut dw.r, &dout.r, &x.r, &rstd.r, n, c),
+        |g| g.rmsnorm_backward_weight(&mut dw.b, &dout.b, &x.b, &rstd.b, n, c),
+    )?;
+    k.record("rmsnorm_backward_weight", FP32, &[&dw])?;
+
+    let tokens: Vec<u32> = (0..n as u32).map(|i| (i * 53 + 7) % v as u32).collect();
+    let (tr, tb) = k.ids(&tokens)?;
+    let wte = k.pair(&rng.vec(v * c, 0.5))?;
+    let mut emb = k.pair(&vec![0.0; n * c])?;
+    k.run(
+        |r| r.embedding_forward(&mut emb.r, &tr, &wte.r, None, bb, t, c),
+        |g| g.embedding_forward(&mut emb.b, &tb, &wte.b, None, bb, t, c),
+    )?;
+    k.record("embedding_forward without positions", 0.0, &[&emb])?;
+    let mut dwte = k.pair(&rng.vec(v * c, 0.1))?;
+    k.run(
+        |r| r.embedding_backward_weight(&mut dwte.r, None, &dout.r, &tr, bb, t, c),
+        |g| g.embedding_backward_weight(&mut dwte.b, None, &dout.b, &tb, bb, t, c),
+    )?;
+    k.record(
+        "embedding_backward_weight without positions",
+        FP32,
+        &[&dwte],
+    )?;
+
+    let mut q = k.pair(&rng.vec(n * qw, 1.0))?;
+    k.run(
+        |r| r.rope(&mut q.r, bb, t, nh, hd, 500_000.0, false),
+        |g| g.rope(&mut q.b, bb, t, nh, hd, 500_000.0, false),
+    )?;
+    k.record("rope", FP32, &[&q])?;
+    k.run(
+        |r| r.rope(&mut q.r, bb, t, nh, hd, 500_000.0, true),
+        |g| g.rope(&mut q.b, bb, t, nh, hd, 500_000.0, true),
+    )?;
+    k.record("rope inverse", FP32, &[&q])?;
+    let (kk, vv) = (
+        k.pair(&rng.vec(n * kvw, 1.0))?,
+        k.pair(&rng.vec(n * kvw, 1.0))?,
+    );
+    let mut qkv = k.pair(&vec![0.0; n * 3 * qw])?;
+    k.run(
+        |r| r.qkv_pack(&mut qkv.r, &q.r, &kk.r, &vv.r, n, nh, kvh, hd),
+        |g| g.qkv_pack(&mut qkv.b, &q.b, &kk.b, &vv.b, n, nh, kvh, hd),
+    )?;
+    k.record("qkv_pack", 0.0, &[&qkv])?;
+    let (mut dq, mut dk, mut dv) = (
+        k.pair(&rng.vec(n * qw, 0.5))?,
+        k.pair(&rng.vec(n * kvw, 0.5))?,
+        k.pair(&rng.vec(n * kvw, 0.5))?,
+    );
+    k.run(
+        |r| r.qkv_unpack_backward(&mut dq.r, &mut dk.r, &mut dv.r, &qkv.r, n, nh, kvh, hd),
+        |g| g.qkv_unpack_backward(&mut dq.b, &mut dk.b, &mut dv.b, &qkv.b, n, nh, kvh, hd),
+    )?;
+    k.record("qkv_unpack_backward", FP32, &[&dq, &dk, &dv])?;
+
+    let gate = k.pair(&rng.vec(n * hid, 8.0))?;
+    let up = k.pair(&rng.vec(n * hid, 1.0))?;
+    let dact = k.pair(&rng.vec(n * hid, 1.0))?;
+    let mut act = k.pair(&vec![0.0; n * hid])?;
+    k.run(
+        |r| r.swiglu_forward(&mut act.r, &gate.r, &up.r),
+        |g| g.swiglu_forward(&mut act.b, &gate.b, &up.b),
+    )?;
+    k.record("swiglu_forward", FP32, &[&act])?;
+    let (mut dg, mut du) = (
+        k.pair(&rng.vec(n * hid, 0.5))?,
+        k.pair(&rng.vec(n * hid, 0.5))?,
+    );
+    k.run(
+        |r| r.swiglu_backward(&mut dg.r, &mut du.r, &gate.r, &up.r, &dact.r),
+        |g| g.swiglu_backward(&mut dg.b, &mut du.b, &gate.b, &up.b, &dact.b),
+    )?;
+    k.record("swiglu_backward", FP32, &[&dg, &du])?;
+
+    let lw = k.pair(&rng.vec(c * hid, 0.2))?;
+    let res = k.pair(&rng.vec(n * c, 1.0))?;
+    let mut yr = k.pair(&vec![0.0; n * c])?;
+    k.run(
+        |r| r.matmul_forward_residual(&mut yr.r, &res.r, &act.r, &lw.r, None, n, hid, c),
+        |g| g.matmul_forward_residual(&mut yr.b, &res.b, &act.b, &lw.b, None, n, hid, c),
+    )?;
+    k.record("matmul_forward_residual without bias", FP32, &[&yr])
 }
 
 /// The mixture-of-experts kernels on one layer's routing: 4 experts, top-2,

@@ -47,6 +47,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod init;
+pub mod llama;
 pub mod moe;
 pub mod segment;
 
@@ -306,22 +307,22 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     // Embedding.
 
-    /// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
+    /// `out[b,t,:] = wte[tokens[b,t],:] (+ wpe[t,:])`.
     fn embedding_forward(
         &self,
         out: &mut Self::Tensor,
         tokens: &Self::Ids,
         wte: &Self::Tensor,
-        wpe: &Self::Tensor,
+        wpe: Option<&Self::Tensor>,
         b: usize,
         t: usize,
         c: usize,
     );
-    /// Accumulates `dwte[token] += dout`, `dwpe[t] += dout`.
+    /// Accumulates `dwte[token] += dout` (and `dwpe[t] += dout`).
     fn embedding_backward_weight(
         &self,
         dwte: &mut Self::Tensor,
-        dwpe: &mut Self::Tensor,
+        dwpe: Option<&mut Self::Tensor>,
         dout: &Self::Tensor,
         tokens: &Self::Ids,
         b: usize,
@@ -368,6 +369,56 @@ pub trait Backend: Send + Sync + Sized + 'static {
         c: usize,
     );
 
+    // RMSNorm over `c` channels of `n` rows (the Llama family's norm).
+
+    /// `out = inp · rstd · weight`, `rstd = 1/√(mean(inp²) + eps)` per row.
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Self::Tensor,
+        rstd: &mut Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        n: usize,
+        c: usize,
+        eps: f32,
+    );
+    /// Accumulates the input gradient into `dinp`.
+    fn rmsnorm_backward_input(
+        &self,
+        dinp: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        inp: &Self::Tensor,
+        weight: &Self::Tensor,
+        rstd: &Self::Tensor,
+        n: usize,
+        c: usize,
+    );
+    /// Accumulates `dweight += Σ_rows norm · dout`.
+    fn rmsnorm_backward_weight(
+        &self,
+        dweight: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        inp: &Self::Tensor,
+        rstd: &Self::Tensor,
+        n: usize,
+        c: usize,
+    );
+
+    // Rotary position embeddings of `x[b, t, heads, hd]`, in place.
+
+    /// Rotate each head's channel pairs `(i, i + hd/2)` by `t · θ^(−2i/hd)`
+    /// (the inverse rotation when `inverse`: the backward).
+    fn rope(
+        &self,
+        x: &mut Self::Tensor,
+        b: usize,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        theta: f64,
+        inverse: bool,
+    );
+
     // Linear layers: `out[n,oc] = inp[n,c] · W[oc,c]ᵀ + b[oc]`.
 
     /// `out = inp · Wᵀ (+ bias)`.
@@ -381,14 +432,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         c: usize,
         oc: usize,
     );
-    /// A linear layer onto a residual: `out = res + bias + inp · Wᵀ`.
+    /// A linear layer onto a residual: `out = res (+ bias) + inp · Wᵀ`.
     fn matmul_forward_residual(
         &self,
         out: &mut Self::Tensor,
         res: &Self::Tensor,
         inp: &Self::Tensor,
         weight: &Self::Tensor,
-        bias: &Self::Tensor,
+        bias: Option<&Self::Tensor>,
         n: usize,
         c: usize,
         oc: usize,
@@ -444,6 +495,33 @@ pub trait Backend: Send + Sync + Sized + 'static {
         c: usize,
         nh: usize,
     );
+    /// Grouped-query attention's packed input: `qkv[n, 3·nh·hd]` from
+    /// `q[n, nh·hd]` and `k`, `v[n, kvh·hd]`, query head `h` reading kv head
+    /// `h / (nh / kvh)`.
+    fn qkv_pack(
+        &self,
+        qkv: &mut Self::Tensor,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    );
+    /// Accumulates [`Backend::qkv_pack`]'s backward: `dq`, and each kv
+    /// head's `dk`, `dv` summed over its query heads in order.
+    fn qkv_unpack_backward(
+        &self,
+        dq: &mut Self::Tensor,
+        dk: &mut Self::Tensor,
+        dv: &mut Self::Tensor,
+        dqkv: &Self::Tensor,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    );
 
     // Elementwise.
 
@@ -461,6 +539,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn gelu_backward(&self, dinp: &mut Self::Tensor, inp: &Self::Tensor, dout: &Self::Tensor);
     /// `out = a + b`.
     fn residual_forward(&self, out: &mut Self::Tensor, a: &Self::Tensor, b: &Self::Tensor);
+    /// `out = silu(gate) · up` (SwiGLU).
+    fn swiglu_forward(&self, out: &mut Self::Tensor, gate: &Self::Tensor, up: &Self::Tensor);
+    /// Accumulates SwiGLU's gradients into `dgate` and `dup`.
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Self::Tensor,
+        dup: &mut Self::Tensor,
+        gate: &Self::Tensor,
+        up: &Self::Tensor,
+        dout: &Self::Tensor,
+    );
 
     // Loss.
 

@@ -8,10 +8,12 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
+use super::llama::{LlamaAttnCache, LlamaAttnStash, SwiGluCache, SwiGluStash};
 use super::moe::{Exchange, ExpertGroup, MoeCache, MoeDims, MoeStash};
 use super::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
+use crate::model::params::FamilyIds;
 use crate::model::params::{AttnIds, Linear, MlpIds, Norm, ParamTable};
-use crate::model::{ModelConfig, MoeConfig, Part, Segment};
+use crate::model::{Arch, Family, ModelConfig, MoeConfig, Part, Segment};
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -26,6 +28,8 @@ pub struct Dims {
     /// Tensor-parallel degree: attention and the MLP hold `1/tp` of their
     /// heads and hidden units (1: whole).
     pub tp: usize,
+    /// The architecture (the Llama family's shapes and constants).
+    pub arch: Arch,
 }
 
 impl Dims {
@@ -38,6 +42,7 @@ impl Dims {
             v: cfg.vocab as usize,
             moe: cfg.moe,
             tp: 1,
+            arch: cfg.arch(),
         }
     }
     pub fn n(&self) -> usize {
@@ -171,8 +176,10 @@ pub enum PartCache<B: Backend> {
         tokens: B::Ids,
     },
     Block(Box<AttnCache<B>>, Box<MlpCache<B>>),
+    LlamaBlock(Box<LlamaAttnCache<B>>, Box<SwiGluCache<B>>),
     Attention(Box<AttnCache<B>>),
     Experts(Box<MoeCache<B>>),
+    /// The final norm (`mean` empty for RMSNorm), head and loss.
     Head {
         x: B::Tensor,
         lnf: B::Tensor,
@@ -196,6 +203,7 @@ impl<B: Backend> SegmentCache<B> {
             .map(|p| match p {
                 PartCache::Embedding { tokens } => B::ids_bytes(tokens),
                 PartCache::Block(a, m) => a.bytes() + m.bytes(),
+                PartCache::LlamaBlock(a, m) => a.bytes() + m.bytes(),
                 PartCache::Attention(a) => a.bytes(),
                 PartCache::Experts(m) => m.bytes(),
                 PartCache::Head {
@@ -234,6 +242,9 @@ impl<B: Backend> SegmentCache<B> {
                     },
                     PartCache::Block(a, m) => {
                         PartCache::Block(Box::new(a.duplicate(b)?), Box::new(m.duplicate(b)?))
+                    }
+                    PartCache::LlamaBlock(a, m) => {
+                        PartCache::LlamaBlock(Box::new(a.duplicate(b)?), Box::new(m.duplicate(b)?))
                     }
                     PartCache::Attention(a) => PartCache::Attention(Box::new(a.duplicate(b)?)),
                     PartCache::Experts(m) => PartCache::Experts(Box::new(m.duplicate(b)?)),
@@ -281,6 +292,7 @@ pub struct MlpStash<B: Backend> {
 pub enum PartStash<B: Backend> {
     Embedding { dout: B::Tensor },
     Block(AttnStash<B>, MlpStash<B>),
+    LlamaBlock(Box<LlamaAttnStash<B>>, Box<SwiGluStash<B>>),
     Attention(AttnStash<B>),
     Experts(Box<MoeStash<B>>),
     Head { dlogits: B::Tensor, dlnf: B::Tensor },
@@ -305,6 +317,7 @@ impl<B: Backend> SegmentStash<B> {
             .map(|p| match p {
                 PartStash::Embedding { dout } => B::bytes(dout),
                 PartStash::Block(a, m) => attn(a) + mlp(m),
+                PartStash::LlamaBlock(a, m) => a.bytes() + m.bytes(),
                 PartStash::Attention(a) => attn(a),
                 PartStash::Experts(m) => m.bytes(),
                 PartStash::Head { dlogits, dlnf } => bytes_of::<B>(&[dlogits, dlnf]),
@@ -328,6 +341,10 @@ impl<B: Backend> SegmentStash<B> {
                     m.fch = Default::default();
                     PartCache::Block(attn(a), m)
                 }
+                PartCache::LlamaBlock(a, m) => PartCache::LlamaBlock(
+                    Box::new(a.keep_for_weights()),
+                    Box::new(m.keep_for_weights()),
+                ),
                 PartCache::Attention(a) => PartCache::Attention(attn(a)),
                 PartCache::Experts(m) => PartCache::Experts(Box::new(m.keep_for_weights())),
                 PartCache::Head {
@@ -370,6 +387,15 @@ pub type Forward<B> = (
 impl<'a, B: Backend> Model<'a, B> {
     pub fn new(b: &'a B, table: &'a ParamTable) -> Self {
         Model { b, table }
+    }
+
+    /// The head's weight (the tied embedding, or `lm_head`) and its final
+    /// norm's gain.
+    fn head_ids(&self) -> (crate::model::params::ParamId, crate::model::params::ParamId) {
+        match &self.table.family {
+            FamilyIds::Gpt2 { lnf, .. } => (self.table.wte, lnf.weight),
+            FamilyIds::Llama { norm, lm_head, .. } => (*lm_head, *norm),
+        }
     }
 
     /// The linear layer `lin` on `inp[n, ic]`: `inp · Wᵀ + b`, `[n, oc]`.
@@ -461,7 +487,7 @@ impl<'a, B: Backend> Model<'a, B> {
                 res,
                 inp,
                 param(params, lin.weight)?,
-                param(params, lin.bias)?,
+                Some(param(params, lin.bias)?),
                 n,
                 ic,
                 oc,
@@ -778,16 +804,44 @@ impl<'a, B: Backend> Model<'a, B> {
                     let tokens = tokens.ok_or_else(|| missing("tokens"))?;
                     let ids = self.b.upload_ids(tokens)?;
                     x = self.b.zeros(n * c)?;
+                    let wpe = match self.table.gpt2_ends() {
+                        Some((wpe, _)) => Some(param(params, wpe)?),
+                        None => None,
+                    };
                     self.b.embedding_forward(
                         &mut x,
                         &ids,
                         param(params, self.table.wte)?,
-                        param(params, self.table.wpe)?,
+                        wpe,
                         b,
                         t,
                         c,
                     );
                     caches.push(PartCache::Embedding { tokens: ids });
+                }
+                Part::Block(l) if dims.arch.family == Family::Llama => {
+                    let inp = std::mem::take(&mut x);
+                    let (x2, attn) = self.llama_attn_forward(
+                        params,
+                        l,
+                        inp,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    let (out, mlp) = self.swiglu_forward(
+                        params,
+                        l,
+                        x2,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    x = out;
+                    caches.push(PartCache::LlamaBlock(Box::new(attn), Box::new(mlp)));
+                }
+                Part::Attention(_) | Part::Experts(_) if dims.arch.family == Family::Llama => {
+                    return Err(BackendError::Device(
+                        "the Llama family's expert layers (Qwen3-MoE) are planned and simulated but do not train yet".into(),
+                    ));
                 }
                 Part::Block(l) => {
                     let inp = std::mem::take(&mut x);
@@ -845,17 +899,20 @@ impl<'a, B: Backend> Model<'a, B> {
                 Part::Head => {
                     let targets = targets.ok_or_else(|| missing("targets"))?;
                     let targets = self.b.upload_ids(targets)?;
-                    let (lnf, mean, rstd) = self.layernorm(params, self.table.lnf, &x, n, c)?;
+                    let (lnf, mean, rstd, head) = match &self.table.family {
+                        FamilyIds::Gpt2 { lnf, .. } => {
+                            let (o, m, r) = self.layernorm(params, *lnf, &x, n, c)?;
+                            (o, m, r, self.table.wte)
+                        }
+                        FamilyIds::Llama { norm, lm_head, .. } => {
+                            let (o, r) =
+                                self.rmsnorm(params, *norm, &x, n, c, dims.arch.norm_eps)?;
+                            (o, Default::default(), r, *lm_head)
+                        }
+                    };
                     let mut logits = self.b.zeros(n * v)?;
-                    self.b.matmul_forward(
-                        &mut logits,
-                        &lnf,
-                        param(params, self.table.wte)?,
-                        None,
-                        n,
-                        c,
-                        v,
-                    );
+                    self.b
+                        .matmul_forward(&mut logits, &lnf, param(params, head)?, None, n, c, v);
                     let mut probs = self.b.zeros(n * v)?;
                     loss.push(
                         self.b
@@ -916,26 +973,38 @@ impl<'a, B: Backend> Model<'a, B> {
                     self.b
                         .crossentropy_backward(&mut dlogits, probs, targets, n, v, loss_scale);
                     let mut dlnf = self.b.zeros(n * c)?;
+                    let (head, norm) = self.head_ids();
                     self.b.matmul_backward_input(
                         &mut dlnf,
                         &dlogits,
-                        param(params, self.table.wte)?,
+                        param(params, head)?,
                         n,
                         c,
                         v,
                         false,
                     );
                     let mut dx = self.b.zeros(n * c)?;
-                    self.b.layernorm_backward_input(
-                        &mut dx,
-                        &dlnf,
-                        x,
-                        param(params, self.table.lnf.weight)?,
-                        mean,
-                        rstd,
-                        n,
-                        c,
-                    );
+                    match &self.table.family {
+                        FamilyIds::Gpt2 { .. } => self.b.layernorm_backward_input(
+                            &mut dx,
+                            &dlnf,
+                            x,
+                            param(params, norm)?,
+                            mean,
+                            rstd,
+                            n,
+                            c,
+                        ),
+                        FamilyIds::Llama { .. } => self.b.rmsnorm_backward_input(
+                            &mut dx,
+                            &dlnf,
+                            x,
+                            param(params, norm)?,
+                            rstd,
+                            n,
+                            c,
+                        ),
+                    }
                     d = dx;
                     stash.push(PartStash::Head { dlogits, dlnf });
                 }
@@ -957,6 +1026,25 @@ impl<'a, B: Backend> Model<'a, B> {
                     )?;
                     d = dx;
                     stash.push(PartStash::Block(at, ms));
+                }
+                PartCache::LlamaBlock(attn, mlp) => {
+                    let dout = std::mem::take(&mut d);
+                    let (dx2, ms) = self.swiglu_backward_input(
+                        params,
+                        mlp,
+                        dout,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    let (dx, at) = self.llama_attn_backward_input(
+                        params,
+                        attn,
+                        dx2,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    d = dx;
+                    stash.push(PartStash::LlamaBlock(Box::new(at), Box::new(ms)));
                 }
                 PartCache::Attention(attn) => {
                     let dout = std::mem::take(&mut d);
@@ -1017,9 +1105,33 @@ impl<'a, B: Backend> Model<'a, B> {
         for (pc, st) in cache.parts.iter().zip(&stash.parts) {
             match (pc, st) {
                 (PartCache::Embedding { tokens }, PartStash::Embedding { dout }) => {
-                    let (dwte, dwpe) = grad_pair(grads, self.table.wte, self.table.wpe)?;
-                    self.b
-                        .embedding_backward_weight(dwte, dwpe, dout, tokens, b, t, c);
+                    match self.table.gpt2_ends() {
+                        Some((wpe, _)) => {
+                            let (dwte, dwpe) = grad_pair(grads, self.table.wte, wpe)?;
+                            self.b.embedding_backward_weight(
+                                dwte,
+                                Some(dwpe),
+                                dout,
+                                tokens,
+                                b,
+                                t,
+                                c,
+                            );
+                        }
+                        None => self.b.embedding_backward_weight(
+                            grad_mut(grads, self.table.wte)?,
+                            None,
+                            dout,
+                            tokens,
+                            b,
+                            t,
+                            c,
+                        ),
+                    }
+                }
+                (PartCache::LlamaBlock(attn, mlp), PartStash::LlamaBlock(at, ms)) => {
+                    self.swiglu_backward_weight(grads, mlp, ms, cache.dims)?;
+                    self.llama_attn_backward_weight(grads, attn, at, cache.dims)?;
                 }
                 (PartCache::Block(attn, mlp), PartStash::Block(at, ms)) => {
                     self.mlp_backward_weight(grads, mlp, ms, cache.dims)?;
@@ -1037,8 +1149,9 @@ impl<'a, B: Backend> Model<'a, B> {
                     },
                     PartStash::Head { dlogits, dlnf },
                 ) => {
+                    let (head, _) = self.head_ids();
                     self.b.matmul_backward_weight(
-                        grad_mut(grads, self.table.wte)?,
+                        grad_mut(grads, head)?,
                         None,
                         dlogits,
                         lnf,
@@ -1046,7 +1159,19 @@ impl<'a, B: Backend> Model<'a, B> {
                         c,
                         v,
                     );
-                    self.layernorm_weight(grads, self.table.lnf, dlnf, x, mean, rstd, n, c)?;
+                    match &self.table.family {
+                        FamilyIds::Gpt2 { lnf: norm, .. } => {
+                            self.layernorm_weight(grads, *norm, dlnf, x, mean, rstd, n, c)?
+                        }
+                        FamilyIds::Llama { norm, .. } => self.b.rmsnorm_backward_weight(
+                            grad_mut(grads, *norm)?,
+                            dlnf,
+                            x,
+                            rstd,
+                            n,
+                            c,
+                        ),
+                    }
                 }
                 _ => {
                     return Err(BackendError::Device(

@@ -22,6 +22,85 @@ fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(BLOCK)).map(move |i| (i * BLOCK, ((i + 1) * BLOCK).min(t)))
 }
 
+/// Grouped-query attention's input: `qkv[n, 3·nh·hd]` packed from
+/// `q[n, nh·hd]` and `k`, `v[n, kvh·hd]`, each key/value head repeated for
+/// the `nh / kvh` query heads it serves (query head `h` reads kv head
+/// `h / (nh / kvh)`, Hugging Face's `repeat_kv`).
+pub fn qkv_pack(
+    qkv: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let _k = super::profile::span("qkv_pack");
+    let (qw, kvw, rep) = (nh * hd, kvh * hd, nh / kvh.max(1));
+    par::rows_mut(&mut qkv[..n * 3 * qw], 3 * qw, |r0, block| {
+        for (i, row) in block.chunks_exact_mut(3 * qw).enumerate() {
+            let r = r0 + i;
+            row[..qw].copy_from_slice(&q[r * qw..][..qw]);
+            for h in 0..nh {
+                let g = h / rep;
+                row[qw + h * hd..][..hd].copy_from_slice(&k[r * kvw + g * hd..][..hd]);
+                row[2 * qw + h * hd..][..hd].copy_from_slice(&v[r * kvw + g * hd..][..hd]);
+            }
+        }
+    });
+}
+
+/// Backward of [`qkv_pack`]: `dq += dqkv`'s queries, and each kv head's
+/// `dk`, `dv` += the sum of its query heads' parts, in head order.
+pub fn qkv_unpack_backward(
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+    dqkv: &[f32],
+    n: usize,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let _k = super::profile::span("qkv_unpack_backward");
+    let (qw, kvw, rep) = (nh * hd, kvh * hd, nh / kvh.max(1));
+    par::rows_mut(&mut dq[..n * qw], qw, |r0, block| {
+        for (i, row) in block.chunks_exact_mut(qw).enumerate() {
+            let src = &dqkv[(r0 + i) * 3 * qw..][..qw];
+            row.iter_mut().zip(src).for_each(|(d, s)| *d += s);
+        }
+    });
+    par::rows_mut2(
+        &mut dk[..n * kvw],
+        kvw,
+        &mut dv[..n * kvw],
+        kvw,
+        2 * qw,
+        |r0, dk, dv| {
+            for (i, (krow, vrow)) in dk
+                .chunks_exact_mut(kvw)
+                .zip(dv.chunks_exact_mut(kvw))
+                .enumerate()
+            {
+                let src = &dqkv[(r0 + i) * 3 * qw..][..3 * qw];
+                for h in 0..nh {
+                    let g = h / rep;
+                    let (ks, vs) = (&src[qw + h * hd..][..hd], &src[2 * qw + h * hd..][..hd]);
+                    krow[g * hd..][..hd]
+                        .iter_mut()
+                        .zip(ks)
+                        .for_each(|(d, s)| *d += s);
+                    vrow[g * hd..][..hd]
+                        .iter_mut()
+                        .zip(vs)
+                        .for_each(|(d, s)| *d += s);
+                }
+            }
+        },
+    );
+}
+
 /// Forward. `att[B,NH,T,T]` receives the probabilities (zero above the diagonal).
 pub fn attention_forward(
     out: &mut [f32],

@@ -1,4 +1,5 @@
-//! Elementwise ops: GELU (tanh approximation, as GPT-2), residual add; in
+//! Elementwise ops: GELU (tanh approximation, as GPT-2), SwiGLU (the Llama
+//! family's), residual add; in
 //! parallel chunks on the device's threads. GELU's tanh is computed without
 //! a libm call ([`tanh`]), so its loops vectorize: libm's `tanhf` made GELU
 //! a fifth of the mid-size model's step.
@@ -88,6 +89,39 @@ pub fn gelu_backward(dinp: &mut [f32], inp: &[f32], dout: &[f32]) {
             let local =
                 0.5 * (1.0 + th) + x * 0.5 * sech2 * GELU_SCALE * (1.0 + 3.0 * 0.044715 * x * x);
             *d += local * g;
+        }
+    });
+}
+
+/// `σ(x) = 1 / (1 + e^{−x})` through [`exp_small`] (the argument clamped
+/// to ±20, where σ is 0 or 1 to f32's precision but for a tail of 2e-9).
+#[inline(always)]
+pub(super) fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + exp_small((-x).clamp(-20.0, 20.0)))
+}
+
+/// SwiGLU: `out = silu(gate) · up`, `silu(x) = x · σ(x)`.
+pub fn swiglu_forward(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    let _k = super::profile::span("swiglu_forward");
+    let n = out.len().min(gate.len()).min(up.len());
+    par::elements_mut(&mut out[..n], |o0, out| {
+        for ((o, &g), &u) in out.iter_mut().zip(&gate[o0..]).zip(&up[o0..]) {
+            *o = g * sigmoid(g) * u;
+        }
+    });
+}
+
+/// SwiGLU's backward: `dgate += dout · up · σ(g)(1 + g(1 − σ(g)))`,
+/// `dup += dout · silu(g)`.
+pub fn swiglu_backward(dgate: &mut [f32], dup: &mut [f32], gate: &[f32], up: &[f32], dout: &[f32]) {
+    let _k = super::profile::span("swiglu_backward");
+    let n = dgate.len().min(dup.len()).min(gate.len());
+    par::rows_mut2(&mut dgate[..n], 1, &mut dup[..n], 1, 5, |o0, dg, du| {
+        for (k, (dg, du)) in dg.iter_mut().zip(du.iter_mut()).enumerate() {
+            let (g, u, d) = (gate[o0 + k], up[o0 + k], dout[o0 + k]);
+            let s = sigmoid(g);
+            *dg += d * u * (s * (1.0 + g * (1.0 - s)));
+            *du += d * (g * s);
         }
     });
 }

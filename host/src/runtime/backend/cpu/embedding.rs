@@ -1,12 +1,13 @@
-//! Token + position embedding. The input (token ids) has no gradient, so the
+//! Token (+ position) embedding: GPT-2 adds learned positions, the Llama
+//! family has none (its positions are rotary, inside attention). The input (token ids) has no gradient, so the
 //! backward is a backward-for-weights only.
 
-/// `out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]`.
+/// `out[b,t,:] = wte[tokens[b,t],:] (+ wpe[t,:])`.
 pub fn embedding_forward(
     out: &mut [f32],
     tokens: &[u32],
     wte: &[f32],
-    wpe: &[f32],
+    wpe: Option<&[f32]>,
     b: usize,
     t: usize,
     c: usize,
@@ -16,18 +17,24 @@ pub fn embedding_forward(
         for ti in 0..t {
             let tok = tokens[bi * t + ti] as usize;
             let o = &mut out[(bi * t + ti) * c..][..c];
-            let (e, p) = (&wte[tok * c..][..c], &wpe[ti * c..][..c]);
-            for j in 0..c {
-                o[j] = e[j] + p[j];
+            let e = &wte[tok * c..][..c];
+            match wpe {
+                Some(wpe) => {
+                    let p = &wpe[ti * c..][..c];
+                    for j in 0..c {
+                        o[j] = e[j] + p[j];
+                    }
+                }
+                None => o.copy_from_slice(e),
             }
         }
     }
 }
 
-/// `dwte[token] += dout`, `dwpe[t] += dout`.
+/// `dwte[token] += dout` (and `dwpe[t] += dout`).
 pub fn embedding_backward_weight(
     dwte: &mut [f32],
-    dwpe: &mut [f32],
+    mut dwpe: Option<&mut [f32]>,
     dout: &[f32],
     tokens: &[u32],
     b: usize,
@@ -41,7 +48,11 @@ pub fn embedding_backward_weight(
             let g = &dout[(bi * t + ti) * c..][..c];
             for j in 0..c {
                 dwte[tok * c + j] += g[j];
-                dwpe[ti * c + j] += g[j];
+            }
+            if let Some(dwpe) = dwpe.as_deref_mut() {
+                for j in 0..c {
+                    dwpe[ti * c + j] += g[j];
+                }
             }
         }
     }

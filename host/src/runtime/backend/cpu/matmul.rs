@@ -137,19 +137,23 @@ pub fn matmul_forward_residual(
     res: &[f32],
     inp: &[f32],
     weight: &[f32],
-    bias: &[f32],
+    bias: Option<&[f32]>,
     n: usize,
     c: usize,
     oc: usize,
 ) {
     let _k = super::profile::span("matmul_forward_residual");
     assert_eq!(res.len(), n * oc);
-    assert_eq!(bias.len(), oc);
     par::rows_mut(out, oc, |r0, block| {
         for (k, row) in block.chunks_exact_mut(oc).enumerate() {
             let x = &res[(r0 + k) * oc..][..oc];
-            for ((o, x), b) in row.iter_mut().zip(x).zip(bias) {
-                *o = x + b;
+            match bias {
+                Some(bias) => {
+                    for ((o, x), b) in row.iter_mut().zip(x).zip(bias) {
+                        *o = x + b;
+                    }
+                }
+                None => row.copy_from_slice(x),
             }
         }
     });

@@ -20,7 +20,11 @@ pub mod memory;
 pub mod moe;
 pub mod par;
 pub mod profile;
+pub mod rmsnorm;
+pub mod rope;
 
+#[cfg(test)]
+mod llama_tests;
 #[cfg(test)]
 mod tests;
 
@@ -136,24 +140,32 @@ impl Backend for Cpu {
         out: &mut Vec<f32>,
         tokens: &Vec<u32>,
         wte: &Vec<f32>,
-        wpe: &Vec<f32>,
+        wpe: Option<&Vec<f32>>,
         b: usize,
         t: usize,
         c: usize,
     ) {
-        embedding::embedding_forward(out, tokens, wte, wpe, b, t, c)
+        embedding::embedding_forward(out, tokens, wte, wpe.map(|w| w.as_slice()), b, t, c)
     }
     fn embedding_backward_weight(
         &self,
         dwte: &mut Vec<f32>,
-        dwpe: &mut Vec<f32>,
+        dwpe: Option<&mut Vec<f32>>,
         dout: &Vec<f32>,
         tokens: &Vec<u32>,
         b: usize,
         t: usize,
         c: usize,
     ) {
-        embedding::embedding_backward_weight(dwte, dwpe, dout, tokens, b, t, c)
+        embedding::embedding_backward_weight(
+            dwte,
+            dwpe.map(|w| w.as_mut_slice()),
+            dout,
+            tokens,
+            b,
+            t,
+            c,
+        )
     }
 
     fn layernorm_forward(
@@ -196,6 +208,54 @@ impl Backend for Cpu {
         layernorm::layernorm_backward_weight(dweight, dbias, dout, inp, mean, rstd, n, c)
     }
 
+    fn rmsnorm_forward(
+        &self,
+        out: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+        inp: &Vec<f32>,
+        weight: &Vec<f32>,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        rmsnorm::rmsnorm_forward(out, rstd, inp, weight, n, c, eps)
+    }
+    fn rmsnorm_backward_input(
+        &self,
+        dinp: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+        weight: &Vec<f32>,
+        rstd: &Vec<f32>,
+        n: usize,
+        c: usize,
+    ) {
+        rmsnorm::rmsnorm_backward_input(dinp, dout, inp, weight, rstd, n, c)
+    }
+    fn rmsnorm_backward_weight(
+        &self,
+        dweight: &mut Vec<f32>,
+        dout: &Vec<f32>,
+        inp: &Vec<f32>,
+        rstd: &Vec<f32>,
+        n: usize,
+        c: usize,
+    ) {
+        rmsnorm::rmsnorm_backward_weight(dweight, dout, inp, rstd, n, c)
+    }
+    fn rope(
+        &self,
+        x: &mut Vec<f32>,
+        b: usize,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        theta: f64,
+        inverse: bool,
+    ) {
+        rope::rope(x, b, t, heads, hd, theta, inverse)
+    }
+
     fn matmul_forward(
         &self,
         out: &mut Vec<f32>,
@@ -214,12 +274,12 @@ impl Backend for Cpu {
         res: &Vec<f32>,
         inp: &Vec<f32>,
         weight: &Vec<f32>,
-        bias: &Vec<f32>,
+        bias: Option<&Vec<f32>>,
         n: usize,
         c: usize,
         oc: usize,
     ) {
-        matmul::matmul_forward_residual(out, res, inp, weight, bias, n, c, oc)
+        matmul::matmul_forward_residual(out, res, inp, weight, bias.map(|b| b.as_slice()), n, c, oc)
     }
     fn matmul_backward_input(
         &self,
@@ -287,6 +347,33 @@ impl Backend for Cpu {
         attention::attention_backward(dqkv, dout, qkv, att, b, t, c, nh)
     }
 
+    fn qkv_pack(
+        &self,
+        qkv: &mut Vec<f32>,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    ) {
+        attention::qkv_pack(qkv, q, k, v, n, nh, kvh, hd)
+    }
+    fn qkv_unpack_backward(
+        &self,
+        dq: &mut Vec<f32>,
+        dk: &mut Vec<f32>,
+        dv: &mut Vec<f32>,
+        dqkv: &Vec<f32>,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    ) {
+        attention::qkv_unpack_backward(dq, dk, dv, dqkv, n, nh, kvh, hd)
+    }
+
     fn gelu_forward(&self, out: &mut Vec<f32>, inp: &Vec<f32>) {
         elementwise::gelu_forward(out, inp)
     }
@@ -304,6 +391,19 @@ impl Backend for Cpu {
     }
     fn residual_forward(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
         elementwise::residual_forward(out, a, b)
+    }
+    fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
+        elementwise::swiglu_forward(out, gate, up)
+    }
+    fn swiglu_backward(
+        &self,
+        dgate: &mut Vec<f32>,
+        dup: &mut Vec<f32>,
+        gate: &Vec<f32>,
+        up: &Vec<f32>,
+        dout: &Vec<f32>,
+    ) {
+        elementwise::swiglu_backward(dgate, dup, gate, up, dout)
     }
 
     fn crossentropy_forward(

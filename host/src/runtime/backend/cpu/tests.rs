@@ -17,29 +17,29 @@ use crate::runtime::backend::{init, ParamMap};
 use std::collections::BTreeMap;
 
 /// Host tensors by GPT-2 name: the tests pick parameters to probe by name.
-type Tensors = BTreeMap<String, Vec<f32>>;
+pub(super) type Tensors = BTreeMap<String, Vec<f32>>;
 
 /// A CPU device on the calling thread's pool.
-fn cpu() -> Cpu {
+pub(super) fn cpu() -> Cpu {
     Cpu::new(0, 1).unwrap()
 }
 
 /// Named tensors as a device's parameter store (on the CPU, host memory).
-fn by_id(table: &ParamTable, t: &Tensors) -> ParamMap<Vec<f32>> {
+pub(super) fn by_id(table: &ParamTable, t: &Tensors) -> ParamMap<Vec<f32>> {
     t.iter()
         .map(|(n, v)| (table.by_name(n).unwrap(), v.clone()))
         .collect()
 }
 
 /// A parameter store by name.
-fn by_name(table: &ParamTable, t: ParamMap<Vec<f32>>) -> Tensors {
+pub(super) fn by_name(table: &ParamTable, t: ParamMap<Vec<f32>>) -> Tensors {
     t.into_iter()
         .map(|(id, v)| (table.name(id).to_string(), v))
         .collect()
 }
 
 /// Every parameter of `cfg` as initialised from `seed`, by name.
-fn initial(cfg: &ModelConfig, seed: u64) -> Tensors {
+pub(super) fn initial(cfg: &ModelConfig, seed: u64) -> Tensors {
     let table = ParamTable::new(cfg);
     table
         .ids()
@@ -51,28 +51,28 @@ fn initial(cfg: &ModelConfig, seed: u64) -> Tensors {
 }
 
 /// Zeros shaped like `t`.
-fn zeros_like(t: &Tensors) -> Tensors {
+pub(super) fn zeros_like(t: &Tensors) -> Tensors {
     t.iter()
         .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
         .collect()
 }
 
-struct Rng(u64);
+pub(super) struct Rng(pub(super) u64);
 impl Rng {
-    fn f(&mut self) -> f32 {
+    pub(super) fn f(&mut self) -> f32 {
         self.0 = self
             .0
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
+    pub(super) fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
     }
 }
 
 /// Compare `analytic` with central differences of `loss` w.r.t. `x`.
-fn check(
+pub(super) fn check(
     name: &str,
     x: &mut [f32],
     analytic: &[f32],
@@ -97,7 +97,7 @@ fn check(
     assert!(rel < tol, "{name}: relative error {rel:.3e} ≥ {tol:.0e}");
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f64 {
+pub(super) fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (*x as f64) * (*y as f64))
@@ -270,10 +270,10 @@ fn gelu_residual_embedding_and_loss_gradients_match_finite_differences() {
     let tokens = vec![0u32, 4, 2, 2, 1, 0];
     let (wte, wpe, dout) = (r.vec(v * c), r.vec(t * c), r.vec(b * t * c));
     let (mut dwte, mut dwpe) = (vec![0.0; v * c], vec![0.0; t * c]);
-    embedding_backward_weight(&mut dwte, &mut dwpe, &dout, &tokens, b, t, c);
+    embedding_backward_weight(&mut dwte, Some(&mut dwpe), &dout, &tokens, b, t, c);
     let f = |e: &[f32], p: &[f32]| {
         let mut o = vec![0.0; b * t * c];
-        embedding_forward(&mut o, &tokens, e, p, b, t, c);
+        embedding_forward(&mut o, &tokens, e, Some(p), b, t, c);
         dot(&o, &dout)
     };
     check("embedding dwte", &mut wte.clone(), &dwte, 1e-2, 1e-3, |e| {
@@ -307,11 +307,12 @@ fn small() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: None,
+        ..Default::default()
     }
 }
 
 /// Full forward/backward over every segment on one set of tensors.
-fn model_loss_and_grads(
+pub(super) fn model_loss_and_grads(
     cfg: &ModelConfig,
     params: &Tensors,
     tokens: &[u32],

@@ -14,9 +14,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub const PRELUDE: &str = include_str!("kernels/prelude.cuh");
 
 /// The kernel sources by op family.
-pub const SOURCES: [(&str, &str); 6] = [
+pub const SOURCES: [(&str, &str); 8] = [
     ("elementwise", include_str!("kernels/elementwise.cu")),
     ("layernorm", include_str!("kernels/layernorm.cu")),
+    ("rmsnorm", include_str!("kernels/rmsnorm.cu")),
+    ("rope", include_str!("kernels/rope.cu")),
     ("embedding", include_str!("kernels/embedding.cu")),
     ("loss", include_str!("kernels/loss.cu")),
     ("attention", include_str!("kernels/attention.cu")),
@@ -129,6 +131,16 @@ pub struct Kernels {
     pub moe_combine_dweight: CudaFunction,
     pub moe_combine_dy: CudaFunction,
     pub moe_router_backward: CudaFunction,
+    pub rmsnorm_forward: CudaFunction,
+    pub rmsnorm_backward_input: CudaFunction,
+    pub rmsnorm_backward_weight: CudaFunction,
+    pub rope: CudaFunction,
+    pub swiglu_forward: CudaFunction,
+    pub swiglu_backward: CudaFunction,
+    pub qkv_pack: CudaFunction,
+    pub qkv_unpack_backward: CudaFunction,
+    pub token_embedding_forward: CudaFunction,
+    pub token_embedding_backward_weight: CudaFunction,
 }
 
 impl Kernels {
@@ -181,6 +193,16 @@ impl Kernels {
             moe_combine_dweight: f("moe", "moe_combine_dweight")?,
             moe_combine_dy: f("moe", "moe_combine_dy")?,
             moe_router_backward: f("moe", "moe_router_backward")?,
+            rmsnorm_forward: f("rmsnorm", "rmsnorm_forward")?,
+            rmsnorm_backward_input: f("rmsnorm", "rmsnorm_backward_input")?,
+            rmsnorm_backward_weight: f("rmsnorm", "rmsnorm_backward_weight")?,
+            rope: f("rope", "rope")?,
+            swiglu_forward: f("elementwise", "swiglu_forward")?,
+            swiglu_backward: f("elementwise", "swiglu_backward")?,
+            qkv_pack: f("attention", "qkv_pack")?,
+            qkv_unpack_backward: f("attention", "qkv_unpack_backward")?,
+            token_embedding_forward: f("embedding", "token_embedding_forward")?,
+            token_embedding_backward_weight: f("embedding", "token_embedding_backward_weight")?,
         })
     }
 }
@@ -236,7 +258,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 30);
+        assert_eq!(kernels, 2 * 40);
     }
 
     #[test]

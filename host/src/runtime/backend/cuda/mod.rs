@@ -464,33 +464,42 @@ impl Backend for Cuda {
         out: &mut GpuTensor,
         tokens: &GpuIds,
         wte: &GpuTensor,
-        wpe: &GpuTensor,
+        wpe: Option<&GpuTensor>,
         b: usize,
         t: usize,
         c: usize,
     ) {
         let q = self.q();
         let bt = b * t;
-        launch!(
-            self,
-            q,
-            embedding_forward,
-            elems(bt * c),
-            [
-                sm(out),
-                ids(tokens),
-                s(wte),
-                s(wpe),
-                &i32n(bt),
-                &i32n(t),
-                &i32n(c)
-            ]
-        );
+        match wpe {
+            Some(wpe) => launch!(
+                self,
+                q,
+                embedding_forward,
+                elems(bt * c),
+                [
+                    sm(out),
+                    ids(tokens),
+                    s(wte),
+                    s(wpe),
+                    &i32n(bt),
+                    &i32n(t),
+                    &i32n(c)
+                ]
+            ),
+            None => launch!(
+                self,
+                q,
+                token_embedding_forward,
+                elems(bt * c),
+                [sm(out), ids(tokens), s(wte), &i32n(bt), &i32n(c)]
+            ),
+        }
     }
     fn embedding_backward_weight(
         &self,
         dwte: &mut GpuTensor,
-        dwpe: &mut GpuTensor,
+        dwpe: Option<&mut GpuTensor>,
         dout: &GpuTensor,
         tokens: &GpuIds,
         b: usize,
@@ -499,21 +508,30 @@ impl Backend for Cuda {
     ) {
         let q = self.q();
         let bt = b * t;
-        launch!(
-            self,
-            q,
-            embedding_backward_weight,
-            elems(c),
-            [
-                sm(dwte),
-                sm(dwpe),
-                s(dout),
-                ids(tokens),
-                &i32n(bt),
-                &i32n(t),
-                &i32n(c)
-            ]
-        );
+        match dwpe {
+            Some(dwpe) => launch!(
+                self,
+                q,
+                embedding_backward_weight,
+                elems(c),
+                [
+                    sm(dwte),
+                    sm(dwpe),
+                    s(dout),
+                    ids(tokens),
+                    &i32n(bt),
+                    &i32n(t),
+                    &i32n(c)
+                ]
+            ),
+            None => launch!(
+                self,
+                q,
+                token_embedding_backward_weight,
+                elems(c),
+                [sm(dwte), s(dout), ids(tokens), &i32n(bt), &i32n(c)]
+            ),
+        }
     }
 
     fn layernorm_forward(
@@ -613,6 +631,120 @@ impl Backend for Cuda {
         );
     }
 
+    fn rmsnorm_forward(
+        &self,
+        out: &mut GpuTensor,
+        rstd: &mut GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            rmsnorm_forward,
+            rows(n),
+            [
+                sm(out),
+                sm(rstd),
+                s(inp),
+                s(weight),
+                &i32n(n),
+                &i32n(c),
+                &eps
+            ]
+        );
+    }
+    fn rmsnorm_backward_input(
+        &self,
+        dinp: &mut GpuTensor,
+        dout: &GpuTensor,
+        inp: &GpuTensor,
+        weight: &GpuTensor,
+        rstd: &GpuTensor,
+        n: usize,
+        c: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            rmsnorm_backward_input,
+            rows(n),
+            [
+                sm(dinp),
+                s(dout),
+                s(inp),
+                s(weight),
+                s(rstd),
+                &i32n(n),
+                &i32n(c)
+            ]
+        );
+    }
+    fn rmsnorm_backward_weight(
+        &self,
+        dweight: &mut GpuTensor,
+        dout: &GpuTensor,
+        inp: &GpuTensor,
+        rstd: &GpuTensor,
+        n: usize,
+        c: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            rmsnorm_backward_weight,
+            elems(c),
+            [sm(dweight), s(dout), s(inp), s(rstd), &i32n(n), &i32n(c)]
+        );
+    }
+    fn rope(
+        &self,
+        x: &mut GpuTensor,
+        b: usize,
+        t: usize,
+        heads: usize,
+        hd: usize,
+        theta: f64,
+        inverse: bool,
+    ) {
+        let rows = b * t;
+        if rows == 0 || heads == 0 || hd < 2 {
+            return;
+        }
+        let q = self.q();
+        let sign: f32 = if inverse { -1.0 } else { 1.0 };
+        launch!(
+            self,
+            q,
+            rope,
+            elems(rows * heads * (hd / 2)),
+            [
+                sm(x),
+                &i64n(rows),
+                &i32n(t),
+                &i32n(heads),
+                &i32n(hd),
+                &theta,
+                &sign
+            ]
+        );
+    }
+
     fn matmul_forward(
         &self,
         out: &mut GpuTensor,
@@ -646,7 +778,7 @@ impl Backend for Cuda {
         res: &GpuTensor,
         inp: &GpuTensor,
         weight: &GpuTensor,
-        bias: &GpuTensor,
+        bias: Option<&GpuTensor>,
         n: usize,
         c: usize,
         oc: usize,
@@ -655,13 +787,16 @@ impl Backend for Cuda {
             return;
         }
         let q = self.q();
-        launch!(
-            self,
-            q,
-            residual_bias,
-            elems(n * oc),
-            [sm(out), s(res), s(bias), &i64n(n * oc), &i32n(oc)]
-        );
+        match bias {
+            Some(bias) => launch!(
+                self,
+                q,
+                residual_bias,
+                elems(n * oc),
+                [sm(out), s(res), s(bias), &i64n(n * oc), &i32n(oc)]
+            ),
+            None => self.copy(out, 0, res, 0..n * oc),
+        }
         if let Err(e) = blas::linear(&q.blas, sm(out), s(inp), s(weight), (n, c, oc), 1.0) {
             self.fail("matmul_forward_residual", e);
         }
@@ -868,6 +1003,71 @@ impl Backend for Cuda {
         );
     }
 
+    fn qkv_pack(
+        &self,
+        qkv: &mut GpuTensor,
+        q_: &GpuTensor,
+        k: &GpuTensor,
+        v: &GpuTensor,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    ) {
+        if n == 0 || kvh == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            qkv_pack,
+            elems(n * 3 * nh * hd),
+            [
+                sm(qkv),
+                s(q_),
+                s(k),
+                s(v),
+                &i32n(n),
+                &i32n(nh),
+                &i32n(kvh),
+                &i32n(hd)
+            ]
+        );
+    }
+    fn qkv_unpack_backward(
+        &self,
+        dq: &mut GpuTensor,
+        dk: &mut GpuTensor,
+        dv: &mut GpuTensor,
+        dqkv: &GpuTensor,
+        n: usize,
+        nh: usize,
+        kvh: usize,
+        hd: usize,
+    ) {
+        if n == 0 || kvh == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            qkv_unpack_backward,
+            elems(n * (nh + 2 * kvh) * hd),
+            [
+                sm(dq),
+                sm(dk),
+                sm(dv),
+                s(dqkv),
+                &i32n(n),
+                &i32n(nh),
+                &i32n(kvh),
+                &i32n(hd)
+            ]
+        );
+    }
+
     fn gelu_forward(&self, out: &mut GpuTensor, inp: &GpuTensor) {
         let n = Self::len(out).min(Self::len(inp));
         if n == 0 {
@@ -922,6 +1122,42 @@ impl Backend for Cuda {
             residual_forward,
             elems(n),
             [sm(out), s(a), s(b), &i64n(n)]
+        );
+    }
+
+    fn swiglu_forward(&self, out: &mut GpuTensor, gate: &GpuTensor, up: &GpuTensor) {
+        let n = Self::len(out);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            swiglu_forward,
+            elems(n),
+            [sm(out), s(gate), s(up), &i64n(n)]
+        );
+    }
+    fn swiglu_backward(
+        &self,
+        dgate: &mut GpuTensor,
+        dup: &mut GpuTensor,
+        gate: &GpuTensor,
+        up: &GpuTensor,
+        dout: &GpuTensor,
+    ) {
+        let n = Self::len(dgate);
+        if n == 0 {
+            return;
+        }
+        let q = self.q();
+        launch!(
+            self,
+            q,
+            swiglu_backward,
+            elems(n),
+            [sm(dgate), sm(dup), s(gate), s(up), s(dout), &i64n(n)]
         );
     }
 

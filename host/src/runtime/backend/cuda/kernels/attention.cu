@@ -107,3 +107,48 @@ extern "C" __global__ void causal_softmax_backward(float* dpreatt, const float* 
     float* d = dpreatt + row * t;
     for (int j = threadIdx.x; j < t; j += BLOCK) d[j] = j <= ti ? a[j] * (da[j] - dot) * scale : 0.0f;
 }
+
+// Grouped-query attention's packed input: qkv[n, 3 nh hd] from q[n, nh hd]
+// and k, v[n, kvh hd], query head h reading kv head h / (nh / kvh)
+extern "C" __global__ void qkv_pack(float* qkv, const float* q, const float* k, const float* v,
+                                    int n, int nh, int kvh, int hd) {
+    int qw = nh * hd, kvw = kvh * hd, rep = nh / kvh;
+    i64 total = (i64)n * 3 * qw;
+    for (i64 i = gid(); i < total; i += gsize()) {
+        i64 row = i / (3 * qw);
+        int col = (int)(i % (3 * qw));
+        float val;
+        if (col < qw) {
+            val = q[row * qw + col];
+        } else {
+            int part = col / qw, rest = col % qw;
+            int g = (rest / hd) / rep, j = rest % hd;
+            const float* src = part == 1 ? k : v;
+            val = src[row * kvw + g * hd + j];
+        }
+        qkv[i] = val;
+    }
+}
+
+// dq += the queries' part of dqkv; dk, dv += each kv head's query heads'
+// parts, summed in head order
+extern "C" __global__ void qkv_unpack_backward(float* dq, float* dk, float* dv, const float* dqkv,
+                                               int n, int nh, int kvh, int hd) {
+    int qw = nh * hd, kvw = kvh * hd, rep = nh / kvh;
+    i64 total = (i64)n * (qw + 2 * kvw);
+    for (i64 i = gid(); i < total; i += gsize()) {
+        i64 row = i / (qw + 2 * kvw);
+        int col = (int)(i % (qw + 2 * kvw));
+        const float* src = dqkv + row * 3 * qw;
+        if (col < qw) {
+            dq[row * qw + col] += src[col];
+        } else {
+            int part = col < qw + kvw ? 1 : 2;
+            int rest = col - qw - (part - 1) * kvw;
+            int g = rest / hd, j = rest % hd;
+            float acc = part == 1 ? dk[row * kvw + rest] : dv[row * kvw + rest];
+            for (int h = g * rep; h < (g + 1) * rep; h++) acc += src[part * qw + h * hd + j];
+            if (part == 1) dk[row * kvw + rest] = acc; else dv[row * kvw + rest] = acc;
+        }
+    }
+}

@@ -98,3 +98,28 @@ extern "C" __global__ void sum_squares(double* partial, const float* x, i64 n) {
     double s = block_sum_f64(acc);
     if (threadIdx.x == 0) partial[blockIdx.x] = s;
 }
+
+// sigma(x) = 1 / (1 + e^-x) through exp_small, the argument clamped to +-20
+// (the CPU backend's `sigmoid`)
+__device__ __forceinline__ float sigmoid_small(float x) {
+    return 1.0f / (1.0f + exp_small(fminf(fmaxf(-x, -20.0f), 20.0f)));
+}
+
+// out = silu(gate) * up
+extern "C" __global__ void swiglu_forward(float* out, const float* gate, const float* up, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        float g = gate[i];
+        out[i] = g * sigmoid_small(g) * up[i];
+    }
+}
+
+// dgate += dout * up * s(1 + g(1 - s)), dup += dout * silu(g)
+extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float* gate,
+                                           const float* up, const float* dout, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        float g = gate[i], u = up[i], d = dout[i];
+        float s = sigmoid_small(g);
+        dgate[i] += d * u * (s * (1.0f + g * (1.0f - s)));
+        dup[i] += d * (g * s);
+    }
+}

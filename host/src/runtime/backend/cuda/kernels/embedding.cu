@@ -24,3 +24,21 @@ extern "C" __global__ void embedding_backward_weight(float* dwte, float* dwpe, c
         dwpe[(i64)(row % t) * c + j] += g;
     }
 }
+
+// The Llama family's embedding, without positions: out[b,t,:] = wte[tokens[b,t],:]
+extern "C" __global__ void token_embedding_forward(float* out, const u32* tokens, const float* wte,
+                                                   int bt, int c) {
+    i64 n = (i64)bt * c;
+    for (i64 i = gid(); i < n; i += gsize()) {
+        int row = (int)(i / c), j = (int)(i % c);
+        out[i] = wte[(i64)tokens[row] * c + j];
+    }
+}
+
+// dwte[token] += dout
+extern "C" __global__ void token_embedding_backward_weight(float* dwte, const float* dout,
+                                                           const u32* tokens, int bt, int c) {
+    int j = (int)gid();
+    if (j >= c) return;
+    for (int row = 0; row < bt; row++) dwte[(i64)tokens[row] * c + j] += dout[(i64)row * c + j];
+}

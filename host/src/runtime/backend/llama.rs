@@ -1,0 +1,612 @@
+//! The Llama family's block as segments compose it, over any [`Backend`]
+//! (Llama 3, Qwen3): `x2 = x + o(attention(rope(q), rope(k), v))` of
+//! `rmsnorm(x)`, with grouped-query attention (each key/value head serves
+//! `heads / kv_heads` query heads) and Qwen3's per-head RMSNorm of q and k
+//! before the rotation; then `out = x2 + down(silu(gate(h)) · up(h))` of
+//! `h = rmsnorm(x2)`. No biases. Each half is a forward (with the caches
+//! backward needs), a backward-for-input and a backward-for-weights, as
+//! GPT-2's halves in [`super::segment`], and splits the same way under
+//! tensor parallelism: this device's query and kv heads, its hidden units.
+//!
+//! The q/k norms' weights are whole on every tensor-parallel member, but
+//! each member sees only its heads: their gradient is summed over the
+//! group in the input pass (the group's sum is only there) and added in
+//! the weight pass.
+
+// Compositions carry their shapes as arguments, as the kernels do.
+#![allow(clippy::too_many_arguments)]
+
+use super::segment::{bytes_of, Dims, Model, Reduce};
+use super::{grad_mut, param, Backend, BackendError, ParamMap};
+use crate::model::params::{FamilyIds, LlamaAttnIds, ParamId, SwiGluIds};
+
+/// Local shapes of one member: query heads, kv heads, channels per head,
+/// MLP hidden units.
+#[derive(Clone, Copy)]
+struct Local {
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    hidden: usize,
+}
+
+impl Local {
+    fn of(dims: &Dims) -> Self {
+        let a = dims.arch;
+        Local {
+            nh: a.heads as usize / dims.tp,
+            kvh: a.kv_heads as usize / dims.tp,
+            hd: a.head_dim as usize,
+            hidden: a.hidden as usize / dims.tp,
+        }
+    }
+    fn qw(&self) -> usize {
+        self.nh * self.hd
+    }
+    fn kvw(&self) -> usize {
+        self.kvh * self.hd
+    }
+}
+
+/// What an attention half keeps from forward.
+pub struct LlamaAttnCache<B: Backend> {
+    pub(super) layer: u32,
+    pub(super) x: B::Tensor,
+    pub(super) ln1: B::Tensor,
+    pub(super) rstd1: B::Tensor,
+    /// q and k before their norms, and the norms' rstd (qk_norm only).
+    pub(super) q_raw: B::Tensor,
+    pub(super) k_raw: B::Tensor,
+    pub(super) q_rstd: B::Tensor,
+    pub(super) k_rstd: B::Tensor,
+    /// Rotated q, k and v, packed with kv heads repeated.
+    pub(super) qkv: B::Tensor,
+    pub(super) att: B::Tensor,
+    pub(super) atty: B::Tensor,
+}
+
+/// What a SwiGLU half keeps.
+pub struct SwiGluCache<B: Backend> {
+    pub(super) layer: u32,
+    pub(super) x2: B::Tensor,
+    pub(super) ln2: B::Tensor,
+    pub(super) rstd2: B::Tensor,
+    pub(super) gate: B::Tensor,
+    pub(super) up: B::Tensor,
+    pub(super) act: B::Tensor,
+}
+
+/// The attention half's gradients its weight pass reads.
+pub struct LlamaAttnStash<B: Backend> {
+    dout: B::Tensor,
+    /// Gradients of the projections' outputs (before the q/k norms).
+    dq: B::Tensor,
+    dk: B::Tensor,
+    dv: B::Tensor,
+    /// Gradients after the q/k norms (qk_norm without tensor parallelism).
+    dqn: B::Tensor,
+    dkn: B::Tensor,
+    /// The q/k norms' weight gradients, summed over a tensor-parallel group.
+    qk_grads: Option<(B::Tensor, B::Tensor)>,
+    dln1: B::Tensor,
+}
+
+/// The SwiGLU half's.
+pub struct SwiGluStash<B: Backend> {
+    dout: B::Tensor,
+    dgate: B::Tensor,
+    dup: B::Tensor,
+    dln2: B::Tensor,
+}
+
+impl<B: Backend> LlamaAttnCache<B> {
+    pub(super) fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[
+            &self.x,
+            &self.ln1,
+            &self.rstd1,
+            &self.q_raw,
+            &self.k_raw,
+            &self.q_rstd,
+            &self.k_rstd,
+            &self.qkv,
+            &self.att,
+            &self.atty,
+        ])
+    }
+    pub(super) fn duplicate(&self, b: &B) -> Result<Self, BackendError> {
+        Ok(LlamaAttnCache {
+            layer: self.layer,
+            x: b.duplicate(&self.x)?,
+            ln1: b.duplicate(&self.ln1)?,
+            rstd1: b.duplicate(&self.rstd1)?,
+            q_raw: b.duplicate(&self.q_raw)?,
+            k_raw: b.duplicate(&self.k_raw)?,
+            q_rstd: b.duplicate(&self.q_rstd)?,
+            k_rstd: b.duplicate(&self.k_rstd)?,
+            qkv: b.duplicate(&self.qkv)?,
+            att: b.duplicate(&self.att)?,
+            atty: b.duplicate(&self.atty)?,
+        })
+    }
+    /// What the weight pass reads: all but the packed q/k/v and the
+    /// probabilities.
+    pub(super) fn keep_for_weights(mut self) -> Self {
+        self.qkv = Default::default();
+        self.att = Default::default();
+        self
+    }
+}
+
+impl<B: Backend> SwiGluCache<B> {
+    pub(super) fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[
+            &self.x2,
+            &self.ln2,
+            &self.rstd2,
+            &self.gate,
+            &self.up,
+            &self.act,
+        ])
+    }
+    pub(super) fn duplicate(&self, b: &B) -> Result<Self, BackendError> {
+        Ok(SwiGluCache {
+            layer: self.layer,
+            x2: b.duplicate(&self.x2)?,
+            ln2: b.duplicate(&self.ln2)?,
+            rstd2: b.duplicate(&self.rstd2)?,
+            gate: b.duplicate(&self.gate)?,
+            up: b.duplicate(&self.up)?,
+            act: b.duplicate(&self.act)?,
+        })
+    }
+    /// What the weight pass reads: all but the gate and up projections.
+    pub(super) fn keep_for_weights(mut self) -> Self {
+        self.gate = Default::default();
+        self.up = Default::default();
+        self
+    }
+}
+
+impl<B: Backend> LlamaAttnStash<B> {
+    pub(super) fn bytes(&self) -> u64 {
+        let qk = self
+            .qk_grads
+            .as_ref()
+            .map_or(0, |(q, k)| bytes_of::<B>(&[q, k]));
+        bytes_of::<B>(&[
+            &self.dout, &self.dq, &self.dk, &self.dv, &self.dqn, &self.dkn, &self.dln1,
+        ]) + qk
+    }
+}
+
+impl<B: Backend> SwiGluStash<B> {
+    pub(super) fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[&self.dout, &self.dgate, &self.dup, &self.dln2])
+    }
+}
+
+impl<B: Backend> Model<'_, B> {
+    fn llama_attn_ids(&self, l: u32) -> Result<LlamaAttnIds, BackendError> {
+        match &self.table.family {
+            FamilyIds::Llama { layers, .. } => layers
+                .get(l as usize)
+                .map(|x| x.attn)
+                .ok_or_else(|| BackendError::Device(format!("the model has no layer {l}"))),
+            FamilyIds::Gpt2 { .. } => Err(BackendError::Device(
+                "a Llama layer asked of a GPT-2 model".into(),
+            )),
+        }
+    }
+
+    fn swiglu_ids(&self, l: u32) -> Result<(ParamId, SwiGluIds), BackendError> {
+        match &self.table.family {
+            FamilyIds::Llama { layers, .. } => layers
+                .get(l as usize)
+                .and_then(|x| x.mlp_norm.zip(x.mlp))
+                .ok_or_else(|| {
+                    BackendError::Device(format!(
+                        "layer {l} has no dense MLP (a mixture-of-experts model's layers have experts)"
+                    ))
+                }),
+            FamilyIds::Gpt2 { .. } => Err(BackendError::Device(
+                "a Llama layer asked of a GPT-2 model".into(),
+            )),
+        }
+    }
+
+    /// `inp[n, ic] · Wᵀ`, `[n, oc]`.
+    fn project(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        w: ParamId,
+        inp: &B::Tensor,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Result<B::Tensor, BackendError> {
+        let mut out = self.b.zeros(n * oc)?;
+        self.b
+            .matmul_forward(&mut out, inp, param(params, w)?, None, n, ic, oc);
+        Ok(out)
+    }
+
+    /// RMSNorm with weight `w` over rows of `c`: (output, rstd).
+    pub(super) fn rmsnorm(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        w: ParamId,
+        inp: &B::Tensor,
+        n: usize,
+        c: usize,
+        eps: f32,
+    ) -> Result<(B::Tensor, B::Tensor), BackendError> {
+        let (mut out, mut rstd) = (self.b.zeros(n * c)?, self.b.zeros(n)?);
+        self.b
+            .rmsnorm_forward(&mut out, &mut rstd, inp, param(params, w)?, n, c, eps);
+        Ok((out, rstd))
+    }
+
+    /// `res + inp · Wᵀ`, the row-parallel product summed over a
+    /// tensor-parallel group first.
+    fn onto_residual_nobias(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        w: ParamId,
+        inp: &B::Tensor,
+        res: &B::Tensor,
+        (n, ic, oc): (usize, usize, usize),
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<B::Tensor, BackendError> {
+        let mut out = self.b.zeros(n * oc)?;
+        match reduce {
+            None => self.b.matmul_forward_residual(
+                &mut out,
+                res,
+                inp,
+                param(params, w)?,
+                None,
+                n,
+                ic,
+                oc,
+            ),
+            Some(reduce) => {
+                let part = self.project(params, w, inp, n, ic, oc)?;
+                let sum = reduce(part)?;
+                self.b.residual_forward(&mut out, res, &sum);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The end of a half's backward: `dln` (summed over a tensor-parallel
+    /// group first) through the RMSNorm, added to the residual's `dout`.
+    fn rms_back_to_residual(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        w: ParamId,
+        mut dln: B::Tensor,
+        reduce: Option<&mut Reduce<'_, B>>,
+        dout: &B::Tensor,
+        (x, rstd): (&B::Tensor, &B::Tensor),
+        (n, c): (usize, usize),
+    ) -> Result<(B::Tensor, B::Tensor), BackendError> {
+        if let Some(reduce) = reduce {
+            dln = reduce(dln)?;
+        }
+        let mut dx = self.b.duplicate(dout)?;
+        self.b
+            .rmsnorm_backward_input(&mut dx, &dln, x, param(params, w)?, rstd, n, c);
+        Ok((dx, dln))
+    }
+
+    /// Attention half of layer `l`.
+    pub(super) fn llama_attn_forward(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        l: u32,
+        x: B::Tensor,
+        dims: Dims,
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(B::Tensor, LlamaAttnCache<B>), BackendError> {
+        let ids = self.llama_attn_ids(l)?;
+        let Dims { b, t, c, .. } = dims;
+        let n = dims.n();
+        let a = dims.arch;
+        let lc = Local::of(&dims);
+        let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
+        let (ln1, rstd1) = self.rmsnorm(params, ids.norm, &x, n, c, a.norm_eps)?;
+        let mut q = self.project(params, ids.q, &ln1, n, c, qw)?;
+        let mut k = self.project(params, ids.k, &ln1, n, c, kvw)?;
+        let v = self.project(params, ids.v, &ln1, n, c, kvw)?;
+        let (mut q_raw, mut k_raw, mut q_rstd, mut k_rstd) = Default::default();
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+            let (qo, qr) = self.rmsnorm(params, qn, &q, n * lc.nh, hd, a.norm_eps)?;
+            let (ko, kr) = self.rmsnorm(params, kn, &k, n * lc.kvh, hd, a.norm_eps)?;
+            q_raw = std::mem::replace(&mut q, qo);
+            k_raw = std::mem::replace(&mut k, ko);
+            (q_rstd, k_rstd) = (qr, kr);
+        }
+        self.b.rope(&mut q, b, t, lc.nh, hd, a.rope_theta, false);
+        self.b.rope(&mut k, b, t, lc.kvh, hd, a.rope_theta, false);
+        let mut qkv = self.b.zeros(n * 3 * qw)?;
+        self.b.qkv_pack(&mut qkv, &q, &k, &v, n, lc.nh, lc.kvh, hd);
+        drop((q, k, v));
+        let mut att = self.b.zeros(b * lc.nh * t * t)?;
+        let mut atty = self.b.zeros(n * qw)?;
+        self.b
+            .attention_forward(&mut atty, &mut att, &qkv, b, t, qw, lc.nh);
+        let x2 = self.onto_residual_nobias(params, ids.o, &atty, &x, (n, qw, c), reduce)?;
+        Ok((
+            x2,
+            LlamaAttnCache {
+                layer: l,
+                x,
+                ln1,
+                rstd1,
+                q_raw,
+                k_raw,
+                q_rstd,
+                k_rstd,
+                qkv,
+                att,
+                atty,
+            },
+        ))
+    }
+
+    /// SwiGLU half of layer `l`.
+    pub(super) fn swiglu_forward(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        l: u32,
+        x2: B::Tensor,
+        dims: Dims,
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(B::Tensor, SwiGluCache<B>), BackendError> {
+        let (norm, ids) = self.swiglu_ids(l)?;
+        let (n, c) = (dims.n(), dims.c);
+        let hl = Local::of(&dims).hidden;
+        let (ln2, rstd2) = self.rmsnorm(params, norm, &x2, n, c, dims.arch.norm_eps)?;
+        let gate = self.project(params, ids.gate, &ln2, n, c, hl)?;
+        let up = self.project(params, ids.up, &ln2, n, c, hl)?;
+        let mut act = self.b.zeros(n * hl)?;
+        self.b.swiglu_forward(&mut act, &gate, &up);
+        let out = self.onto_residual_nobias(params, ids.down, &act, &x2, (n, hl, c), reduce)?;
+        Ok((
+            out,
+            SwiGluCache {
+                layer: l,
+                x2,
+                ln2,
+                rstd2,
+                gate,
+                up,
+                act,
+            },
+        ))
+    }
+
+    /// The attention half's input gradient.
+    pub(super) fn llama_attn_backward_input(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        k: &LlamaAttnCache<B>,
+        dout: B::Tensor,
+        dims: Dims,
+        mut reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(B::Tensor, LlamaAttnStash<B>), BackendError> {
+        let ids = self.llama_attn_ids(k.layer)?;
+        let Dims { b, t, c, .. } = dims;
+        let n = dims.n();
+        let a = dims.arch;
+        let lc = Local::of(&dims);
+        let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
+        let mut datty = self.b.zeros(n * qw)?;
+        self.b
+            .matmul_backward_input(&mut datty, &dout, param(params, ids.o)?, n, qw, c, false);
+        let mut dqkv = self.b.zeros(n * 3 * qw)?;
+        self.b
+            .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, qw, lc.nh);
+        drop(datty);
+        let (mut dq, mut dk, mut dv) = (
+            self.b.zeros(n * qw)?,
+            self.b.zeros(n * kvw)?,
+            self.b.zeros(n * kvw)?,
+        );
+        self.b
+            .qkv_unpack_backward(&mut dq, &mut dk, &mut dv, &dqkv, n, lc.nh, lc.kvh, hd);
+        drop(dqkv);
+        self.b.rope(&mut dq, b, t, lc.nh, hd, a.rope_theta, true);
+        self.b.rope(&mut dk, b, t, lc.kvh, hd, a.rope_theta, true);
+        let (mut dqn, mut dkn, mut qk_grads) = (Default::default(), Default::default(), None);
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+            let mut dq_raw = self.b.zeros(n * qw)?;
+            self.b.rmsnorm_backward_input(
+                &mut dq_raw,
+                &dq,
+                &k.q_raw,
+                param(params, qn)?,
+                &k.q_rstd,
+                n * lc.nh,
+                hd,
+            );
+            let mut dk_raw = self.b.zeros(n * kvw)?;
+            self.b.rmsnorm_backward_input(
+                &mut dk_raw,
+                &dk,
+                &k.k_raw,
+                param(params, kn)?,
+                &k.k_rstd,
+                n * lc.kvh,
+                hd,
+            );
+            if let Some(reduce) = reduce.as_mut() {
+                // Each member's heads' share of the norms' weight gradients,
+                // summed over the group.
+                let (mut gq, mut gk) = (self.b.zeros(hd)?, self.b.zeros(hd)?);
+                self.b
+                    .rmsnorm_backward_weight(&mut gq, &dq, &k.q_raw, &k.q_rstd, n * lc.nh, hd);
+                self.b
+                    .rmsnorm_backward_weight(&mut gk, &dk, &k.k_raw, &k.k_rstd, n * lc.kvh, hd);
+                qk_grads = Some((reduce(gq)?, reduce(gk)?));
+            } else {
+                (dqn, dkn) = (dq, dk);
+            }
+            (dq, dk) = (dq_raw, dk_raw);
+        }
+        let mut dln1 = self.b.zeros(n * c)?;
+        self.b
+            .matmul_backward_input(&mut dln1, &dq, param(params, ids.q)?, n, c, qw, false);
+        self.b
+            .matmul_backward_input(&mut dln1, &dk, param(params, ids.k)?, n, c, kvw, true);
+        self.b
+            .matmul_backward_input(&mut dln1, &dv, param(params, ids.v)?, n, c, kvw, true);
+        let (dx, dln1) = self.rms_back_to_residual(
+            params,
+            ids.norm,
+            dln1,
+            reduce,
+            &dout,
+            (&k.x, &k.rstd1),
+            (n, c),
+        )?;
+        Ok((
+            dx,
+            LlamaAttnStash {
+                dout,
+                dq,
+                dk,
+                dv,
+                dqn,
+                dkn,
+                qk_grads,
+                dln1,
+            },
+        ))
+    }
+
+    /// The SwiGLU half's input gradient.
+    pub(super) fn swiglu_backward_input(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        k: &SwiGluCache<B>,
+        dout: B::Tensor,
+        dims: Dims,
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(B::Tensor, SwiGluStash<B>), BackendError> {
+        let (norm, ids) = self.swiglu_ids(k.layer)?;
+        let (n, c) = (dims.n(), dims.c);
+        let hl = Local::of(&dims).hidden;
+        let mut dact = self.b.zeros(n * hl)?;
+        self.b
+            .matmul_backward_input(&mut dact, &dout, param(params, ids.down)?, n, hl, c, false);
+        let (mut dgate, mut dup) = (self.b.zeros(n * hl)?, self.b.zeros(n * hl)?);
+        self.b
+            .swiglu_backward(&mut dgate, &mut dup, &k.gate, &k.up, &dact);
+        drop(dact);
+        let mut dln2 = self.b.zeros(n * c)?;
+        self.b
+            .matmul_backward_input(&mut dln2, &dgate, param(params, ids.gate)?, n, c, hl, false);
+        self.b
+            .matmul_backward_input(&mut dln2, &dup, param(params, ids.up)?, n, c, hl, true);
+        let (dx2, dln2) = self.rms_back_to_residual(
+            params,
+            norm,
+            dln2,
+            reduce,
+            &dout,
+            (&k.x2, &k.rstd2),
+            (n, c),
+        )?;
+        Ok((
+            dx2,
+            SwiGluStash {
+                dout,
+                dgate,
+                dup,
+                dln2,
+            },
+        ))
+    }
+
+    /// Accumulate `dW += doutᵀ · inp` for the bias-free weight `w`.
+    fn weight_grad(
+        &self,
+        grads: &mut ParamMap<B::Tensor>,
+        w: ParamId,
+        dout: &B::Tensor,
+        inp: &B::Tensor,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Result<(), BackendError> {
+        self.b
+            .matmul_backward_weight(grad_mut(grads, w)?, None, dout, inp, n, ic, oc);
+        Ok(())
+    }
+
+    pub(super) fn llama_attn_backward_weight(
+        &self,
+        grads: &mut ParamMap<B::Tensor>,
+        k: &LlamaAttnCache<B>,
+        st: &LlamaAttnStash<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let ids = self.llama_attn_ids(k.layer)?;
+        let (n, c) = (dims.n(), dims.c);
+        let lc = Local::of(&dims);
+        let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
+        self.weight_grad(grads, ids.o, &st.dout, &k.atty, n, qw, c)?;
+        self.weight_grad(grads, ids.q, &st.dq, &k.ln1, n, c, qw)?;
+        self.weight_grad(grads, ids.k, &st.dk, &k.ln1, n, c, kvw)?;
+        self.weight_grad(grads, ids.v, &st.dv, &k.ln1, n, c, kvw)?;
+        if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
+            match &st.qk_grads {
+                Some((gq, gk)) => {
+                    self.b.add(grad_mut(grads, qn)?, gq);
+                    self.b.add(grad_mut(grads, kn)?, gk);
+                }
+                None => {
+                    self.b.rmsnorm_backward_weight(
+                        grad_mut(grads, qn)?,
+                        &st.dqn,
+                        &k.q_raw,
+                        &k.q_rstd,
+                        n * lc.nh,
+                        hd,
+                    );
+                    self.b.rmsnorm_backward_weight(
+                        grad_mut(grads, kn)?,
+                        &st.dkn,
+                        &k.k_raw,
+                        &k.k_rstd,
+                        n * lc.kvh,
+                        hd,
+                    );
+                }
+            }
+        }
+        self.b
+            .rmsnorm_backward_weight(grad_mut(grads, ids.norm)?, &st.dln1, &k.x, &k.rstd1, n, c);
+        Ok(())
+    }
+
+    pub(super) fn swiglu_backward_weight(
+        &self,
+        grads: &mut ParamMap<B::Tensor>,
+        k: &SwiGluCache<B>,
+        st: &SwiGluStash<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let (norm, ids) = self.swiglu_ids(k.layer)?;
+        let (n, c) = (dims.n(), dims.c);
+        let hl = Local::of(&dims).hidden;
+        self.weight_grad(grads, ids.down, &st.dout, &k.act, n, hl, c)?;
+        self.weight_grad(grads, ids.gate, &st.dgate, &k.ln2, n, c, hl)?;
+        self.weight_grad(grads, ids.up, &st.dup, &k.ln2, n, c, hl)?;
+        self.b
+            .rmsnorm_backward_weight(grad_mut(grads, norm)?, &st.dln2, &k.x2, &k.rstd2, n, c);
+        Ok(())
+    }
+}
