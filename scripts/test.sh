@@ -3,13 +3,18 @@
 # First installs the guest toolchains for Python and JavaScript strategies into the
 # repository (scripts/guest-toolchains.sh); C strategies need clang with wasi-libc,
 # the registry tests Debian's docker-registry and htpasswd (apache2-utils).
-# Then the CUDA backend's tests (no GPU needed; NVRTC from PyPI, scripts/nvrtc.sh)
-# and, with Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), the
+# PyTorch and transformers for the Hugging Face interop test go into
+# target/hf-venv (scripts/hf-python.sh, pinned; about 4 GB, 2 minutes here).
+# Then the CUDA backend's tests (no GPU needed; NVRTC from PyPI,
+# scripts/nvrtc.sh) and, with Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), the
 # multi-process tests: real `mpirun` jobs of `piper train --features mpi`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/guest-toolchains.sh
 export PATH="$PWD/target/guest-venv/bin:$PATH"
+# PyTorch and transformers for the Hugging Face interop tests (host/tests/hf.rs).
+hf_python=$(./scripts/hf-python.sh)
+if [ -n "$hf_python" ]; then export PIPER_HF_PYTHON="$hf_python"; fi
 cargo test --workspace
 # The CUDA backend (--features cuda) builds and tests without a GPU: its
 # kernels compile through NVRTC (scripts/nvrtc.sh installs it), and

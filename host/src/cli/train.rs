@@ -111,6 +111,13 @@ pub struct TrainArgs {
     /// total to reach.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face directory (what
+    /// transformers' `save_pretrained` writes: `model.safetensors` or
+    /// sharded with its index; or a Piper checkpoint's step directory)
+    /// instead of the seed's, with fresh optimizer state at step 0. Every
+    /// tensor is checked by name and shape against `--model`.
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    init_from: Option<PathBuf>,
     /// Write a Chrome-trace JSON of what each device's streams did (open in Perfetto).
     #[arg(long)]
     trace: Option<PathBuf>,
@@ -363,6 +370,13 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     // Read (and every file checked) before the devices start, so a damaged
     // checkpoint costs no setup.
+    let init = match &a.init_from {
+        Some(dir) => Some(
+            crate::runtime::hf::load_weights(dir, &cfg)
+                .with_context(|| format!("--init-from {}", dir.display()))?,
+        ),
+        None => None,
+    };
     let resumed = match &a.resume {
         Some(path) => {
             let (dir, found) = checkpoint::resolve(path)?;
@@ -397,6 +411,12 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     #[cfg(not(feature = "mpi"))]
     let mut trainer = Trainer::new(&cfg, plan, opts)?;
+    if let (Some(params), Some(dir)) = (&init, &a.init_from) {
+        trainer.init_from(params)?;
+        if job.leader {
+            eprintln!("initialised from {}", dir.display());
+        }
+    }
     if let Some((dir, found, ck)) = &resumed {
         trainer.restore(ck)?;
         if job.leader {

@@ -1,8 +1,10 @@
 //! Checkpoints and step-1 dumps as safetensors.
 //!
-//! A checkpoint directory holds `model.safetensors` (GPT-2 names and layout,
-//! as Hugging Face's `gpt2`: `wte.weight`, `h.0.attn.c_attn.weight` stored
-//! `[in, out]`, …), `optimizer.safetensors` (AdamW moments `m.<name>`,
+//! A checkpoint directory holds `model.safetensors` (Hugging Face's names
+//! and layout: GPT-2's `wte.weight`, `h.0.attn.c_attn.weight` stored
+//! `[in, out]`, …; the Llama family's `model.layers.0.self_attn.q_proj.weight`
+//! `[out, in]`), `config.json` and `generation_config.json` (`hf.rs`: the
+//! directory opens with transformers' `from_pretrained`), `optimizer.safetensors` (AdamW moments `m.<name>`,
 //! `v.<name>` in the internal layout) and `state.json` (step, seed, model,
 //! schedule, and the sha256 of each of the other files). Resuming restores
 //! all of it exactly, so the resumed run is bit-identical to an
@@ -274,6 +276,8 @@ impl Checkpoint {
         }
         let digest = write_safetensors(&dir.join(FILES[1]), opt, None)?;
         files.insert(FILES[1].to_string(), digest);
+        // transformers' configs: the directory opens with from_pretrained.
+        super::hf::write_configs(dir, cfg)?;
         let state = StateFile {
             state: self.state.clone(),
             files,

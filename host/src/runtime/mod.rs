@@ -37,6 +37,7 @@ mod device;
 mod error;
 #[cfg(feature = "fingerprint")]
 mod fingerprint;
+pub mod hf;
 mod ops;
 pub mod schedule;
 mod step;
@@ -805,6 +806,23 @@ impl Trainer {
         self.opts
             .schedule
             .unwrap_or_else(|| Schedule::constant(self.opts.adamw.lr))
+    }
+
+    /// Start from these weights instead of the seed's (`--init-from`: a
+    /// Hugging Face directory), with fresh optimizer moments at step 0.
+    pub fn init_from(&mut self, params: &NamedTensors) -> Result<(), RuntimeError> {
+        let zeros: NamedTensors = params
+            .iter()
+            .map(|(k, v)| (k.clone(), vec![0.0; v.len()]))
+            .collect();
+        let states = HostStates {
+            params: self.by_id(params),
+            m: self.by_id(&zeros),
+            v: self.by_id(&zeros),
+        };
+        self.devices.restore(&states)?;
+        self.step = 0;
+        Ok(())
     }
 
     /// Continue from a checkpoint (any strategy: every device takes the
