@@ -140,7 +140,7 @@ enum DataCommand {
     /// tokens, or uint32 for vocabularies over 65,536).
     Tokenize {
         text: PathBuf,
-        /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257).
+        /// `byte` (vocabulary 256), `gpt2` (GPT-2 BPE, vocabulary 50257), or a Hugging Face `tokenizer.json` (the file, or a directory holding it).
         #[arg(long, default_value = "byte")]
         tokenizer: String,
         /// The token file to write (replaced whole, never half-written).

@@ -68,7 +68,7 @@ pub struct TrainArgs {
     /// `prepare.py`, the default) or `uint32`.
     #[arg(long, value_name = "TYPE", value_parser = ["uint16", "uint32"])]
     token_type: Option<String>,
-    /// `byte` (vocabulary 256) or `gpt2` (GPT-2 BPE, vocabulary 50257, e.g. with `--model gpt2-small`).
+    /// `byte` (vocabulary 256), `gpt2` (GPT-2 BPE, vocabulary 50257, e.g. with `--model gpt2-small`), or a Hugging Face `tokenizer.json` (the file, or a model directory holding it: Llama 3's, Qwen3's).
     #[arg(long, default_value = "byte")]
     tokenizer: String,
     /// Evaluate every N steps (and at the last): the mean loss of
@@ -318,9 +318,9 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let tokenizer = Tokenizer::parse(&a.tokenizer)?;
     let width = a.token_type.as_deref().map(Width::parse).transpose()?;
     let corpus = match &a.data {
-        Some(path) => Corpus::open(path, tokenizer, width)?,
+        Some(path) => Corpus::open(path, tokenizer.clone(), width)?,
         None if width.is_some() => bail!("--token-type is for a `--data FILE.bin` token file"),
-        None => Corpus::builtin_with(tokenizer)?,
+        None => Corpus::builtin_with(tokenizer.clone())?,
     };
     let (corpus, held) = match (a.eval_every, &a.eval_data) {
         (None, _) => (corpus, None),

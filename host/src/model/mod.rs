@@ -773,6 +773,54 @@ mod tests {
         );
     }
 
+    /// The example TOMLs of Llama 3 and Qwen3 have the parameter counts of
+    /// the published checkpoints (the sums of their safetensors' shapes).
+    #[test]
+    fn llama_and_qwen3_shapes_have_the_published_parameter_counts() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models");
+        for (file, want) in [
+            ("llama3-8b.toml", 8_030_261_248u64),
+            ("qwen3-0.6b.toml", 596_049_920),
+            ("qwen3-8b.toml", 8_190_735_360),
+            ("qwen3-30b-a3b.toml", 30_532_122_624),
+        ] {
+            let cfg = ModelConfig::from_toml_file(&dir.join(file)).unwrap();
+            assert_eq!(cfg.param_count(), want, "{file}");
+        }
+        let t = ModelConfig::llama_tiny();
+        t.validate().unwrap();
+        assert_eq!(t.arch().kv_width(), 32);
+    }
+
+    #[test]
+    fn llama_fields_are_checked_and_belong_to_their_family() {
+        let base = "layers = 2\nd_model = 32\nheads = 4\nseq_len = 8\nvocab = 64\nbatch_size = 2\n";
+        let err = |extra: &str| {
+            ModelConfig::from_toml_str(&format!("{base}{extra}"), "m.toml")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(err("kv_heads = 2\n").contains("`kv_heads` belongs to the Llama family"));
+        let llama = "family = \"llama\"\n";
+        assert!(err(llama).contains("needs `intermediate`"));
+        let e = err(&format!("{llama}intermediate = 64\nkv_heads = 3\n"));
+        assert!(
+            e.contains("kv_heads must divide heads") && e.contains("heads 4 kv_heads 3"),
+            "{e}"
+        );
+        let e = err(&format!("{llama}intermediate = 64\nhead_dim = 7\n"));
+        assert!(e.contains("head_dim must be even, got 7"), "{e}");
+        let e = err(&format!("{llama}intermediate = 64\nrope_theta = -1.0\n"));
+        assert!(e.contains("rope_theta"), "{e}");
+        let ok = ModelConfig::from_toml_str(
+            &format!("{base}{llama}intermediate = 64\nkv_heads = 2\n"),
+            "m.toml",
+        )
+        .unwrap();
+        assert!(ok.tensor_split(2).is_ok());
+        assert!(ok.tensor_split(4).unwrap_err().contains("kv_heads 2"));
+    }
+
     #[test]
     fn toml_model_file_parses_and_rejects_bad_numbers() {
         let ok = "name = \"m\"\nlayers = 4\nd_model = 32\nheads = 4\nseq_len = 16\nvocab = 256\nbatch_size = 8\nregions = [1, 3]\n";

@@ -1,6 +1,7 @@
-//! Training data: a byte-level tokenizer (vocabulary 256) or GPT-2's BPE
+//! Training data: a byte-level tokenizer (vocabulary 256), GPT-2's BPE
 //! (`--tokenizer gpt2`, vocabulary 50257, embedded by the `tiktoken-rs` crate:
-//! nothing is downloaded) over any UTF-8 text (`--data FILE`), token files
+//! nothing is downloaded) or a Hugging Face `tokenizer.json` (`--tokenizer
+//! FILE`: Llama 3's, Qwen3's, through the `tokenizers` crate) over any UTF-8 text (`--data FILE`), token files
 //! (`--data FILE.bin`, memory-mapped: `file.rs`), or the built-in corpus —
 //! generated, so it needs no files, with structure a small model learns
 //! quickly (a tiny grammar of sentences).
@@ -101,7 +102,7 @@ pub enum DataError {
     #[error("the model's vocabulary ({vocab}) is smaller than the {tokenizer} tokenizer's {need}")]
     Vocab {
         vocab: u32,
-        tokenizer: &'static str,
+        tokenizer: String,
         need: u32,
     },
     #[error(
@@ -117,48 +118,132 @@ pub enum DataError {
     Format(String),
     #[error("a token type is for token files (names ending in .bin); {0} is read as UTF-8 text")]
     TypeForText(String),
-    #[error("unknown tokenizer `{0}`: use `byte` or `gpt2`")]
+    #[error("unknown tokenizer `{0}`: use `byte`, `gpt2`, or a Hugging Face tokenizer.json (a file, or a directory holding one)")]
     UnknownTokenizer(String),
+    #[error("tokenizer {path}: {message}")]
+    HfTokenizer { path: String, message: String },
     #[error("the GPT-2 tokenizer failed to load: {0}")]
     Bpe(String),
 }
 
 /// How text becomes tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub enum Tokenizer {
     /// One token per byte (vocabulary 256).
     Byte,
     /// GPT-2's byte-level BPE (`r50k_base`, vocabulary 50257).
     Gpt2,
+    /// A Hugging Face `tokenizer.json`.
+    Hf(Arc<HfTokenizer>),
 }
 
+/// A Hugging Face tokenizer and where it came from.
+#[derive(Debug)]
+pub struct HfTokenizer {
+    name: String,
+    inner: tokenizers::Tokenizer,
+}
+
+/// The largest tokenizer.json read (Llama 3's is 9 MB, Qwen3's 11 MB).
+const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+
 impl Tokenizer {
+    /// `byte`, `gpt2`, or a path to a `tokenizer.json` (or a directory
+    /// holding one, as a Hugging Face model directory does).
     pub fn parse(s: &str) -> Result<Self, DataError> {
         match s {
             "byte" | "bytes" => Ok(Tokenizer::Byte),
             "gpt2" => Ok(Tokenizer::Gpt2),
-            other => Err(DataError::UnknownTokenizer(other.into())),
+            other => {
+                let p = Path::new(other);
+                let file = if p.is_dir() {
+                    p.join("tokenizer.json")
+                } else {
+                    p.to_path_buf()
+                };
+                if !file.is_file() {
+                    return Err(DataError::UnknownTokenizer(other.into()));
+                }
+                Self::from_file(&file)
+            }
         }
     }
-    pub fn vocab(self) -> u32 {
+
+    /// A Hugging Face `tokenizer.json`.
+    pub fn from_file(path: &Path) -> Result<Self, DataError> {
+        let fail = |message: String| DataError::HfTokenizer {
+            path: path.display().to_string(),
+            message,
+        };
+        let len = std::fs::metadata(path)
+            .map_err(|source| DataError::Io {
+                path: path.display().to_string(),
+                source,
+            })?
+            .len();
+        if len > MAX_TOKENIZER_BYTES {
+            return Err(fail(format!(
+                "is {len} bytes; more than {MAX_TOKENIZER_BYTES} is not read"
+            )));
+        }
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| fail(e.to_string()))?;
+        let name = path
+            .parent()
+            .and_then(|d| d.file_name())
+            .filter(|_| path.file_name().is_some_and(|f| f == "tokenizer.json"))
+            .or(path.file_name())
+            .map_or_else(
+                || path.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+        Ok(Tokenizer::Hf(Arc::new(HfTokenizer { name, inner })))
+    }
+
+    pub fn vocab(&self) -> u32 {
         match self {
             Tokenizer::Byte => 256,
             Tokenizer::Gpt2 => 50257,
+            Tokenizer::Hf(t) => t.inner.get_vocab_size(true) as u32,
         }
     }
-    pub fn name(self) -> &'static str {
+    pub fn name(&self) -> String {
         match self {
-            Tokenizer::Byte => "byte",
-            Tokenizer::Gpt2 => "gpt2",
+            Tokenizer::Byte => "byte".into(),
+            Tokenizer::Gpt2 => "gpt2".into(),
+            Tokenizer::Hf(t) => format!("hf:{}", t.name),
         }
     }
-    /// Tokens of `text`.
-    pub fn encode(self, text: &str) -> Result<Vec<u32>, DataError> {
+    /// Tokens of `text` (no special tokens added). A Hugging Face tokenizer
+    /// encodes it a megabyte at a time, cut after a newline, so its working
+    /// memory stays bounded on any file.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, DataError> {
         match self {
             Tokenizer::Byte => Ok(text.bytes().map(u32::from).collect()),
             Tokenizer::Gpt2 => {
                 let bpe = tiktoken_rs::r50k_base().map_err(|e| DataError::Bpe(e.to_string()))?;
                 Ok(bpe.encode_ordinary(text))
+            }
+            Tokenizer::Hf(t) => {
+                let mut out = Vec::new();
+                let mut rest = text;
+                while !rest.is_empty() {
+                    let mut cut = rest.len().min(1 << 20);
+                    while !rest.is_char_boundary(cut) {
+                        cut += 1;
+                    }
+                    if let Some(nl) = rest[..cut].rfind('\n').filter(|_| cut < rest.len()) {
+                        cut = nl + 1;
+                    }
+                    let enc = t.inner.encode(&rest[..cut], false).map_err(|e| {
+                        DataError::HfTokenizer {
+                            path: t.name.clone(),
+                            message: e.to_string(),
+                        }
+                    })?;
+                    out.extend_from_slice(enc.get_ids());
+                    rest = &rest[cut..];
+                }
+                Ok(out)
             }
         }
     }
@@ -480,6 +565,75 @@ pub fn read_text(path: &Path) -> Result<String, DataError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A Hugging Face `tokenizer.json` (a word-level model over the
+    /// built-in corpus's words, whitespace pre-tokenizer), as transformers
+    /// saves one.
+    fn word_level_tokenizer(dir: &Path) -> Vec<String> {
+        let mut words: Vec<String> = builtin_text()
+            .split_whitespace()
+            .map(|w| w.to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        words.insert(0, "[UNK]".into());
+        let vocab: serde_json::Map<String, serde_json::Value> = words
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.clone(), serde_json::json!(i)))
+            .collect();
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": { "type": "Whitespace" },
+            "post_processor": null, "decoder": null,
+            "model": { "type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]" }
+        });
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        words
+    }
+
+    #[test]
+    fn a_hugging_face_tokenizer_json_tokenizes_text_and_bounds_the_vocabulary() {
+        let dir = std::env::temp_dir().join(format!("piper-tok-{}", std::process::id()));
+        let words = word_level_tokenizer(&dir);
+        // A directory holding tokenizer.json, or the file itself.
+        for spec in [dir.clone(), dir.join("tokenizer.json")] {
+            let t = Tokenizer::parse(spec.to_str().unwrap()).unwrap();
+            assert_eq!(t.vocab() as usize, words.len());
+            assert!(t.name().starts_with("hf:"), "{}", t.name());
+            let ids = t.encode("the cat sees zebra").unwrap();
+            let id = |w: &str| words.iter().position(|x| x == w).unwrap() as u32;
+            assert_eq!(ids, vec![id("the"), id("cat"), id("sees"), 0]);
+        }
+        // Past a megabyte, cut at newlines: the same tokens as line by line.
+        let t = Tokenizer::parse(dir.to_str().unwrap()).unwrap();
+        let text = builtin_text().repeat(2);
+        assert!(text.len() > 1 << 20);
+        let whole = t.encode(&text).unwrap();
+        let by_line: Vec<u32> = text.lines().flat_map(|l| t.encode(l).unwrap()).collect();
+        assert_eq!(whole, by_line);
+        let c = Corpus::builtin_with(t).unwrap();
+        let err = c.check(16, 8).unwrap_err().to_string();
+        assert!(err.contains("smaller than the hf:"), "{err}");
+        // Not a tokenizer: named.
+        std::fs::write(dir.join("tokenizer.json"), "{\"model\": 3}").unwrap();
+        let err = Tokenizer::parse(dir.to_str().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("tokenizer ") && err.contains("tokenizer.json"),
+            "{err}"
+        );
+        let err = Tokenizer::parse("no-such-tokenizer")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`byte`, `gpt2`, or a Hugging Face tokenizer.json"),
+            "{err}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn gpt2_bpe_tokenizes_with_the_real_vocabulary() {
