@@ -4,8 +4,12 @@
 The same model and step as Piper's runtime: GPT-2 blocks (pre-LayerNorm,
 causal attention with a packed qkv projection, tanh-GELU MLP of 4x width,
 biases everywhere), learned position embeddings, the head tied to the token
-embedding, cross-entropy over the batch, AdamW (beta 0.9 / 0.95, eps 1e-8,
-weight decay 0.1 on matrices and embeddings), gradient clipping at 1.0.
+embedding; or with `--family llama` Llama blocks (RMSNorm, rotary positions
+in the rotate-half convention, grouped-query attention over `--kv-heads`,
+Qwen3's per-head q/k RMSNorm with `--qk-norm`, a SwiGLU MLP of
+`--intermediate`, no biases) and an untied head. Cross-entropy over the
+batch, AdamW (beta 0.9 / 0.95, eps 1e-8, weight decay 0.1 on matrices and
+embeddings), gradient clipping at 1.0.
 fp32 by default (TF32 off); `--precision bf16` autocasts to bf16 with fp32
 master weights. On the CPU (`--threads`) or a GPU (`--device cuda`, fused
 AdamW), eager or `--compile` (torch.compile). Prints one JSON line: tokens/s
@@ -54,6 +58,86 @@ class Block(nn.Module):
         return x + self.fc_proj(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, d, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, kv_heads, hidden, qk_norm, eps):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.norm1 = RMSNorm(d, eps)
+        self.q = nn.Linear(d, heads * self.hd, bias=False)
+        self.k = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.v = nn.Linear(d, kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, d, bias=False)
+        self.q_norm = RMSNorm(self.hd, eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.hd, eps) if qk_norm else None
+        self.norm2 = RMSNorm(d, eps)
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, t, self.heads, self.hd)
+        k = self.k(h).view(b, t, self.kv_heads, self.hd)
+        v = self.v(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rotate(q.transpose(1, 2), cos, sin)
+        k = rotate(k.transpose(1, 2), cos, sin)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.hd))
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).contiguous().view(b, t, self.heads * self.hd)
+        x = x + self.o(y)
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, d, heads, kv_heads, hidden, qk_norm, seq, vocab, theta=10000.0):
+        super().__init__()
+        eps = 1e-6
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            LlamaBlock(d, heads, kv_heads, hidden, qk_norm, eps) for _ in range(layers))
+        self.norm = RMSNorm(d, eps)
+        self.head = nn.Linear(d, vocab, bias=False)
+        hd = d // heads
+        inv = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float64), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for blk in self.blocks:
+            x = blk(x, self.cos, self.sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
 class GPT(nn.Module):
     def __init__(self, layers, d, heads, seq, vocab):
         super().__init__()
@@ -82,6 +166,10 @@ def main():
     for name, default in [("layers", 6), ("d-model", 384), ("heads", 6), ("seq", 256),
                           ("batch", 8), ("vocab", 256), ("steps", 3), ("threads", 0)]:
         p.add_argument("--" + name, type=int, default=default)
+    p.add_argument("--family", default="gpt2", choices=["gpt2", "llama"])
+    p.add_argument("--kv-heads", type=int, default=0)
+    p.add_argument("--intermediate", type=int, default=0)
+    p.add_argument("--qk-norm", action="store_true")
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true")
@@ -92,7 +180,11 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(1337)
-    model = GPT(a.layers, a.d_model, a.heads, a.seq, a.vocab).to(a.device)
+    if a.family == "llama":
+        model = Llama(a.layers, a.d_model, a.heads, a.kv_heads or a.heads, a.intermediate,
+                      a.qk_norm, a.seq, a.vocab).to(a.device)
+    else:
+        model = GPT(a.layers, a.d_model, a.heads, a.seq, a.vocab).to(a.device)
     decay = [q for n, q in model.named_parameters() if q.dim() >= 2]
     no_decay = [q for n, q in model.named_parameters() if q.dim() < 2]
     opt = torch.optim.AdamW(

@@ -1,8 +1,11 @@
 //! `cargo bench -p piper --bench train`: training throughput on one CPU
-//! device — tokens/s and achieved GFLOP/s for `tiny` and a mid-size model
-//! (6 layers, d_model 384) on 1 thread and on every core, alternating — beside
-//! the GEMM throughput of this machine on the same thread counts and its
-//! theoretical fp32 peak, measured side by side in one run.
+//! device — tokens/s and achieved GFLOP/s for `tiny`, a mid-size GPT-2 (6
+//! layers, d_model 384), `llama-tiny` and a mid-size Llama (8 layers, d_model
+//! 512, 8 heads over 2 kv heads, SwiGLU 1536) on 1 thread and on every core,
+//! alternating — beside the GEMM throughput of this machine on the same
+//! thread counts, its theoretical fp32 peak, and PyTorch eager on the same
+//! models and steps (`benches/reference/torch_gpt.py`), measured side by
+//! side in one run.
 
 use piper::compile::compile;
 use piper::dag::{Cluster, Filter, TrainingDag};
@@ -106,8 +109,26 @@ fn torch_rate(cfg: &ModelConfig, steps: u32, threads: usize) -> Result<(f64, Str
         env!("CARGO_MANIFEST_DIR"),
         "/../benches/reference/torch_gpt.py"
     );
+    let a = cfg.arch();
+    let llama = if a.family == piper::model::Family::Llama {
+        let mut v = vec![
+            "--family".to_string(),
+            "llama".into(),
+            "--kv-heads".into(),
+            a.kv_heads.to_string(),
+            "--intermediate".into(),
+            a.hidden.to_string(),
+        ];
+        if a.qk_norm {
+            v.push("--qk-norm".into());
+        }
+        v
+    } else {
+        Vec::new()
+    };
     let out = std::process::Command::new(&python)
         .arg(script)
+        .args(llama)
         .args([
             "--layers",
             &cfg.layers.to_string(),
@@ -161,12 +182,33 @@ fn main() {
         moe: None,
         ..Default::default()
     };
+    let mid_llama = ModelConfig {
+        name: "mid-llama".into(),
+        layers: 8,
+        d_model: 512,
+        heads: 8,
+        seq_len: 256,
+        vocab: 256,
+        batch_size: 8,
+        family: piper::model::Family::Llama,
+        kv_heads: Some(2),
+        intermediate: Some(1536),
+        norm_eps: Some(1e-6),
+        ..Default::default()
+    };
     // Alternating rounds, best of each (the machine is shared and noisy).
     let mut gemm = vec![0.0f64; counts.len()];
-    let models = [(ModelConfig::tiny(), 5u32), (mid, 3)];
+    let models = [
+        (ModelConfig::tiny(), 5u32),
+        (mid, 3),
+        (ModelConfig::llama_tiny(), 5),
+        (mid_llama, 3),
+    ];
+    // PyTorch runs the models it is compared on: the mid GPT and both Llamas.
+    let compared = [1usize, 2, 3];
     let mut best = vec![vec![(0.0f64, 0.0f64); counts.len()]; models.len()];
-    let mut torch: Vec<Result<(f64, String), String>> =
-        vec![Ok((0.0, String::new())); counts.len()];
+    let mut torch: Vec<Vec<Result<(f64, String), String>>> =
+        vec![vec![Ok((0.0, String::new())); counts.len()]; models.len()];
     for _round in 0..2 {
         for (k, &th) in counts.iter().enumerate() {
             gemm[k] = gemm[k].max(gemm_gflops(2048, 384, 1536, th));
@@ -175,14 +217,17 @@ fn main() {
                 if r.0 > best[m][k].0 {
                     best[m][k] = r;
                 }
-            }
-            // The reference right after Piper on the same thread count.
-            if let Ok((prev, _)) = &torch[k] {
-                let prev = *prev;
-                torch[k] = match torch_rate(&models[1].0, models[1].1, th) {
-                    Ok((tps, v)) => Ok((tps.max(prev), v)),
-                    Err(e) => Err(e),
-                };
+                // The reference right after Piper on the same thread count.
+                if !compared.contains(&m) {
+                    continue;
+                }
+                if let Ok((prev, _)) = &torch[m][k] {
+                    let prev = *prev;
+                    torch[m][k] = match torch_rate(cfg, *steps, th) {
+                        Ok((tps, v)) => Ok((tps.max(prev), v)),
+                        Err(e) => Err(e),
+                    };
+                }
             }
         }
     }
@@ -211,18 +256,19 @@ fn main() {
             );
         }
     }
-    let mid = &models[1].0;
-    for (k, &th) in counts.iter().enumerate() {
-        match &torch[k] {
-            Ok((tps, version)) => println!(
-                "{} vs PyTorch {version} eager, {th} thread(s): Piper {:.0} tokens/s, PyTorch {tps:.0} tokens/s, ratio {:.2}× (goal with every core: ≥ 1.0×)",
-                mid.name,
-                best[1][k].0,
-                best[1][k].0 / tps
-            ),
-            Err(why) => println!(
-                "PyTorch reference not run ({why}): install torch for python3, or set PIPER_TORCH_PYTHON to a Python that has it"
-            ),
+    for &m in &compared {
+        for (k, &th) in counts.iter().enumerate() {
+            match &torch[m][k] {
+                Ok((tps, version)) => println!(
+                    "{} vs PyTorch {version} eager, {th} thread(s): Piper {:.0} tokens/s, PyTorch {tps:.0} tokens/s, ratio {:.2}× (goal with every core: ≥ 1.0×)",
+                    models[m].0.name,
+                    best[m][k].0,
+                    best[m][k].0 / tps
+                ),
+                Err(why) => println!(
+                    "PyTorch reference not run ({why}): install torch for python3, or set PIPER_TORCH_PYTHON to a Python that has it (scripts/hf-python.sh installs one into target/hf-venv)"
+                ),
+            }
         }
     }
 }

@@ -301,6 +301,48 @@ fn the_llama_family_trains_to_one_devices_losses_under_every_strategy() {
     );
 }
 
+/// Qwen3-MoE in small: the small Llama with every MLP 4 SwiGLU experts of
+/// width 48, top-2, dropless.
+#[test]
+fn llama_experts_train_to_one_devices_losses_under_ep_and_pipelines() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 8;
+    let mut moe = piper::model::MoeConfig::new(4, 2);
+    moe.hidden = Some(48);
+    moe.aux_loss_coef = 0.05;
+    let cfg = piper::model::ModelConfig {
+        name: "small-qwen3-moe".into(),
+        layers: 4,
+        moe: Some(moe),
+        ..small_llama()
+    };
+    let base = one_device(&host, &cfg, steps);
+    assert!(
+        base.losses[steps as usize - 1] < base.losses[0] - 0.3,
+        "one device learns: {:?}",
+        base.losses
+    );
+    let cases: [(&str, u32, Strategy); 5] = [
+        ("dp", 2, &[("dp", &[])]),
+        ("ep on 2", 2, &[("ep", &[])]),
+        (
+            "ep on 4, in op",
+            4,
+            &[("ep", &[("ep", "4"), ("stream", "compute")])],
+        ),
+        (
+            "ep+1f1b",
+            4,
+            &[("ep", &[("ep", "2")]), ("1f1b", &[("microbatches", "4")])],
+        ),
+        ("zb-h1", 2, &[("zb-h1", &[("microbatches", "4")])]),
+    ];
+    for (name, devices, strategy) in cases {
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+    }
+}
+
 /// The error of the first step of `plan` on the small model.
 fn failed_step(plan: piper::compile::Plan, opts: TrainOptions) -> String {
     let mut trainer = Trainer::new(&small(), plan, opts).unwrap();

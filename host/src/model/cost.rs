@@ -255,14 +255,21 @@ pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
         m.hidden_width(cfg.d_model) as f64,
     );
     let b = DTYPE_BYTES as f64;
+    // GELU experts have two projections and keep two hidden tensors per
+    // row; SwiGLU experts three of each.
+    let mats = if cfg.family == Family::Llama {
+        3.0
+    } else {
+        2.0
+    };
     let dispatch = 2.0 * n * d * e + 10.0 * n * d;
-    let experts = 2.0 * n * k * 2.0 * d * hid;
+    let experts = 2.0 * n * k * mats * d * hid;
     let combine = 2.0 * n * k * d;
     let total = dispatch + experts + combine;
     Some(ExpertPhaseCost {
         flop_share: [dispatch / total, experts / total, combine / total],
         routed_bytes: (n * k * d * b) as u64,
         dispatch_saved: ((2.0 * d + 2.0 + e + 3.0 * k) * n * b) as u64,
-        experts_saved: (k * (2.0 * hid + d) * n * b) as u64,
+        experts_saved: (k * (mats * hid + d) * n * b) as u64,
     })
 }

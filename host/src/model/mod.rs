@@ -152,7 +152,7 @@ impl Arch {
 }
 
 /// A decoder (GPT-2 or Llama family) and the global batch it trains on.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     #[serde(default = "default_name")]
@@ -199,6 +199,34 @@ pub struct ModelConfig {
     /// LayerNorm always uses 1e-5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_eps: Option<f64>,
+}
+
+/// What a TOML file leaves out: the serde defaults (`custom`, one layer
+/// per region, GPT-2), with every size 0 — a struct literal completes
+/// itself with `..Default::default()` and must give the sizes.
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            name: default_name(),
+            layers: 0,
+            d_model: 0,
+            heads: 0,
+            seq_len: 0,
+            vocab: 0,
+            batch_size: 0,
+            layers_per_region: 1,
+            regions: None,
+            moe: None,
+            family: Family::Gpt2,
+            kv_heads: None,
+            head_dim: None,
+            intermediate: None,
+            rope_theta: None,
+            tie_embeddings: None,
+            qk_norm: false,
+            norm_eps: None,
+        }
+    }
 }
 
 fn default_name() -> String {

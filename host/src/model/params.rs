@@ -416,12 +416,22 @@ pub struct MlpIds {
     pub proj: Linear,
 }
 
-/// An expert half: ln2, the router and every expert.
+/// One expert's MLP: GPT-2's GELU MLP with biases, or the Llama family's
+/// SwiGLU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertIds {
+    Gelu(MlpIds),
+    SwiGlu(SwiGluIds),
+}
+
+/// An expert half: its norm (a LayerNorm with bias, or an RMSNorm), the
+/// router and every expert.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ExpertsIds {
-    pub ln2: Norm,
+    pub norm: ParamId,
+    pub norm_bias: Option<ParamId>,
     pub router: ParamId,
-    pub experts: Vec<MlpIds>,
+    pub experts: Vec<ExpertIds>,
 }
 
 /// A Llama-family attention half: `x + o(attention(rope(q), rope(k),
@@ -446,12 +456,13 @@ pub struct SwiGluIds {
 }
 
 /// One Llama-family layer's parameters (the MLP's norm and MLP absent on
-/// expert layers).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// expert layers, which have `experts`).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LlamaLayerIds {
     pub attn: LlamaAttnIds,
     pub mlp_norm: Option<ParamId>,
     pub mlp: Option<SwiGluIds>,
+    pub experts: Option<ExpertsIds>,
 }
 
 /// The parameters only one family has.
@@ -492,6 +503,8 @@ pub struct ParamTable {
     /// The token embedding (`wte`, `model.embed_tokens.weight`).
     pub wte: ParamId,
     pub family: FamilyIds,
+    /// The norms' epsilon (RMSNorm's; GPT-2's LayerNorm keeps 1e-5).
+    pub norm_eps: f32,
 }
 
 impl ParamTable {
@@ -540,7 +553,23 @@ impl ParamTable {
                         (Some(gate), Some(up), Some(down)) => Some(SwiGluIds { gate, up, down }),
                         _ => None,
                     };
+                    let experts = cfg.moe.as_ref().map(|moe| ExpertsIds {
+                        norm: must(MlpNorm, s),
+                        norm_bias: None,
+                        router: must(MoeGate, s),
+                        experts: (0..moe.experts)
+                            .map(|x| {
+                                let e = |r| id(r, s, Some(x)).expect("every expert is listed");
+                                ExpertIds::SwiGlu(SwiGluIds {
+                                    gate: e(ExpertGate),
+                                    up: e(ExpertUp),
+                                    down: e(ExpertDown),
+                                })
+                            })
+                            .collect(),
+                    });
                     LlamaLayerIds {
+                        experts,
                         attn: LlamaAttnIds {
                             norm: must(AttnNorm, s),
                             q: must(QProj, s),
@@ -559,6 +588,7 @@ impl ParamTable {
             return ParamTable {
                 model_order,
                 wte,
+                norm_eps: cfg.arch().norm_eps,
                 family: FamilyIds::Llama {
                     norm: must(FinalNorm, None),
                     lm_head: id(LmHead, None, None).unwrap_or(wte),
@@ -586,7 +616,8 @@ impl ParamTable {
                     _ => None,
                 };
                 let experts = cfg.moe.as_ref().map(|moe| ExpertsIds {
-                    ln2: ln2.expect("an expert half has ln2"),
+                    norm: ln2.expect("an expert half has ln2").weight,
+                    norm_bias: ln2.map(|n| n.bias),
                     router: id(Router, s, None).expect("an expert half has a router"),
                     experts: (0..moe.experts)
                         .map(|x| {
@@ -594,10 +625,10 @@ impl ParamTable {
                                 weight: id(w, s, Some(x)).expect("every expert is listed"),
                                 bias: id(b, s, Some(x)).expect("every expert is listed"),
                             };
-                            MlpIds {
+                            ExpertIds::Gelu(MlpIds {
                                 fc: e(ExpertFcWeight, ExpertFcBias),
                                 proj: e(ExpertProjWeight, ExpertProjBias),
-                            }
+                            })
                         })
                         .collect(),
                 });
@@ -611,6 +642,7 @@ impl ParamTable {
             .collect();
         ParamTable {
             model_order,
+            norm_eps: cfg.arch().norm_eps,
             wte: id(TokenEmbedding, None, None).expect("the embedding is listed"),
             family: FamilyIds::Gpt2 {
                 wpe: id(PositionEmbedding, None, None).expect("the embedding is listed"),
@@ -659,6 +691,13 @@ impl ParamTable {
         match &self.family {
             FamilyIds::Gpt2 { layers, .. } => &layers[l as usize],
             FamilyIds::Llama { .. } => panic!("a GPT-2 layer asked of a Llama table"),
+        }
+    }
+    /// Layer `l`'s expert half, in either family.
+    pub fn experts(&self, l: u32) -> Option<&ExpertsIds> {
+        match &self.family {
+            FamilyIds::Gpt2 { layers, .. } => layers.get(l as usize)?.experts.as_ref(),
+            FamilyIds::Llama { layers, .. } => layers.get(l as usize)?.experts.as_ref(),
         }
     }
     /// GPT-2's position embedding and final layernorm.
@@ -771,8 +810,14 @@ mod tests {
         cfg.moe = Some(MoeConfig::new(4, 2));
         let t = ParamTable::new(&cfg);
         let ex = t.layer(2).experts.as_ref().unwrap();
-        assert_eq!(t.name(ex.experts[3].fc.bias), "h.2.mlp.experts.3.c_fc.bias");
-        assert_eq!(t.expert_of(ex.experts[3].fc.bias), Some(3));
+        let ExpertIds::Gelu(e3) = ex.experts[3] else {
+            panic!("GPT-2's experts are GELU MLPs")
+        };
+        let ExpertIds::Gelu(e0) = ex.experts[0] else {
+            panic!("GPT-2's experts are GELU MLPs")
+        };
+        assert_eq!(t.name(e3.fc.bias), "h.2.mlp.experts.3.c_fc.bias");
+        assert_eq!(t.expert_of(e3.fc.bias), Some(3));
         assert_eq!(t.expert_of(ex.router), None);
         assert!(t.layer(2).mlp.is_none() && t.layer(2).ln2.is_none());
         let split = |id| t.entry(id).tp_split();
@@ -782,7 +827,7 @@ mod tests {
         );
         assert_eq!(split(t.layer(0).attn.proj.weight), TpSplit::Cols);
         assert_eq!(split(t.layer(0).attn.proj.bias), TpSplit::Replicated);
-        assert_eq!(split(ex.experts[0].fc.weight), TpSplit::Replicated);
-        assert!(t.entry(ex.router).decays() && !t.entry(ex.ln2.weight).decays());
+        assert_eq!(split(e0.fc.weight), TpSplit::Replicated);
+        assert!(t.entry(ex.router).decays() && !t.entry(ex.norm).decays());
     }
 }

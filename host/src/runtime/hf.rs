@@ -1,7 +1,8 @@
 //! Hugging Face's formats at the checkpoint edge. A checkpoint directory
 //! also holds `config.json` and `generation_config.json` in transformers'
 //! names for its family (`GPT2LMHeadModel`; `LlamaForCausalLM`, or
-//! `Qwen3ForCausalLM` with q/k norms), so `from_pretrained(dir)` opens it;
+//! `Qwen3ForCausalLM` with q/k norms; none for models with experts), so
+//! `from_pretrained(dir)` opens it;
 //! and [`load_weights`] reads a directory transformers wrote
 //! (`model.safetensors`, or the shards `model.safetensors.index.json`
 //! lists) into Piper's parameters by name, refusing a missing, surplus or
@@ -32,12 +33,16 @@ fn format_error(path: &Path, message: impl Into<String>) -> CheckpointError {
     }
 }
 
-/// transformers' `config.json` for `cfg` (`None` for a GPT-2 with experts,
-/// which has no transformers class).
+/// transformers' `config.json` for `cfg` (`None` for a model with experts:
+/// transformers' mixture-of-experts classes count the load-balancing loss
+/// over the whole batch, not per sequence as Piper does, and their expert
+/// layouts are not checked against Piper's).
 pub fn config_json(cfg: &ModelConfig) -> Option<Value> {
     let a = cfg.arch();
+    if cfg.moe.is_some() {
+        return None;
+    }
     match a.family {
-        Family::Gpt2 if cfg.moe.is_some() => None,
         Family::Gpt2 => Some(json!({
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -80,23 +85,11 @@ pub fn config_json(cfg: &ModelConfig) -> Option<Value> {
                 "dtype": "float32",
             });
             let o = c.as_object_mut().expect("an object");
-            let (arch, kind) = match (a.qk_norm, &cfg.moe) {
-                (_, Some(moe)) => {
-                    o.insert("num_experts".into(), json!(moe.experts));
-                    o.insert("num_experts_per_tok".into(), json!(moe.top_k));
-                    o.insert(
-                        "moe_intermediate_size".into(),
-                        json!(moe.hidden_width(cfg.d_model)),
-                    );
-                    o.insert("norm_topk_prob".into(), json!(true));
-                    o.insert("router_aux_loss_coef".into(), json!(moe.aux_loss_coef));
-                    ("Qwen3MoeForCausalLM", "qwen3_moe")
-                }
-                (true, None) => ("Qwen3ForCausalLM", "qwen3"),
-                (false, None) => {
-                    o.insert("mlp_bias".into(), json!(false));
-                    ("LlamaForCausalLM", "llama")
-                }
+            let (arch, kind) = if a.qk_norm {
+                ("Qwen3ForCausalLM", "qwen3")
+            } else {
+                o.insert("mlp_bias".into(), json!(false));
+                ("LlamaForCausalLM", "llama")
             };
             if kind != "llama" {
                 o.insert("use_sliding_window".into(), json!(false));

@@ -41,7 +41,7 @@
 
 use super::segment::{bytes_of, Model};
 use super::{grad_mut, param, Backend, BackendError, ParamMap};
-use crate::model::params::{ExpertsIds, MlpIds};
+use crate::model::params::{ExpertIds, ExpertsIds};
 use crate::model::MoeConfig;
 
 /// Marks an assignment dropped for capacity.
@@ -275,6 +275,8 @@ pub struct MoeExperts<B: Backend> {
     /// Per local expert: the rows from each member.
     pub src_rows: Vec<Vec<usize>>,
     pub xin: Vec<B::Tensor>,
+    /// The input projections' outputs: per local expert GELU's `c_fc`, or
+    /// SwiGLU's gate then up (see `Model::fc_width`).
     pub fc: Vec<B::Tensor>,
     pub act: Vec<B::Tensor>,
 }
@@ -383,14 +385,12 @@ impl<B: Backend> Model<'_, B> {
     /// Layer `l`'s expert-half parameters.
     fn experts_ids(&self, l: u32) -> Result<&ExpertsIds, BackendError> {
         self.table
-            .layer(l)
-            .experts
-            .as_ref()
+            .experts(l)
             .ok_or_else(|| BackendError::Device(format!("layer {l} has no experts")))
     }
 
     /// Expert `x`'s MLP in layer `l`.
-    fn expert(&self, l: u32, x: usize) -> Result<MlpIds, BackendError> {
+    fn expert(&self, l: u32, x: usize) -> Result<ExpertIds, BackendError> {
         self.experts_ids(l)?
             .experts
             .get(x)
@@ -496,17 +496,31 @@ impl<B: Backend> Model<'_, B> {
         let MoeDims { n, c, e, k, .. } = d;
         let ids = self.experts_ids(l)?;
         let (mut ln, mut mean, mut rstd) =
-            (self.b.zeros(n * c)?, self.b.zeros(n)?, self.b.zeros(n)?);
-        self.b.layernorm_forward(
-            &mut ln,
-            &mut mean,
-            &mut rstd,
-            &x,
-            param(params, ids.ln2.weight)?,
-            param(params, ids.ln2.bias)?,
-            n,
-            c,
-        );
+            (self.b.zeros(n * c)?, Default::default(), self.b.zeros(n)?);
+        match ids.norm_bias {
+            Some(bias) => {
+                mean = self.b.zeros(n)?;
+                self.b.layernorm_forward(
+                    &mut ln,
+                    &mut mean,
+                    &mut rstd,
+                    &x,
+                    param(params, ids.norm)?,
+                    param(params, bias)?,
+                    n,
+                    c,
+                )
+            }
+            None => self.b.rmsnorm_forward(
+                &mut ln,
+                &mut rstd,
+                &x,
+                param(params, ids.norm)?,
+                n,
+                c,
+                self.table.norm_eps,
+            ),
+        }
         let mut logits = self.b.zeros(n * e)?;
         self.b
             .matmul_forward(&mut logits, &ln, param(params, ids.router)?, None, n, c, e);
@@ -592,6 +606,7 @@ impl<B: Backend> Model<'_, B> {
         }
         let (mut xin, mut fcs, mut acts, mut outs) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let width = self.fc_width();
         let mut offsets = vec![per; group.size];
         for (i, x_) in local.clone().enumerate() {
             let m: usize = src_rows[i].iter().sum();
@@ -604,35 +619,43 @@ impl<B: Backend> Model<'_, B> {
                 offsets[s] += len;
                 at += len;
             }
-            let (mut fc, mut act, mut y) = (
-                self.b.zeros(m * hid)?,
-                self.b.zeros(m * hid)?,
-                self.b.zeros(m * c)?,
-            );
+            let mut fc: Vec<B::Tensor> = (0..width)
+                .map(|_| self.b.zeros(m * hid))
+                .collect::<Result<_, _>>()?;
+            let (mut act, mut y) = (self.b.zeros(m * hid)?, self.b.zeros(m * c)?);
             if m > 0 {
-                let w = self.expert(l, x_)?;
-                self.b.matmul_forward(
-                    &mut fc,
-                    &inp,
-                    param(params, w.fc.weight)?,
-                    Some(param(params, w.fc.bias)?),
-                    m,
-                    c,
-                    hid,
-                );
-                self.b.gelu_forward(&mut act, &fc);
-                self.b.matmul_forward(
-                    &mut y,
-                    &act,
-                    param(params, w.proj.weight)?,
-                    Some(param(params, w.proj.bias)?),
-                    m,
-                    hid,
-                    c,
-                );
+                let (out_w, out_b) = match self.expert(l, x_)? {
+                    ExpertIds::Gelu(w) => {
+                        self.b.matmul_forward(
+                            &mut fc[0],
+                            &inp,
+                            param(params, w.fc.weight)?,
+                            Some(param(params, w.fc.bias)?),
+                            m,
+                            c,
+                            hid,
+                        );
+                        self.b.gelu_forward(&mut act, &fc[0]);
+                        (w.proj.weight, Some(w.proj.bias))
+                    }
+                    ExpertIds::SwiGlu(w) => {
+                        for (out, wt) in fc.iter_mut().zip([w.gate, w.up]) {
+                            self.b
+                                .matmul_forward(out, &inp, param(params, wt)?, None, m, c, hid);
+                        }
+                        self.b.swiglu_forward(&mut act, &fc[0], &fc[1]);
+                        (w.down, None)
+                    }
+                };
+                let bias = match out_b {
+                    Some(b) => Some(param(params, b)?),
+                    None => None,
+                };
+                self.b
+                    .matmul_forward(&mut y, &act, param(params, out_w)?, bias, m, hid, c);
             }
             xin.push(inp);
-            fcs.push(fc);
+            fcs.extend(fc);
             acts.push(act);
             outs.push(y);
         }
@@ -759,6 +782,7 @@ impl<B: Backend> Model<'_, B> {
             )?;
         }
         let (mut dys, mut dfcs, mut dins) = (Vec::new(), Vec::new(), Vec::new());
+        let width = self.fc_width();
         for (i, x_) in local.clone().enumerate() {
             let m: usize = cache.experts.src_rows[i].iter().sum();
             let mut dy = self.b.zeros(m * c)?;
@@ -770,33 +794,38 @@ impl<B: Backend> Model<'_, B> {
                 offsets[s] += len;
                 at += len;
             }
-            let mut dfc = self.b.zeros(m * hid)?;
+            let mut dfc: Vec<B::Tensor> = (0..width)
+                .map(|_| self.b.zeros(m * hid))
+                .collect::<Result<_, _>>()?;
             let mut dinp = self.b.zeros(m * c)?;
             if m > 0 {
-                let w = self.expert(l, x_)?;
+                let fc = &cache.experts.fc[i * width..(i + 1) * width];
+                let (w_out, w_in) = match self.expert(l, x_)? {
+                    ExpertIds::Gelu(w) => (w.proj.weight, vec![w.fc.weight]),
+                    ExpertIds::SwiGlu(w) => (w.down, vec![w.gate, w.up]),
+                };
                 let mut dact = self.b.zeros(m * hid)?;
                 self.b.matmul_backward_input(
                     &mut dact,
                     &dy,
-                    param(params, w.proj.weight)?,
+                    param(params, w_out)?,
                     m,
                     hid,
                     c,
                     false,
                 );
-                self.b.gelu_backward(&mut dfc, &cache.experts.fc[i], &dact);
-                self.b.matmul_backward_input(
-                    &mut dinp,
-                    &dfc,
-                    param(params, w.fc.weight)?,
-                    m,
-                    c,
-                    hid,
-                    false,
-                );
+                match dfc.as_mut_slice() {
+                    [d] => self.b.gelu_backward(d, &fc[0], &dact),
+                    [dg, du] => self.b.swiglu_backward(dg, du, &fc[0], &fc[1], &dact),
+                    _ => unreachable!("an expert has one or two input projections"),
+                }
+                for (j, (d, w)) in dfc.iter().zip(w_in).enumerate() {
+                    self.b
+                        .matmul_backward_input(&mut dinp, d, param(params, w)?, m, c, hid, j > 0);
+                }
             }
             dys.push(dy);
-            dfcs.push(dfc);
+            dfcs.extend(dfc);
             dins.push(dinp);
         }
         let back = self.split_back(&dins, &cache.experts.src_rows, group.size, c)?;
@@ -865,16 +894,27 @@ impl<B: Backend> Model<'_, B> {
             true,
         );
         let mut dx = dout;
-        self.b.layernorm_backward_input(
-            &mut dx,
-            &dln,
-            &cache.routed.x,
-            param(params, ids.ln2.weight)?,
-            &cache.routed.mean,
-            &cache.routed.rstd,
-            n,
-            c,
-        );
+        match ids.norm_bias {
+            Some(_) => self.b.layernorm_backward_input(
+                &mut dx,
+                &dln,
+                &cache.routed.x,
+                param(params, ids.norm)?,
+                &cache.routed.mean,
+                &cache.routed.rstd,
+                n,
+                c,
+            ),
+            None => self.b.rmsnorm_backward_input(
+                &mut dx,
+                &dln,
+                &cache.routed.x,
+                param(params, ids.norm)?,
+                &cache.routed.rstd,
+                n,
+                c,
+            ),
+        }
         Ok((
             dx,
             MoeStash {
@@ -909,14 +949,37 @@ impl<B: Backend> Model<'_, B> {
     ) -> Result<(), BackendError> {
         let MoeDims { c, e, hid, .. } = cache.routed.dims;
         let l = cache.routed.layer;
+        let width = self.fc_width();
         for (i, x_) in cache.routed.group.local(e).enumerate() {
             let m: usize = cache.experts.src_rows[i].iter().sum();
             if m == 0 {
                 continue;
             }
-            let w = self.expert(l, x_)?;
-            self.linear_weight(grads, w.proj, &dy[i], &cache.experts.act[i], m, hid, c)?;
-            self.linear_weight(grads, w.fc, &dfc[i], &cache.experts.xin[i], m, c, hid)?;
+            let (act, xin) = (&cache.experts.act[i], &cache.experts.xin[i]);
+            let dfc = &dfc[i * width..(i + 1) * width];
+            match self.expert(l, x_)? {
+                ExpertIds::Gelu(w) => {
+                    self.linear_weight(grads, w.proj, &dy[i], act, m, hid, c)?;
+                    self.linear_weight(grads, w.fc, &dfc[0], xin, m, c, hid)?;
+                }
+                ExpertIds::SwiGlu(w) => {
+                    for (wt, d, inp, (ic, oc)) in [
+                        (w.down, &dy[i], act, (hid, c)),
+                        (w.gate, &dfc[0], xin, (c, hid)),
+                        (w.up, &dfc[1], xin, (c, hid)),
+                    ] {
+                        self.b.matmul_backward_weight(
+                            grad_mut(grads, wt)?,
+                            None,
+                            d,
+                            inp,
+                            m,
+                            ic,
+                            oc,
+                        );
+                    }
+                }
+            }
         }
         Ok(())
     }
@@ -939,15 +1002,41 @@ impl<B: Backend> Model<'_, B> {
             c,
             e,
         );
-        self.layernorm_weight(
-            grads,
-            ids.ln2,
-            &stash.dln,
-            &cache.routed.x,
-            &cache.routed.mean,
-            &cache.routed.rstd,
-            n,
-            c,
-        )
+        match ids.norm_bias {
+            Some(bias) => self.layernorm_weight(
+                grads,
+                crate::model::params::Norm {
+                    weight: ids.norm,
+                    bias,
+                },
+                &stash.dln,
+                &cache.routed.x,
+                &cache.routed.mean,
+                &cache.routed.rstd,
+                n,
+                c,
+            ),
+            None => {
+                self.b.rmsnorm_backward_weight(
+                    grad_mut(grads, ids.norm)?,
+                    &stash.dln,
+                    &cache.routed.x,
+                    &cache.routed.rstd,
+                    n,
+                    c,
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Input projections per expert: GELU's `c_fc` (1), SwiGLU's gate and
+    /// up (2); `MoeExperts::fc` and the `dfc` gradients hold that many per
+    /// local expert, in order.
+    fn fc_width(&self) -> usize {
+        match self.table.family {
+            crate::model::params::FamilyIds::Gpt2 { .. } => 1,
+            crate::model::params::FamilyIds::Llama { .. } => 2,
+        }
     }
 }

@@ -178,6 +178,7 @@ pub enum PartCache<B: Backend> {
     Block(Box<AttnCache<B>>, Box<MlpCache<B>>),
     LlamaBlock(Box<LlamaAttnCache<B>>, Box<SwiGluCache<B>>),
     Attention(Box<AttnCache<B>>),
+    LlamaAttention(Box<LlamaAttnCache<B>>),
     Experts(Box<MoeCache<B>>),
     /// The final norm (`mean` empty for RMSNorm), head and loss.
     Head {
@@ -205,6 +206,7 @@ impl<B: Backend> SegmentCache<B> {
                 PartCache::Block(a, m) => a.bytes() + m.bytes(),
                 PartCache::LlamaBlock(a, m) => a.bytes() + m.bytes(),
                 PartCache::Attention(a) => a.bytes(),
+                PartCache::LlamaAttention(a) => a.bytes(),
                 PartCache::Experts(m) => m.bytes(),
                 PartCache::Head {
                     x,
@@ -247,6 +249,9 @@ impl<B: Backend> SegmentCache<B> {
                         PartCache::LlamaBlock(Box::new(a.duplicate(b)?), Box::new(m.duplicate(b)?))
                     }
                     PartCache::Attention(a) => PartCache::Attention(Box::new(a.duplicate(b)?)),
+                    PartCache::LlamaAttention(a) => {
+                        PartCache::LlamaAttention(Box::new(a.duplicate(b)?))
+                    }
                     PartCache::Experts(m) => PartCache::Experts(Box::new(m.duplicate(b)?)),
                     PartCache::Head {
                         x,
@@ -294,6 +299,7 @@ pub enum PartStash<B: Backend> {
     Block(AttnStash<B>, MlpStash<B>),
     LlamaBlock(Box<LlamaAttnStash<B>>, Box<SwiGluStash<B>>),
     Attention(AttnStash<B>),
+    LlamaAttention(Box<LlamaAttnStash<B>>),
     Experts(Box<MoeStash<B>>),
     Head { dlogits: B::Tensor, dlnf: B::Tensor },
 }
@@ -318,6 +324,7 @@ impl<B: Backend> SegmentStash<B> {
                 PartStash::Embedding { dout } => B::bytes(dout),
                 PartStash::Block(a, m) => attn(a) + mlp(m),
                 PartStash::LlamaBlock(a, m) => a.bytes() + m.bytes(),
+                PartStash::LlamaAttention(a) => a.bytes(),
                 PartStash::Attention(a) => attn(a),
                 PartStash::Experts(m) => m.bytes(),
                 PartStash::Head { dlogits, dlnf } => bytes_of::<B>(&[dlogits, dlnf]),
@@ -346,6 +353,9 @@ impl<B: Backend> SegmentStash<B> {
                     Box::new(m.keep_for_weights()),
                 ),
                 PartCache::Attention(a) => PartCache::Attention(attn(a)),
+                PartCache::LlamaAttention(a) => {
+                    PartCache::LlamaAttention(Box::new(a.keep_for_weights()))
+                }
                 PartCache::Experts(m) => PartCache::Experts(Box::new(m.keep_for_weights())),
                 PartCache::Head {
                     x, lnf, mean, rstd, ..
@@ -838,10 +848,17 @@ impl<'a, B: Backend> Model<'a, B> {
                     x = out;
                     caches.push(PartCache::LlamaBlock(Box::new(attn), Box::new(mlp)));
                 }
-                Part::Attention(_) | Part::Experts(_) if dims.arch.family == Family::Llama => {
-                    return Err(BackendError::Device(
-                        "the Llama family's expert layers (Qwen3-MoE) are planned and simulated but do not train yet".into(),
-                    ));
+                Part::Attention(l) if dims.arch.family == Family::Llama => {
+                    let inp = std::mem::take(&mut x);
+                    let (x2, attn) = self.llama_attn_forward(
+                        params,
+                        l,
+                        inp,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    x = x2;
+                    caches.push(PartCache::LlamaAttention(Box::new(attn)));
                 }
                 Part::Block(l) => {
                     let inp = std::mem::take(&mut x);
@@ -1046,6 +1063,18 @@ impl<'a, B: Backend> Model<'a, B> {
                     d = dx;
                     stash.push(PartStash::LlamaBlock(Box::new(at), Box::new(ms)));
                 }
+                PartCache::LlamaAttention(attn) => {
+                    let dout = std::mem::take(&mut d);
+                    let (dx, at) = self.llama_attn_backward_input(
+                        params,
+                        attn,
+                        dout,
+                        dims,
+                        peers.as_mut().and_then(|s| s.reduce()),
+                    )?;
+                    d = dx;
+                    stash.push(PartStash::LlamaAttention(Box::new(at)));
+                }
                 PartCache::Attention(attn) => {
                     let dout = std::mem::take(&mut d);
                     let (dx, at) = self.attn_backward_input(
@@ -1131,6 +1160,9 @@ impl<'a, B: Backend> Model<'a, B> {
                 }
                 (PartCache::LlamaBlock(attn, mlp), PartStash::LlamaBlock(at, ms)) => {
                     self.swiglu_backward_weight(grads, mlp, ms, cache.dims)?;
+                    self.llama_attn_backward_weight(grads, attn, at, cache.dims)?;
+                }
+                (PartCache::LlamaAttention(attn), PartStash::LlamaAttention(at)) => {
                     self.llama_attn_backward_weight(grads, attn, at, cache.dims)?;
                 }
                 (PartCache::Block(attn, mlp), PartStash::Block(at, ms)) => {

@@ -216,6 +216,68 @@ fn whole_llama_gradient_matches_finite_differences() {
     }
 }
 
+/// Qwen3-MoE's layer in small: every MLP 4 SwiGLU experts of width 12, top-2,
+/// dropless, over the small Llama's attention.
+#[test]
+fn llama_expert_layers_gradient_matches_finite_differences() {
+    let mut cfg = small_llama();
+    let mut moe = crate::model::MoeConfig::new(4, 2);
+    moe.hidden = Some(12);
+    cfg.moe = Some(moe);
+    cfg.validate().unwrap();
+    let params: Tensors = initial(&cfg, 11)
+        .into_iter()
+        .map(|(n, v)| {
+            let mut r = Rng(n.len() as u64 + 1);
+            // Routers far apart, so probes keep every choice.
+            let router = n.ends_with("mlp.gate.weight");
+            let gain = n.contains("norm");
+            let v = v
+                .iter()
+                .map(|x| match (router, gain) {
+                    (true, _) => x * 60.0,
+                    (_, true) => x + 0.1 * r.f(),
+                    _ => x * 3.0 + 0.05 * r.f(),
+                })
+                .collect();
+            (n, v)
+        })
+        .collect();
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
+    let targets: Vec<u32> = (0..12).map(|i| ((i * 7 + 2) % 11) as u32).collect();
+    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
+    for name in [
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.0.mlp.gate.weight",
+        "model.layers.0.mlp.experts.1.gate_proj.weight",
+        "model.layers.1.mlp.experts.2.up_proj.weight",
+        "model.layers.1.mlp.experts.3.down_proj.weight",
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.embed_tokens.weight",
+    ] {
+        let mut p = params.clone();
+        let analytic = grads[name].clone();
+        assert!(analytic.iter().any(|g| *g != 0.0), "{name}: no gradient");
+        let mut x = p[name].clone();
+        check(
+            &format!("llama moe d{name}"),
+            &mut x,
+            &analytic,
+            // The router's weights are 60× the others: a step to scale.
+            if name.ends_with("mlp.gate.weight") {
+                1e-2
+            } else {
+                1e-3
+            },
+            3e-2,
+            |v| {
+                p.insert(name.to_string(), v.to_vec());
+                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
+            },
+        );
+    }
+}
+
 #[test]
 fn llama_deferred_weight_passes_give_the_same_gradients() {
     let cfg = small_llama();
