@@ -144,7 +144,8 @@ pub fn hf_name(name: &str) -> String {
     }
 }
 
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+/// `[rows, cols]` to `[cols, rows]`.
+pub(crate) fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     let mut out = vec![0.0; v.len()];
     for r in 0..rows {
         for c in 0..cols {

@@ -13,7 +13,7 @@
 //! dtype and shape are checked before its bytes are converted, and
 //! `config.json`'s sizes must be the run's model's.
 
-use super::checkpoint::{hf_name, CheckpointError, NamedTensors};
+use super::checkpoint::{hf_name, transpose, CheckpointError, NamedTensors};
 use crate::model::params::{ParamTable, Role};
 use crate::model::{Family, ModelConfig};
 use safetensors::tensor::Dtype;
@@ -440,17 +440,6 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<NamedTensors, Check
         }
     }
     Ok(out)
-}
-
-/// `[rows, cols]` to `[cols, rows]`.
-fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    let mut out = vec![0.0; v.len()];
-    for r in 0..rows {
-        for c in 0..cols {
-            out[c * rows + r] = v[r * cols + c];
-        }
-    }
-    out
 }
 
 #[cfg(test)]

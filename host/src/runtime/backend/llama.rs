@@ -247,38 +247,6 @@ impl<B: Backend> Model<'_, B> {
         Ok((out, rstd))
     }
 
-    /// `res + inp · Wᵀ`, the row-parallel product summed over a
-    /// tensor-parallel group first.
-    fn onto_residual_nobias(
-        &self,
-        params: &ParamMap<B::Tensor>,
-        w: ParamId,
-        inp: &B::Tensor,
-        res: &B::Tensor,
-        (n, ic, oc): (usize, usize, usize),
-        reduce: Option<&mut Reduce<'_, B>>,
-    ) -> Result<B::Tensor, BackendError> {
-        let mut out = self.b.zeros(n * oc)?;
-        match reduce {
-            None => self.b.matmul_forward_residual(
-                &mut out,
-                res,
-                inp,
-                param(params, w)?,
-                None,
-                n,
-                ic,
-                oc,
-            ),
-            Some(reduce) => {
-                let part = self.project(params, w, inp, n, ic, oc)?;
-                let sum = reduce(part)?;
-                self.b.residual_forward(&mut out, res, &sum);
-            }
-        }
-        Ok(out)
-    }
-
     /// The end of a half's backward: `dln` (summed over a tensor-parallel
     /// group first) through the RMSNorm, added to the residual's `dout`.
     fn rms_back_to_residual(
@@ -336,7 +304,7 @@ impl<B: Backend> Model<'_, B> {
         let mut atty = self.b.zeros(n * qw)?;
         self.b
             .attention_forward(&mut atty, &mut att, &qkv, b, t, qw, lc.nh);
-        let x2 = self.onto_residual_nobias(params, ids.o, &atty, &x, (n, qw, c), reduce)?;
+        let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, (n, qw, c), reduce)?;
         Ok((
             x2,
             LlamaAttnCache {
@@ -372,7 +340,7 @@ impl<B: Backend> Model<'_, B> {
         let up = self.project(params, ids.up, &ln2, n, c, hl)?;
         let mut act = self.b.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &gate, &up);
-        let out = self.onto_residual_nobias(params, ids.down, &act, &x2, (n, hl, c), reduce)?;
+        let out = self.onto_residual(params, (ids.down, None), &act, &x2, (n, hl, c), reduce)?;
         Ok((
             out,
             SwiGluCache {

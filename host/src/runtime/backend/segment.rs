@@ -12,7 +12,7 @@ use super::llama::{LlamaAttnCache, LlamaAttnStash, SwiGluCache, SwiGluStash};
 use super::moe::{Exchange, ExpertGroup, MoeCache, MoeDims, MoeStash};
 use super::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
 use crate::model::params::FamilyIds;
-use crate::model::params::{AttnIds, Linear, MlpIds, Norm, ParamTable};
+use crate::model::params::{AttnIds, Linear, MlpIds, Norm, ParamId, ParamTable};
 use crate::model::{Arch, Family, ModelConfig, MoeConfig, Part, Segment};
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
@@ -460,30 +460,38 @@ impl<'a, B: Backend> Model<'a, B> {
     fn row_parallel(
         &self,
         params: &ParamMap<B::Tensor>,
-        lin: Linear,
+        (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         (n, ic, oc): (usize, usize, usize),
         reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<B::Tensor, BackendError> {
-        let Some(reduce) = reduce else {
-            return self.linear(params, lin, inp, n, ic, oc);
+        let bias = match bias {
+            Some(b) => Some(param(params, b)?),
+            None => None,
         };
         let mut part = self.b.zeros(n * oc)?;
+        let Some(reduce) = reduce else {
+            self.b
+                .matmul_forward(&mut part, inp, param(params, w)?, bias, n, ic, oc);
+            return Ok(part);
+        };
         self.b
-            .matmul_forward(&mut part, inp, param(params, lin.weight)?, None, n, ic, oc);
+            .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
         let mut out = reduce(part)?;
-        self.b.add_bias(&mut out, param(params, lin.bias)?, oc);
+        if let Some(bias) = bias {
+            self.b.add_bias(&mut out, bias, oc);
+        }
         Ok(out)
     }
 
-    /// A block's projection back onto the residual stream: `res + inp · Wᵀ +
-    /// bias`, the residual fused into the GEMM; under tensor parallelism the
-    /// row-parallel product is summed over the group first, then the
-    /// residual added.
-    fn onto_residual(
+    /// A block's projection back onto the residual stream: `res + inp · Wᵀ
+    /// (+ bias)`, the residual fused into the GEMM; under tensor
+    /// parallelism the row-parallel product is summed over the group first,
+    /// then the residual added.
+    pub(super) fn onto_residual(
         &self,
         params: &ParamMap<B::Tensor>,
-        lin: Linear,
+        (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         res: &B::Tensor,
         shape: (usize, usize, usize),
@@ -492,18 +500,24 @@ impl<'a, B: Backend> Model<'a, B> {
         let (n, ic, oc) = shape;
         let mut out = self.b.zeros(n * oc)?;
         match reduce {
-            None => self.b.matmul_forward_residual(
-                &mut out,
-                res,
-                inp,
-                param(params, lin.weight)?,
-                Some(param(params, lin.bias)?),
-                n,
-                ic,
-                oc,
-            ),
+            None => {
+                let bias = match bias {
+                    Some(b) => Some(param(params, b)?),
+                    None => None,
+                };
+                self.b.matmul_forward_residual(
+                    &mut out,
+                    res,
+                    inp,
+                    param(params, w)?,
+                    bias,
+                    n,
+                    ic,
+                    oc,
+                )
+            }
             reduce => {
-                let proj = self.row_parallel(params, lin, inp, shape, reduce)?;
+                let proj = self.row_parallel(params, (w, bias), inp, shape, reduce)?;
                 self.b.residual_forward(&mut out, res, &proj);
             }
         }
@@ -532,7 +546,14 @@ impl<'a, B: Backend> Model<'a, B> {
         let mut atty = self.b.zeros(n * cl)?;
         self.b
             .attention_forward(&mut atty, &mut att, &qkv_out, b, t, cl, nhl);
-        let x2 = self.onto_residual(params, proj, &atty, &x, (n, cl, c), reduce)?;
+        let x2 = self.onto_residual(
+            params,
+            (proj.weight, Some(proj.bias)),
+            &atty,
+            &x,
+            (n, cl, c),
+            reduce,
+        )?;
         let cache = AttnCache {
             layer: l,
             x,
@@ -585,7 +606,14 @@ impl<'a, B: Backend> Model<'a, B> {
         let mut fch_gelu = self.b.zeros(n * hl)?;
         self.b
             .bias_gelu_forward(&mut fch, &mut fch_gelu, param(params, fc.bias)?, hl);
-        let out = self.onto_residual(params, proj, &fch_gelu, &x2, (n, hl, c), reduce)?;
+        let out = self.onto_residual(
+            params,
+            (proj.weight, Some(proj.bias)),
+            &fch_gelu,
+            &x2,
+            (n, hl, c),
+            reduce,
+        )?;
         let cache = MlpCache {
             layer: l,
             x2,

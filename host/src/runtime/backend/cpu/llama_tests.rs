@@ -8,9 +8,7 @@ use super::elementwise::{swiglu_backward, swiglu_forward};
 use super::rmsnorm::*;
 use super::rope::rope;
 use super::tests::*;
-use crate::model::params::ParamTable;
 use crate::model::{Family, ModelConfig};
-use crate::runtime::backend::segment::{Dims, Model};
 
 #[test]
 fn rmsnorm_gradients_match_finite_differences() {
@@ -285,34 +283,5 @@ fn llama_deferred_weight_passes_give_the_same_gradients() {
     let tokens: Vec<u32> = (0..12).map(|i| (i % 11) as u32).collect();
     let (loss, grads) = model_loss_and_grads(&cfg, &params, &tokens, &tokens);
     assert!((loss - (11f64).ln()).abs() < 0.2, "initial loss {loss}");
-    let (b, table) = (cpu(), ParamTable::new(&cfg));
-    let m = Model::new(&b, &table);
-    let p = by_id(&table, &params);
-    let dims = Dims::new(&cfg, cfg.batch_size as usize);
-    let scale = 1.0 / (dims.b * dims.t) as f32;
-    let mut caches = Vec::new();
-    let mut x = None;
-    for s in &cfg.segments() {
-        let (out, cache, _) = m
-            .forward(s, &p, Some(&tokens), x.take(), Some(&tokens), dims, None)
-            .unwrap();
-        x = out;
-        caches.push(cache);
-    }
-    let mut stashes = Vec::new();
-    let mut d = None;
-    for cache in caches.into_iter().rev() {
-        let full = cache.bytes();
-        let (dinp, mut stash) = m.backward_input(&p, &cache, d.take(), scale, None).unwrap();
-        stash.keep_for_weights(cache);
-        assert!(stash.kept.as_ref().unwrap().bytes() < full);
-        stashes.push(stash);
-        d = dinp;
-    }
-    let mut deferred = by_id(&table, &zeros_like(&params));
-    for stash in &stashes {
-        m.backward_weight(&mut deferred, stash.kept.as_ref().unwrap(), stash)
-            .unwrap();
-    }
-    assert_eq!(by_name(&table, deferred), grads);
+    assert_eq!(deferred_grads(&cfg, &params, &tokens), grads);
 }

@@ -386,32 +386,24 @@ fn whole_model_gradient_matches_finite_differences() {
     }
 }
 
-#[test]
-fn deferred_weight_passes_give_the_same_gradients() {
-    // Zero-bubble schedules run every BI first and the BWs later: the stash
-    // must carry everything BW reads, so the gradients are bit-identical.
-    let cfg = small();
-    let params = initial(&cfg, 3);
-    let tokens: Vec<u32> = (0..12).map(|i| (i % 11) as u32).collect();
-    let (loss, grads) = model_loss_and_grads(&cfg, &params, &tokens, &tokens);
-    // ln(vocab) at initialisation.
-    assert!((loss - (11f64).ln()).abs() < 0.2, "initial loss {loss}");
-    let (b, table) = (cpu(), ParamTable::new(&cfg));
+/// The gradients of a split backward: every `BI` first (each keeping in its
+/// stash only what `BW` reads, the rest of its forward cache dropped, as
+/// the runtime does), then every `BW`.
+pub(super) fn deferred_grads(cfg: &ModelConfig, params: &Tensors, tokens: &[u32]) -> Tensors {
+    let (b, table) = (cpu(), ParamTable::new(cfg));
     let m = Model::new(&b, &table);
-    let p = by_id(&table, &params);
-    let dims = Dims::new(&cfg, cfg.batch_size as usize);
+    let p = by_id(&table, params);
+    let dims = Dims::new(cfg, cfg.batch_size as usize);
     let scale = 1.0 / (dims.b * dims.t) as f32;
     let mut caches = Vec::new();
     let mut x = None;
     for s in &cfg.segments() {
         let (out, cache, _) = m
-            .forward(s, &p, Some(&tokens), x.take(), Some(&tokens), dims, None)
+            .forward(s, &p, Some(tokens), x.take(), Some(tokens), dims, None)
             .unwrap();
         x = out;
         caches.push(cache);
     }
-    // BI keeps in its stash only what BW reads; the full forward cache is
-    // dropped right after BI, as the runtime does.
     let mut stashes = Vec::new();
     let mut d = None;
     for cache in caches.into_iter().rev() {
@@ -423,12 +415,25 @@ fn deferred_weight_passes_give_the_same_gradients() {
         stashes.push(stash);
         d = dinp;
     }
-    let mut deferred = by_id(&table, &zeros_like(&params));
+    let mut deferred = by_id(&table, &zeros_like(params));
     for stash in &stashes {
         m.backward_weight(&mut deferred, stash.kept.as_ref().unwrap(), stash)
             .unwrap();
     }
-    assert_eq!(by_name(&table, deferred), grads);
+    by_name(&table, deferred)
+}
+
+#[test]
+fn deferred_weight_passes_give_the_same_gradients() {
+    // Zero-bubble schedules run every BI first and the BWs later: the stash
+    // must carry everything BW reads, so the gradients are bit-identical.
+    let cfg = small();
+    let params = initial(&cfg, 3);
+    let tokens: Vec<u32> = (0..12).map(|i| (i % 11) as u32).collect();
+    let (loss, grads) = model_loss_and_grads(&cfg, &params, &tokens, &tokens);
+    // ln(vocab) at initialisation.
+    assert!((loss - (11f64).ln()).abs() < 0.2, "initial loss {loss}");
+    assert_eq!(deferred_grads(&cfg, &params, &tokens), grads);
 }
 
 /// Every kernel on 1, 2 and 3 threads: the same bits (work is split by
