@@ -25,4 +25,5 @@ if [ "$have" != "$want" ]; then
     exit 0
   fi
 fi
-realpath "$py"
+# The venv's own path: resolving its symlink would name the base interpreter.
+echo "$PWD/$py"

@@ -264,8 +264,14 @@ fn the_llama_family_trains_to_one_devices_losses_under_every_strategy() {
         "one device learns: {:?}",
         base.losses
     );
-    let cases: [(&str, u32, Strategy); 11] = [
+    let cases: [(&str, u32, Strategy); 13] = [
         ("dp", 2, &[("dp", &[])]),
+        (
+            "interleaved-1f1b",
+            4,
+            &[("interleaved-1f1b", &[("microbatches", "8")])],
+        ),
+        ("dualpipe", 4, &[("dualpipe", &[("microbatches", "8")])]),
         ("zero(1)", 2, &[("zero", &[("stage", "1")])]),
         ("zero(2)", 2, &[("zero", &[("stage", "2")])]),
         ("zero(3)", 2, &[("zero", &[("stage", "3")])]),
