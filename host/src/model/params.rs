@@ -398,6 +398,14 @@ pub struct Linear {
     pub bias: ParamId,
 }
 
+impl Linear {
+    /// Its weight and (present) bias, as the bias-optional compositions
+    /// take a layer.
+    pub fn parts(self) -> (ParamId, Option<ParamId>) {
+        (self.weight, Some(self.bias))
+    }
+}
+
 /// A layernorm's gain and bias.
 pub type Norm = Linear;
 

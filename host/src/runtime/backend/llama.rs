@@ -215,22 +215,6 @@ impl<B: Backend> Model<'_, B> {
         }
     }
 
-    /// `inp[n, ic] · Wᵀ`, `[n, oc]`.
-    fn project(
-        &self,
-        params: &ParamMap<B::Tensor>,
-        w: ParamId,
-        inp: &B::Tensor,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) -> Result<B::Tensor, BackendError> {
-        let mut out = self.b.zeros(n * oc)?;
-        self.b
-            .matmul_forward(&mut out, inp, param(params, w)?, None, n, ic, oc);
-        Ok(out)
-    }
-
     /// RMSNorm with weight `w` over rows of `c`: (output, rstd).
     pub(super) fn rmsnorm(
         &self,
@@ -284,9 +268,9 @@ impl<B: Backend> Model<'_, B> {
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
         let (ln1, rstd1) = self.rmsnorm(params, ids.norm, &x, n, c, a.norm_eps)?;
-        let mut q = self.project(params, ids.q, &ln1, n, c, qw)?;
-        let mut k = self.project(params, ids.k, &ln1, n, c, kvw)?;
-        let v = self.project(params, ids.v, &ln1, n, c, kvw)?;
+        let mut q = self.linear(params, (ids.q, None), &ln1, n, c, qw)?;
+        let mut k = self.linear(params, (ids.k, None), &ln1, n, c, kvw)?;
+        let v = self.linear(params, (ids.v, None), &ln1, n, c, kvw)?;
         let (mut q_raw, mut k_raw, mut q_rstd, mut k_rstd) = Default::default();
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let (qo, qr) = self.rmsnorm(params, qn, &q, n * lc.nh, hd, a.norm_eps)?;
@@ -336,8 +320,8 @@ impl<B: Backend> Model<'_, B> {
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
         let (ln2, rstd2) = self.rmsnorm(params, norm, &x2, n, c, dims.arch.norm_eps)?;
-        let gate = self.project(params, ids.gate, &ln2, n, c, hl)?;
-        let up = self.project(params, ids.up, &ln2, n, c, hl)?;
+        let gate = self.linear(params, (ids.gate, None), &ln2, n, c, hl)?;
+        let up = self.linear(params, (ids.up, None), &ln2, n, c, hl)?;
         let mut act = self.b.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &gate, &up);
         let out = self.onto_residual(params, (ids.down, None), &act, &x2, (n, hl, c), reduce)?;
@@ -498,22 +482,6 @@ impl<B: Backend> Model<'_, B> {
         ))
     }
 
-    /// Accumulate `dW += doutᵀ · inp` for the bias-free weight `w`.
-    fn weight_grad(
-        &self,
-        grads: &mut ParamMap<B::Tensor>,
-        w: ParamId,
-        dout: &B::Tensor,
-        inp: &B::Tensor,
-        n: usize,
-        ic: usize,
-        oc: usize,
-    ) -> Result<(), BackendError> {
-        self.b
-            .matmul_backward_weight(grad_mut(grads, w)?, None, dout, inp, n, ic, oc);
-        Ok(())
-    }
-
     pub(super) fn llama_attn_backward_weight(
         &self,
         grads: &mut ParamMap<B::Tensor>,
@@ -525,10 +493,10 @@ impl<B: Backend> Model<'_, B> {
         let (n, c) = (dims.n(), dims.c);
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
-        self.weight_grad(grads, ids.o, &st.dout, &k.atty, n, qw, c)?;
-        self.weight_grad(grads, ids.q, &st.dq, &k.ln1, n, c, qw)?;
-        self.weight_grad(grads, ids.k, &st.dk, &k.ln1, n, c, kvw)?;
-        self.weight_grad(grads, ids.v, &st.dv, &k.ln1, n, c, kvw)?;
+        self.linear_weight(grads, (ids.o, None), &st.dout, &k.atty, n, qw, c)?;
+        self.linear_weight(grads, (ids.q, None), &st.dq, &k.ln1, n, c, qw)?;
+        self.linear_weight(grads, (ids.k, None), &st.dk, &k.ln1, n, c, kvw)?;
+        self.linear_weight(grads, (ids.v, None), &st.dv, &k.ln1, n, c, kvw)?;
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             match &st.qk_grads {
                 Some((gq, gk)) => {
@@ -570,9 +538,9 @@ impl<B: Backend> Model<'_, B> {
         let (norm, ids) = self.swiglu_ids(k.layer)?;
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
-        self.weight_grad(grads, ids.down, &st.dout, &k.act, n, hl, c)?;
-        self.weight_grad(grads, ids.gate, &st.dgate, &k.ln2, n, c, hl)?;
-        self.weight_grad(grads, ids.up, &st.dup, &k.ln2, n, c, hl)?;
+        self.linear_weight(grads, (ids.down, None), &st.dout, &k.act, n, hl, c)?;
+        self.linear_weight(grads, (ids.gate, None), &st.dgate, &k.ln2, n, c, hl)?;
+        self.linear_weight(grads, (ids.up, None), &st.dup, &k.ln2, n, c, hl)?;
         self.b
             .rmsnorm_backward_weight(grad_mut(grads, norm)?, &st.dln2, &k.x2, &k.rstd2, n, c);
         Ok(())

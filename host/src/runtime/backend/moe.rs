@@ -959,25 +959,13 @@ impl<B: Backend> Model<'_, B> {
             let dfc = &dfc[i * width..(i + 1) * width];
             match self.expert(l, x_)? {
                 ExpertIds::Gelu(w) => {
-                    self.linear_weight(grads, w.proj, &dy[i], act, m, hid, c)?;
-                    self.linear_weight(grads, w.fc, &dfc[0], xin, m, c, hid)?;
+                    self.linear_weight(grads, w.proj.parts(), &dy[i], act, m, hid, c)?;
+                    self.linear_weight(grads, w.fc.parts(), &dfc[0], xin, m, c, hid)?;
                 }
                 ExpertIds::SwiGlu(w) => {
-                    for (wt, d, inp, (ic, oc)) in [
-                        (w.down, &dy[i], act, (hid, c)),
-                        (w.gate, &dfc[0], xin, (c, hid)),
-                        (w.up, &dfc[1], xin, (c, hid)),
-                    ] {
-                        self.b.matmul_backward_weight(
-                            grad_mut(grads, wt)?,
-                            None,
-                            d,
-                            inp,
-                            m,
-                            ic,
-                            oc,
-                        );
-                    }
+                    self.linear_weight(grads, (w.down, None), &dy[i], act, m, hid, c)?;
+                    self.linear_weight(grads, (w.gate, None), &dfc[0], xin, m, c, hid)?;
+                    self.linear_weight(grads, (w.up, None), &dfc[1], xin, m, c, hid)?;
                 }
             }
         }

@@ -12,7 +12,7 @@ use super::llama::{LlamaAttnCache, LlamaAttnStash, SwiGluCache, SwiGluStash};
 use super::moe::{Exchange, ExpertGroup, MoeCache, MoeDims, MoeStash};
 use super::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
 use crate::model::params::FamilyIds;
-use crate::model::params::{AttnIds, Linear, MlpIds, Norm, ParamId, ParamTable};
+use crate::model::params::{AttnIds, MlpIds, Norm, ParamId, ParamTable};
 use crate::model::{Arch, Family, ModelConfig, MoeConfig, Part, Segment};
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
@@ -408,26 +408,23 @@ impl<'a, B: Backend> Model<'a, B> {
         }
     }
 
-    /// The linear layer `lin` on `inp[n, ic]`: `inp · Wᵀ + b`, `[n, oc]`.
-    fn linear(
+    /// The linear layer `(W, b)` on `inp[n, ic]`: `inp · Wᵀ (+ b)`, `[n, oc]`.
+    pub(super) fn linear(
         &self,
         params: &ParamMap<B::Tensor>,
-        lin: Linear,
+        (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         n: usize,
         ic: usize,
         oc: usize,
     ) -> Result<B::Tensor, BackendError> {
+        let bias = match bias {
+            Some(b) => Some(param(params, b)?),
+            None => None,
+        };
         let mut out = self.b.zeros(n * oc)?;
-        self.b.matmul_forward(
-            &mut out,
-            inp,
-            param(params, lin.weight)?,
-            Some(param(params, lin.bias)?),
-            n,
-            ic,
-            oc,
-        );
+        self.b
+            .matmul_forward(&mut out, inp, param(params, w)?, bias, n, ic, oc);
         Ok(out)
     }
 
@@ -541,7 +538,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(l).attn;
         let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, n, c)?;
-        let qkv_out = self.linear(params, qkv, &ln1_out, n, c, 3 * cl)?;
+        let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
         let mut att = self.b.zeros(b * nhl * t * t)?;
         let mut atty = self.b.zeros(n * cl)?;
         self.b
@@ -753,16 +750,23 @@ impl<'a, B: Backend> Model<'a, B> {
     pub(super) fn linear_weight(
         &self,
         grads: &mut ParamMap<B::Tensor>,
-        lin: Linear,
+        (w, bias): (ParamId, Option<ParamId>),
         dout: &B::Tensor,
         inp: &B::Tensor,
         n: usize,
         ic: usize,
         oc: usize,
     ) -> Result<(), BackendError> {
-        let (dw, db) = grad_pair(grads, lin.weight, lin.bias)?;
-        self.b
-            .matmul_backward_weight(dw, Some(db), dout, inp, n, ic, oc);
+        match bias {
+            Some(b) => {
+                let (dw, db) = grad_pair(grads, w, b)?;
+                self.b
+                    .matmul_backward_weight(dw, Some(db), dout, inp, n, ic, oc);
+            }
+            None => self
+                .b
+                .matmul_backward_weight(grad_mut(grads, w)?, None, dout, inp, n, ic, oc),
+        }
         Ok(())
     }
 
@@ -793,8 +797,8 @@ impl<'a, B: Backend> Model<'a, B> {
     ) -> Result<(), BackendError> {
         let (n, c, cl) = (dims.n(), dims.c, dims.c / dims.tp);
         let AttnIds { ln1, qkv, proj } = self.table.layer(k.layer).attn;
-        self.linear_weight(grads, proj, &st.dout, &k.atty, n, cl, c)?;
-        self.linear_weight(grads, qkv, &st.dqkv, &k.ln1, n, c, 3 * cl)?;
+        self.linear_weight(grads, proj.parts(), &st.dout, &k.atty, n, cl, c)?;
+        self.linear_weight(grads, qkv.parts(), &st.dqkv, &k.ln1, n, c, 3 * cl)?;
         self.layernorm_weight(grads, ln1, &st.dln1, &k.x, &k.ln1_mean, &k.ln1_rstd, n, c)
     }
 
@@ -807,8 +811,8 @@ impl<'a, B: Backend> Model<'a, B> {
     ) -> Result<(), BackendError> {
         let (n, c, hl) = (dims.n(), dims.c, 4 * dims.c / dims.tp);
         let (ln2, MlpIds { fc, proj }) = self.dense(k.layer)?;
-        self.linear_weight(grads, proj, &st.dout, &k.fch_gelu, n, hl, c)?;
-        self.linear_weight(grads, fc, &st.dfch, &k.ln2, n, c, hl)?;
+        self.linear_weight(grads, proj.parts(), &st.dout, &k.fch_gelu, n, hl, c)?;
+        self.linear_weight(grads, fc.parts(), &st.dfch, &k.ln2, n, c, hl)?;
         self.layernorm_weight(grads, ln2, &st.dln2, &k.x2, &k.ln2_mean, &k.ln2_rstd, n, c)
     }
 

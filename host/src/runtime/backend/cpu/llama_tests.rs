@@ -179,39 +179,29 @@ fn whole_llama_gradient_matches_finite_differences() {
         .collect();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
     let targets: Vec<u32> = (0..12).map(|i| ((i * 3 + 1) % 11) as u32).collect();
-    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
-    for name in [
-        "model.embed_tokens.weight",
-        "model.layers.0.input_layernorm.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.self_attn.k_proj.weight",
-        "model.layers.1.self_attn.v_proj.weight",
-        "model.layers.0.self_attn.q_norm.weight",
-        "model.layers.1.self_attn.k_norm.weight",
-        "model.layers.1.self_attn.o_proj.weight",
-        "model.layers.0.post_attention_layernorm.weight",
-        "model.layers.0.mlp.gate_proj.weight",
-        "model.layers.1.mlp.up_proj.weight",
-        "model.layers.1.mlp.down_proj.weight",
-        "model.norm.weight",
-        "lm_head.weight",
-    ] {
-        let mut p = params.clone();
-        let analytic = grads[name].clone();
-        assert!(analytic.iter().any(|g| *g != 0.0), "{name}: no gradient");
-        let mut x = p[name].clone();
-        check(
-            &format!("llama d{name}"),
-            &mut x,
-            &analytic,
-            1e-2,
-            3e-2,
-            |v| {
-                p.insert(name.to_string(), v.to_vec());
-                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
-            },
-        );
-    }
+    check_model_grads(
+        "llama",
+        &cfg,
+        &params,
+        (&tokens, &targets),
+        &[
+            "model.embed_tokens.weight",
+            "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.self_attn.v_proj.weight",
+            "model.layers.0.self_attn.q_norm.weight",
+            "model.layers.1.self_attn.k_norm.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.1.mlp.up_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.norm.weight",
+            "lm_head.weight",
+        ],
+        |_| 1e-2,
+    );
 }
 
 /// Qwen3-MoE's layer in small: every MLP 4 SwiGLU experts of width 12, top-2,
@@ -243,37 +233,29 @@ fn llama_expert_layers_gradient_matches_finite_differences() {
         .collect();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 5 % 11) as u32).collect();
     let targets: Vec<u32> = (0..12).map(|i| ((i * 7 + 2) % 11) as u32).collect();
-    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
-    for name in [
-        "model.layers.0.post_attention_layernorm.weight",
-        "model.layers.0.mlp.gate.weight",
-        "model.layers.0.mlp.experts.1.gate_proj.weight",
-        "model.layers.1.mlp.experts.2.up_proj.weight",
-        "model.layers.1.mlp.experts.3.down_proj.weight",
-        "model.layers.1.self_attn.q_proj.weight",
-        "model.embed_tokens.weight",
-    ] {
-        let mut p = params.clone();
-        let analytic = grads[name].clone();
-        assert!(analytic.iter().any(|g| *g != 0.0), "{name}: no gradient");
-        let mut x = p[name].clone();
-        check(
-            &format!("llama moe d{name}"),
-            &mut x,
-            &analytic,
-            // The router's weights are 60× the others: a step to scale.
+    check_model_grads(
+        "llama moe",
+        &cfg,
+        &params,
+        (&tokens, &targets),
+        &[
+            "model.layers.0.post_attention_layernorm.weight",
+            "model.layers.0.mlp.gate.weight",
+            "model.layers.0.mlp.experts.1.gate_proj.weight",
+            "model.layers.1.mlp.experts.2.up_proj.weight",
+            "model.layers.1.mlp.experts.3.down_proj.weight",
+            "model.layers.1.self_attn.q_proj.weight",
+            "model.embed_tokens.weight",
+        ],
+        // The router's weights are 60× the others: a step to scale.
+        |name| {
             if name.ends_with("mlp.gate.weight") {
                 1e-2
             } else {
                 1e-3
-            },
-            3e-2,
-            |v| {
-                p.insert(name.to_string(), v.to_vec());
-                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
-            },
-        );
-    }
+            }
+        },
+    );
 }
 
 #[test]

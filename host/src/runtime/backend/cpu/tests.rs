@@ -359,28 +359,49 @@ fn whole_model_gradient_matches_finite_differences() {
         .collect();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
     let targets: Vec<u32> = (0..12).map(|i| ((i * 3 + 1) % 11) as u32).collect();
-    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
-    for name in [
-        "wte",
-        "wpe",
-        "h.0.attn.c_attn.weight",
-        "h.1.mlp.c_fc.bias",
-        "h.1.ln_2.weight",
-        "ln_f.bias",
-        "h.0.mlp.c_proj.weight",
-    ] {
+    check_model_grads(
+        "model",
+        &cfg,
+        &params,
+        (&tokens, &targets),
+        &[
+            "wte",
+            "wpe",
+            "h.0.attn.c_attn.weight",
+            "h.1.mlp.c_fc.bias",
+            "h.1.ln_2.weight",
+            "ln_f.bias",
+            "h.0.mlp.c_proj.weight",
+        ],
+        |_| 1e-2,
+    );
+}
+
+/// Each named parameter's gradient over the whole model against central
+/// differences of the loss (step `step(name)`); every one must be nonzero.
+pub(super) fn check_model_grads(
+    what: &str,
+    cfg: &ModelConfig,
+    params: &Tensors,
+    (tokens, targets): (&[u32], &[u32]),
+    names: &[&str],
+    step: impl Fn(&str) -> f32,
+) {
+    let (_, grads) = model_loss_and_grads(cfg, params, tokens, targets);
+    for &name in names {
         let mut p = params.clone();
         let analytic = grads[name].clone();
+        assert!(analytic.iter().any(|g| *g != 0.0), "{name}: no gradient");
         let mut x = p[name].clone();
         check(
-            &format!("model d{name}"),
+            &format!("{what} d{name}"),
             &mut x,
             &analytic,
-            1e-2,
+            step(name),
             3e-2,
             |v| {
                 p.insert(name.to_string(), v.to_vec());
-                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
+                model_loss_and_grads(cfg, &p, tokens, targets).0
             },
         );
     }
@@ -869,28 +890,19 @@ fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
         .collect();
     let tokens: Vec<u32> = (0..12).map(|i| (i * 7 % 11) as u32).collect();
     let targets: Vec<u32> = (0..12).map(|i| ((i * 3 + 1) % 11) as u32).collect();
-    let (_, grads) = model_loss_and_grads(&cfg, &params, &tokens, &targets);
-    for name in [
-        "h.0.mlp.router.weight",
-        "h.1.mlp.experts.2.c_fc.weight",
-        "h.0.mlp.experts.0.c_proj.bias",
-        "h.1.ln_2.weight",
-        "h.0.attn.c_attn.weight",
-        "wte",
-    ] {
-        let mut p = params.clone();
-        let analytic = grads[name].clone();
-        let mut x = p[name].clone();
-        check(
-            &format!("moe model d{name}"),
-            &mut x,
-            &analytic,
-            1e-3,
-            3e-2,
-            |v| {
-                p.insert(name.to_string(), v.to_vec());
-                model_loss_and_grads(&cfg, &p, &tokens, &targets).0
-            },
-        );
-    }
+    check_model_grads(
+        "moe model",
+        &cfg,
+        &params,
+        (&tokens, &targets),
+        &[
+            "h.0.mlp.router.weight",
+            "h.1.mlp.experts.2.c_fc.weight",
+            "h.0.mlp.experts.0.c_proj.bias",
+            "h.1.ln_2.weight",
+            "h.0.attn.c_attn.weight",
+            "wte",
+        ],
+        |_| 1e-3,
+    );
 }
