@@ -681,7 +681,7 @@ impl ModelConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Part {
-    /// Token + position embedding (owns the tied `wte`).
+    /// Token embedding (owns a tied head's weight), + GPT-2's positions.
     Embedding,
     /// A dense pre-LN transformer block.
     Block(u32),
@@ -690,7 +690,8 @@ pub enum Part {
     /// Expert half of a MoE block (ln2, router, top-k, experts, weighted
     /// combine, residual, load-balancing loss).
     Experts(u32),
-    /// Final layernorm, tied LM head and cross-entropy loss.
+    /// Final norm, LM head (tied, or the Llama family's own) and
+    /// cross-entropy loss.
     Head,
 }
 

@@ -1,6 +1,7 @@
 //! The parameter table: every parameter of the model once, named by a typed
-//! [`ParamId`], with its role, layer, expert, shape and the GPT-2 name it has
-//! in checkpoints (llm.c layouts inside: linear weights `[out, in]`). The one
+//! [`ParamId`], with its role, layer, expert, shape and the name it has in
+//! checkpoints — GPT-2's, or Hugging Face's Llama names for the Llama family
+//! (llm.c layouts inside: linear weights `[out, in]`). The one
 //! source the cost hints (`cost.rs`: parameter counts, hence model-state bytes
 //! in plans), the DAG's memory figures and the runtime (whose states are
 //! indexed by id) read; names are used only at the checkpoint and dump edge
@@ -9,9 +10,11 @@
 //! A MoE block's attention half has GPT-2's attention parameters; its expert
 //! half has `ln_2`, the router `mlp.router.weight` `[experts, d_model]` (no
 //! bias) and per expert `mlp.experts.{e}.c_fc` / `c_proj` with GPT-2's MLP
-//! layout.
+//! layout. The Llama family's expert half (Qwen3-MoE) has
+//! `post_attention_layernorm`, the router `mlp.gate.weight` and per expert
+//! `mlp.experts.{e}.gate_proj` / `up_proj` / `down_proj`, without biases.
 //!
-//! Ids are numbered in the order of the GPT-2 names (as strings), so every
+//! Ids are numbered in the order of the names (as strings), so every
 //! walk over a device's states in id order (ZeRO's flat bucket layouts, the
 //! sums of the gradient norm) is the order checkpoints list them in.
 

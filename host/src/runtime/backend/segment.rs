@@ -1,4 +1,5 @@
-//! The GPT-2 model as segments, over any [`Backend`]: for each segment a
+//! The model as segments, over any [`Backend`] (GPT-2's halves here, the
+//! Llama family's in [`super::llama`]): for each segment a
 //! forward (with the caches backward needs, as device tensors), a
 //! backward-for-input (which also stashes the gradients the weight pass
 //! needs) and a backward-for-weights, composed from the backend's kernels.
