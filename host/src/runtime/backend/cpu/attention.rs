@@ -7,15 +7,48 @@
 //! above the diagonal are never computed (at T = 256 that is 10 of 16
 //! blocks' work, as a causal kernel does). The (sequence, head) pairs run in
 //! parallel on the device's threads, each into its own buffers; results are
-//! then added into the packed outputs in the one-thread order.
+//! then copied or added into the packed outputs by rows in parallel (each
+//! element receives one value, so the order does not matter). The softmax
+//! sums in [`lanes`]' fixed order.
 
 use super::elementwise::exp_small;
+use super::lanes;
 use super::matmul::matmul_strided;
 use super::par;
+use std::cell::RefCell;
+use std::thread::LocalKey;
 
 /// Query rows per block of the causal products: large enough for GEMM to
 /// run at speed, small enough to skip most of the masked triangle.
 const BLOCK: usize = 64;
+
+thread_local! {
+    /// Working memory of the attention kernels, kept on each thread between
+    /// calls: the per-(sequence, head) outputs, and one head's probability
+    /// gradients. Every element is written before it is read, so a buffer
+    /// is zeroed once, when it grows, not at every call.
+    static ITEMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static DATT: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `f` on `n` floats of `cell`'s buffer (contents unspecified).
+fn scratch<R>(
+    cell: &'static LocalKey<RefCell<Vec<f32>>>,
+    n: usize,
+    f: impl FnOnce(&mut [f32]) -> R,
+) -> R {
+    cell.with(|c| match c.try_borrow_mut() {
+        Ok(mut v) => {
+            if v.len() < n {
+                v.resize(n, 0.0);
+            }
+            f(&mut v[..n])
+        }
+        // In use further up this thread's stack (a kernel run by rayon's
+        // work stealing while another waits): a buffer of its own.
+        Err(_) => f(&mut vec![0.0; n]),
+    })
+}
 
 /// The row blocks of a `t`-long sequence: `(first row, end row)`.
 fn blocks(t: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -116,67 +149,68 @@ pub fn attention_forward(
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
     // One item per (sequence, head): its probabilities and its output.
-    let mut items: Vec<(&mut [f32], Vec<f32>)> = att[..b * nh * t * t]
-        .chunks_mut(t * t)
-        .map(|a| (a, vec![0.0f32; t * hs]))
-        .collect();
-    par::each_mut(&mut items, |k, (a, tmp)| {
-        let (bi, h) = (k / nh, k % nh);
-        let qo = bi * t * c3 + h * hs;
-        for (r0, r1) in blocks(t) {
-            // pre[r0..r1, ..r1] = q[r0..r1]·k[..r1]ᵀ
-            matmul_strided(
-                r1 - r0,
-                r1,
-                hs,
-                (&mut a[r0 * t..], t),
-                false,
-                &qkv[qo + r0 * c3..],
-                (c3, 1),
-                &qkv[qo + c..],
-                (1, c3),
-            );
-            for ti in r0..r1 {
-                let row = &mut a[ti * t..(ti + 1) * t];
-                let mut maxv = f32::NEG_INFINITY;
-                for v in row.iter_mut().take(ti + 1) {
-                    *v *= scale;
-                    maxv = maxv.max(*v);
+    scratch(&ITEMS, b * nh * t * hs, |outs| {
+        let mut items: Vec<(&mut [f32], &mut [f32])> = att[..b * nh * t * t]
+            .chunks_mut(t * t)
+            .zip(outs.chunks_mut(t * hs))
+            .collect();
+        par::each_mut(&mut items, |k, (a, tmp)| {
+            let (bi, h) = (k / nh, k % nh);
+            let qo = bi * t * c3 + h * hs;
+            for (r0, r1) in blocks(t) {
+                // pre[r0..r1, ..r1] = q[r0..r1]·k[..r1]ᵀ
+                matmul_strided(
+                    r1 - r0,
+                    r1,
+                    hs,
+                    (&mut a[r0 * t..], t),
+                    false,
+                    &qkv[qo + r0 * c3..],
+                    (c3, 1),
+                    &qkv[qo + c..],
+                    (1, c3),
+                );
+                for ti in r0..r1 {
+                    let (live, masked) = a[ti * t..(ti + 1) * t].split_at_mut(ti + 1);
+                    for v in live.iter_mut() {
+                        *v *= scale;
+                    }
+                    let maxv = lanes::max(live);
+                    // e^(v − max) ≤ 1 without libm (its loop vectorizes); below
+                    // e^-80 a probability is 0 to f32 anyway.
+                    for v in live.iter_mut() {
+                        *v = exp_small((*v - maxv).max(-80.0));
+                    }
+                    let inv = 1.0 / lanes::sum(live);
+                    for v in live.iter_mut() {
+                        *v *= inv;
+                    }
+                    masked.fill(0.0);
                 }
-                // e^(v − max) ≤ 1 without libm (its loop vectorizes); below
-                // e^-80 a probability is 0 to f32 anyway.
-                for v in row.iter_mut().take(ti + 1) {
-                    *v = exp_small((*v - maxv).max(-80.0));
-                }
-                let sum: f32 = row[..=ti].iter().sum();
-                let inv = 1.0 / sum;
-                for v in row.iter_mut().take(ti + 1) {
-                    *v *= inv;
-                }
-                for v in row.iter_mut().skip(ti + 1) {
-                    *v = 0.0;
+                // out[r0..r1] = att[r0..r1, ..r1]·v[..r1]
+                matmul_strided(
+                    r1 - r0,
+                    hs,
+                    r1,
+                    (&mut tmp[r0 * hs..], hs),
+                    false,
+                    &a[r0 * t..],
+                    (t, 1),
+                    &qkv[qo + 2 * c..],
+                    (c3, 1),
+                );
+            }
+        });
+        let items = &items;
+        par::rows_mut(&mut out[..b * t * c], c, |r0, block| {
+            for (i, row) in block.chunks_exact_mut(c).enumerate() {
+                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+                for (h, dst) in row.chunks_exact_mut(hs).enumerate() {
+                    dst.copy_from_slice(&items[bi * nh + h].1[ti * hs..][..hs]);
                 }
             }
-            // out[r0..r1] = att[r0..r1, ..r1]·v[..r1]
-            matmul_strided(
-                r1 - r0,
-                hs,
-                r1,
-                (&mut tmp[r0 * hs..], hs),
-                false,
-                &a[r0 * t..],
-                (t, 1),
-                &qkv[qo + 2 * c..],
-                (c3, 1),
-            );
-        }
-    });
-    for (k, (_, tmp)) in items.iter().enumerate() {
-        let (bi, h) = (k / nh, k % nh);
-        for ti in 0..t {
-            out[(bi * t + ti) * c + h * hs..][..hs].copy_from_slice(&tmp[ti * hs..(ti + 1) * hs]);
-        }
-    }
+        });
+    })
 }
 
 /// Backward: `dqkv += ∂out/∂qkv · dout`.
@@ -196,100 +230,97 @@ pub fn attention_backward(
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
     // One item per (sequence, head): its dv, dq and dk.
-    let mut items: Vec<[Vec<f32>; 3]> = (0..b * nh)
-        .map(|_| {
-            [
-                vec![0.0f32; t * hs],
-                vec![0.0f32; t * hs],
-                vec![0.0f32; t * hs],
-            ]
-        })
-        .collect();
-    par::each_mut(&mut items, |k, [dv, dq, dk]| {
-        let (bi, h) = (k / nh, k % nh);
-        let mut datt = vec![0.0f32; t * t];
-        let qo = bi * t * c3 + h * hs;
-        let dof = bi * t * c + h * hs;
-        let a = &att[(bi * nh + h) * t * t..][..t * t];
-        for (r0, r1) in blocks(t) {
-            // datt[r0..r1, ..r1] = dout[r0..r1]·v[..r1]ᵀ
-            matmul_strided(
-                r1 - r0,
-                r1,
-                hs,
-                (&mut datt[r0 * t..], t),
-                false,
-                &dout[dof + r0 * c..],
-                (c, 1),
-                &qkv[qo + 2 * c..],
-                (1, c3),
-            );
-            // dv[r0..r1] = att[r0.., r0..r1]ᵀ·dout[r0..] (rows above r0
-            // have zero probability for these keys)
-            matmul_strided(
-                r1 - r0,
-                hs,
-                t - r0,
-                (&mut dv[r0 * hs..], hs),
-                false,
-                &a[r0 * t + r0..],
-                (1, t),
-                &dout[dof + r0 * c..],
-                (c, 1),
-            );
-            // softmax backward (scaled): dpre = att ⊙ (datt − Σ att·datt) / √hs
-            for ti in r0..r1 {
-                let (ar, dr) = (&a[ti * t..(ti + 1) * t], &mut datt[ti * t..(ti + 1) * t]);
-                let dot: f32 = (0..=ti).map(|t2| ar[t2] * dr[t2]).sum();
-                for t2 in 0..t {
-                    dr[t2] = if t2 <= ti {
-                        ar[t2] * (dr[t2] - dot) * scale
-                    } else {
-                        0.0
-                    };
+    scratch(&ITEMS, b * nh * 3 * t * hs, |grads| {
+        let mut items: Vec<&mut [f32]> = grads.chunks_mut(3 * t * hs).collect();
+        par::each_mut(&mut items, |k, item| {
+            let (bi, h) = (k / nh, k % nh);
+            let (dv, rest) = item.split_at_mut(t * hs);
+            let (dq, dk) = rest.split_at_mut(t * hs);
+            scratch(&DATT, t * t, |datt| {
+                let qo = bi * t * c3 + h * hs;
+                let dof = bi * t * c + h * hs;
+                let a = &att[(bi * nh + h) * t * t..][..t * t];
+                for (r0, r1) in blocks(t) {
+                    // datt[r0..r1, ..r1] = dout[r0..r1]·v[..r1]ᵀ
+                    matmul_strided(
+                        r1 - r0,
+                        r1,
+                        hs,
+                        (&mut datt[r0 * t..], t),
+                        false,
+                        &dout[dof + r0 * c..],
+                        (c, 1),
+                        &qkv[qo + 2 * c..],
+                        (1, c3),
+                    );
+                    // dv[r0..r1] = att[r0.., r0..r1]ᵀ·dout[r0..] (rows above r0
+                    // have zero probability for these keys)
+                    matmul_strided(
+                        r1 - r0,
+                        hs,
+                        t - r0,
+                        (&mut dv[r0 * hs..], hs),
+                        false,
+                        &a[r0 * t + r0..],
+                        (1, t),
+                        &dout[dof + r0 * c..],
+                        (c, 1),
+                    );
+                    // softmax backward (scaled): dpre = att ⊙ (datt − Σ att·datt) / √hs
+                    for ti in r0..r1 {
+                        let ar = &a[ti * t..][..=ti];
+                        let (live, masked) = datt[ti * t..(ti + 1) * t].split_at_mut(ti + 1);
+                        let dot = lanes::dot(ar, live);
+                        for (d, &p) in live.iter_mut().zip(ar) {
+                            *d = p * (*d - dot) * scale;
+                        }
+                        masked.fill(0.0);
+                    }
+                }
+                for (r0, r1) in blocks(t) {
+                    // dq[r0..r1] = dpre[r0..r1, ..r1]·k[..r1]
+                    matmul_strided(
+                        r1 - r0,
+                        hs,
+                        r1,
+                        (&mut dq[r0 * hs..], hs),
+                        false,
+                        &datt[r0 * t..],
+                        (t, 1),
+                        &qkv[qo + c..],
+                        (c3, 1),
+                    );
+                    // dk[r0..r1] = dpre[r0.., r0..r1]ᵀ·q[r0..]
+                    matmul_strided(
+                        r1 - r0,
+                        hs,
+                        t - r0,
+                        (&mut dk[r0 * hs..], hs),
+                        false,
+                        &datt[r0 * t + r0..],
+                        (1, t),
+                        &qkv[qo + r0 * c3..],
+                        (c3, 1),
+                    );
+                }
+            })
+        });
+        // Each element of dqkv gets one item's value: rows in parallel.
+        let items = &items;
+        par::rows_mut(&mut dqkv[..b * t * c3], c3, |r0, block| {
+            for (i, row) in block.chunks_exact_mut(c3).enumerate() {
+                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+                for (part, dst) in row.chunks_exact_mut(hs).enumerate() {
+                    // q, k, v parts in turn, each `nh` heads wide.
+                    let (which, h) = (part / nh, part % nh);
+                    let item = &items[bi * nh + h];
+                    // Each item holds its dv, dq and dk in turn.
+                    let src = &item[[1, 2, 0][which] * t * hs..][..t * hs];
+                    for (x, y) in dst.iter_mut().zip(&src[ti * hs..][..hs]) {
+                        *x += y;
+                    }
                 }
             }
-        }
-        for (r0, r1) in blocks(t) {
-            // dq[r0..r1] = dpre[r0..r1, ..r1]·k[..r1]
-            matmul_strided(
-                r1 - r0,
-                hs,
-                r1,
-                (&mut dq[r0 * hs..], hs),
-                false,
-                &datt[r0 * t..],
-                (t, 1),
-                &qkv[qo + c..],
-                (c3, 1),
-            );
-            // dk[r0..r1] = dpre[r0.., r0..r1]ᵀ·q[r0..]
-            matmul_strided(
-                r1 - r0,
-                hs,
-                t - r0,
-                (&mut dk[r0 * hs..], hs),
-                false,
-                &datt[r0 * t + r0..],
-                (1, t),
-                &qkv[qo + r0 * c3..],
-                (c3, 1),
-            );
-        }
-    });
-    let add = |dqkv: &mut [f32], off: usize, tmp: &[f32]| {
-        for ti in 0..t {
-            let d = &mut dqkv[off + ti * c3..][..hs];
-            for (x, y) in d.iter_mut().zip(&tmp[ti * hs..(ti + 1) * hs]) {
-                *x += y;
-            }
-        }
-    };
-    for (k, [dv, dq, dk]) in items.iter().enumerate() {
-        let (bi, h) = (k / nh, k % nh);
-        let qo = bi * t * c3 + h * hs;
-        add(dqkv, qo + 2 * c, dv);
-        add(dqkv, qo, dq);
-        add(dqkv, qo + c, dk);
-    }
+        });
+    })
 }

@@ -13,6 +13,7 @@ pub mod adamw;
 pub mod attention;
 pub mod elementwise;
 pub mod embedding;
+pub mod lanes;
 pub mod layernorm;
 pub mod loss;
 pub mod matmul;
@@ -52,6 +53,24 @@ impl Cpu {
     }
 }
 
+/// Below this many floats a buffer is filled on the calling thread.
+const PAR_MIN: usize = 1 << 16;
+
+impl Cpu {
+    /// A new buffer of `n` floats filled by `fill` on the device's threads,
+    /// when it is large and there are several: one core's stores reach a
+    /// fraction of the memory bandwidth, and a step zeroes or copies every
+    /// activation and gradient it allocates. `None`: fill it on this thread.
+    fn filled(&self, n: usize, fill: impl FnOnce(&mut Vec<f32>) + Send) -> Option<Vec<f32>> {
+        if n < 4 * PAR_MIN || self.pool.current_num_threads() == 1 {
+            return None;
+        }
+        let mut v = Vec::new();
+        self.pool.install(|| fill(&mut v));
+        Some(v)
+    }
+}
+
 /// No queue: a kernel runs when it is called.
 pub struct Inline;
 
@@ -88,7 +107,15 @@ impl Backend for Cpu {
         t.len() as u64 * 4
     }
     fn zeros(&self, n: usize) -> Result<Vec<f32>, BackendError> {
-        Ok(vec![0.0; n])
+        let _k = profile::span("zeros");
+        Ok(self
+            .filled(n, |v| {
+                use rayon::prelude::*;
+                rayon::iter::repeat_n(0.0f32, n)
+                    .with_min_len(PAR_MIN)
+                    .collect_into_vec(v)
+            })
+            .unwrap_or_else(|| vec![0.0; n]))
     }
     fn upload(&self, v: Vec<f32>) -> Result<Vec<f32>, BackendError> {
         Ok(v)
@@ -106,7 +133,16 @@ impl Backend for Cpu {
         Ok(t)
     }
     fn duplicate(&self, t: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
-        Ok(t.clone())
+        let _k = profile::span("duplicate");
+        Ok(self
+            .filled(t.len(), |v| {
+                use rayon::prelude::*;
+                t.par_iter()
+                    .with_min_len(PAR_MIN)
+                    .copied()
+                    .collect_into_vec(v)
+            })
+            .unwrap_or_else(|| t.clone()))
     }
     fn duplicate_ids(&self, t: &Vec<u32>) -> Result<Vec<u32>, BackendError> {
         Ok(t.clone())

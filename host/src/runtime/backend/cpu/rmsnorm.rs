@@ -1,9 +1,9 @@
 //! RMSNorm over the channel dimension (the Llama family's norm, Hugging
 //! Face's `LlamaRMSNorm`), with the reciprocal root mean square cached for
 //! backward; split into input and weight gradients like LayerNorm. Rows in
-//! parallel; the weight gradient by column, summed over the rows in order.
+//! parallel, their sums in [`lanes`]' order; the weight gradient by column, summed over the rows in order.
 
-use super::par;
+use super::{lanes, par};
 
 /// `out = inp · rstd · weight`, `rstd = 1 / √(mean(inp²) + eps)` per row of
 /// `c` channels.
@@ -17,10 +17,10 @@ pub fn rmsnorm_forward(
     eps: f32,
 ) {
     let _k = super::profile::span("rmsnorm_forward");
-    par::rows_mut(&mut rstd[..n], 1, |i0, rstd| {
+    par::rows_mut_work(&mut rstd[..n], 1, c, |i0, rstd| {
         for (k, s_out) in rstd.iter_mut().enumerate() {
             let x = &inp[(i0 + k) * c..][..c];
-            let ms = x.iter().map(|v| v * v).sum::<f32>() / c as f32;
+            let ms = lanes::dot(x, x) / c as f32;
             *s_out = 1.0 / (ms + eps).sqrt();
         }
     });
@@ -53,11 +53,7 @@ pub fn rmsnorm_backward_input(
             let i = i0 + k;
             let (x, dy) = (&inp[i * c..(i + 1) * c], &dout[i * c..(i + 1) * c]);
             let s = rstd[i];
-            let mut g_norm_mean = 0.0f32;
-            for j in 0..c {
-                g_norm_mean += weight[j] * dy[j] * (x[j] * s);
-            }
-            g_norm_mean /= c as f32;
+            let g_norm_mean = lanes::sum_zip3(weight, dy, x, |w, d, x| w * d * (x * s)) / c as f32;
             for j in 0..c {
                 let norm = x[j] * s;
                 dx[j] += (weight[j] * dy[j] - norm * g_norm_mean) * s;

@@ -5,21 +5,45 @@
 //! the inverse rotation. Angles in f64, rounded once to f32 cos/sin.
 
 use super::par;
+use std::sync::{Arc, Mutex};
 
 /// cos and sin of every (position, pair) angle, `[t, hd/2]` each.
 pub fn rope_table(t: usize, hd: usize, theta: f64) -> (Vec<f32>, Vec<f32>) {
     let half = hd / 2;
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| theta.powf(-((2 * i) as f64) / hd as f64))
+        .collect();
     let mut cos = Vec::with_capacity(t * half);
     let mut sin = Vec::with_capacity(t * half);
     for pos in 0..t {
-        for i in 0..half {
-            let freq = theta.powf(-((2 * i) as f64) / hd as f64);
+        for &freq in &freqs {
             let angle = pos as f64 * freq;
             cos.push(angle.cos() as f32);
             sin.push(angle.sin() as f32);
         }
     }
     (cos, sin)
+}
+
+/// cos and sin tables, shared.
+type Table = Arc<(Vec<f32>, Vec<f32>)>;
+/// (positions, head dim, θ's bits).
+type Shape = (usize, usize, u64);
+/// The table of the last shape asked for: every layer of a model asks for
+/// the same one, and its f64 cos and sin cost more than the rotation.
+static LAST: Mutex<Option<(Shape, Table)>> = Mutex::new(None);
+
+fn cached_table(t: usize, hd: usize, theta: f64) -> Table {
+    let key = (t, hd, theta.to_bits());
+    let mut last = LAST.lock().unwrap_or_else(|e| e.into_inner());
+    match &*last {
+        Some((k, table)) if *k == key => table.clone(),
+        _ => {
+            let table = Arc::new(rope_table(t, hd, theta));
+            *last = Some((key, table.clone()));
+            table
+        }
+    }
 }
 
 /// Rotate `x[b, t, heads, hd]` in place (by the negative angles when
@@ -31,7 +55,8 @@ pub fn rope(x: &mut [f32], b: usize, t: usize, heads: usize, hd: usize, theta: f
         "rope_forward"
     });
     let half = hd / 2;
-    let (cos, sin) = rope_table(t, hd, theta);
+    let table = cached_table(t, hd, theta);
+    let (cos, sin) = (&table.0, &table.1);
     let sign = if inverse { -1.0f32 } else { 1.0 };
     let row = heads * hd;
     par::rows_mut(&mut x[..b * t * row], row, |r0, block| {
