@@ -7,7 +7,7 @@
 mod common;
 
 use piper::compile::compile;
-use piper::dag::{Cluster, TrainingDag};
+use piper::dag::{Cluster, Label, TrainingDag};
 use piper::model::ModelConfig;
 use std::time::{Duration, Instant};
 
@@ -42,7 +42,7 @@ fn run(stages: u32, mbs: u32, dp: u32, zero: Option<u8>) -> Times {
     common::pipeline_place(&mut dag, &groups, mbs).unwrap();
     let tb0 = Instant::now();
     // The first read rebuilds the derived nodes (updates, DP collectives).
-    dag.query_ids(&piper::dag::Filter::all().pass("update"))
+    dag.query_ids(&piper::dag::Filter::all().pass(Label::Update))
         .unwrap();
     let tb = Instant::now();
     common::one_f_one_b_orders(&mut dag, stages, mbs).unwrap();

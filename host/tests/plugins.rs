@@ -4,6 +4,7 @@
 mod common;
 
 use piper::compile::compile;
+use piper::compile::plan::OpKind;
 use piper::dag::{Cluster, TrainingDag};
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
@@ -111,6 +112,17 @@ fn hostile_arguments_at_the_host_boundary_are_refused_quickly_with_a_named_limit
         err.len() < 4096 + 200 && err.contains("bytes elided)"),
         "{} bytes",
         err.len()
+    );
+    // A `PASS` that names no node label (only the raw WIT string can) is
+    // refused at the edge, naming the call and the labels there are.
+    let err = host
+        .apply(&hostile, &mut tiny(1), &opts(&[("mode", "bad-pass")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("directive `query`: PASS \"forward\" is not one of [\"F\", \"B\"")
+            && !err.contains("the host accepted"),
+        "{err}"
     );
     // Extreme priorities are legal: the plan compiles, highest first.
     let mut d = tiny(1);
@@ -328,7 +340,7 @@ fn dp_then_1f1b_on_8_devices_all_reduces_on_the_dp_stream() {
             .flat_map(|s| s.ops.iter())
             .collect();
         assert!(
-            !dp.is_empty() && dp.iter().all(|o| o.op == "all-reduce"),
+            !dp.is_empty() && dp.iter().all(|o| o.op == OpKind::AllReduce),
             "device {d}"
         );
     }

@@ -8,7 +8,7 @@ use common::*;
 use piper::compile::{
     check_deadlock, compile, CompileError, DevicePlan, Op, OpCommon, OpKind, StreamPlan,
 };
-use piper::dag::{Cluster, Filter, ReplicateOptions, TrainingDag};
+use piper::dag::{Cluster, Filter, Label, ReplicateOptions, TrainingDag};
 use piper::model::ModelConfig;
 
 fn tiny(devices: u32) -> TrainingDag {
@@ -44,22 +44,22 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
             .iter()
             .filter(|s| s.stream.starts_with("pp"))
             .flat_map(|s| s.ops.iter())
-            .filter(|o| o.op == "send" || o.op == "recv")
+            .filter(|o| o.op == OpKind::Send || o.op == OpKind::Recv)
             .collect();
-        let count = |op: &str, peer: u32| {
+        let count = |op: OpKind, peer: u32| {
             pp.iter()
                 .filter(|o| o.op == op && o.peer == Some(peer))
                 .count()
         };
         if d + 1 < 4 {
             assert_eq!(
-                count("send", d + 1),
+                count(OpKind::Send, d + 1),
                 8,
                 "device {d} sends activations to {}",
                 d + 1
             );
             assert_eq!(
-                count("recv", d + 1),
+                count(OpKind::Recv, d + 1),
                 8,
                 "device {d} receives gradients from {}",
                 d + 1
@@ -67,26 +67,26 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         }
         if d > 0 {
             assert_eq!(
-                count("recv", d - 1),
+                count(OpKind::Recv, d - 1),
                 8,
                 "device {d} receives activations from {}",
                 d - 1
             );
             assert_eq!(
-                count("send", d - 1),
+                count(OpKind::Send, d - 1),
                 8,
                 "device {d} sends gradients to {}",
                 d - 1
             );
         }
         assert_eq!(pp.len(), if d == 0 || d == 3 { 16 } else { 32 });
-        for o in pp.iter().filter(|o| o.op == "recv") {
+        for o in pp.iter().filter(|o| o.op == OpKind::Recv) {
             let peer = &plan.devices[o.peer.unwrap() as usize];
             let matched = peer
                 .streams
                 .iter()
                 .flat_map(|s| s.ops.iter())
-                .any(|s| s.op == "send" && Some(s.node) == o.pair && s.peer == Some(d));
+                .any(|s| s.op == OpKind::Send && Some(s.node) == o.pair && s.peer == Some(d));
             assert!(matched, "recv {} on device {d} has its send", o.label());
         }
     }
@@ -96,7 +96,8 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         .iter()
         .flat_map(|s| s.ops.iter())
         .filter(|o| {
-            o.op == "all-reduce" && o.purpose == Some(piper::compile::plan::CommPurpose::TiedGrad)
+            o.op == OpKind::AllReduce
+                && o.purpose == Some(piper::compile::plan::CommPurpose::TiedGrad)
         })
         .collect();
     assert_eq!(tied.len(), 1);
@@ -109,8 +110,8 @@ fn gpipe_runs_all_forwards_then_all_backwards() {
     pipeline_place(&mut dag, &[vec![0], vec![1]], 4).unwrap();
     for s in 0..2 {
         let regions = stage_regions(8, 2, s);
-        let mut groups: Vec<Vec<Filter>> = (0..4).map(|m| group(&regions, m, "F")).collect();
-        groups.extend((0..4).map(|m| group(&regions, m, "B")));
+        let mut groups: Vec<Vec<Filter>> = (0..4).map(|m| group(&regions, m, Label::F)).collect();
+        groups.extend((0..4).map(|m| group(&regions, m, Label::B)));
         dag.order(&groups).unwrap();
     }
     let plan = compile(&dag).unwrap();
@@ -145,7 +146,7 @@ fn dp_times_pp_puts_all_reduce_on_the_dp_stream() {
             .flat_map(|s| s.ops.iter())
             .collect();
         assert!(
-            !dp.is_empty() && dp.iter().all(|o| o.op == "all-reduce"),
+            !dp.is_empty() && dp.iter().all(|o| o.op == OpKind::AllReduce),
             "device {d}"
         );
         let partner = if d < 4 { d + 4 } else { d - 4 };
@@ -157,7 +158,7 @@ fn dp_times_pp_puts_all_reduce_on_the_dp_stream() {
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.op == "send")
+        .filter(|o| o.op == OpKind::Send)
         .map(|o| o.peer.unwrap())
         .collect();
     assert!(sends4.iter().all(|p| *p == 5));
@@ -182,9 +183,9 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
         states.push(plan.devices[0].model_state_bytes as f64);
         peaks.push(plan.devices[0].peak_bytes);
         if stage == 3 {
-            let f = dag.query(&Filter::all().pass("F")).unwrap().len();
-            let b = dag.query(&Filter::all().pass("B")).unwrap().len();
-            let ag = dag.query(&Filter::all().pass("all-gather")).unwrap();
+            let f = dag.query(&Filter::all().pass(Label::F)).unwrap().len();
+            let b = dag.query(&Filter::all().pass(Label::B)).unwrap().len();
+            let ag = dag.query(&Filter::all().pass(Label::AllGather)).unwrap();
             assert_eq!(ag.len(), f + b, "one all-gather before every F and B use");
             // Each all-gather feeds exactly the use it precedes.
             for a in &ag {
@@ -194,23 +195,28 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
                 assert!(user.op == "F" || user.op == "B");
                 assert_eq!(user.tags, a.tags);
             }
-            let rs = dag.query(&Filter::all().pass("reduce-scatter")).unwrap();
+            let rs = dag
+                .query(&Filter::all().pass(Label::ReduceScatter))
+                .unwrap();
             assert!(!rs.is_empty());
             // Every B's gradients are reduce-scattered for its microbatch.
-            for b in dag.query(&Filter::all().pass("B")).unwrap() {
+            for b in dag.query(&Filter::all().pass(Label::B)).unwrap() {
                 let (_, succs) = dag.neighbours(b.id).unwrap();
                 assert!(succs
                     .iter()
                     .any(|s| dag.node(s.node).unwrap().op == "reduce-scatter"));
             }
             // The compiled plan gathers before each use on the gather stream.
-            let ops: Vec<String> = plan.devices[0]
+            let ops: Vec<OpKind> = plan.devices[0]
                 .streams
                 .iter()
                 .filter(|s| s.stream == "dp")
-                .flat_map(|s| s.ops.iter().map(|o| o.op.to_string()))
+                .flat_map(|s| s.ops.iter().map(|o| o.op))
                 .collect();
-            assert_eq!(ops.iter().filter(|o| *o == "all-gather").count(), f + b);
+            assert_eq!(
+                ops.iter().filter(|o| **o == OpKind::AllGather).count(),
+                f + b
+            );
         }
     }
     let psi = psi as f64;
@@ -234,9 +240,9 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
     );
 }
 
-fn op(op: &str, node: u32, peer: u32) -> Op {
+fn op(op: OpKind, node: u32, peer: u32) -> Op {
     Op {
-        op: OpKind::from_label(op).unwrap(),
+        op,
         node,
         common: std::sync::Arc::new(OpCommon {
             tags: Default::default(),
@@ -274,7 +280,7 @@ fn receive_before_send_on_both_devices_is_a_deadlock() {
         transient_peak_bytes: 0,
         streams: vec![StreamPlan {
             stream: "pp".into(),
-            ops: vec![op("recv", recv, 1 - d), op("send", send, 1 - d)],
+            ops: vec![op(OpKind::Recv, recv, 1 - d), op(OpKind::Send, send, 1 - d)],
         }],
     };
     let err = check_deadlock(&[dev(0, 11, 10), dev(1, 10, 11)]).unwrap_err();
@@ -295,7 +301,7 @@ fn receive_before_send_on_both_devices_is_a_deadlock() {
         transient_peak_bytes: 0,
         streams: vec![StreamPlan {
             stream: "pp".into(),
-            ops: vec![op("send", send, 1 - d), op("recv", recv, 1 - d)],
+            ops: vec![op(OpKind::Send, send, 1 - d), op(OpKind::Recv, recv, 1 - d)],
         }],
     };
     check_deadlock(&[ok(0, 11, 10), ok(1, 10, 11)]).unwrap();
@@ -314,7 +320,7 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     let streams = &mut bad[0].streams;
     let recvs = streams.iter().position(|s| &*s.stream == "pp←1").unwrap();
     let r = streams[recvs].ops.remove(0);
-    assert_eq!(r.op, "recv");
+    assert_eq!(r.op, OpKind::Recv);
     let sends = streams.iter().position(|s| &*s.stream == "pp→1").unwrap();
     streams[sends].ops.insert(0, r);
     // Re-point the compute stream's waits at the moved ops is unnecessary: the
@@ -478,7 +484,7 @@ fn unplaced_and_inconsistent_dags_do_not_compile() {
     assert!(matches!(compile(&dag), Err(CompileError::Unplaced { .. })));
     let mut dag = tiny(2);
     dag.place(&Filter::all(), &[0], "pp").unwrap();
-    dag.place(&Filter::tag("PP", 3).pass("B"), &[1], "pp")
+    dag.place(&Filter::tag("PP", 3).pass(Label::B), &[1], "pp")
         .unwrap();
     let err = compile(&dag).unwrap_err().to_string();
     assert!(
@@ -533,8 +539,12 @@ fn microbatches_of_a_segment_on_two_groups_are_parameter_copies_only_when_they_p
     let mut dag = tiny(2);
     dag.split(&Filter::all(), "MB", 2).unwrap();
     dag.place(&Filter::all(), &[0], "pp").unwrap();
-    dag.place(&Filter::tag("PP", 2).and("MB", 1).pass("B"), &[1], "pp")
-        .unwrap();
+    dag.place(
+        &Filter::tag("PP", 2).and("MB", 1).pass(Label::B),
+        &[1],
+        "pp",
+    )
+    .unwrap();
     let err = compile(&dag).unwrap_err().to_string();
     assert!(
         err.contains("segment 2") && err.contains("must share"),

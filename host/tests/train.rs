@@ -1,6 +1,7 @@
 //! Real training on the CPU runtime: every strategy trains to the same losses
 //! as one device (the strategies are the bundled Wasm plugins).
 
+use piper::compile::plan::OpKind;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
@@ -423,7 +424,11 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
         .iter_mut()
         .find(|s| s.stream == "dp")
         .unwrap();
-    let op = dp.ops.iter_mut().find(|o| o.op == "all-reduce").unwrap();
+    let op = dp
+        .ops
+        .iter_mut()
+        .find(|o| o.op == OpKind::AllReduce)
+        .unwrap();
     op.segments = std::sync::Arc::from(vec![0u32]);
     let opts = TrainOptions {
         comm_timeout: Some(std::time::Duration::from_secs(5)),

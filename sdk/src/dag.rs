@@ -342,7 +342,20 @@ mod native {
             };
         }
         if let Some(p) = f.pass {
-            h = h.pass(Pass::as_str(p));
+            h = h.pass(match p {
+                Pass::F => host::Label::F,
+                Pass::B => host::Label::B,
+                Pass::BI => host::Label::BI,
+                Pass::BW => host::Label::BW,
+                Pass::Update => host::Label::Update,
+                Pass::Send => host::Label::Send,
+                Pass::Recv => host::Label::Recv,
+                Pass::AllReduce => host::Label::AllReduce,
+                Pass::ReduceScatter => host::Label::ReduceScatter,
+                Pass::AllGather => host::Label::AllGather,
+                Pass::AllToAll => host::Label::AllToAll,
+                Pass::Marker => host::Label::Marker,
+            });
         }
         h
     }
@@ -397,9 +410,9 @@ mod native {
         Neighbour {
             node: n.node.0,
             edge: match n.edge {
-                "data" => EdgeKind::Data,
-                "temporal" => EdgeKind::Temporal,
-                _ => EdgeKind::Peer,
+                host::EdgeKind::Data { .. } => EdgeKind::Data,
+                host::EdgeKind::Temporal => EdgeKind::Temporal,
+                host::EdgeKind::Peer => EdgeKind::Peer,
             },
         }
     }

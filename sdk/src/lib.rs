@@ -91,6 +91,13 @@
 //! call leaves the DAG unchanged and returns a [`DagError`] whose message names
 //! the call and the offending nodes — propagate it with `?`.
 //!
+//! ## Group helpers
+//! [`strided_group`] is the device group of a data-, tensor- or
+//! expert-parallel strategy: `degree` devices spread evenly over the cluster
+//! (so a pipeline after it shifts the group per stage), refused with the
+//! numbers when the degree does not divide the device count (`dp`, `zero`,
+//! `tp` and `ep` use it).
+//!
 //! ## Pipeline helpers
 //! [`pipeline::Pipeline`] does the layout every pipeline strategy starts with:
 //! stages over pipeline positions (one per position, Megatron's interleaving,
@@ -134,6 +141,26 @@ pub mod bindings {
         pub_export_macro: true,
         default_bindings_module: "piper_sdk::bindings",
     });
+}
+
+/// The `degree` devices of one group of a parallelism spread evenly over the
+/// cluster's `devices` (0, stride, 2·stride, …, stride = devices ÷ degree),
+/// so a pipeline applied after it can shift the group per stage; `degree`
+/// must divide `devices`. `strategy` and `option` name them in the error:
+/// `tp needs a degree that divides the device count: got tp 3 for 8 devices`.
+pub fn strided_group(
+    strategy: &str,
+    option: &str,
+    degree: u32,
+    devices: u32,
+) -> Result<Vec<u32>, Error> {
+    if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
+        return Err(Error::msg(format!(
+            "{strategy} needs a degree that divides the device count: got {option} {degree} for {devices} devices"
+        )));
+    }
+    let stride = devices / degree;
+    Ok((0..degree).map(|i| i * stride).collect())
 }
 
 /// A strategy's error: a message for the user. `?` converts directive errors

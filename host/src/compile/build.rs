@@ -392,7 +392,7 @@ fn describe<'a>(
         .or_insert_with(|| Arc::new(dag.tag_map(&n.tags)))
         .clone();
     Described {
-        kind: OpKind::from_label(n.kind.label()).expect("markers are skipped"),
+        kind: OpKind::of(&n.kind).expect("markers are skipped"),
         common: Arc::new(OpCommon {
             tags,
             segments,

@@ -69,8 +69,8 @@ impl<'a> Machine<'a> {
                 _ => {}
             }
         }
-        match op.op.as_str() {
-            "recv" => {
+        match op.op {
+            OpKind::Recv => {
                 let peer = op.peer.unwrap_or(u32::MAX);
                 let pair = op.pair.unwrap_or(u32::MAX);
                 let Some(&pd) = self.dev_ix.get(&peer) else {
@@ -79,7 +79,7 @@ impl<'a> Machine<'a> {
                 let holder = self.devices[pd].streams.iter().enumerate().find(|(_, st)| {
                     st.ops
                         .iter()
-                        .any(|o| o.op == "send" && o.node == pair && o.peer == Some(dev))
+                        .any(|o| o.op == OpKind::Send && o.node == pair && o.peer == Some(dev))
                 });
                 match holder {
                     Some((ps, _)) => (

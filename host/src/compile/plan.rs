@@ -2,6 +2,7 @@
 //! costs. A plan is plain data (serde), has a stable hash, and renders as a
 //! readable per-device table.
 
+use crate::dag::{CommOp, NodeKind, Pass};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -290,23 +291,27 @@ impl OpKind {
             OpKind::AllToAll => "all-to-all",
         }
     }
-    /// From a DAG node label (`None` for markers, which never reach a plan).
-    pub fn from_label(s: &str) -> Option<Self> {
-        [
-            OpKind::F,
-            OpKind::B,
-            OpKind::BI,
-            OpKind::BW,
-            OpKind::Update,
-            OpKind::Send,
-            OpKind::Recv,
-            OpKind::AllReduce,
-            OpKind::ReduceScatter,
-            OpKind::AllGather,
-            OpKind::AllToAll,
-        ]
-        .into_iter()
-        .find(|k| k.as_str() == s)
+    /// The op a DAG node runs as (`None` for a marker, which never reaches
+    /// a plan).
+    pub fn of(kind: &NodeKind) -> Option<Self> {
+        Some(match kind {
+            NodeKind::Compute { pass, .. } => match pass {
+                Pass::F => OpKind::F,
+                Pass::B => OpKind::B,
+                Pass::BI => OpKind::BI,
+                Pass::BW => OpKind::BW,
+            },
+            NodeKind::Update { .. } => OpKind::Update,
+            NodeKind::Comm(c) => match c.op {
+                CommOp::Send => OpKind::Send,
+                CommOp::Recv => OpKind::Recv,
+                CommOp::AllReduce => OpKind::AllReduce,
+                CommOp::ReduceScatter => OpKind::ReduceScatter,
+                CommOp::AllGather => OpKind::AllGather,
+                CommOp::AllToAll => OpKind::AllToAll,
+            },
+            NodeKind::Marker => return None,
+        })
     }
     pub fn is_compute(self) -> bool {
         matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
@@ -320,12 +325,6 @@ impl OpKind {
             self,
             OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll
         )
-    }
-}
-
-impl PartialEq<&str> for OpKind {
-    fn eq(&self, other: &&str) -> bool {
-        self.as_str() == *other
     }
 }
 

@@ -85,22 +85,25 @@ pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelEr
 
 #[cfg(test)]
 mod tests {
-    use crate::dag::{Cluster, Filter, TrainingDag};
+    use crate::dag::{Cluster, Filter, Label, TrainingDag};
     use crate::model::ModelConfig;
 
     #[test]
     fn tiny_dag_has_f_b_per_segment_and_one_update() {
         let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(1)).unwrap();
-        assert_eq!(dag.query(&Filter::all().pass("F")).unwrap().len(), 8);
-        assert_eq!(dag.query(&Filter::all().pass("B")).unwrap().len(), 8);
-        assert_eq!(dag.query(&Filter::all().pass("update")).unwrap().len(), 1);
+        assert_eq!(dag.query(&Filter::all().pass(Label::F)).unwrap().len(), 8);
+        assert_eq!(dag.query(&Filter::all().pass(Label::B)).unwrap().len(), 8);
+        assert_eq!(
+            dag.query(&Filter::all().pass(Label::Update)).unwrap().len(),
+            1
+        );
         // 8 saved + 7 forward + 7 backward + 8 gradient edges.
         assert_eq!(dag.edge_count(), 30);
-        let f3 = &dag.query(&Filter::tag("PP", 3).pass("F")).unwrap()[0];
+        let f3 = &dag.query(&Filter::tag("PP", 3).pass(Label::F)).unwrap()[0];
         assert!(f3.cost.flops > 0.0 && f3.cost.param_bytes > 0 && f3.cost.saved_bytes > 0);
         assert_eq!(f3.cost.act_in_bytes, f3.cost.act_out_bytes);
         // Backward costs twice the forward.
-        let b3 = &dag.query(&Filter::tag("PP", 3).pass("B")).unwrap()[0];
+        let b3 = &dag.query(&Filter::tag("PP", 3).pass(Label::B)).unwrap()[0];
         assert_eq!(b3.cost.flops, 2.0 * f3.cost.flops);
     }
 }

@@ -5,7 +5,7 @@
 //! is only known after the change — a cycle — rolls its edges back).
 
 use super::error::{list, quote, DagError, DagErrorKind};
-use super::filter::Filter;
+use super::filter::{Filter, Label};
 use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
     ReplicaSpec, StreamId, TensorKind, TrainingDag,
@@ -922,8 +922,8 @@ impl TrainingDag {
         let mut to_split: Vec<NodeId> = Vec::new();
         for g in groups {
             for f in g {
-                if matches!(f.pass.as_deref(), Some("BI") | Some("BW")) {
-                    let fb = f.clone().pass("B");
+                if matches!(f.pass, Some(Label::BI | Label::BW)) {
+                    let fb = f.clone().pass(Label::B);
                     let r = self.resolve(&fb, &call)?;
                     to_split.extend(self.select_resolved(&r, &call)?);
                 }

@@ -3,6 +3,7 @@
 //! but requires the tag to be present; a key the filter does not mention
 //! matches anything.
 
+use super::{CommOp, NodeKind, Pass};
 use std::fmt;
 use std::str::FromStr;
 
@@ -16,16 +17,34 @@ pub enum TagMatch {
     Index(u32),
 }
 
-/// A node selector: tag matches ANDed, plus an optional pass / op name.
+/// A node selector: tag matches ANDed, plus an optional label.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Filter {
     pub tags: Vec<(String, TagMatch)>,
-    /// `F`, `B`, `BI`, `BW`, `update`, `send`, `recv`, `all-reduce`,
-    /// `reduce-scatter`, `all-gather`, `all-to-all` or `marker`.
-    pub pass: Option<String>,
+    /// The `PASS` key: what the node does.
+    pub pass: Option<Label>,
 }
 
-/// Values the `PASS` key can take.
+/// What a filter's `PASS` key matches: a node's label, its compute pass,
+/// `update`, its communication op, or `marker` (the SDK's `Pass`). Its
+/// names are [`PASS_VALUES`], in this order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Label {
+    F,
+    B,
+    BI,
+    BW,
+    Update,
+    Send,
+    Recv,
+    AllReduce,
+    ReduceScatter,
+    AllGather,
+    AllToAll,
+    Marker,
+}
+
+/// Values the `PASS` key can take, in [`Label`]'s order.
 pub const PASS_VALUES: [&str; 12] = [
     "F",
     "B",
@@ -40,6 +59,81 @@ pub const PASS_VALUES: [&str; 12] = [
     "all-to-all",
     "marker",
 ];
+
+impl Label {
+    /// Every label, in [`PASS_VALUES`]' order.
+    pub const ALL: [Label; 12] = [
+        Label::F,
+        Label::B,
+        Label::BI,
+        Label::BW,
+        Label::Update,
+        Label::Send,
+        Label::Recv,
+        Label::AllReduce,
+        Label::ReduceScatter,
+        Label::AllGather,
+        Label::AllToAll,
+        Label::Marker,
+    ];
+    pub fn as_str(self) -> &'static str {
+        PASS_VALUES[self as usize]
+    }
+    /// The label of a node of this kind.
+    pub fn of(kind: &NodeKind) -> Label {
+        match kind {
+            NodeKind::Compute { pass, .. } => match pass {
+                Pass::F => Label::F,
+                Pass::B => Label::B,
+                Pass::BI => Label::BI,
+                Pass::BW => Label::BW,
+            },
+            NodeKind::Update { .. } => Label::Update,
+            NodeKind::Comm(c) => match c.op {
+                CommOp::Send => Label::Send,
+                CommOp::Recv => Label::Recv,
+                CommOp::AllReduce => Label::AllReduce,
+                CommOp::ReduceScatter => Label::ReduceScatter,
+                CommOp::AllGather => Label::AllGather,
+                CommOp::AllToAll => Label::AllToAll,
+            },
+            NodeKind::Marker => Label::Marker,
+        }
+    }
+}
+
+impl FromStr for Label {
+    type Err = String;
+    /// A name from [`PASS_VALUES`]; anything else is refused, naming them.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match PASS_VALUES.iter().position(|v| *v == s) {
+            Some(i) => Ok(Label::ALL[i]),
+            None => Err(format!(
+                "PASS {} is not one of {PASS_VALUES:?}",
+                super::error::quote(s)
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Label {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl serde::Serialize for Label {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Label {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
 
 impl Filter {
     /// Matches every node.
@@ -60,9 +154,9 @@ impl Filter {
         self.set(key, TagMatch::Any);
         self
     }
-    /// Restrict to one pass or op (`F`, `B`, `BI`, `BW`, `all-reduce`, …).
-    pub fn pass(mut self, pass: &str) -> Self {
-        self.pass = Some(pass.to_string());
+    /// Restrict to one label (`Label::F`, `Label::AllReduce`, …).
+    pub fn pass(mut self, pass: Label) -> Self {
+        self.pass = Some(pass);
         self
     }
     fn set(&mut self, key: &str, m: TagMatch) {
@@ -104,8 +198,8 @@ impl fmt::Display for Filter {
         if self.tags.len() > MAX_TAGS {
             parts.push(format!("… ({} tags)", self.tags.len()));
         }
-        if let Some(p) = &self.pass {
-            parts.push(format!("PASS:{}", short(p)));
+        if let Some(p) = self.pass {
+            parts.push(format!("PASS:{p}"));
         }
         write!(f, "{{{}}}", parts.join(","))
     }
@@ -131,10 +225,7 @@ impl FromStr for Filter {
                 .ok_or_else(|| format!("filter item `{item}` is not KEY:VALUE in `{s}`"))?;
             let (k, v) = (k.trim(), v.trim());
             if k == "PASS" {
-                if !PASS_VALUES.contains(&v) {
-                    return Err(format!("PASS `{v}` is not one of {PASS_VALUES:?}"));
-                }
-                filter.pass = Some(v.to_string());
+                filter.pass = Some(v.parse()?);
             } else if v == "*" {
                 filter = filter.any(k);
             } else {
@@ -155,7 +246,7 @@ mod tests {
     #[test]
     fn parses_and_displays() {
         let f: Filter = "{PP:1, MB:*, PASS:F}".parse().unwrap();
-        assert_eq!(f, Filter::tag("PP", 1).any("MB").pass("F"));
+        assert_eq!(f, Filter::tag("PP", 1).any("MB").pass(Label::F));
         assert_eq!(f.to_string(), "{PP:1,MB:*,PASS:F}");
         assert!("{PP:x}".parse::<Filter>().is_err());
         assert!("{PASS:Q}".parse::<Filter>().unwrap_err().contains("PASS"));

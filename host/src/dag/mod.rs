@@ -8,14 +8,14 @@
 //! # Example
 //! ```
 //! use piper::model::ModelConfig;
-//! use piper::dag::{Cluster, Filter, TrainingDag};
+//! use piper::dag::{Cluster, Filter, Label, TrainingDag};
 //!
 //! let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(2)).unwrap();
 //! dag.split(&Filter::all(), "MB", 4).unwrap();
 //! for region in 0..8 {
 //!     dag.place(&Filter::tag("PP", region), &[region / 4], "pp").unwrap();
 //! }
-//! assert_eq!(dag.query(&Filter::all().pass("send")).unwrap().len(), 8);
+//! assert_eq!(dag.query(&Filter::all().pass(Label::Send)).unwrap().len(), 8);
 //! ```
 //!
 //! # Node kinds and who owns them
@@ -45,7 +45,7 @@ mod topo;
 pub use budget::{DagBudget, MAX_NAMES_HARD};
 pub use directives::ReplicateOptions;
 pub use error::{DagError, DagErrorKind};
-pub use filter::{Filter, TagMatch, PASS_VALUES};
+pub use filter::{Filter, Label, TagMatch, PASS_VALUES};
 pub use primitives::{Neighbour, NodeInfo};
 
 use crate::model::{ModelConfig, ModelError, Segment};
@@ -317,7 +317,6 @@ pub enum NodeKind {
 }
 
 impl NodeKind {
-    /// The op name used in filters (`PASS`) and plans.
     /// Does this node produce its segment's weight gradients (a `B` or
     /// `BW`; of a split expert backward, its last phase)?
     pub fn makes_weight_grads(&self) -> bool {
@@ -326,13 +325,10 @@ impl NodeKind {
                 && phase.is_none_or(|p| p == ExpertPhase::Dispatch))
     }
 
+    /// The node's label: what a filter's `PASS` matches, and the op name
+    /// in plans.
     pub fn label(&self) -> &'static str {
-        match self {
-            NodeKind::Compute { pass, .. } => pass.as_str(),
-            NodeKind::Update { .. } => "update",
-            NodeKind::Comm(c) => c.op.as_str(),
-            NodeKind::Marker => "marker",
-        }
+        Label::of(self).as_str()
     }
 }
 

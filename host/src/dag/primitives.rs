@@ -4,7 +4,7 @@
 //! arguments and leaves the DAG unchanged on error.
 
 use super::error::{DagError, DagErrorKind};
-use super::filter::{Filter, TagMatch, PASS_VALUES};
+use super::filter::{Filter, Label, TagMatch, PASS_VALUES};
 use super::{EdgeKind, NodeId, NodeKind, TagKey, TrainingDag};
 use crate::model::DTYPE_BYTES;
 use foldhash::HashMap;
@@ -42,8 +42,8 @@ pub struct NodeInfo {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Neighbour {
     pub node: NodeId,
-    /// `data`, `temporal` or `peer`.
-    pub edge: &'static str,
+    /// What the edge carries (a tensor, an order, a send to its receive).
+    pub edge: EdgeKind,
 }
 
 /// Node lists by tag value and by op label, for fast filter evaluation.
@@ -118,46 +118,9 @@ fn pair_key(label: u8, (k, v): (TagKey, u32), (k2, v2): (TagKey, u32)) -> u128 {
     (label_tag_key(label, k, v) as u128) << 64 | tag_key(k2, v2) as u128
 }
 
-/// A label as its index in [`PASS_VALUES`] (`u8::MAX`: none).
-fn label_key(label: &str) -> u8 {
-    match label {
-        "F" => 0,
-        "B" => 1,
-        "BI" => 2,
-        "BW" => 3,
-        "update" => 4,
-        "send" => 5,
-        "recv" => 6,
-        "all-reduce" => 7,
-        "reduce-scatter" => 8,
-        "all-gather" => 9,
-        "all-to-all" => 10,
-        "marker" => 11,
-        _ => u8::MAX,
-    }
-}
-
 /// A node's label as its index in [`PASS_VALUES`], from its kind.
 pub(crate) fn label_of(kind: &NodeKind) -> u8 {
-    use super::{CommOp, Pass};
-    match kind {
-        NodeKind::Compute { pass, .. } => match pass {
-            Pass::F => 0,
-            Pass::B => 1,
-            Pass::BI => 2,
-            Pass::BW => 3,
-        },
-        NodeKind::Update { .. } => 4,
-        NodeKind::Comm(c) => match c.op {
-            CommOp::Send => 5,
-            CommOp::Recv => 6,
-            CommOp::AllReduce => 7,
-            CommOp::ReduceScatter => 8,
-            CommOp::AllGather => 9,
-            CommOp::AllToAll => 10,
-        },
-        NodeKind::Marker => 11,
-    }
+    Label::of(kind) as u8
 }
 
 impl Index {
@@ -284,21 +247,7 @@ impl TrainingDag {
                 }
             }
         }
-        let label = match &f.pass {
-            Some(p) => match label_key(p) {
-                u8::MAX => {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::InvalidArgument(format!(
-                            "PASS {} is not one of {PASS_VALUES:?}",
-                            super::error::quote(p)
-                        )),
-                    ))
-                }
-                l => Some(l),
-            },
-            None => None,
-        };
+        let label = f.pass.map(|l| l as u8);
         Ok(Resolved { tags, label })
     }
 
@@ -459,24 +408,13 @@ impl TrainingDag {
         self.check_id(id, &call)?;
         let degree = self.preds(id).count() + self.succs(id).count();
         self.charge(&call, degree as u64)?;
-        let name = |k: EdgeKind| match k {
-            EdgeKind::Data { .. } => "data",
-            EdgeKind::Temporal => "temporal",
-            EdgeKind::Peer => "peer",
-        };
         let mut preds: Vec<Neighbour> = self
             .preds(id)
-            .map(|(n, k)| Neighbour {
-                node: n,
-                edge: name(k),
-            })
+            .map(|(n, edge)| Neighbour { node: n, edge })
             .collect();
         let mut succs: Vec<Neighbour> = self
             .succs(id)
-            .map(|(n, k)| Neighbour {
-                node: n,
-                edge: name(k),
-            })
+            .map(|(n, edge)| Neighbour { node: n, edge })
             .collect();
         preds.sort_by_key(|n| n.node);
         succs.sort_by_key(|n| n.node);
@@ -770,11 +708,11 @@ mod tests {
         assert_eq!(kinds.len(), PASS_VALUES.len());
         for k in &kinds {
             assert_eq!(PASS_VALUES[label_of(k) as usize], k.label());
-            assert_eq!(label_key(k.label()), label_of(k));
+            assert_eq!(k.label().parse::<Label>(), Ok(Label::of(k)));
         }
         for (i, v) in PASS_VALUES.iter().enumerate() {
-            assert_eq!(label_key(v), i as u8);
+            assert_eq!(v.parse::<Label>(), Ok(Label::ALL[i]));
         }
-        assert_eq!(label_key("G"), u8::MAX);
+        assert!("G".parse::<Label>().unwrap_err().contains("is not one of"));
     }
 }

@@ -489,12 +489,12 @@ fn interleavable_groups_go_through_a_marker() {
     dag.place(&Filter::all(), &[0], "pp").unwrap();
     let g = |mb: u32| -> Vec<Filter> {
         (0..4)
-            .map(|m| Filter::tag("PP", 0).and("MB", (mb + m) % 4).pass("F"))
+            .map(|m| Filter::tag("PP", 0).and("MB", (mb + m) % 4).pass(Label::F))
             .collect()
     };
     // Group 0: four independent forwards (4 sinks); group 1: four more sources.
     let b: Vec<Filter> = (0..4)
-        .map(|m| Filter::tag("PP", 7).and("MB", m).pass("B"))
+        .map(|m| Filter::tag("PP", 7).and("MB", m).pass(Label::B))
         .collect();
     dag.order(&[g(0), b]).unwrap();
     assert_eq!(count(&mut dag, "{PASS:marker}"), 1);

@@ -666,7 +666,7 @@ mod tests {
                     .unwrap();
             }
         }
-        let group = |s: u32, mb: u32, pass: &str| -> Vec<crate::dag::Filter> {
+        let group = |s: u32, mb: u32, pass: crate::dag::Label| -> Vec<crate::dag::Filter> {
             (s * per..(s + 1) * per)
                 .map(|r| crate::dag::Filter::tag("PP", r).and("MB", mb).pass(pass))
                 .collect()
@@ -676,14 +676,14 @@ mod tests {
             let warmup = stages - s - 1;
             let mut groups = Vec::new();
             for i in 0..warmup {
-                groups.push(group(s, i, "F"));
+                groups.push(group(s, i, crate::dag::Label::F));
             }
             for i in 0..mbs - warmup {
-                groups.push(group(s, warmup + i, "F"));
-                groups.push(group(s, i, "B"));
+                groups.push(group(s, warmup + i, crate::dag::Label::F));
+                groups.push(group(s, i, crate::dag::Label::B));
             }
             for i in mbs - warmup..mbs {
-                groups.push(group(s, i, "B"));
+                groups.push(group(s, i, crate::dag::Label::B));
             }
             let passes = |dag: &TrainingDag| dag.topo.as_ref().map_or(0, |t| t.passes);
             let before = passes(&dag);
@@ -699,7 +699,10 @@ mod tests {
         // The last stage runs F0 B0 F1 B1 …: microbatch 1's backward before
         // microbatch 0's forward closes a cycle.
         let err = dag
-            .order(&[group(stages - 1, 1, "B"), group(stages - 1, 0, "F")])
+            .order(&[
+                group(stages - 1, 1, crate::dag::Label::B),
+                group(stages - 1, 0, crate::dag::Label::F),
+            ])
             .unwrap_err();
         assert!(matches!(err.kind, DagErrorKind::Cycle { .. }), "{err}");
         assert_kept_order_valid(&dag);

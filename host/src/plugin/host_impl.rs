@@ -9,8 +9,18 @@ use wasmtime::component::Resource;
 
 type R<T> = wasmtime::Result<Result<T, wit::DagError>>;
 
-fn filter(f: wit::Filter) -> Filter {
-    Filter {
+/// The DAG's filter from the WIT's. `PASS` is a string at the edge: a
+/// name outside [`dag::PASS_VALUES`] is the plugin's error, named with the
+/// call it came with.
+fn filter(f: wit::Filter, call: &str) -> Result<Filter, DagError> {
+    let pass = match f.pass {
+        Some(p) => Some(
+            p.parse::<dag::Label>()
+                .map_err(|m| DagError::new(call, DagErrorKind::InvalidArgument(m)))?,
+        ),
+        None => None,
+    };
+    Ok(Filter {
         tags: f
             .tags
             .into_iter()
@@ -24,8 +34,8 @@ fn filter(f: wit::Filter) -> Filter {
                 )
             })
             .collect(),
-        pass: f.pass,
-    }
+        pass,
+    })
 }
 
 fn wit_error(e: &DagError, m: String) -> wit::DagError {
@@ -77,9 +87,9 @@ fn neighbour(n: dag::Neighbour) -> wit::Neighbour {
     wit::Neighbour {
         node: n.node.0,
         edge: match n.edge {
-            "data" => wit::EdgeKind::Data,
-            "temporal" => wit::EdgeKind::Temporal,
-            _ => wit::EdgeKind::Peer,
+            dag::EdgeKind::Data { .. } => wit::EdgeKind::Data,
+            dag::EdgeKind::Temporal => wit::EdgeKind::Temporal,
+            dag::EdgeKind::Peer => wit::EdgeKind::Peer,
         },
     }
 }
@@ -235,7 +245,8 @@ impl wdag::Host for PluginState {}
 impl wdag::HostTrainingDag for PluginState {
     fn split(&mut self, h: Resource<DagHandle>, f: wit::Filter, dim: String, n: u32) -> R<()> {
         check!(self.enter(&h, Args::default().filter(&f).string(&dim)));
-        let r = self.dag().split(&filter(f), &dim, n);
+        let f = check!(self.done(filter(f, "split")));
+        let r = self.dag().split(&f, &dim, n);
         self.done(r)
     }
     fn place(
@@ -250,7 +261,8 @@ impl wdag::HostTrainingDag for PluginState {
             .string(&stream)
             .list("devices", devices.len());
         check!(self.enter(&h, args));
-        let r = self.dag().place(&filter(f), &devices, &stream);
+        let f = check!(self.done(filter(f, "place")));
+        let r = self.dag().place(&f, &devices, &stream);
         self.done(r)
     }
     fn replicate(
@@ -275,7 +287,8 @@ impl wdag::HostTrainingDag for PluginState {
             gather_stream: o.gather_stream,
             reshard_after_forward: o.reshard_after_forward,
         };
-        let r = self.dag().replicate(&filter(f), &devices, &o);
+        let f = check!(self.done(filter(f, "replicate")));
+        let r = self.dag().replicate(&f, &devices, &o);
         self.done(r)
     }
     fn shard(
@@ -290,7 +303,8 @@ impl wdag::HostTrainingDag for PluginState {
             .string(&stream)
             .list("devices", devices.len());
         check!(self.enter(&h, args));
-        let r = self.dag().shard(&filter(f), &devices, &stream);
+        let f = check!(self.done(filter(f, "shard")));
+        let r = self.dag().shard(&f, &devices, &stream);
         self.done(r)
     }
     fn shard_tensor(
@@ -305,7 +319,8 @@ impl wdag::HostTrainingDag for PluginState {
             .string(&stream)
             .list("devices", devices.len());
         check!(self.enter(&h, args));
-        let r = self.dag().shard_tensor(&filter(f), &devices, &stream);
+        let f = check!(self.done(filter(f, "shard-tensor")));
+        let r = self.dag().shard_tensor(&f, &devices, &stream);
         self.done(r)
     }
     fn order(&mut self, h: Resource<DagHandle>, groups: Vec<Vec<wit::Filter>>) -> R<()> {
@@ -319,16 +334,17 @@ impl wdag::HostTrainingDag for PluginState {
             }
         }
         check!(self.enter(&h, args));
-        let groups: Vec<Vec<Filter>> = groups
+        let groups: Result<Vec<Vec<Filter>>, DagError> = groups
             .into_iter()
-            .map(|g| g.into_iter().map(filter).collect())
+            .map(|g| g.into_iter().map(|f| filter(f, "order")).collect())
             .collect();
+        let groups = check!(self.done(groups));
         let r = self.dag().order(&groups);
         self.done(r)
     }
     fn query(&mut self, h: Resource<DagHandle>, f: wit::Filter) -> R<Vec<wit::NodeInfo>> {
         check!(self.enter(&h, Args::default().filter(&f)));
-        let f = filter(f);
+        let f = check!(self.done(filter(f, "query")));
         let ids = check!(self.query_bounded(&f));
         // Building each record reads the node's tags and cost; the records
         // and their conversion are charged before they are made.
@@ -342,7 +358,8 @@ impl wdag::HostTrainingDag for PluginState {
     }
     fn query_ids(&mut self, h: Resource<DagHandle>, f: wit::Filter) -> R<Vec<u32>> {
         check!(self.enter(&h, Args::default().filter(&f)));
-        let ids = check!(self.query_bounded(&filter(f)));
+        let f = check!(self.done(filter(f, "query-ids")));
+        let ids = check!(self.query_bounded(&f));
         Ok(Ok(ids.into_iter().map(|i| i.0).collect()))
     }
     fn node(&mut self, h: Resource<DagHandle>, id: u32) -> R<wit::NodeInfo> {
@@ -394,12 +411,14 @@ impl wdag::HostTrainingDag for PluginState {
     }
     fn set_stream(&mut self, h: Resource<DagHandle>, f: wit::Filter, stream: String) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f).string(&stream)));
-        let r = self.dag().set_stream(&filter(f), &stream);
+        let f = check!(self.done(filter(f, "set-stream")));
+        let r = self.dag().set_stream(&f, &stream);
         self.done(r.map(|n| n as u32))
     }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f)));
-        let r = self.dag().set_priority(&filter(f), priority);
+        let f = check!(self.done(filter(f, "set-priority")));
+        let r = self.dag().set_priority(&f, priority);
         self.done(r.map(|n| n as u32))
     }
     fn drop(&mut self, h: Resource<DagHandle>) -> wasmtime::Result<()> {

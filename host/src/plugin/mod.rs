@@ -117,11 +117,38 @@ impl WasiView for PluginState {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct OptionInfo {
     pub name: String,
-    /// `int`, `float`, `bool` or `str`.
     #[serde(rename = "type")]
-    pub ty: String,
+    pub ty: OptionType,
     pub default: Option<String>,
     pub help: String,
+}
+
+/// The type of a strategy option's value; printed and serialized as
+/// `int`, `float`, `bool` or `str`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptionType {
+    Int,
+    Float,
+    Bool,
+    Str,
+}
+
+impl OptionType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptionType::Int => "int",
+            OptionType::Float => "float",
+            OptionType::Bool => "bool",
+            OptionType::Str => "str",
+        }
+    }
+}
+
+impl std::fmt::Display for OptionType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(self.as_str())
+    }
 }
 
 /// What a plugin's `info()` returned.
@@ -650,12 +677,11 @@ impl PluginHost {
                 .map(|o| OptionInfo {
                     name: o.name,
                     ty: match o.type_ {
-                        bindings::OptionType::Int => "int",
-                        bindings::OptionType::Float => "float",
-                        bindings::OptionType::Bool => "bool",
-                        bindings::OptionType::Str => "str",
-                    }
-                    .into(),
+                        bindings::OptionType::Int => OptionType::Int,
+                        bindings::OptionType::Float => OptionType::Float,
+                        bindings::OptionType::Bool => OptionType::Bool,
+                        bindings::OptionType::Str => OptionType::Str,
+                    },
                     default: o.default,
                     help: o.help,
                 })
@@ -690,19 +716,27 @@ impl PluginHost {
                 Cause::Options(format!(
                     "option `{}` expects {} {}, got `{text}`",
                     spec.name,
-                    if spec.ty == "int" { "an" } else { "a" },
+                    if spec.ty == OptionType::Int {
+                        "an"
+                    } else {
+                        "a"
+                    },
                     spec.ty
                 ))
             };
-            Ok(match spec.ty.as_str() {
-                "int" => bindings::OptionValue::Int(text.trim().parse().map_err(|_| bad())?),
-                "float" => bindings::OptionValue::Float(text.trim().parse().map_err(|_| bad())?),
-                "bool" => bindings::OptionValue::Bool(match text.trim() {
+            Ok(match spec.ty {
+                OptionType::Int => {
+                    bindings::OptionValue::Int(text.trim().parse().map_err(|_| bad())?)
+                }
+                OptionType::Float => {
+                    bindings::OptionValue::Float(text.trim().parse().map_err(|_| bad())?)
+                }
+                OptionType::Bool => bindings::OptionValue::Bool(match text.trim() {
                     "true" | "1" | "yes" => true,
                     "false" | "0" | "no" => false,
                     _ => return Err(bad()),
                 }),
-                _ => bindings::OptionValue::Str(text.to_string()),
+                OptionType::Str => bindings::OptionValue::Str(text.to_string()),
             })
         };
         let mut out = Vec::new();

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use piper::compile::compile;
-use piper::dag::{Cluster, DagError, Filter, ReplicateOptions, TrainingDag};
+use piper::dag::{Cluster, DagError, Filter, Label, ReplicateOptions, TrainingDag};
 use piper::model::ModelConfig;
 use piper::plugin::PluginHost;
 use piper::runtime::{Corpus, TrainOptions, Trainer};
@@ -16,7 +16,7 @@ pub fn stage_regions(regions: u32, stages: u32, stage: u32) -> Vec<u32> {
 }
 
 /// One group of an `order`: pass `pass` of microbatch `mb` over the stage's regions.
-pub fn group(regions: &[u32], mb: u32, pass: &str) -> Vec<Filter> {
+pub fn group(regions: &[u32], mb: u32, pass: Label) -> Vec<Filter> {
     regions
         .iter()
         .map(|r| Filter::tag("PP", *r).and("MB", mb).pass(pass))
@@ -29,14 +29,14 @@ pub fn one_f_one_b_order(stages: u32, stage: u32, mbs: u32, regions: &[u32]) -> 
     let warmup = (stages - stage - 1).min(mbs);
     let mut groups = Vec::new();
     for i in 0..warmup {
-        groups.push(group(regions, i, "F"));
+        groups.push(group(regions, i, Label::F));
     }
     for i in 0..mbs - warmup {
-        groups.push(group(regions, warmup + i, "F"));
-        groups.push(group(regions, i, "B"));
+        groups.push(group(regions, warmup + i, Label::F));
+        groups.push(group(regions, i, Label::B));
     }
     for i in mbs - warmup..mbs {
-        groups.push(group(regions, i, "B"));
+        groups.push(group(regions, i, Label::B));
     }
     groups
 }

@@ -4,8 +4,8 @@
 //! pipeline strategy applied next can put stage s on [s, 4 + s].
 
 use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, PluginInfo, ReplicateOptions,
-    Strategy,
+    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo,
+    ReplicateOptions, Strategy,
 };
 
 pub struct DataParallel;
@@ -37,14 +37,7 @@ impl Strategy for DataParallel {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let devices = dag.cluster().devices;
         let degree = options.u32("degree")?.unwrap_or(devices);
-        // Preconditions, with the numbers.
-        if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
-            return Err(Error::msg(format!(
-                "dp needs a degree that divides the device count: got degree {degree} for {devices} devices"
-            )));
-        }
-        let stride = devices / degree;
-        let group: Vec<u32> = (0..degree).map(|i| i * stride).collect();
+        let group = strided_group("dp", "degree", degree, devices)?;
         let opts = ReplicateOptions {
             bucket_bytes: options.u64("bucket-bytes")?.unwrap_or(25 << 20),
             reduce_stream: options.str("stream")?.unwrap_or("dp").to_string(),

@@ -9,8 +9,8 @@
 //! shifted by s.
 
 use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, PluginInfo, ReplicateOptions,
-    Strategy,
+    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo,
+    ReplicateOptions, Strategy,
 };
 use std::collections::BTreeSet;
 
@@ -48,14 +48,7 @@ impl Strategy for ExpertParallel {
         })?;
         // Not data-parallel yet: replicate everything over `ep` devices.
         if nodes.iter().all(|n| n.devices.len() <= 1) {
-            let degree = degree.unwrap_or(devices);
-            if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
-                return Err(Error::msg(format!(
-                    "ep needs a degree that divides the device count: got ep {degree} for {devices} devices"
-                )));
-            }
-            let stride = devices / degree;
-            let group: Vec<u32> = (0..degree).map(|i| i * stride).collect();
+            let group = strided_group("ep", "ep", degree.unwrap_or(devices), devices)?;
             dag.replicate(&Filter::all(), &group, &ReplicateOptions::zero(0))?;
         }
         // Each MoE layer (EP index) on the group it is data-parallel over.

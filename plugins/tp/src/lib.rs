@@ -6,7 +6,9 @@
 //! stage s on the group shifted by s. Dense segments only (experts: `ep`);
 //! not combined with `dp` yet.
 
-use piper_sdk::{export_strategy, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy};
+use piper_sdk::{
+    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,
+};
 
 pub struct TensorParallel;
 
@@ -32,13 +34,7 @@ impl Strategy for TensorParallel {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let devices = dag.cluster().devices;
         let degree = options.u32("tp")?.unwrap_or(devices);
-        if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
-            return Err(Error::msg(format!(
-                "tp needs a degree that divides the device count: got tp {degree} for {devices} devices"
-            )));
-        }
-        let stride = devices / degree;
-        let group: Vec<u32> = (0..degree).map(|i| i * stride).collect();
+        let group = strided_group("tp", "tp", degree, devices)?;
         let stream = options.str("stream")?.unwrap_or("tp");
         dag.shard_tensor(&Filter::all(), &group, stream)?;
         Ok(())

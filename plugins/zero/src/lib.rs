@@ -5,8 +5,8 @@
 //! with a pipeline applied after it, like `dp`.
 
 use piper_sdk::{
-    export_strategy, Dag, Error, Filter, OptionSpec, Options, PluginInfo, ReplicateOptions,
-    Strategy,
+    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo,
+    ReplicateOptions, Strategy,
 };
 
 pub struct Zero;
@@ -30,14 +30,7 @@ impl Strategy for Zero {
                 "zero needs stage 0, 1, 2 or 3: got {stage}"
             )));
         }
-        if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
-            return Err(Error::msg(format!(
-                "zero needs a dp degree that divides the device count: got dp {degree} for {devices} devices"
-            )));
-        }
-        // The DP group, spread evenly so a pipeline can shift it per stage.
-        let stride = devices / degree;
-        let group: Vec<u32> = (0..degree).map(|i| i * stride).collect();
+        let group = strided_group("zero", "dp", degree, devices)?;
         let opts = ReplicateOptions {
             bucket_bytes: options.u64("bucket-bytes")?.unwrap_or(25 << 20),
             reshard_after_forward: options.bool("reshard-after-forward")?.unwrap_or(true),

@@ -232,8 +232,9 @@ impl Strategy for Hostile {
     }
 }
 
-/// The exports: `Hostile` through the SDK, except `mode=alias-args`, which
-/// calls the raw bindings with arguments no safe guest code can make.
+/// The exports: `Hostile` through the SDK, except `mode=alias-args` and
+/// `mode=bad-pass`, which call the raw bindings with arguments the SDK's
+/// types cannot make.
 struct Export;
 
 impl piper_sdk::bindings::Guest for Export {
@@ -244,14 +245,15 @@ impl piper_sdk::bindings::Guest for Export {
         dag: &piper_sdk::bindings::piper::strategy::dag::TrainingDag,
         options: Vec<piper_sdk::bindings::OptionEntry>,
     ) -> Result<(), String> {
-        let aliased = options.iter().any(|o| {
-            o.name == "mode"
-                && matches!(&o.value, piper_sdk::bindings::OptionValue::Str(m) if m == "alias-args")
+        let mode = options.iter().find_map(|o| match &o.value {
+            piper_sdk::bindings::OptionValue::Str(m) if o.name == "mode" => Some(m.as_str()),
+            _ => None,
         });
-        if aliased {
-            return aliased_arguments(dag);
+        match mode {
+            Some("alias-args") => aliased_arguments(dag),
+            Some("bad-pass") => unknown_pass(dag),
+            _ => piper_sdk::__export::apply::<Hostile>(dag, options),
         }
-        piper_sdk::__export::apply::<Hostile>(dag, options)
     }
 }
 
@@ -277,4 +279,24 @@ fn aliased_arguments(
     let r = dag.split(&filter, "MB", 2);
     std::mem::forget(filter);
     r.map_err(|e| format!("{e:?}"))
+}
+
+/// A `query` whose filter's `PASS` is no node label (the SDK's `Pass` enum
+/// cannot say it; the WIT's string can). The host's refusal is returned.
+fn unknown_pass(
+    dag: &piper_sdk::bindings::piper::strategy::dag::TrainingDag,
+) -> Result<(), String> {
+    use piper_sdk::bindings::piper::strategy::types::{DagError, Filter as RawFilter};
+    let filter = RawFilter {
+        tags: Vec::new(),
+        pass: Some("forward".into()),
+    };
+    match dag.query(&filter) {
+        Ok(nodes) => Err(format!(
+            "the host accepted PASS `forward`: {} nodes",
+            nodes.len()
+        )),
+        Err(DagError::InvalidArgument(m)) => Err(m),
+        Err(e) => Err(format!("another refusal than invalid-argument: {e:?}")),
+    }
 }
