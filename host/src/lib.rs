@@ -9,6 +9,7 @@
 pub mod cli;
 pub mod compile;
 pub mod dag;
+pub mod home;
 pub mod model;
 pub mod plugin;
 pub mod registry;

@@ -501,7 +501,7 @@ fn garbage_is_refused_at_load() {
             .to_string();
         // One line, naming the plugin and its digest.
         assert!(!err.contains('\n'), "{err}");
-        let digest = &piper::plugin::sha256_hex(bytes)[..12];
+        let digest = &piper::home::sha256_hex(bytes)[..12];
         assert!(
             err.contains(&format!("`junk.wasm` (sha256 {digest})"))
                 && err.contains("cannot read or compile"),

@@ -657,27 +657,6 @@ fn zero_stages_train_like_dp_and_use_less_memory_per_stage() {
 }
 
 #[test]
-fn a_kernel_panic_on_one_device_ends_the_step_on_all_with_the_place_named() {
-    let plan = plan_for(4, &[("1f1b", &[("microbatches", "4")])]);
-    let opts = TrainOptions {
-        inject_panic: Some((2, "B".into())),
-        ..Default::default()
-    };
-    let t = std::time::Instant::now();
-    let err = failed_step(plan, opts);
-    assert!(
-        t.elapsed() < std::time::Duration::from_secs(5),
-        "took {:?}",
-        t.elapsed()
-    );
-    assert!(
-        err.starts_with("device 2, stream `compute`: B")
-            && err.contains("panicked: injected kernel panic"),
-        "{err}"
-    );
-}
-
-#[test]
 fn communication_waits_are_bounded_by_the_plan_with_a_floor() {
     let plan = plan_for(2, &[("1f1b", &[("microbatches", "4")])]);
     let t = piper::runtime::derived_comm_timeout(&plan);

@@ -108,7 +108,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     let out = a
         .out
         .clone()
-        .unwrap_or_else(|| crate::plugin::piper_home().join("cpu-local.toml"));
+        .unwrap_or_else(|| crate::home::piper_home().join("cpu-local.toml"));
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }

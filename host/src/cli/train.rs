@@ -340,6 +340,8 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         optimizer.weight_decay = wd;
     }
     optimizer.check()?;
+    // Test builds' options have a fault-injection field more.
+    #[allow(clippy::needless_update)]
     let opts = TrainOptions {
         seed: a.seed,
         adamw: AdamW {
@@ -366,7 +368,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         threads: a.threads.map(|t| t as usize),
         backend: crate::runtime::BackendKind::parse(&a.backend, a.gpus)
             .map_err(anyhow::Error::msg)?,
-        inject_panic: None,
+        ..TrainOptions::default()
     };
     // Read (and every file checked) before the devices start, so a damaged
     // checkpoint costs no setup.

@@ -27,8 +27,8 @@
 //! other) before the data-parallel reduction, as Megatron does.
 
 use super::{
-    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, StreamId, Tags,
-    TensorKind, TrainingDag, COMPUTE,
+    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, ReplicaSpec, StreamId,
+    Tags, TensorKind, TrainingDag, COMPUTE,
 };
 use crate::model::params::{Role, TpSplit};
 use crate::model::DTYPE_BYTES;
@@ -56,6 +56,18 @@ fn key_of(parts: impl Hash) -> u64 {
 /// Where a segment's gradient comes from: the node and its split key (the
 /// microbatch indices), `None` for a source that covers every microbatch.
 type Sources = Vec<(Option<Vec<u32>>, NodeId)>;
+
+/// What the rebuild's steps share: the strategy's tweaks of the dropped
+/// derived nodes, each segment's placement and parameter copies, its
+/// gradient sources (grown by the copy and tied all-reduces) and the nodes
+/// that read its weights.
+struct Rebuild {
+    tweaks: HashMap<u64, Tweak>,
+    placement: Vec<Placement>,
+    copies: Vec<Vec<(Vec<DeviceId>, Option<u32>)>>,
+    sources: Vec<Sources>,
+    readers: Vec<Vec<NodeId>>,
+}
 
 /// A segment's device group and replication spec, when all its nodes agree.
 pub(crate) type Placement = Option<(Vec<DeviceId>, Option<u32>)>;
@@ -296,11 +308,27 @@ impl TrainingDag {
         }
     }
 
-    /// Remove and recreate every derived node.
+    /// Remove and recreate every derived node, in the steps below: the
+    /// strategy's tweaks kept and the derived nodes dropped; where gradients
+    /// come from; the parameter-copy and tied-embedding all-reduces; one
+    /// update per (group, spec) with its gradient collectives; the global
+    /// gradient norm; the tweaks' temporal edges re-attached.
     fn rebuild_derived_nodes(&mut self) {
         self.dirty = false;
         self.topo = None;
-        // 1. Remember strategy tweaks, then drop the derived nodes.
+        let tweaks = self.drop_derived();
+        let mut r = self.gradient_flow(tweaks);
+        self.add_copy_all_reduces(&mut r);
+        self.add_tied_all_reduces(&mut r);
+        self.add_updates(&r);
+        self.add_grad_norm(&r.tweaks);
+        self.reattach_tweaks(&r.tweaks);
+    }
+
+    /// Remember the strategy's tweaks of derived nodes (stream, priority,
+    /// temporal edges to core nodes), then remove every derived node (and
+    /// it from the filter index).
+    fn drop_derived(&mut self) -> HashMap<u64, Tweak> {
         let mut tweaks: HashMap<u64, Tweak> = HashMap::new();
         let derived: Vec<NodeId> = self
             .node_ids()
@@ -346,13 +374,20 @@ impl TrainingDag {
         for id in derived {
             self.graph.remove_node(id.ix());
         }
+        tweaks
+    }
 
-        // 2. Per segment: placement, gradient producers, weight readers.
+    /// Per segment: its placement and parameter copies, the nodes that
+    /// produce its weight gradients (with their split keys) and the nodes
+    /// that read its weights. When the embedding and a tied head share a
+    /// group (or the same set of copy groups), the head's backward also
+    /// produces gradients of the embedding's bucket.
+    fn gradient_flow(&self, tweaks: HashMap<u64, Tweak>) -> Rebuild {
         let placement = self.segment_placement();
         let nseg = self.segments().len();
         let mut sources: Vec<Sources> = vec![Vec::new(); nseg];
         let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); nseg];
-        for id in self.node_ids().collect::<Vec<_>>() {
+        for id in self.node_ids() {
             let n = &self.graph[id.ix()];
             if let NodeKind::Compute { pass, segment, .. } = n.kind {
                 if n.kind.makes_weight_grads() {
@@ -363,20 +398,6 @@ impl TrainingDag {
                 }
             }
         }
-        let pp = self.find_tag("PP");
-        let region_tags = |dag: &TrainingDag, seg: u32| {
-            let mut t = Tags::default();
-            if let Some(pp) = pp {
-                t.set(pp, dag.segments()[seg as usize].region);
-            }
-            t
-        };
-        let grad_bytes =
-            |dag: &TrainingDag, seg: u32| dag.synced_elems(seg, &placement) * DTYPE_BYTES;
-
-        // The tied `wte`: when the embedding and the head share a group (or
-        // the same set of copy groups), the head's backward also produces
-        // gradients of the embedding's bucket.
         let copies = self.segment_copies();
         if let (Some(e), Some(h)) = (
             self.segments().iter().position(|s| s.has_embedding()),
@@ -390,15 +411,38 @@ impl TrainingDag {
                 sources[e].extend(extra);
             }
         }
+        Rebuild {
+            tweaks,
+            placement,
+            copies,
+            sources,
+            readers,
+        }
+    }
 
-        // Parameter copies: all-reduce each duplicated segment's gradients
-        // across its groups; every copy's update reads the sum.
-        for (seg, list) in copies.iter().enumerate() {
-            let Some(groups) = Self::paired_copies(list) else {
+    /// The tags of segment `seg`'s derived nodes: its `PP` region.
+    fn region_tags(&self, seg: u32) -> Tags {
+        let mut t = Tags::default();
+        if let Some(pp) = self.find_tag("PP") {
+            t.set(pp, self.segments()[seg as usize].region);
+        }
+        t
+    }
+
+    /// Bytes of segment `seg`'s gradients that its group synchronizes.
+    fn grad_bytes(&self, seg: u32, r: &Rebuild) -> u64 {
+        self.synced_elems(seg, &r.placement) * DTYPE_BYTES
+    }
+
+    /// Parameter copies: all-reduce each duplicated segment's gradients
+    /// across its groups; every copy's update reads the sum.
+    fn add_copy_all_reduces(&mut self, r: &mut Rebuild) {
+        for seg in 0..r.copies.len() {
+            let Some(groups) = Self::paired_copies(&r.copies[seg]) else {
                 continue;
             };
-            let devices: Vec<DeviceId> = list.iter().flat_map(|c| c.0.clone()).collect();
-            let bytes = grad_bytes(self, seg as u32);
+            let devices: Vec<DeviceId> = r.copies[seg].iter().flat_map(|c| c.0.clone()).collect();
+            let bytes = self.grad_bytes(seg as u32, r);
             let node = self.add_derived(
                 key_of(("copy", seg)),
                 NodeKind::Comm(Comm {
@@ -411,93 +455,101 @@ impl TrainingDag {
                     groups,
                     pair: None,
                 }),
-                region_tags(self, seg as u32),
+                self.region_tags(seg as u32),
                 devices,
                 self.tied_stream,
                 1,
-                &tweaks,
+                &r.tweaks,
             );
-            for (_, src) in sources[seg].clone() {
+            for (_, src) in r.sources[seg].clone() {
                 self.data(src, node, TensorKind::ParamGrad, bytes);
             }
-            sources[seg] = vec![(None, node)];
+            r.sources[seg] = vec![(None, node)];
         }
+    }
 
-        // 3. Tied embedding / head gradients across groups (a head of its
-        // own, as an untied Llama's, needs none).
+    /// Tied embedding / head gradients across groups of equal size, device
+    /// `i` with device `i` (a head of its own, as an untied Llama's, needs
+    /// none); per microbatch under ZeRO-2/3.
+    fn add_tied_all_reduces(&mut self, r: &mut Rebuild) {
         let emb = self.segments().iter().position(|s| s.has_embedding());
         let head = self
             .segments()
             .iter()
             .position(|s| s.has_head() && s.tied_elems > 0);
-        if let (Some(e), Some(h)) = (emb, head) {
-            if let (Some((ge, re)), Some((gh, rh))) = (placement[e].clone(), placement[h].clone()) {
-                let disjoint = ge.iter().all(|d| !gh.contains(d));
-                if e != h && ge != gh && ge.len() == gh.len() && disjoint {
-                    let per_mb =
-                        |r: Option<u32>| r.is_some_and(|r| self.specs[r as usize].zero >= 2);
-                    let per_mb = per_mb(re) || per_mb(rh);
-                    let wte = self.segments()[h].tied_elems * DTYPE_BYTES;
-                    let mut devices = ge.clone();
-                    devices.extend(gh.iter().copied());
-                    let groups: Vec<Vec<DeviceId>> =
-                        ge.iter().zip(&gh).map(|(a, b)| vec![*a, *b]).collect();
-                    let keys: Vec<Option<Vec<u32>>> = if per_mb {
-                        let mut k: Vec<Option<Vec<u32>>> =
-                            sources[e].iter().map(|(k, _)| k.clone()).collect();
-                        k.sort();
-                        k.dedup();
-                        k
+        let (Some(e), Some(h)) = (emb, head) else {
+            return;
+        };
+        let (Some((ge, re)), Some((gh, rh))) = (r.placement[e].clone(), r.placement[h].clone())
+        else {
+            return;
+        };
+        let disjoint = ge.iter().all(|d| !gh.contains(d));
+        if e == h || ge == gh || ge.len() != gh.len() || !disjoint {
+            return;
+        }
+        let per_mb = |x: Option<u32>| x.is_some_and(|x| self.specs[x as usize].zero >= 2);
+        let per_mb = per_mb(re) || per_mb(rh);
+        let wte = self.segments()[h].tied_elems * DTYPE_BYTES;
+        let mut devices = ge.clone();
+        devices.extend(gh.iter().copied());
+        let groups: Vec<Vec<DeviceId>> = ge.iter().zip(&gh).map(|(a, b)| vec![*a, *b]).collect();
+        let keys: Vec<Option<Vec<u32>>> = if per_mb {
+            let mut k: Vec<Option<Vec<u32>>> =
+                r.sources[e].iter().map(|(k, _)| k.clone()).collect();
+            k.sort();
+            k.dedup();
+            k
+        } else {
+            vec![None]
+        };
+        let stream = self.tied_stream;
+        for k in keys {
+            let node = self.add_derived(
+                key_of(("tied", &k)),
+                NodeKind::Comm(Comm {
+                    op: CommOp::AllReduce,
+                    purpose: CommPurpose::TiedGrad,
+                    tensor: TensorKind::ParamGrad,
+                    bytes: wte,
+                    segments: vec![e as u32, h as u32],
+                    peers: Vec::new(),
+                    groups: groups.clone(),
+                    pair: None,
+                }),
+                Tags::default(),
+                devices.clone(),
+                stream,
+                1,
+                &r.tweaks,
+            );
+            for s in [e, h] {
+                let srcs: Vec<NodeId> = r.sources[s]
+                    .iter()
+                    .filter(|(sk, _)| k.is_none() || *sk == k)
+                    .map(|(_, id)| *id)
+                    .collect();
+                for src in srcs {
+                    let t = if k.is_some() {
+                        TensorKind::MicroGrad
                     } else {
-                        vec![None]
+                        TensorKind::ParamGrad
                     };
-                    let stream = self.tied_stream;
-                    for k in keys {
-                        let node = self.add_derived(
-                            key_of(("tied", &k)),
-                            NodeKind::Comm(Comm {
-                                op: CommOp::AllReduce,
-                                purpose: CommPurpose::TiedGrad,
-                                tensor: TensorKind::ParamGrad,
-                                bytes: wte,
-                                segments: vec![e as u32, h as u32],
-                                peers: Vec::new(),
-                                groups: groups.clone(),
-                                pair: None,
-                            }),
-                            Tags::default(),
-                            devices.clone(),
-                            stream,
-                            1,
-                            &tweaks,
-                        );
-                        for s in [e, h] {
-                            let srcs: Vec<NodeId> = sources[s]
-                                .iter()
-                                .filter(|(sk, _)| k.is_none() || *sk == k)
-                                .map(|(_, id)| *id)
-                                .collect();
-                            for src in srcs {
-                                let t = if k.is_some() {
-                                    TensorKind::MicroGrad
-                                } else {
-                                    TensorKind::ParamGrad
-                                };
-                                self.data(src, node, t, wte);
-                            }
-                        }
-                        sources[e].push((k.clone(), node));
-                        sources[h].push((k.clone(), node));
-                    }
+                    self.data(src, node, t, wte);
                 }
             }
+            r.sources[e].push((k.clone(), node));
+            r.sources[h].push((k.clone(), node));
         }
+    }
 
-        // 4. One update per (group, spec), gradient collectives per bucket.
+    /// One update per (group, spec), in the order of each one's first
+    /// segment, with the gradient collectives its spec asks for.
+    fn add_updates(&mut self, r: &Rebuild) {
         let mut keys: BTreeMap<(Vec<DeviceId>, Option<u32>), Vec<u32>> = BTreeMap::new();
-        for (s, p) in placement.iter().enumerate() {
-            if Self::paired_copies(&copies[s]).is_some() {
-                for c in &copies[s] {
+        for (s, p) in r.placement.iter().enumerate() {
+            if Self::paired_copies(&r.copies[s]).is_some() {
+                for c in &r.copies[s] {
                     keys.entry(c.clone()).or_default().push(s as u32);
                 }
                 continue;
@@ -508,206 +560,242 @@ impl TrainingDag {
         let mut keys: Vec<_> = keys.into_iter().collect();
         keys.sort_by_key(|(_, segs)| segs[0]);
         for ((devs, rep), segs) in keys {
-            // Parameter copies give several updates over the same segments:
-            // their keys add the group (others keep theirs across re-placing).
-            let copied = segs.iter().any(|s| copies[*s as usize].len() > 1);
-            let key = if copied {
-                key_of(("update", &segs, &devs))
-            } else {
-                key_of(("update", &segs))
-            };
-            let update = self.add_derived(
-                key,
-                NodeKind::Update {
-                    segments: segs.clone(),
-                },
-                Tags::default(),
-                devs.clone(),
-                COMPUTE,
+            self.add_update(r, devs, rep, segs);
+        }
+    }
+
+    /// The update of segments `segs` on group `devs` (replicated by spec
+    /// `rep`): fed by the gradient sources directly on one device, else
+    /// through the spec's bucketed reductions; ZeRO-3's gathers before
+    /// every use.
+    fn add_update(&mut self, r: &Rebuild, devs: Vec<DeviceId>, rep: Option<u32>, segs: Vec<u32>) {
+        // Parameter copies give several updates over the same segments:
+        // their keys add the group (others keep theirs across re-placing).
+        let copied = segs.iter().any(|s| r.copies[*s as usize].len() > 1);
+        let key = if copied {
+            key_of(("update", &segs, &devs))
+        } else {
+            key_of(("update", &segs))
+        };
+        let update = self.add_derived(
+            key,
+            NodeKind::Update {
+                segments: segs.clone(),
+            },
+            Tags::default(),
+            devs.clone(),
+            COMPUTE,
+            1,
+            &r.tweaks,
+        );
+        let spec = rep.map(|x| self.specs[x as usize].clone());
+        let Some(spec) = spec.filter(|_| devs.len() > 1) else {
+            for &s in &segs {
+                let b = self.grad_bytes(s, r);
+                for &(_, src) in &r.sources[s as usize] {
+                    self.data(src, update, TensorKind::ParamGrad, b);
+                }
+            }
+            return;
+        };
+        // Buckets in backward order (last segment first). ZeRO-3 reduces
+        // and gathers per segment (the FSDP unit), whatever bucket-bytes says.
+        let mut buckets: Vec<Vec<u32>> = Vec::new();
+        let mut acc = u64::MAX;
+        for &s in segs.iter().rev() {
+            if acc >= spec.bucket_bytes.max(1) || spec.bucket_bytes == 0 || spec.zero == 3 {
+                buckets.push(Vec::new());
+                acc = 0;
+            }
+            buckets.last_mut().unwrap().push(s);
+            acc += self.grad_bytes(s, r);
+        }
+        for bucket in buckets {
+            self.add_bucket_sync(r, &spec, &devs, update, bucket);
+        }
+        if spec.zero == 3 {
+            self.add_param_gathers(r, &spec, &devs, &segs);
+        }
+    }
+
+    /// One bucket's gradient reduction into `update` (an all-reduce, or a
+    /// reduce-scatter under ZeRO: once after the last microbatch at stage 1,
+    /// per microbatch from stage 2), and at stages 1 and 2 the all-gather
+    /// of the updated shards.
+    fn add_bucket_sync(
+        &mut self,
+        r: &Rebuild,
+        spec: &ReplicaSpec,
+        devs: &[DeviceId],
+        update: NodeId,
+        bucket: Vec<u32>,
+    ) {
+        let n = devs.len() as u64;
+        let groups = vec![devs.to_vec()];
+        let bytes: u64 = bucket.iter().map(|s| self.grad_bytes(*s, r)).sum();
+        let tags = self.region_tags(bucket[0]);
+        let op = if spec.zero == 0 {
+            CommOp::AllReduce
+        } else {
+            CommOp::ReduceScatter
+        };
+        let sync_kind = |segs: &Vec<u32>| {
+            NodeKind::Comm(Comm {
+                op,
+                purpose: CommPurpose::GradSync,
+                tensor: TensorKind::ParamGrad,
+                bytes,
+                segments: segs.clone(),
+                peers: Vec::new(),
+                groups: groups.clone(),
+                pair: None,
+            })
+        };
+        let out_bytes = if spec.zero == 0 {
+            bytes
+        } else {
+            bytes.div_ceil(n)
+        };
+        if spec.zero <= 1 {
+            // Accumulate every microbatch, then reduce once.
+            let sync = self.add_derived(
+                key_of(("sync", &bucket)),
+                sync_kind(&bucket),
+                tags.clone(),
+                devs.to_vec(),
+                spec.reduce_stream,
                 1,
-                &tweaks,
+                &r.tweaks,
             );
-            let spec = rep.map(|r| self.specs[r as usize].clone());
-            let n = devs.len() as u64;
-            let Some(spec) = spec.filter(|_| n > 1) else {
-                for &s in &segs {
-                    let b = grad_bytes(self, s);
-                    for &(_, src) in &sources[s as usize] {
-                        self.data(src, update, TensorKind::ParamGrad, b);
-                    }
+            for &s in &bucket {
+                let b = self.grad_bytes(s, r);
+                for &(_, src) in &r.sources[s as usize] {
+                    self.data(src, sync, TensorKind::ParamGrad, b);
                 }
-                continue;
+            }
+            self.data(sync, update, TensorKind::ParamGrad, out_bytes);
+        } else {
+            // Reduce-scatter every microbatch's gradients: the sources by
+            // split key (a stable sort keeps the bucket's order within a
+            // key), one reduce-scatter per key.
+            let mut by_key: Vec<(&Option<Vec<u32>>, u32, NodeId)> = bucket
+                .iter()
+                .flat_map(|&s| r.sources[s as usize].iter().map(move |(k, id)| (k, s, *id)))
+                .collect();
+            by_key.sort_by(|a, b| a.0.cmp(b.0));
+            for srcs in by_key.chunk_by(|a, b| a.0 == b.0) {
+                let k = srcs[0].0;
+                let mut t = tags.clone();
+                for (dim, v) in self.split_dims.iter().zip(k.iter().flatten()) {
+                    t.set(*dim, *v);
+                }
+                let div = srcs
+                    .iter()
+                    .map(|(_, _, id)| self.graph[id.ix()].batch_div)
+                    .max()
+                    .unwrap_or(1);
+                let sync = self.add_derived(
+                    key_of(("sync", &bucket, k)),
+                    sync_kind(&bucket),
+                    t,
+                    devs.to_vec(),
+                    spec.reduce_stream,
+                    div,
+                    &r.tweaks,
+                );
+                for &(_, s, src) in srcs {
+                    let b = self.grad_bytes(s, r);
+                    self.data(src, sync, TensorKind::MicroGrad, b);
+                }
+                self.data(sync, update, TensorKind::ParamGrad, out_bytes);
+            }
+        }
+        if spec.zero == 1 || spec.zero == 2 {
+            // Updated parameter shards are gathered back.
+            let ag = self.add_derived(
+                key_of(("refresh", &bucket)),
+                NodeKind::Comm(Comm {
+                    op: CommOp::AllGather,
+                    purpose: CommPurpose::ParamRefresh,
+                    tensor: TensorKind::Param,
+                    bytes,
+                    segments: bucket.clone(),
+                    peers: Vec::new(),
+                    groups,
+                    pair: None,
+                }),
+                tags,
+                devs.to_vec(),
+                spec.gather_stream,
+                1,
+                &r.tweaks,
+            );
+            self.data(update, ag, TensorKind::Param, bytes.div_ceil(n));
+        }
+    }
+
+    /// ZeRO-3: full parameters gathered before every use (each reader's own
+    /// gather when `reshard_after_forward`, else one per segment).
+    fn add_param_gathers(
+        &mut self,
+        r: &Rebuild,
+        spec: &ReplicaSpec,
+        devs: &[DeviceId],
+        segs: &[u32],
+    ) {
+        let groups = vec![devs.to_vec()];
+        let mut split_key: Vec<u32> = Vec::new();
+        for &s in segs {
+            let bytes = self.grad_bytes(s, r);
+            let gather = || {
+                NodeKind::Comm(Comm {
+                    op: CommOp::AllGather,
+                    purpose: CommPurpose::ParamGather,
+                    tensor: TensorKind::Param,
+                    bytes,
+                    segments: vec![s],
+                    peers: Vec::new(),
+                    groups: groups.clone(),
+                    pair: None,
+                })
             };
-            let groups = vec![devs.clone()];
-            // Buckets in backward order (last segment first). ZeRO-3 reduces
-            // and gathers per segment (the FSDP unit), whatever bucket-bytes says.
-            let mut buckets: Vec<Vec<u32>> = Vec::new();
-            let mut acc = u64::MAX;
-            for &s in segs.iter().rev() {
-                if acc >= spec.bucket_bytes.max(1) || spec.bucket_bytes == 0 || spec.zero == 3 {
-                    buckets.push(Vec::new());
-                    acc = 0;
-                }
-                buckets.last_mut().unwrap().push(s);
-                acc += grad_bytes(self, s);
-            }
-            for bucket in buckets {
-                let bytes: u64 = bucket.iter().map(|s| grad_bytes(self, *s)).sum();
-                let tags = region_tags(self, bucket[0]);
-                let op = if spec.zero == 0 {
-                    CommOp::AllReduce
-                } else {
-                    CommOp::ReduceScatter
-                };
-                let sync_kind = |segs: &Vec<u32>| {
-                    NodeKind::Comm(Comm {
-                        op,
-                        purpose: CommPurpose::GradSync,
-                        tensor: TensorKind::ParamGrad,
-                        bytes,
-                        segments: segs.clone(),
-                        peers: Vec::new(),
-                        groups: groups.clone(),
-                        pair: None,
-                    })
-                };
-                let out_bytes = if spec.zero == 0 {
-                    bytes
-                } else {
-                    bytes.div_ceil(n)
-                };
-                if spec.zero <= 1 {
-                    // Accumulate every microbatch, then reduce once.
-                    let sync = self.add_derived(
-                        key_of(("sync", &bucket)),
-                        sync_kind(&bucket),
-                        tags.clone(),
-                        devs.clone(),
-                        spec.reduce_stream,
-                        1,
-                        &tweaks,
-                    );
-                    for &s in &bucket {
-                        let b = grad_bytes(self, s);
-                        for &(_, src) in &sources[s as usize] {
-                            self.data(src, sync, TensorKind::ParamGrad, b);
-                        }
-                    }
-                    self.data(sync, update, TensorKind::ParamGrad, out_bytes);
-                } else {
-                    // Reduce-scatter every microbatch's gradients: the
-                    // sources by split key (a stable sort keeps the bucket's
-                    // order within a key), one reduce-scatter per key.
-                    let mut by_key: Vec<(&Option<Vec<u32>>, u32, NodeId)> = bucket
-                        .iter()
-                        .flat_map(|&s| sources[s as usize].iter().map(move |(k, id)| (k, s, *id)))
-                        .collect();
-                    by_key.sort_by(|a, b| a.0.cmp(b.0));
-                    for srcs in by_key.chunk_by(|a, b| a.0 == b.0) {
-                        let k = srcs[0].0;
-                        let mut t = tags.clone();
-                        for (dim, v) in self.split_dims.iter().zip(k.iter().flatten()) {
-                            t.set(*dim, *v);
-                        }
-                        let div = srcs
-                            .iter()
-                            .map(|(_, _, id)| self.graph[id.ix()].batch_div)
-                            .max()
-                            .unwrap_or(1);
-                        let sync = self.add_derived(
-                            key_of(("sync", &bucket, k)),
-                            sync_kind(&bucket),
-                            t,
-                            devs.clone(),
-                            spec.reduce_stream,
-                            div,
-                            &tweaks,
-                        );
-                        for &(_, s, src) in srcs {
-                            let b = grad_bytes(self, s);
-                            self.data(src, sync, TensorKind::MicroGrad, b);
-                        }
-                        self.data(sync, update, TensorKind::ParamGrad, out_bytes);
-                    }
-                }
-                if spec.zero == 1 || spec.zero == 2 {
-                    // Updated parameter shards are gathered back.
+            let rs = r.readers[s as usize].clone();
+            if spec.reshard_after_forward {
+                for reader in rs {
+                    let rn = &self.graph[reader.ix()];
+                    let (tags, div, label) = (rn.tags.clone(), rn.batch_div, rn.kind.label());
+                    self.split_key_into(&tags, &mut split_key);
                     let ag = self.add_derived(
-                        key_of(("refresh", &bucket)),
-                        NodeKind::Comm(Comm {
-                            op: CommOp::AllGather,
-                            purpose: CommPurpose::ParamRefresh,
-                            tensor: TensorKind::Param,
-                            bytes,
-                            segments: bucket.clone(),
-                            peers: Vec::new(),
-                            groups: groups.clone(),
-                            pair: None,
-                        }),
-                        tags.clone(),
-                        devs.clone(),
+                        key_of(("gather", s, label, &split_key[..])),
+                        gather(),
+                        tags,
+                        devs.to_vec(),
                         spec.gather_stream,
-                        1,
-                        &tweaks,
+                        div,
+                        &r.tweaks,
                     );
-                    self.data(update, ag, TensorKind::Param, bytes.div_ceil(n));
+                    self.data(ag, reader, TensorKind::Param, bytes);
                 }
-            }
-            if spec.zero == 3 {
-                // Gather full parameters before every use.
-                let mut split_key: Vec<u32> = Vec::new();
-                for &s in &segs {
-                    let bytes = grad_bytes(self, s);
-                    let gather = || {
-                        NodeKind::Comm(Comm {
-                            op: CommOp::AllGather,
-                            purpose: CommPurpose::ParamGather,
-                            tensor: TensorKind::Param,
-                            bytes,
-                            segments: vec![s],
-                            peers: Vec::new(),
-                            groups: groups.clone(),
-                            pair: None,
-                        })
-                    };
-                    let rs = readers[s as usize].clone();
-                    if spec.reshard_after_forward {
-                        for r in rs {
-                            let rn = &self.graph[r.ix()];
-                            let (tags, div, label) =
-                                (rn.tags.clone(), rn.batch_div, rn.kind.label());
-                            self.split_key_into(&tags, &mut split_key);
-                            let ag = self.add_derived(
-                                key_of(("gather", s, label, &split_key[..])),
-                                gather(),
-                                tags,
-                                devs.clone(),
-                                spec.gather_stream,
-                                div,
-                                &tweaks,
-                            );
-                            self.data(ag, r, TensorKind::Param, bytes);
-                        }
-                    } else {
-                        let ag = self.add_derived(
-                            key_of(("gather", s)),
-                            gather(),
-                            region_tags(self, s),
-                            devs.clone(),
-                            spec.gather_stream,
-                            1,
-                            &tweaks,
-                        );
-                        for r in rs {
-                            self.data(ag, r, TensorKind::Param, bytes);
-                        }
-                    }
+            } else {
+                let ag = self.add_derived(
+                    key_of(("gather", s)),
+                    gather(),
+                    self.region_tags(s),
+                    devs.to_vec(),
+                    spec.gather_stream,
+                    1,
+                    &r.tweaks,
+                );
+                for reader in rs {
+                    self.data(ag, reader, TensorKind::Param, bytes);
                 }
             }
         }
+    }
 
-        // 5. The global gradient norm: one all-reduce over every device that
-        //    holds parameters, after all gradient reductions, before any update.
+    /// The global gradient norm: one all-reduce over every device that holds
+    /// parameters, after all gradient reductions, before any update.
+    fn add_grad_norm(&mut self, tweaks: &HashMap<u64, Tweak>) {
         let updates: Vec<NodeId> = self
             .node_ids()
             .filter(|id| matches!(self.graph[id.ix()].kind, NodeKind::Update { .. }))
@@ -721,55 +809,60 @@ impl TrainingDag {
         let placed = updates
             .iter()
             .all(|u| !self.graph[u.ix()].devices.is_empty());
-        if all.len() > 1 && placed {
-            let norm = self.add_derived(
-                key_of("grad-norm"),
-                NodeKind::Comm(Comm {
-                    op: CommOp::AllReduce,
-                    purpose: CommPurpose::GradNorm,
-                    tensor: TensorKind::ParamGrad,
-                    bytes: 8,
-                    segments: Vec::new(),
-                    peers: Vec::new(),
-                    groups: vec![all.clone()],
-                    pair: None,
-                }),
-                Tags::default(),
-                all,
-                COMPUTE,
-                1,
-                &tweaks,
-            );
-            for &u in &updates {
-                let preds: Vec<NodeId> = self
-                    .preds(u)
-                    .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
-                    .map(|(p, _)| p)
-                    .collect();
-                for p in preds {
-                    self.data(p, norm, TensorKind::ParamGrad, 8);
-                }
-                self.data(norm, u, TensorKind::ParamGrad, 8);
-            }
+        if all.len() <= 1 || !placed {
+            return;
         }
-
-        // 6. Re-attach tweaked derived nodes' temporal edges.
-        if !tweaks.is_empty() {
-            let new: Vec<(NodeId, u64)> = self
-                .node_ids()
-                .filter_map(|id| self.graph[id.ix()].derived.map(|k| (id, k)))
+        let norm = self.add_derived(
+            key_of("grad-norm"),
+            NodeKind::Comm(Comm {
+                op: CommOp::AllReduce,
+                purpose: CommPurpose::GradNorm,
+                tensor: TensorKind::ParamGrad,
+                bytes: 8,
+                segments: Vec::new(),
+                peers: Vec::new(),
+                groups: vec![all.clone()],
+                pair: None,
+            }),
+            Tags::default(),
+            all,
+            COMPUTE,
+            1,
+            tweaks,
+        );
+        for &u in &updates {
+            let preds: Vec<NodeId> = self
+                .preds(u)
+                .filter(|(_, k)| matches!(k, EdgeKind::Data { .. }))
+                .map(|(p, _)| p)
                 .collect();
-            for (id, k) in new {
-                if let Some(t) = tweaks.get(&k) {
-                    for &b in &t.before {
-                        if self.graph.node_weight(b.ix()).is_some() {
-                            self.graph.add_edge(b.ix(), id.ix(), EdgeKind::Temporal);
-                        }
+            for p in preds {
+                self.data(p, norm, TensorKind::ParamGrad, 8);
+            }
+            self.data(norm, u, TensorKind::ParamGrad, 8);
+        }
+    }
+
+    /// Re-attach tweaked derived nodes' temporal edges to the rebuilt nodes
+    /// of the same key (to core nodes that still exist).
+    fn reattach_tweaks(&mut self, tweaks: &HashMap<u64, Tweak>) {
+        if tweaks.is_empty() {
+            return;
+        }
+        let new: Vec<(NodeId, u64)> = self
+            .node_ids()
+            .filter_map(|id| self.graph[id.ix()].derived.map(|k| (id, k)))
+            .collect();
+        for (id, k) in new {
+            if let Some(t) = tweaks.get(&k) {
+                for &b in &t.before {
+                    if self.graph.node_weight(b.ix()).is_some() {
+                        self.graph.add_edge(b.ix(), id.ix(), EdgeKind::Temporal);
                     }
-                    for &a in &t.after {
-                        if self.graph.node_weight(a.ix()).is_some() {
-                            self.graph.add_edge(id.ix(), a.ix(), EdgeKind::Temporal);
-                        }
+                }
+                for &a in &t.after {
+                    if self.graph.node_weight(a.ix()).is_some() {
+                        self.graph.add_edge(id.ix(), a.ix(), EdgeKind::Temporal);
                     }
                 }
             }

@@ -12,13 +12,15 @@
 //! stage, where a last-in first-out pass left half against it every time).
 //! Any other change to the DAG drops the snapshot
 //! (`touch`, derived-node rebuilds) or is caught by its signature (node and
-//! edge counts); the next call takes a new one.
+//! edge counts); the next call takes a new one. The plain Kahn pass over the
+//! whole graph (`check_acyclic`, `check_acyclic_with`) is here too.
 
-use super::TrainingDag;
+use super::{NodeId, TrainingDag};
 use foldhash::{HashMap, HashMapExt};
 use petgraph::stable_graph::NodeIndex;
 use petgraph::visit::{EdgeRef, IntoEdgeReferences, NodeIndexable};
 use petgraph::Direction;
+use std::collections::BTreeMap;
 
 /// Position of a vacant node index.
 const NONE: u32 = u32::MAX;
@@ -498,6 +500,115 @@ fn search(
     let result = walk();
     (t.seen, t.parent) = (seen, parent);
     result
+}
+
+impl TrainingDag {
+    /// Kahn's algorithm over every edge. `Err` holds one cycle.
+    pub(crate) fn check_acyclic(&self) -> Result<(), Vec<NodeId>> {
+        self.check_acyclic_with(&[], 0)
+            .map(|_| ())
+            .map_err(|c| c.into_iter().map(|i| NodeId(i as u32)).collect())
+    }
+
+    /// Kahn's algorithm over every edge plus `extra` edges, which may name
+    /// `virtual_nodes` nodes numbered from the graph's node bound up (edges
+    /// planned but not added yet). `Ok` holds each node's position in the
+    /// order found (`u32::MAX` for vacant indices), `Err` one cycle, as node
+    /// indices.
+    pub(crate) fn check_acyclic_with(
+        &self,
+        extra: &[(usize, usize)],
+        virtual_nodes: usize,
+    ) -> Result<Vec<u32>, Vec<usize>> {
+        let bound = self.graph.node_bound();
+        let total = bound + virtual_nodes;
+        let mut indeg = vec![0u32; total];
+        // Extra edges as a compressed adjacency list (counting sort by source).
+        let mut head = vec![0u32; total + 1];
+        for &(a, b) in extra {
+            head[a + 1] += 1;
+            indeg[b] += 1;
+        }
+        for i in 0..total {
+            head[i + 1] += head[i];
+        }
+        let mut fill = head.clone();
+        let mut targets = vec![0usize; extra.len()];
+        for &(a, b) in extra {
+            targets[fill[a] as usize] = b;
+            fill[a] += 1;
+        }
+        for e in self.graph.edge_references() {
+            indeg[e.target().index()] += 1;
+        }
+        let live = |i: usize| i >= bound || self.graph.contains_node(NodeIndex::new(i));
+        let mut stack: Vec<usize> = (0..total).filter(|&i| live(i) && indeg[i] == 0).collect();
+        let mut seen = 0usize;
+        let mut pos = vec![u32::MAX; total];
+        while let Some(n) = stack.pop() {
+            pos[n] = seen as u32;
+            seen += 1;
+            for &t in &targets[head[n] as usize..head[n + 1] as usize] {
+                indeg[t] -= 1;
+                if indeg[t] == 0 {
+                    stack.push(t);
+                }
+            }
+            if n < bound {
+                for t in self
+                    .graph
+                    .neighbors_directed(NodeIndex::new(n), Direction::Outgoing)
+                {
+                    let t = t.index();
+                    indeg[t] -= 1;
+                    if indeg[t] == 0 {
+                        stack.push(t);
+                    }
+                }
+            }
+        }
+        if seen == self.graph.node_count() + virtual_nodes {
+            return Ok(pos);
+        }
+        // Walk predecessors among the blocked nodes until one repeats.
+        // Failure path only: extra edges by target, for the walk back.
+        let preds = |i: usize| -> Vec<usize> {
+            let mut v: Vec<usize> = extra
+                .iter()
+                .filter(|(_, b)| *b == i)
+                .map(|(a, _)| *a)
+                .collect();
+            if i < bound {
+                v.extend(
+                    self.graph
+                        .neighbors_directed(NodeIndex::new(i), Direction::Incoming)
+                        .map(|t| t.index()),
+                );
+            }
+            v
+        };
+        let Some(start) = (0..total).find(|&i| live(i) && indeg[i] > 0) else {
+            return Err(Vec::new());
+        };
+        let mut path = vec![start];
+        let mut pos: BTreeMap<usize, usize> = BTreeMap::from([(start, 0)]);
+        let mut cur = start;
+        loop {
+            // A blocked node always has a blocked predecessor.
+            let Some(next) = preds(cur).into_iter().find(|&p| indeg[p] > 0) else {
+                return Err(path);
+            };
+            if let Some(&p) = pos.get(&next) {
+                let mut cycle: Vec<usize> = path[p..].to_vec();
+                cycle.reverse();
+                cycle.push(cycle[0]);
+                return Err(cycle);
+            }
+            pos.insert(next, path.len());
+            path.push(next);
+            cur = next;
+        }
+    }
 }
 
 #[cfg(test)]

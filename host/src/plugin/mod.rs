@@ -29,17 +29,19 @@ mod cache;
 mod host_impl;
 mod limits;
 mod no_sleep;
+mod options;
 
 pub use cache::CompileCache;
 pub use limits::{LimitsError, SandboxLimits};
+pub use options::{OptionInfo, OptionType};
 
 /// The `piper:strategy` versions this host accepts, as shown to users.
 pub const WIT_ACCEPTED: &str = WIT_ACCEPTS;
 
 use crate::dag::TrainingDag;
+use crate::home::{piper_home, sha256_hex};
 use limits::{FixedClock, Limiter};
 use serde::Serialize;
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -110,44 +112,6 @@ impl WasiView for PluginState {
             ctx: &mut self.wasi,
             table: &mut self.table,
         }
-    }
-}
-
-/// A strategy option as the plugin declares it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct OptionInfo {
-    pub name: String,
-    #[serde(rename = "type")]
-    pub ty: OptionType,
-    pub default: Option<String>,
-    pub help: String,
-}
-
-/// The type of a strategy option's value; printed and serialized as
-/// `int`, `float`, `bool` or `str`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OptionType {
-    Int,
-    Float,
-    Bool,
-    Str,
-}
-
-impl OptionType {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OptionType::Int => "int",
-            OptionType::Float => "float",
-            OptionType::Bool => "bool",
-            OptionType::Str => "str",
-        }
-    }
-}
-
-impl std::fmt::Display for OptionType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.pad(self.as_str())
     }
 }
 
@@ -249,24 +213,6 @@ pub struct ApplyReport {
     pub dropped_log_bytes: u64,
     /// Host work units the plugin's calls cost (`sandbox.max_host_work`).
     pub host_work: u64,
-}
-
-/// `$PIPER_HOME`, defaulting to `$XDG_CACHE_HOME/piper` or `~/.cache/piper`:
-/// the compile cache (`compiled/`) and the plugin store (`store/`).
-pub fn piper_home() -> PathBuf {
-    std::env::var_os("PIPER_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|c| PathBuf::from(c).join("piper")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/piper")))
-        .unwrap_or_else(|| std::env::temp_dir().join("piper"))
-}
-
-/// Hex sha256 of a component's bytes: its identity in errors and the cache.
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 /// What [`PluginHost::inspect`] found in a component.
@@ -687,89 +633,6 @@ impl PluginHost {
                 })
                 .collect(),
         })
-    }
-
-    /// Check `options` (name, text) against the plugin's declared options and
-    /// complete them with defaults.
-    pub fn check_options(
-        plugin: &Plugin,
-        options: &[(String, String)],
-    ) -> Result<Vec<bindings::OptionEntry>, Cause> {
-        let takes = || {
-            if plugin.info.options.is_empty() {
-                "it takes no options".to_string()
-            } else {
-                format!(
-                    "it takes {}",
-                    plugin
-                        .info
-                        .options
-                        .iter()
-                        .map(|o| format!("{} ({})", o.name, o.ty))
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            }
-        };
-        let parse = |spec: &OptionInfo, text: &str| -> Result<bindings::OptionValue, Cause> {
-            let bad = || {
-                Cause::Options(format!(
-                    "option `{}` expects {} {}, got `{text}`",
-                    spec.name,
-                    if spec.ty == OptionType::Int {
-                        "an"
-                    } else {
-                        "a"
-                    },
-                    spec.ty
-                ))
-            };
-            Ok(match spec.ty {
-                OptionType::Int => {
-                    bindings::OptionValue::Int(text.trim().parse().map_err(|_| bad())?)
-                }
-                OptionType::Float => {
-                    bindings::OptionValue::Float(text.trim().parse().map_err(|_| bad())?)
-                }
-                OptionType::Bool => bindings::OptionValue::Bool(match text.trim() {
-                    "true" | "1" | "yes" => true,
-                    "false" | "0" | "no" => false,
-                    _ => return Err(bad()),
-                }),
-                OptionType::Str => bindings::OptionValue::Str(text.to_string()),
-            })
-        };
-        let mut out = Vec::new();
-        for (name, text) in options {
-            let Some(spec) = plugin.info.options.iter().find(|o| &o.name == name) else {
-                return Err(Cause::Options(format!(
-                    "unknown option `{name}`: {}",
-                    takes()
-                )));
-            };
-            if out.iter().any(|e: &bindings::OptionEntry| &e.name == name) {
-                return Err(Cause::Options(format!("option `{name}` is given twice")));
-            }
-            out.push(bindings::OptionEntry {
-                name: name.clone(),
-                value: parse(spec, text)?,
-            });
-        }
-        for spec in &plugin.info.options {
-            if let (Some(d), false) = (&spec.default, out.iter().any(|e| e.name == spec.name)) {
-                let value = parse(spec, d).map_err(|_| {
-                    Cause::Options(format!(
-                        "the plugin's own default `{d}` for option `{}` is not a valid {}",
-                        spec.name, spec.ty
-                    ))
-                })?;
-                out.push(bindings::OptionEntry {
-                    name: spec.name.clone(),
-                    value,
-                });
-            }
-        }
-        Ok(out)
     }
 
     /// Run the plugin's `apply` on `dag`. On any failure `dag` is unchanged.

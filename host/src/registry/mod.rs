@@ -101,7 +101,7 @@ pub(crate) fn io(
 
 /// `sha256:<hex>` of some bytes.
 pub fn digest_of(bytes: &[u8]) -> String {
-    format!("sha256:{}", crate::plugin::sha256_hex(bytes))
+    format!("sha256:{}", crate::home::sha256_hex(bytes))
 }
 
 /// `oci://HOST[:PORT]/REPO(:TAG|@sha256:HEX)`.

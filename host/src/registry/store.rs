@@ -85,7 +85,7 @@ fn hex_of(digest: &str) -> Result<&str, RegistryError> {
 impl Store {
     /// `$PIPER_HOME/store` (`PIPER_HOME` defaulting as for the compile cache).
     pub fn default_dir() -> PathBuf {
-        crate::plugin::piper_home().join("store")
+        crate::home::piper_home().join("store")
     }
 
     pub fn open(root: &Path) -> Result<Self, RegistryError> {

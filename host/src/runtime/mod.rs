@@ -87,10 +87,10 @@ pub struct TrainOptions {
     pub threads: Option<usize>,
     /// The backend the devices compute on.
     pub backend: BackendKind,
-    /// Fault injection for tests: panic on `device` when an op whose label
-    /// starts with the text is about to run.
-    #[doc(hidden)]
-    pub inject_panic: Option<(u32, String)>,
+    /// Fault injection for the runtime's own tests: panic on `device` when
+    /// an op whose label starts with the text is about to run.
+    #[cfg(test)]
+    pub(crate) inject_panic: Option<(u32, String)>,
 }
 
 /// Kernel threads per device when none are asked for: this machine's cores
@@ -152,6 +152,7 @@ impl Default for TrainOptions {
             trace: false,
             threads: None,
             backend: BackendKind::default(),
+            #[cfg(test)]
             inject_panic: None,
         }
     }

@@ -184,6 +184,7 @@ fn run_stream<B: Backend>(
         }
         let t0 = ctx.epoch.elapsed();
         current.set(Some(i));
+        #[cfg(test)]
         if let Some((d, what)) = &ctx.opts.inject_panic {
             if *d == dev.id && op.label().starts_with(what.as_str()) {
                 panic!("injected kernel panic (TrainOptions::inject_panic)");
@@ -240,4 +241,46 @@ fn run_stream<B: Backend>(
         dev.cv.notify_all();
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::compile::compile;
+    use crate::dag::{Cluster, TrainingDag};
+    use crate::model::ModelConfig;
+    use crate::plugin::{PluginHost, SandboxLimits};
+    use crate::runtime::{Corpus, TrainOptions, Trainer};
+
+    /// A panic in one device's kernel (injected: `TrainOptions::inject_panic`
+    /// exists in test builds only) ends the step on every device within
+    /// seconds, and the error names the device, the stream and the op.
+    #[test]
+    fn a_kernel_panic_on_one_device_ends_the_step_on_all_with_the_place_named() {
+        let cfg = ModelConfig::tiny();
+        let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+        let mut dag = TrainingDag::build(&cfg, Cluster::new(4)).unwrap();
+        let p = host.load("1f1b").unwrap();
+        host.apply(&p, &mut dag, &[("microbatches".into(), "4".into())])
+            .unwrap();
+        let opts = TrainOptions {
+            inject_panic: Some((2, "B".into())),
+            ..Default::default()
+        };
+        let mut trainer = Trainer::new(&cfg, compile(&dag).unwrap(), opts).unwrap();
+        let t = std::time::Instant::now();
+        let err = trainer
+            .step(&Corpus::builtin().batch(1, 32, 64, 256).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(5),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert!(
+            err.starts_with("device 2, stream `compute`: B")
+                && err.contains("panicked: injected kernel panic"),
+            "{err}"
+        );
+    }
 }

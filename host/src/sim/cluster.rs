@@ -188,7 +188,7 @@ impl Cluster {
             "h100-8x" => Self::h100_8x(),
             "h200-1" => Self::h200_1(),
             "cpu-local" => {
-                let f = crate::plugin::piper_home().join("cpu-local.toml");
+                let f = crate::home::piper_home().join("cpu-local.toml");
                 if f.is_file() {
                     Self::from_file(&f)?
                 } else {
