@@ -1,8 +1,8 @@
 //! Where Piper keeps what it makes for later, and the digest that names
 //! it: `$PIPER_HOME` (the plugin compile cache, the registry's store,
 //! `piper calibrate`'s `cpu-local.toml`) and hex sha256. Its own module
-//! because `plugin/`, `registry/`, `sim/` and `cli/` all use it and none
-//! owns it.
+//! because `plugin/`, `registry/`, `sim/`, `cli/` and the runtime's
+//! checkpoints all use it and none owns it.
 
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;

@@ -17,12 +17,12 @@
 //! step directory is whole, so a process killed at any moment leaves the
 //! previous checkpoint loadable ([`resolve`]).
 
+use crate::home::sha256_hex;
 use crate::model::params::ParamTable;
 use crate::model::ModelConfig;
 use safetensors::tensor::{Dtype, TensorView};
 use safetensors::SafeTensors;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -60,13 +60,6 @@ struct StateFile {
     /// sha256 (hex) of each of [`FILES`] (absent: refused on load).
     #[serde(default)]
     files: BTreeMap<String, String>,
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }
 
 fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
