@@ -412,6 +412,7 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
     replicate_stages(&mut zero3, &groups, Some(3)).unwrap();
     pipeline_place(&mut zero3, &groups, 4).unwrap();
     let zero3 = compile(&zero3).unwrap();
+    let zero3_json = zero3.to_json();
     assert!(zero3.devices[0].streams.iter().any(|s| s
         .ops
         .iter()
@@ -425,6 +426,37 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
         assert_eq!(back.compute_hash(), plan.hash);
         assert_eq!(back, plan);
     }
+    // In JSON a wait names its stream: a name the device lacks is refused
+    // on reading, naming the device and both streams.
+    let mut json: serde_json::Value = serde_json::from_str(&zero3_json).unwrap();
+    let (d, stream, wait) = json["devices"]
+        .as_array_mut()
+        .unwrap()
+        .iter_mut()
+        .find_map(|d| {
+            let dev = d["device"].as_u64().unwrap();
+            d["streams"]
+                .as_array_mut()
+                .unwrap()
+                .iter_mut()
+                .find_map(|s| {
+                    let name = s["stream"].as_str().unwrap().to_string();
+                    s["ops"].as_array_mut().unwrap().iter_mut().find_map(|o| {
+                        let w = o.get_mut("waits")?.get_mut(0)?;
+                        Some((dev, name.clone(), w))
+                    })
+                })
+        })
+        .expect("a ZeRO-3 pipeline plan has cross-stream waits");
+    wait["stream"] = "nowhere".into();
+    let err = piper::compile::Plan::from_json(&json.to_string()).unwrap_err();
+    assert!(
+        err.to_string().contains(&format!(
+            "device {d}: an op of stream `{stream}` waits on stream `nowhere`, \
+             which this device lacks"
+        )),
+        "{err}"
+    );
 }
 
 #[test]

@@ -15,7 +15,7 @@
 use super::deadlock::{Kind, Step, StreamSteps, NO_STREAM};
 use super::flat::Flat;
 use super::groups::Groups;
-use super::plan::{self, Input, Op, OpCommon, OpKind, Wait};
+use super::plan::{self, Input, Op, OpCommon, OpKind, StreamIx, Wait};
 use crate::dag::{
     CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Spread, TagKey, Tags,
     TensorKind, TrainingDag,
@@ -539,7 +539,8 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
     };
     // The last waits list, to share with the next op that waits on the
     // same positions (a node's next device, mostly).
-    let mut last_waits: (Vec<(u16, u32)>, Arc<[Wait]>) = (Vec::new(), sh.no_waits.clone());
+    let mut last_waits: (Vec<(u32, u32)>, Arc<[Wait]>) = (Vec::new(), sh.no_waits.clone());
+    let mut wait_at: Vec<(u32, u32)> = Vec::new();
     // Messages sent from this chunk's devices, until their receive: (the
     // receive's order index, local device, bytes).
     let mut in_flight: BinaryHeap<Reverse<(u32, usize, u64)>> = BinaryHeap::new();
@@ -716,21 +717,25 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             if waits.len() > 1 {
                 waits.sort_unstable_by_key(|&(s, i)| (names.keys[s as usize], i));
             }
-            // The devices of an SPMD node mostly wait on the same positions:
-            // one list for them (no allocation per op).
-            let waits_list = if waits.is_empty() {
+            // Each wait as (the device's stream position, op index). The
+            // devices of an SPMD node mostly wait on the same positions: one
+            // list for them (no allocation per op).
+            let dv = &devs[dl];
+            wait_at.clear();
+            wait_at.extend(waits.iter().map(|&(s, i)| (dv.first[s as usize], i)));
+            let waits_list = if wait_at.is_empty() {
                 sh.no_waits.clone()
-            } else if last_waits.0 == *waits {
+            } else if last_waits.0 == wait_at {
                 last_waits.1.clone()
             } else {
-                let list: Arc<[Wait]> = waits
+                let list: Arc<[Wait]> = wait_at
                     .iter()
                     .map(|&(s, i)| Wait {
-                        stream: names.names[s as usize].clone(),
+                        stream: StreamIx(s),
                         op: i as usize,
                     })
                     .collect();
-                last_waits.0.clone_from(waits);
+                last_waits.0.clone_from(&wait_at);
                 last_waits.1 = list.clone();
                 list
             };
@@ -758,9 +763,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
             let dv = &mut devs[dl];
             let si = dv.own[sid as usize] as usize;
             let (_, hasher, steps) = &mut dv.lists[si];
-            for &(s, i) in waits.iter() {
-                steps.waits.push((dv.first[s as usize], i));
-            }
+            steps.waits.extend_from_slice(&wait_at);
             let waits_end = steps.waits.len() as u32;
             steps.steps.push(Step {
                 key,
@@ -768,11 +771,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                 waits_end,
                 kind,
             });
-            hasher.op(
-                &op,
-                d as u32 == desc.first_device,
-                waits.iter().map(|&(s, i)| (dv.first[s as usize], i)),
-            );
+            hasher.op(&op, d as u32 == desc.first_device, wait_at.iter().copied());
             // Memory: the op's buffers (inputs are released below).
             dv.peak = dv.peak.max(dv.live + desc.staging);
             if on_dev > 0 {

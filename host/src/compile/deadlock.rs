@@ -7,7 +7,7 @@
 //! group. If no stream can move and some still have ops, the plan would
 //! deadlock: the error names the devices and ops that wait on each other.
 
-use super::plan::{DevicePlan, Op, OpKind};
+use super::plan::{DevicePlan, Op, OpKind, StreamIx};
 use foldhash::{HashMap, HashSet, HashSetExt};
 
 /// A plan that cannot finish.
@@ -30,17 +30,10 @@ impl<'a> Machine<'a> {
     fn head(&self, d: usize, s: usize) -> Option<&'a Op> {
         self.devices[d].streams[s].ops.get(self.pc[d][s])
     }
-    fn stream_ix(&self, d: usize, name: &str) -> Option<usize> {
-        self.devices[d]
-            .streams
-            .iter()
-            .position(|s| s.stream == name)
-    }
     fn waits_done(&self, d: usize, op: &Op) -> bool {
-        op.waits.iter().all(|w| match self.stream_ix(d, &w.stream) {
-            Some(s) => self.pc[d][s] > w.op,
-            None => false,
-        })
+        op.waits
+            .iter()
+            .all(|w| self.pc[d].get(w.stream.ix()).is_some_and(|&pc| pc > w.op))
     }
     /// Why the head of (d, s) cannot run, and which (device, stream) it waits on.
     fn blocker(&self, d: usize, s: usize) -> (String, Option<(usize, usize)>) {
@@ -53,19 +46,15 @@ impl<'a> Machine<'a> {
             op.node
         );
         for w in op.waits.iter() {
-            match self.stream_ix(d, &w.stream) {
-                Some(ws) if self.pc[d][ws] <= w.op => {
+            let ws = w.stream.ix();
+            match self.devices[d].streams.get(ws) {
+                Some(st) if self.pc[d][ws] <= w.op => {
                     return (
-                        format!("{at} for op {} of its stream {}", w.op, w.stream),
+                        format!("{at} for op {} of its stream {}", w.op, st.stream),
                         Some((d, ws)),
                     )
                 }
-                None => {
-                    return (
-                        format!("{at} for a stream {} that does not exist", w.stream),
-                        None,
-                    )
-                }
+                None => return (format!("{at} for a stream #{ws} that does not exist"), None),
                 _ => {}
             }
         }
@@ -100,7 +89,9 @@ impl<'a> Machine<'a> {
                     if gd == d {
                         continue;
                     }
-                    let Some(gs) = self.stream_ix(gd, stream) else {
+                    // The member's stream of the same name.
+                    let member = &self.devices[gd].streams;
+                    let Some(gs) = member.iter().position(|st| st.stream == *stream) else {
                         return (format!("{at}, but device {g} has no stream {stream}"), None);
                     };
                     match self.head(gd, gs) {
@@ -207,13 +198,9 @@ pub(super) fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize)
     let mut progs = Vec::with_capacity(devices.len());
     for d in devices {
         let me = d.device;
-        let names: Vec<&str> = d.streams.iter().map(|s| &*s.stream).collect();
-        // The first stream of a name is the one a wait means (as `stream_ix`).
-        let index = |name: &str| {
-            names
-                .iter()
-                .position(|n| *n == name)
-                .map_or(NO_STREAM, |i| i as u32)
+        let index = |s: StreamIx| match s.ix() < d.streams.len() {
+            true => s.0,
+            false => NO_STREAM,
         };
         let mut joined: HashSet<u32> = HashSet::new();
         let mut prog = Vec::with_capacity(d.streams.len());
@@ -226,7 +213,7 @@ pub(super) fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize)
                 out.waits.extend(
                     op.waits
                         .iter()
-                        .map(|w| (index(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
+                        .map(|w| (index(w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
                 );
                 let (kind, key, need) = match op.op {
                     OpKind::Send => (Kind::Send, sends[&(op.node, me)], 0),

@@ -10,10 +10,9 @@
 //! itself came after (its own waits and its stream's earlier ops), so every
 //! ordering the training plan implied between kept ops survives.
 
-use super::plan::{DevicePlan, OpKind, Plan, StreamPlan, Wait};
+use super::plan::{DevicePlan, OpKind, Plan, StreamIx, StreamPlan, Wait};
 use super::{check_deadlock, DeadlockError};
 use std::collections::HashSet;
-use std::sync::Arc;
 
 /// The forward-only plan of `plan`, deadlock-checked.
 pub fn forward_only(plan: &Plan) -> Result<Plan, DeadlockError> {
@@ -65,7 +64,6 @@ fn kept_nodes(plan: &Plan) -> HashSet<u32> {
 
 fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
     let streams = &d.streams;
-    let index = |name: &str| streams.iter().position(|s| *s.stream == *name);
     // New position of each kept op.
     let new_at: Vec<Vec<Option<usize>>> = streams
         .iter()
@@ -108,8 +106,8 @@ fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
                 let mut deps: Vec<(usize, usize)> = op
                     .waits
                     .iter()
-                    .filter_map(|w| Some((index(&w.stream)?, w.op)))
-                    .filter(|(t, j)| *j < streams[*t].ops.len())
+                    .map(|w| (w.stream.ix(), w.op))
+                    .filter(|(t, j)| streams.get(*t).is_some_and(|st| *j < st.ops.len()))
                     .collect();
                 if i > 0 {
                     deps.push((s, i - 1));
@@ -155,9 +153,10 @@ fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
                     // What the op comes after, its own stream's order aside.
                     let mut f = vec![None; streams.len()];
                     for w in op.waits.iter() {
-                        if let Some(g) = index(&w.stream)
-                            .filter(|t| w.op < streams[*t].ops.len())
-                            .and_then(|t| after[t][w.op].as_ref())
+                        let t = w.stream.ix();
+                        if let Some(g) = (streams.get(t).is_some_and(|st| w.op < st.ops.len()))
+                            .then(|| after[t][w.op].as_ref())
+                            .flatten()
                         {
                             merge(&mut f, g);
                         }
@@ -173,7 +172,7 @@ fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
                         .filter(|(t, _)| *t != s)
                         .filter_map(|(t, at)| {
                             Some(Wait {
-                                stream: Arc::from(&*streams[t].stream),
+                                stream: StreamIx(t as u32),
                                 op: (*at)?,
                             })
                         })

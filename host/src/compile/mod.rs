@@ -36,7 +36,9 @@ mod tests;
 
 pub use deadlock::{check_deadlock, DeadlockError};
 pub use forward::forward_only;
-pub use plan::{human_bytes, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamPlan, Wait};
+pub use plan::{
+    human_bytes, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamIx, StreamPlan, Wait,
+};
 
 use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TrainingDag};
 use crate::model::DTYPE_BYTES;

@@ -23,8 +23,10 @@ pub struct Plan {
     pub devices: Vec<DevicePlan>,
 }
 
-/// One device's program: an ordered op list per logical stream.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// One device's program: an ordered op list per logical stream. In JSON a
+/// wait names its stream (see [`Wait`]).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(try_from = "DeviceIn")]
 pub struct DevicePlan {
     pub device: u32,
     /// Predicted peak: model states plus the transient peak.
@@ -37,7 +39,7 @@ pub struct DevicePlan {
     pub streams: Vec<StreamPlan>,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct StreamPlan {
     pub stream: String,
     pub ops: Vec<Op>,
@@ -47,8 +49,7 @@ pub struct StreamPlan {
 /// reference-counted [`OpCommon`], read through `Deref` (`op.tags`,
 /// `op.flops`, …), so a plan over many devices stays cheap to build; in JSON
 /// an op is one flat object.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(from = "FlatOp", into = "FlatOp")]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Op {
     pub op: OpKind,
     /// The DAG node this op runs.
@@ -122,9 +123,129 @@ impl std::ops::DerefMut for Op {
     }
 }
 
+/// A device as its JSON object: its fields, then its streams, each op one
+/// flat object whose waits name their streams.
+#[derive(Serialize)]
+struct DeviceOut<'a> {
+    device: u32,
+    peak_bytes: u64,
+    model_state_bytes: u64,
+    transient_peak_bytes: u64,
+    streams: StreamsOut<'a>,
+}
+
+struct StreamsOut<'a>(&'a [StreamPlan]);
+
+#[derive(Serialize)]
+struct StreamOut<'a> {
+    stream: &'a str,
+    ops: OpsOut<'a>,
+}
+
+struct OpsOut<'a> {
+    ops: &'a [Op],
+    streams: &'a [StreamPlan],
+}
+
+impl Serialize for DevicePlan {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        DeviceOut {
+            device: self.device,
+            peak_bytes: self.peak_bytes,
+            model_state_bytes: self.model_state_bytes,
+            transient_peak_bytes: self.transient_peak_bytes,
+            streams: StreamsOut(&self.streams),
+        }
+        .serialize(s)
+    }
+}
+
+impl Serialize for StreamsOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|st| StreamOut {
+            stream: &st.stream,
+            ops: OpsOut {
+                ops: &st.ops,
+                streams: self.0,
+            },
+        }))
+    }
+}
+
+impl Serialize for OpsOut<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let name = |w: &Wait| {
+            self.streams
+                .get(w.stream.ix())
+                .map_or("?", |st| st.stream.as_str())
+        };
+        s.collect_seq(self.ops.iter().map(|o| FlatOp::of(o, name)))
+    }
+}
+
+/// A device read from JSON, before its waits' stream names are resolved.
+#[derive(Deserialize)]
+struct DeviceIn {
+    device: u32,
+    peak_bytes: u64,
+    model_state_bytes: u64,
+    transient_peak_bytes: u64,
+    streams: Vec<StreamIn>,
+}
+
+#[derive(Deserialize)]
+struct StreamIn {
+    stream: String,
+    ops: Vec<FlatOp<'static>>,
+}
+
+impl TryFrom<DeviceIn> for DevicePlan {
+    type Error = String;
+    fn try_from(d: DeviceIn) -> Result<DevicePlan, String> {
+        let names: Vec<String> = d.streams.iter().map(|s| s.stream.clone()).collect();
+        // A wait means the device's first stream of its name.
+        let at = |name: &str| {
+            names
+                .iter()
+                .position(|n| n == name)
+                .map(|p| StreamIx(p as u32))
+        };
+        let streams = d
+            .streams
+            .into_iter()
+            .map(|s| {
+                let ops = s
+                    .ops
+                    .into_iter()
+                    .map(|f| {
+                        f.into_op(&at).map_err(|w| {
+                            format!(
+                                "device {}: an op of stream `{}` waits on stream `{w}`, \
+                                 which this device lacks",
+                                d.device, s.stream
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<Op>, String>>()?;
+                Ok(StreamPlan {
+                    stream: s.stream,
+                    ops,
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        Ok(DevicePlan {
+            device: d.device,
+            peak_bytes: d.peak_bytes,
+            model_state_bytes: d.model_state_bytes,
+            transient_peak_bytes: d.transient_peak_bytes,
+            streams,
+        })
+    }
+}
+
 /// An op as one flat JSON object (the plan's file format).
-#[derive(Clone, Serialize, Deserialize)]
-struct FlatOp {
+#[derive(Serialize, Deserialize)]
+struct FlatOp<'a> {
     op: OpKind,
     node: u32,
     tags: Arc<BTreeMap<String, u32>>,
@@ -147,8 +268,8 @@ struct FlatOp {
     flops: f64,
     #[serde(default)]
     bytes: u64,
-    #[serde(default, skip_serializing_if = "no_waits")]
-    waits: Arc<[Wait]>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    waits: Vec<NamedWait<'a>>,
     #[serde(default, skip_serializing_if = "no_inputs")]
     inputs: Arc<[Input]>,
     #[serde(default)]
@@ -167,39 +288,16 @@ struct FlatOp {
     out_bytes: u64,
 }
 
-impl From<FlatOp> for Op {
-    fn from(f: FlatOp) -> Op {
-        Op {
-            op: f.op,
-            node: f.node,
-            common: Arc::new(OpCommon {
-                tags: f.tags,
-                segments: f.segments,
-                spread: f.spread,
-                phase: f.phase,
-                purpose: f.purpose,
-                batch_div: f.batch_div,
-                flops: f.flops,
-                bytes: f.bytes,
-                microbatch: f.microbatch,
-                microbatches: f.microbatches,
-                tensor: f.tensor,
-                zero: f.zero,
-                param_bytes: f.param_bytes,
-            }),
-            peer: f.peer,
-            pair: f.pair,
-            group: f.group,
-            waits: f.waits,
-            inputs: f.inputs,
-            replica: f.replica,
-            out_bytes: f.out_bytes,
-        }
-    }
+/// A wait in JSON: the stream by its name.
+#[derive(Serialize, Deserialize)]
+struct NamedWait<'a> {
+    stream: std::borrow::Cow<'a, str>,
+    op: usize,
 }
 
-impl From<Op> for FlatOp {
-    fn from(o: Op) -> FlatOp {
+impl<'a> FlatOp<'a> {
+    /// `name`: a wait's stream name.
+    fn of(o: &'a Op, name: impl Fn(&Wait) -> &'a str) -> FlatOp<'a> {
         let c = &*o.common;
         FlatOp {
             op: o.op,
@@ -208,15 +306,22 @@ impl From<Op> for FlatOp {
             segments: c.segments.clone(),
             peer: o.peer,
             pair: o.pair,
-            group: o.group,
+            group: o.group.clone(),
             spread: c.spread,
             phase: c.phase,
             purpose: c.purpose,
             batch_div: c.batch_div,
             flops: c.flops,
             bytes: c.bytes,
-            waits: o.waits,
-            inputs: o.inputs,
+            waits: o
+                .waits
+                .iter()
+                .map(|w| NamedWait {
+                    stream: name(w).into(),
+                    op: w.op,
+                })
+                .collect(),
+            inputs: o.inputs.clone(),
             replica: o.replica,
             microbatch: c.microbatch,
             microbatches: c.microbatches,
@@ -226,6 +331,44 @@ impl From<Op> for FlatOp {
             out_bytes: o.out_bytes,
         }
     }
+
+    /// The op, its waits' streams found by `at`; `Err`: a name `at` lacks.
+    fn into_op(self, at: impl Fn(&str) -> Option<StreamIx>) -> Result<Op, String> {
+        let waits = self
+            .waits
+            .iter()
+            .map(|w| {
+                let stream = at(&w.stream).ok_or_else(|| w.stream.to_string())?;
+                Ok(Wait { stream, op: w.op })
+            })
+            .collect::<Result<Arc<[Wait]>, String>>()?;
+        Ok(Op {
+            op: self.op,
+            node: self.node,
+            common: Arc::new(OpCommon {
+                tags: self.tags,
+                segments: self.segments,
+                spread: self.spread,
+                phase: self.phase,
+                purpose: self.purpose,
+                batch_div: self.batch_div,
+                flops: self.flops,
+                bytes: self.bytes,
+                microbatch: self.microbatch,
+                microbatches: self.microbatches,
+                tensor: self.tensor,
+                zero: self.zero,
+                param_bytes: self.param_bytes,
+            }),
+            peer: self.peer,
+            pair: self.pair,
+            group: self.group,
+            waits,
+            inputs: self.inputs,
+            replica: self.replica,
+            out_bytes: self.out_bytes,
+        })
+    }
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -234,10 +377,6 @@ fn is_zero(v: &u64) -> bool {
 
 fn one() -> u32 {
     1
-}
-
-fn no_waits(v: &Arc<[Wait]>) -> bool {
-    v.is_empty()
 }
 
 fn no_inputs(v: &Arc<[Input]>) -> bool {
@@ -338,10 +477,22 @@ fn is_empty(v: &Arc<[u32]>) -> bool {
     v.is_empty()
 }
 
-/// A cross-stream dependency: op `op` (index) of stream `stream`.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A stream of one device: its position in [`DevicePlan::streams`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamIx(pub u32);
+
+impl StreamIx {
+    pub fn ix(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// A cross-stream dependency: op `op` (index) of stream `stream` of the
+/// same device. In the plan's JSON the stream is named, and a name means
+/// the device's first stream of that name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Wait {
-    pub stream: Arc<str>,
+    pub stream: StreamIx,
     pub op: usize,
 }
 
@@ -516,34 +667,27 @@ impl Plan {
                 }
             }
         }
-        let parts: Vec<Vec<[u64; 2]>> =
-            self.devices
-                .par_iter()
-                .enumerate()
-                .map(|(di, d)| {
-                    // A wait names its stream; it is hashed as the position of
-                    // the device's first stream of that name.
-                    let at = |name: &str| {
-                        d.streams
-                            .iter()
-                            .position(|s| s.stream == name)
-                            .map_or(u32::MAX, |p| p as u32)
-                    };
-                    d.streams
-                        .iter()
-                        .map(|s| {
-                            let mut h = StreamHasher::new(&s.stream);
-                            for o in &s.ops {
-                                let waits = o.waits.iter().map(|w| {
-                                    (at(&w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))
-                                });
-                                h.op(o, first[o.node as usize] == di as u32, waits);
-                            }
-                            h.finish(s.ops.len())
-                        })
-                        .collect()
-                })
-                .collect();
+        let parts: Vec<Vec<[u64; 2]>> = self
+            .devices
+            .par_iter()
+            .enumerate()
+            .map(|(di, d)| {
+                d.streams
+                    .iter()
+                    .map(|s| {
+                        let mut h = StreamHasher::new(&s.stream);
+                        for o in &s.ops {
+                            let waits = o
+                                .waits
+                                .iter()
+                                .map(|w| (w.stream.0, u32::try_from(w.op).unwrap_or(u32::MAX)));
+                            h.op(o, first[o.node as usize] == di as u32, waits);
+                        }
+                        h.finish(s.ops.len())
+                    })
+                    .collect()
+            })
+            .collect();
         self.hash_of(&parts)
     }
 

@@ -132,9 +132,7 @@ pub(super) fn waited_ops(dp: &DevicePlan) -> HashSet<(usize, usize)> {
     for s in &dp.streams {
         for op in s.ops.iter() {
             for w in op.waits.iter() {
-                if let Some(ws) = dp.streams.iter().position(|s| *s.stream == *w.stream) {
-                    out.insert((ws, w.op));
-                }
+                out.insert((w.stream.ix(), w.op));
             }
         }
     }
@@ -157,11 +155,7 @@ fn run_stream<B: Backend>(
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
         for w in op.waits.iter() {
-            let ws = dp
-                .streams
-                .iter()
-                .position(|s| *s.stream == *w.stream)
-                .expect("waits name streams of the device");
+            let ws = w.stream.ix();
             let mut p = dev.progress.lock().unwrap();
             while p[ws] <= w.op {
                 if ctx.comm.aborted() {

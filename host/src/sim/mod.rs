@@ -253,16 +253,17 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
                     deps.push(g - 1);
                 }
                 for w in o.waits.iter() {
-                    let Some(wsi) = dp.streams.iter().position(|x| *x.stream == *w.stream) else {
+                    let wsi = w.stream.ix();
+                    let Some(ws) = dp.streams.get(wsi) else {
                         return Err(err(
                             g,
-                            format!("waits on stream `{}`, which this device lacks", w.stream),
+                            format!("waits on stream #{wsi}, which this device lacks"),
                         ));
                     };
-                    if w.op >= dp.streams[wsi].ops.len() {
+                    if w.op >= ws.ops.len() {
                         return Err(err(
                             g,
-                            format!("waits on op {} of `{}`, which has fewer", w.op, w.stream),
+                            format!("waits on op {} of `{}`, which has fewer", w.op, ws.stream),
                         ));
                     }
                     deps.push(base[d][wsi] + w.op);
