@@ -188,12 +188,27 @@ export function exportStrategy(strategy) {
 // ---- pipeline layout (the Rust SDK's `pipeline` module) ----
 
 /** Stages, their device groups and their PP regions (one stage per pipeline
- *  position). Composes with a data-parallel group applied before: if every
- *  forward sits on group G, position q runs on G + q. */
+ *  position), and the microbatches. Composes with a data-parallel group
+ *  applied before: if every forward sits on group G, position q runs on
+ *  G + q. */
 export class Pipeline {
-  constructor(groups, regions) { this.groups = groups; this.regions = regions; }
+  constructor(groups, regions, microbatches = 1) {
+    this.groups = groups; this.regions = regions; this.microbatches = microbatches;
+  }
 
-  static plan(dag, stages, who) {
+  /** The layout from the options: `stages` (default: devices / data-parallel
+   *  degree), regions cut evenly or at `boundaries`, `microbatches` (default
+   *  2 x stages). Changes nothing in the DAG; `splitPlace` does. */
+  static new(dag, options, who) {
+    const pipe = Pipeline.layOut(dag, options.u32('stages'), who);
+    const text = options.str('boundaries');
+    if (text !== undefined) pipe.cutAt(parseBoundaries(text, who), who);
+    pipe.microbatches = options.u32('microbatches') ?? 2 * pipe.stages();
+    if (pipe.microbatches === 0) throw new Error(`${who} needs at least 1 microbatch, got 0`);
+    return pipe;
+  }
+
+  static layOut(dag, stages, who) {
     const devices = dag.cluster().devices;
     const nRegions = dag.tagExtents().PP ?? 0;
     if (nRegions === 0) throw new Error(`${who} needs a model annotated with PP regions`);
@@ -228,15 +243,6 @@ export class Pipeline {
     return new Pipeline(groups, regions);
   }
 
-  /** Cut the stages at the `boundaries` option when it is given (each
-   *  stage's first PP region, see `parseBoundaries`); the even cut of
-   *  `plan` otherwise. */
-  withBoundaries(options, who) {
-    const text = options.str('boundaries');
-    if (text !== undefined) this.cutAt(parseBoundaries(text, who), who);
-    return this;
-  }
-
   /** Stage s starts at region firsts[s] and runs to the next stage's first
    *  (the last stage to the last region): one first region per stage, the
    *  first 0, strictly increasing. */
@@ -257,19 +263,14 @@ export class Pipeline {
     });
   }
 
-  /** Lay out `stages` (option, cut at `boundaries` when given), split into
-   *  `microbatches` (default 2 x stages) and place each stage, transfers on
-   *  the `stream` option. */
-  static splitAndPlace(dag, options, who) {
-    const pipe = Pipeline.plan(dag, options.u32('stages'), who).withBoundaries(options, who);
-    const mbs = options.u32('microbatches') ?? 2 * pipe.stages();
-    if (mbs === 0) throw new Error(`${who} needs at least 1 microbatch, got 0`);
-    dag.split(Filter.all(), 'MB', mbs);
+  /** Split the batch into the microbatches and place each stage on its
+   *  group, transfers on the `stream` option (default `pp`). */
+  splitPlace(dag, options) {
+    dag.split(Filter.all(), 'MB', this.microbatches);
     const stream = options.str('stream') ?? 'pp';
-    pipe.groups.forEach((group, s) => {
-      for (const r of pipe.regions[s]) dag.place(Filter.tag('PP', r), group, stream);
+    this.groups.forEach((group, s) => {
+      for (const r of this.regions[s]) dag.place(Filter.tag('PP', r), group, stream);
     });
-    return [pipe, mbs];
   }
 
   stages() { return this.groups.length; }

@@ -316,15 +316,33 @@ def export(strategy_class):
 
 class Pipeline:
     """Stages, their device groups and their PP regions (one stage per
-    pipeline position). Composes with a data-parallel group applied before:
-    if every forward sits on group G, position q runs on G + q."""
+    pipeline position), and the microbatches. Composes with a data-parallel
+    group applied before: if every forward sits on group G, position q runs
+    on G + q."""
 
-    def __init__(self, groups, regions):
+    def __init__(self, groups, regions, microbatches=1):
         self.groups = groups
         self.regions = regions
+        self.microbatches = microbatches
 
     @staticmethod
-    def plan(dag, stages, who):
+    def new(dag, options, who):
+        """The layout from the options: `stages` (default: devices /
+        data-parallel degree), regions cut evenly or at `boundaries`,
+        `microbatches` (default 2 x stages). Changes nothing in the DAG;
+        `split_place` does."""
+        pipe = Pipeline._lay_out(dag, options.u32("stages"), who)
+        text = options.str("boundaries")
+        if text is not None:
+            pipe.cut_at(parse_boundaries(text, who), who)
+        mbs = options.u32("microbatches")
+        pipe.microbatches = 2 * pipe.stages() if mbs is None else mbs
+        if pipe.microbatches == 0:
+            raise ValueError("%s needs at least 1 microbatch, got 0" % who)
+        return pipe
+
+    @staticmethod
+    def _lay_out(dag, stages, who):
         devices = dag.cluster().devices
         n_regions = dag.tag_extents().get("PP", 0)
         if n_regions == 0:
@@ -360,15 +378,6 @@ class Pipeline:
             nxt += take
         return Pipeline(groups, regions)
 
-    def with_boundaries(self, options, who):
-        """Cut the stages at the `boundaries` option when it is given (each
-        stage's first PP region, see `parse_boundaries`); the even cut of
-        `plan` otherwise."""
-        text = options.str("boundaries")
-        if text is not None:
-            self.cut_at(parse_boundaries(text, who), who)
-        return self
-
     def cut_at(self, firsts, who):
         """Stage s starts at region firsts[s] and runs to the next stage's
         first (the last stage to the last region): one first region per
@@ -391,23 +400,14 @@ class Pipeline:
         ends = firsts[1:] + [n]
         self.regions = [list(range(a, b)) for a, b in zip(firsts, ends)]
 
-    @staticmethod
-    def split_and_place(dag, options, who):
-        """Lay out `stages` (option, cut at `boundaries` when given), split
-        into `microbatches` (default 2 x stages) and place each stage,
-        transfers on the `stream` option."""
-        pipe = Pipeline.plan(dag, options.u32("stages"), who).with_boundaries(options, who)
-        mbs = options.u32("microbatches")
-        if mbs is None:
-            mbs = 2 * pipe.stages()
-        if mbs == 0:
-            raise ValueError("%s needs at least 1 microbatch, got 0" % who)
-        dag.split(Filter.all(), "MB", mbs)
+    def split_place(self, dag, options):
+        """Split the batch into the microbatches and place each stage on its
+        group, transfers on the `stream` option (default `pp`)."""
+        dag.split(Filter.all(), "MB", self.microbatches)
         stream = options.str("stream") or "pp"
-        for group, regions in zip(pipe.groups, pipe.regions):
+        for group, regions in zip(self.groups, self.regions):
             for r in regions:
                 dag.place(Filter.tag("PP", r), group, stream)
-        return pipe, mbs
 
     def stages(self):
         return len(self.groups)

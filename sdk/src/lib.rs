@@ -99,13 +99,15 @@
 //! `tp` and `ep` use it).
 //!
 //! ## Pipeline helpers
-//! [`pipeline::Pipeline`] does the layout every pipeline strategy starts with:
-//! stages over pipeline positions (one per position, Megatron's interleaving,
-//! DualPipeV's V, or any fold you pass to [`pipeline::Pipeline::layout`]),
-//! regions spread over the stages, composition with a `dp`/`zero` group
-//! applied before. [`pipeline::dual_schedule`] is DeepSeek's eight-part
-//! DualPipe template and [`pipeline::dual_groups`] turns it into `order`
-//! groups. A segment placed on two device groups for different microbatches
+//! [`pipeline::Pipeline::new`] is the layout every pipeline strategy starts
+//! with, read from its options: stages over pipeline positions (a
+//! [`pipeline::Layout`]: one per position, Megatron's interleaving, DualPipeV's
+//! V, or a fold of your own), regions cut evenly or at `boundaries`,
+//! microbatches, and composition with a `dp`/`zero` group applied before;
+//! [`pipeline::Pipeline::split_place`] then splits and places. [`dualpipe`]
+//! holds DeepSeek's eight-part DualPipe template ([`dualpipe::dual_schedule`],
+//! and [`dualpipe::dual_groups`] to turn it into `order` groups) for the
+//! DualPipe family. A segment placed on two device groups for different microbatches
 //! becomes two parameter copies whose gradients the host all-reduces (that is
 //! how `dualpipe` expresses its second model copy).
 //!
@@ -118,6 +120,7 @@
 #![allow(clippy::too_many_arguments)]
 
 mod dag;
+pub mod dualpipe;
 mod filter;
 mod info;
 mod options;

@@ -15,7 +15,32 @@
 
 use crate::{Dag, Error, Filter, Pass};
 
-/// Stages, their device groups and their regions.
+/// How a pipeline's stages sit on its positions (pipeline ranks), and what
+/// its `stages` option counts.
+#[derive(Clone, Copy, Debug)]
+pub enum Layout {
+    /// Stage `s` on position `s` (GPipe, 1F1B, ZB-H1, DualPipe). `stages`
+    /// counts positions; microbatches default to 2 × stages.
+    Plain,
+    /// Megatron's interleaved schedule: `virtual` stages per position, stage
+    /// `s` on position `s mod p`. `stages` counts positions (Megatron's
+    /// pipeline size); microbatches default to 2 × positions.
+    Interleaved { virtual_stages: u32 },
+    /// DualPipeV's V: two stages per position, stage `s < p` on position
+    /// `s`, stage `s ≥ p` on `2p − 1 − s`. `stages` counts stages (even);
+    /// microbatches default to 2 × stages.
+    V,
+    /// Any other fold: `per_position` stages on each position, stage `s` on
+    /// `position_of(s, positions)`. `stages` counts positions; microbatches
+    /// default to 2 × stages.
+    Fold {
+        per_position: u32,
+        position_of: fn(u32, u32) -> u32,
+    },
+}
+
+/// Stages, their device groups and their regions, and the microbatches the
+/// batch is split into.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Pipeline {
     /// Device group of each stage (stages sharing a position share a group).
@@ -24,23 +49,79 @@ pub struct Pipeline {
     pub regions: Vec<Vec<u32>>,
     /// Position (pipeline rank) of each stage.
     pub position: Vec<u32>,
+    /// Microbatches per step (the `microbatches` option, at least 1).
+    pub microbatches: u32,
 }
 
 impl Pipeline {
-    /// One stage per position: `stages` stages (default: as many as the
-    /// devices allow). `who` names the strategy in error messages.
-    pub fn plan(dag: &mut dyn Dag, stages: Option<u32>, who: &str) -> Result<Self, Error> {
-        Self::layout(dag, stages, 1, &|s, _| s, who)
+    /// A pipeline strategy's layout, from its options: `layout`'s stages over
+    /// the positions the `stages` option asks for (default: devices ÷
+    /// data-parallel degree), regions cut evenly or at the `boundaries`
+    /// option, and the `microbatches` option (default as `layout` says).
+    /// Changes nothing in the DAG; [`Pipeline::split_place`] does. `who`
+    /// names the strategy in error messages.
+    pub fn new(
+        dag: &mut dyn Dag,
+        options: &crate::Options,
+        layout: Layout,
+        who: &str,
+    ) -> Result<Self, Error> {
+        let stages = options.u32("stages")?;
+        let (positions, per_position, position_of): (_, _, fn(u32, u32) -> u32) = match layout {
+            Layout::Plain => (stages, 1, |s, _| s),
+            Layout::Interleaved { virtual_stages: 0 } => {
+                return Err(Error::msg(format!(
+                    "{who} needs virtual ≥ 1 model chunk per device, got 0"
+                )))
+            }
+            Layout::Interleaved { virtual_stages } => (stages, virtual_stages, |s, p| s % p),
+            Layout::V => {
+                if let Some(s) = stages.filter(|s| *s == 0 || s % 2 == 1) {
+                    return Err(Error::msg(format!(
+                        "{who} needs an even number of stages (2 per device): got {s}"
+                    )));
+                }
+                let v = |s, p| if s < p { s } else { 2 * p - 1 - s };
+                (stages.map(|s| s / 2), 2, v)
+            }
+            Layout::Fold {
+                per_position: 0, ..
+            } => {
+                return Err(Error::msg(format!(
+                    "{who} needs at least 1 stage per pipeline position, got 0"
+                )))
+            }
+            Layout::Fold {
+                per_position,
+                position_of,
+            } => (stages, per_position, position_of),
+        };
+        let mut pipe = Self::lay_out(dag, positions, per_position, position_of, who)?;
+        if let Some(text) = options.str("boundaries")? {
+            let firsts = parse_boundaries(text, who)?;
+            pipe.cut_at(&firsts, who)?;
+        }
+        let default = match layout {
+            Layout::Interleaved { .. } => 2 * pipe.positions(),
+            _ => 2 * pipe.stages(),
+        };
+        pipe.microbatches = options.u32("microbatches")?.unwrap_or(default);
+        if pipe.microbatches == 0 {
+            return Err(Error::msg(format!(
+                "{who} needs at least 1 microbatch, got 0"
+            )));
+        }
+        Ok(pipe)
     }
 
     /// `positions` pipeline ranks (default: devices ÷ data-parallel degree),
     /// each holding `per_position` stages; stage `s` of `positions ×
     /// per_position` sits on position `position_of(s, positions)`.
-    pub fn layout(
+    fn lay_out(
         dag: &mut dyn Dag,
         positions: Option<u32>,
         per_position: u32,
-        position_of: &dyn Fn(u32, u32) -> u32,
+        position_of: fn(u32, u32) -> u32,
         who: &str,
     ) -> Result<Self, Error> {
         let devices = dag.cluster().devices;
@@ -67,7 +148,11 @@ impl Pipeline {
                 "{who} needs at least 1 pipeline position, got 0"
             )));
         }
-        let stages = positions * per_position;
+        let Some(stages) = positions.checked_mul(per_position) else {
+            return Err(Error::msg(format!(
+                "{who} needs stages ≤ PP regions: got {positions} positions × {per_position} stages each for {n_regions} regions"
+            )));
+        };
         if stages > n_regions {
             return Err(Error::msg(format!(
                 "{who} needs stages ≤ PP regions: got {stages} stages for {n_regions} regions"
@@ -112,18 +197,8 @@ impl Pipeline {
             groups,
             regions,
             position,
+            microbatches: 1,
         })
-    }
-
-    /// Cut the stages at the `boundaries` option when it is given (the
-    /// first `PP` region of each stage, see [`parse_boundaries`]); the even
-    /// cut of [`Pipeline::layout`] otherwise.
-    pub fn with_boundaries(mut self, options: &crate::Options, who: &str) -> Result<Self, Error> {
-        if let Some(text) = options.str("boundaries")? {
-            let firsts = parse_boundaries(text, who)?;
-            self.cut_at(&firsts, who)?;
-        }
-        Ok(self)
     }
 
     /// Cut the stages so stage `s` starts at region `firsts[s]` and runs to
@@ -165,32 +240,10 @@ impl Pipeline {
         Ok(())
     }
 
-    /// The usual prologue of a pipeline strategy: lay out the stages from the
-    /// `stages` option (cut at `boundaries` when given), read `microbatches`
-    /// (default 2 × stages), split the batch into them and place the stages
-    /// with transfers on the `stream` option (default `pp`). Returns the
-    /// layout and the microbatch count.
-    pub fn split_and_place(
-        dag: &mut dyn Dag,
-        options: &crate::Options,
-        who: &str,
-    ) -> Result<(Self, u32), Error> {
-        let pipe =
-            Pipeline::plan(dag, options.u32("stages")?, who)?.with_boundaries(options, who)?;
-        let mbs = microbatches(options, 2 * pipe.stages(), who)?;
-        pipe.split_place(dag, options, mbs)?;
-        Ok((pipe, mbs))
-    }
-
-    /// Split the batch into `mbs` microbatches and place every stage on its
-    /// group, transfers on the `stream` option (default `pp`).
-    pub fn split_place(
-        &self,
-        dag: &mut dyn Dag,
-        options: &crate::Options,
-        mbs: u32,
-    ) -> Result<(), Error> {
-        dag.split(&Filter::all(), "MB", mbs)?;
+    /// Split the batch into the pipeline's microbatches and place every
+    /// stage on its group, transfers on the `stream` option (default `pp`).
+    pub fn split_place(&self, dag: &mut dyn Dag, options: &crate::Options) -> Result<(), Error> {
+        dag.split(&Filter::all(), "MB", self.microbatches)?;
         self.place(dag, options.str("stream")?.unwrap_or("pp"))
     }
 
@@ -281,292 +334,6 @@ pub fn pipeline_options(
         ))
 }
 
-/// The `microbatches` option (default `default`), at least 1.
-pub fn microbatches(options: &crate::Options, default: u32, who: &str) -> Result<u32, Error> {
-    let mbs = options.u32("microbatches")?.unwrap_or(default);
-    if mbs == 0 {
-        return Err(Error::msg(format!(
-            "{who} needs at least 1 microbatch, got 0"
-        )));
-    }
-    Ok(mbs)
-}
-
-/// One step of DeepSeek's DualPipe / DualPipeV template, in terms of a rank's
-/// two *phases* (its two stages; phase 0 is the one its microbatches reach
-/// first). `W` runs the oldest deferred weight pass.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DualStep {
-    /// Forward of the next microbatch of a phase.
-    F(u8),
-    /// Backward of the next microbatch of a phase; `zb`: input part only, the
-    /// weight part deferred to a later `W`.
-    B { phase: u8, zb: bool },
-    /// The oldest deferred weight pass.
-    W,
-    /// A forward of one phase overlapped with a (full) backward of the other.
-    FB { f: u8, b: u8 },
-}
-
-/// The eight-part DualPipe schedule of one rank, as in DeepSeek's reference
-/// (`dualpipe.py`, `dualpipev.py`): `ranks` ranks per half (DualPipe: half the
-/// ranks; DualPipeV: all of them), `rank` this rank's index in its half, and
-/// `chunks` microbatches per phase. `last` marks the rank where the two
-/// phases meet (DualPipe's middle ranks, DualPipeV's last rank), whose first
-/// steady-state pair is not overlapped. Needs `rank < ranks` and
-/// `chunks ≥ 2 · ranks`.
-pub fn dual_schedule(
-    ranks: u32,
-    rank: u32,
-    chunks: u32,
-    last: bool,
-) -> Result<Vec<DualStep>, Error> {
-    use DualStep::*;
-    if rank >= ranks || chunks < 2 * ranks {
-        return Err(Error::msg(format!(
-            "the DualPipe schedule needs rank < ranks and chunks ≥ 2·ranks: got rank {rank}, {ranks} ranks, {chunks} chunks"
-        )));
-    }
-    let (n, r) = (ranks, rank);
-    let mut out = Vec::new();
-    // 1. nF0: warm-up forwards of phase 0.
-    out.extend((0..(n - r - 1) * 2).map(|_| F(0)));
-    // 2. nF0F1: forwards alternate between the phases.
-    for _ in 0..r + 1 {
-        out.extend([F(0), F(1)]);
-    }
-    // 3. nB1W1F1: first backwards, weight passes deferred and run at once.
-    for _ in 0..n - r - 1 {
-        out.extend([B { phase: 1, zb: true }, W, F(1)]);
-    }
-    // 4. nF0B1F1B0: the steady state of overlapped forward/backward pairs.
-    for i in 0..chunks - 2 * n + r + 1 {
-        if i == 0 && last {
-            // Not overlapped, to shrink the bubble where the phases meet.
-            out.extend([
-                F(0),
-                B {
-                    phase: 1,
-                    zb: false,
-                },
-            ]);
-        } else {
-            out.push(FB { f: 0, b: 1 });
-        }
-        out.push(FB { f: 1, b: 0 });
-    }
-    // 5. nB1F1B0: phase 0 runs out of forwards.
-    for _ in 0..n - r - 1 {
-        out.extend([
-            B {
-                phase: 1,
-                zb: false,
-            },
-            FB { f: 1, b: 0 },
-        ]);
-    }
-    // 6. nB1B0: backwards only; the second half defers its weight passes.
-    let mut zb = false;
-    let step6 = r + 1;
-    for i in 0..step6 {
-        if i == step6 / 2 && r % 2 == 1 {
-            zb = true;
-        }
-        out.push(B { phase: 1, zb });
-        if i == step6 / 2 && r % 2 == 0 {
-            zb = true;
-        }
-        out.push(B { phase: 0, zb });
-    }
-    // 7. nWB0: a deferred weight pass before each remaining backward.
-    for _ in 0..n - r - 1 {
-        out.extend([W, B { phase: 0, zb: true }]);
-    }
-    // 8. nW: flush the deferred weight passes.
-    out.extend((0..r + 1).map(|_| W));
-    Ok(out)
-}
-
-/// A rank's dual schedule resolved to order groups: `stage_of[phase]` is the
-/// phase's stage and `mbs[phase]` its microbatches in feeding order.
-/// Overlapped pairs become one group (their members may interleave).
-pub fn dual_groups(
-    pipe: &Pipeline,
-    steps: &[DualStep],
-    stage_of: [u32; 2],
-    mbs: [&[u32]; 2],
-) -> Result<Vec<Vec<Filter>>, Error> {
-    dual_groups_and_pairs(pipe, steps, stage_of, mbs).map(|(g, _)| g)
-}
-
-/// A forward and a backward the schedule overlaps: `(stage, microbatch)` each.
-pub type FbPair = ((u32, u32), (u32, u32));
-
-/// [`dual_groups`], and the overlapped F&B pairs in schedule order (for
-/// [`interleave_pair`]).
-pub fn dual_groups_and_pairs(
-    pipe: &Pipeline,
-    steps: &[DualStep],
-    stage_of: [u32; 2],
-    mbs: [&[u32]; 2],
-) -> Result<(Vec<Vec<Filter>>, Vec<FbPair>), Error> {
-    let mut pairs = Vec::new();
-    let mut next_f = [0usize; 2];
-    let mut next_b = [0usize; 2];
-    let mut deferred: std::collections::VecDeque<(u32, u32)> = Default::default();
-    let mut groups = Vec::new();
-    let take = |next: &mut [usize; 2], p: u8| -> Result<u32, Error> {
-        let list = mbs[p as usize];
-        let m = *list.get(next[p as usize]).ok_or_else(|| {
-            Error::msg(format!(
-                "dual schedule ran past phase {p}'s {} microbatches",
-                list.len()
-            ))
-        })?;
-        next[p as usize] += 1;
-        Ok(m)
-    };
-    for step in steps {
-        match *step {
-            DualStep::F(p) => {
-                let m = take(&mut next_f, p)?;
-                groups.push(pipe.step(stage_of[p as usize], m, Pass::F));
-            }
-            DualStep::B { phase, zb } => {
-                let m = take(&mut next_b, phase)?;
-                let s = stage_of[phase as usize];
-                if zb {
-                    groups.push(pipe.step(s, m, Pass::BI));
-                    deferred.push_back((s, m));
-                } else {
-                    groups.push(pipe.step(s, m, Pass::B));
-                }
-            }
-            DualStep::W => {
-                let (s, m) = deferred
-                    .pop_front()
-                    .ok_or_else(|| Error::msg("dual schedule: a W with no deferred weight pass"))?;
-                groups.push(pipe.step(s, m, Pass::BW));
-            }
-            DualStep::FB { f, b } => {
-                let mf = take(&mut next_f, f)?;
-                let mb = take(&mut next_b, b)?;
-                let mut g = pipe.step(stage_of[f as usize], mf, Pass::F);
-                g.extend(pipe.step(stage_of[b as usize], mb, Pass::B));
-                groups.push(g);
-                pairs.push(((stage_of[f as usize], mf), (stage_of[b as usize], mb)));
-            }
-        }
-    }
-    Ok((groups, pairs))
-}
-
-/// DualPipe's overlap of an F&B pair on a model whose expert passes are
-/// split into phases (`shard` on a stream of its own, tag `PART`: 0
-/// dispatch, 1 experts, 2 combine): the forward's and the backward's compute
-/// nodes are merged into one order on the device (each keeps its own: the
-/// forward by segment and phase, the backward the reverse) so that every
-/// node that starts an all-to-all is followed by a large compute node of the
-/// other pass (attention, the experts) while the exchange runs, as in the
-/// DeepSeek-V3 report's overlapped chunk: per layer pair, backward combine,
-/// forward attention, forward dispatch, backward experts, forward experts,
-/// backward dispatch, backward attention, forward combine. Returns whether
-/// the pair had expert phases (nothing is added otherwise).
-pub fn interleave_pair(dag: &mut dyn Dag, pipe: &Pipeline, pair: FbPair) -> Result<bool, Error> {
-    let ((fs, fm), (bs, bm)) = pair;
-    let mut nodes = |s: u32, m: u32, pass: Pass| -> Result<Vec<crate::NodeInfo>, Error> {
-        let mut v = Vec::new();
-        for f in pipe.step(s, m, pass) {
-            v.extend(dag.query(&f)?);
-        }
-        Ok(v)
-    };
-    let mut f = nodes(fs, fm, Pass::F)?;
-    let mut b = nodes(bs, bm, Pass::B)?;
-    if !f.iter().chain(&b).any(|n| n.tags.contains_key("PART")) {
-        return Ok(false);
-    }
-    let key = |n: &crate::NodeInfo| {
-        (
-            n.segments.first().copied().unwrap_or(0),
-            n.tags.get("PART").copied().unwrap_or(0),
-        )
-    };
-    f.sort_by_key(key);
-    b.sort_by_key(|n| std::cmp::Reverse(key(n)));
-    let seq = merge_for_overlap(
-        &f.iter()
-            .map(|n| n.tags.get("PART").copied())
-            .collect::<Vec<_>>(),
-        &b.iter()
-            .map(|n| n.tags.get("PART").copied())
-            .collect::<Vec<_>>(),
-    );
-    let ids: Vec<u32> = seq
-        .into_iter()
-        .map(|(q, i)| if q == 0 { f[i].id } else { b[i].id })
-        .collect();
-    for w in ids.windows(2) {
-        dag.add_temporal_edge(w[0], w[1])?;
-    }
-    Ok(true)
-}
-
-/// The merge of [`interleave_pair`] on the nodes' `PART` tags (`None`: a
-/// whole segment): `(0, i)` is the forward's node `i`, `(1, i)` the
-/// backward's. A node is *large* when it is a whole segment or an experts
-/// phase; it *starts an exchange* when a phase follows it in its pass
-/// (forward: dispatch, experts; backward: combine, experts). A pass whose
-/// next node waits on an exchange not yet covered by a large node of the
-/// other pass waits; among the rest, a node that starts an exchange goes
-/// first when the other pass can cover it with a large node, then a large
-/// node that covers the other's exchange, then the backward.
-pub fn merge_for_overlap(f: &[Option<u32>], b: &[Option<u32>]) -> Vec<(u8, usize)> {
-    let q = [f, b];
-    let large = |p: Option<u32>| p.is_none_or(|p| p == 1);
-    let starts = |pass: usize, p: Option<u32>| match (pass, p) {
-        (0, Some(p)) => p < 2,
-        (1, Some(p)) => p > 0,
-        _ => false,
-    };
-    let mut next = [0usize; 2];
-    let mut waits = [false; 2];
-    let mut out = Vec::with_capacity(f.len() + b.len());
-    while next[0] < f.len() || next[1] < b.len() {
-        let head = |p: usize| q[p].get(next[p]).copied();
-        let open = |p: usize| head(p).is_some() && !waits[p];
-        let score = |p: usize| -> u8 {
-            let h = head(p).flatten();
-            let other = 1 - p;
-            let other_large = head(other).is_some_and(large);
-            match () {
-                _ if !open(p) => 0,
-                _ if starts(p, h) && other_large && !waits[other] => 4,
-                _ if waits[other] && large(h) => 3,
-                _ => 1 + p as u8,
-            }
-        };
-        // Both passes waiting: the exchange is exposed; go on with the
-        // backward (or whichever is left).
-        let pick = match (score(0), score(1)) {
-            (0, 0) => usize::from(head(1).is_some()),
-            (a, b) if a > b => 0,
-            _ => 1,
-        };
-        if head(pick).is_none() {
-            break;
-        }
-        let h = head(pick).flatten();
-        out.push((pick as u8, next[pick]));
-        next[pick] += 1;
-        if large(h) {
-            waits[1 - pick] = false;
-        }
-        waits[pick] = starts(pick, h);
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -584,6 +351,7 @@ mod tests {
             groups: vec![vec![0], vec![1], vec![2], vec![3]],
             regions: (0..4).map(|s| (3 * s..3 * s + 3).collect()).collect(),
             position: vec![0, 1, 2, 3],
+            microbatches: 8,
         };
         let mut p = even.clone();
         p.cut_at(&[0, 4, 8, 11], "1f1b").unwrap();
@@ -607,82 +375,5 @@ mod tests {
             let e = even.clone().cut_at(firsts, "1f1b").unwrap_err().to_string();
             assert!(e.contains(want), "{firsts:?}: {e}");
         }
-    }
-
-    #[test]
-    fn dual_schedule_runs_every_pass_of_both_phases_once() {
-        for n in 1..=4 {
-            for r in 0..n {
-                for chunks in 2 * n..2 * n + 5 {
-                    for last in [false, true] {
-                        let steps = dual_schedule(n, r, chunks, last).unwrap();
-                        let (mut f, mut b, mut deferred) = ([0; 2], [0; 2], 0i64);
-                        for s in &steps {
-                            match *s {
-                                DualStep::F(p) => f[p as usize] += 1,
-                                DualStep::B { phase, zb } => {
-                                    b[phase as usize] += 1;
-                                    // A backward never overtakes its forward.
-                                    assert!(b[phase as usize] <= f[phase as usize]);
-                                    deferred += i64::from(zb);
-                                }
-                                DualStep::W => {
-                                    deferred -= 1;
-                                    assert!(deferred >= 0, "W with nothing deferred");
-                                }
-                                DualStep::FB { f: pf, b: pb } => {
-                                    f[pf as usize] += 1;
-                                    b[pb as usize] += 1;
-                                    assert!(b[pb as usize] <= f[pb as usize]);
-                                }
-                            }
-                        }
-                        let c = chunks as i32;
-                        assert_eq!(
-                            (f, b, deferred),
-                            ([c, c], [c, c], 0),
-                            "n {n} r {r} chunks {chunks}"
-                        );
-                    }
-                }
-            }
-        }
-        assert!(dual_schedule(4, 0, 7, false).is_err());
-        assert!(dual_schedule(2, 2, 8, false).is_err());
-    }
-
-    #[test]
-    fn overlap_merge_follows_the_deepseek_chunk_order() {
-        // One layer pair: forward attention, dispatch, experts, combine;
-        // backward the reverse. DeepSeek-V3's overlapped chunk: B combine,
-        // F attention, F dispatch, B experts, F experts, B dispatch,
-        // B attention, F combine: each all-to-all (after F dispatch, F
-        // experts, B combine, B experts) runs under the other's compute.
-        let f = [None, Some(0), Some(1), Some(2)];
-        let b = [Some(2), Some(1), Some(0), None];
-        let got = merge_for_overlap(&f, &b);
-        let want = [
-            (1, 0),
-            (0, 0),
-            (0, 1),
-            (1, 1),
-            (0, 2),
-            (1, 2),
-            (1, 3),
-            (0, 3),
-        ];
-        assert_eq!(got, want);
-        // Two layers each: every node once, each pass in its own order.
-        let f2 = [f, f].concat();
-        let b2 = [b, b].concat();
-        let got = merge_for_overlap(&f2, &b2);
-        assert_eq!(got.len(), 16);
-        for pass in 0..2u8 {
-            let idx: Vec<usize> = got.iter().filter(|x| x.0 == pass).map(|x| x.1).collect();
-            assert_eq!(idx, (0..8).collect::<Vec<_>>());
-        }
-        // Whole segments only (no phases): the backward first, then in turn.
-        let got = merge_for_overlap(&[None, None], &[None]);
-        assert_eq!(got.len(), 3);
     }
 }

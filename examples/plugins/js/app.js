@@ -22,8 +22,9 @@ class OneFOneB {
   }
 
   apply(dag, options) {
-    const [pipe, mbs] = Pipeline.splitAndPlace(dag, options, '1f1b-js');
-    const p = pipe.stages();
+    const pipe = Pipeline.new(dag, options, '1f1b-js');
+    pipe.splitPlace(dag, options);
+    const [p, mbs] = [pipe.stages(), pipe.microbatches];
     for (let s = 0; s < p; s++) {
       dag.order(schedule(p, s, mbs).map(([pass, m]) => pipe.step(s, m, pass)));
     }

@@ -23,8 +23,9 @@ class OneFOneB(Strategy):
             "microbatches per step (default: 2 x stages)")
 
     def apply(self, dag, options):
-        pipe, mbs = Pipeline.split_and_place(dag, options, "1f1b-py")
-        p = pipe.stages()
+        pipe = Pipeline.new(dag, options, "1f1b-py")
+        pipe.split_place(dag, options)
+        p, mbs = pipe.stages(), pipe.microbatches
         for s in range(p):
             dag.order([pipe.step(s, m, pass_name) for pass_name, m in schedule(p, s, mbs)])
 

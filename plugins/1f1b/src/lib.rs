@@ -3,7 +3,7 @@
 //! forwards, then alternates one forward and one backward, then drains the
 //! remaining backwards: at most p − s microbatches of activations are alive.
 
-use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct OneFOneB;
@@ -34,9 +34,10 @@ impl Strategy for OneFOneB {
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
-        // 1–2. Stages on device groups, microbatches.
-        let (pipe, mbs) = Pipeline::split_and_place(dag, options, "1f1b")?;
-        let p = pipe.stages();
+        // 1. Stages on device groups; 2. microbatches, stages placed.
+        let pipe = Pipeline::new(dag, options, Layout::Plain, "1f1b")?;
+        pipe.split_place(dag, options)?;
+        let (p, mbs) = (pipe.stages(), pipe.microbatches);
         // 3. Per stage: warm-up forwards, 1F1B steady state, cool-down backwards.
         for s in 0..p {
             let groups: Vec<Vec<Filter>> = schedule(p, s, mbs)

@@ -9,7 +9,8 @@
 //! (the DAG adds that reduction for any segment placed on two groups), so
 //! both copies stay identical. Parameters: 2 copies per device.
 
-use piper_sdk::pipeline::{dual_groups, dual_schedule, microbatches, pipeline_options, Pipeline};
+use piper_sdk::dualpipe::{dual_groups, dual_schedule};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{export_strategy, Dag, Error, Filter, Options, PluginInfo, Strategy};
 
 pub struct DualPipe;
@@ -30,22 +31,20 @@ impl Strategy for DualPipe {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let who = "dualpipe";
         // 1. Copy A's stages, one per device; preconditions with the numbers.
-        let pipe =
-            Pipeline::plan(dag, options.u32("stages")?, who)?.with_boundaries(options, who)?;
-        let p = pipe.stages();
+        let pipe = Pipeline::new(dag, options, Layout::Plain, who)?;
+        let (p, m) = (pipe.stages(), pipe.microbatches);
         if p % 2 == 1 {
             return Err(Error::msg(format!(
                 "{who} needs an even number of stages: got {p}"
             )));
         }
-        let m = microbatches(options, 2 * p, who)?;
         if m % 2 == 1 || m < 2 * p {
             return Err(Error::msg(format!(
                 "{who} needs an even number of microbatches ≥ 2·stages: got {m} microbatches for {p} stages"
             )));
         }
         // 2. Microbatches; every stage on copy A's device.
-        pipe.split_place(dag, options, m)?;
+        pipe.split_place(dag, options)?;
         // 3. Copy B: the second half of the microbatches runs stage s on
         //    device p − 1 − s (the same stage's nodes on a second group make
         //    it a second parameter copy).

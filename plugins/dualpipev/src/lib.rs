@@ -7,9 +7,8 @@
 //! defers weight passes into the warm-up and cool-down bubbles. One copy of
 //! the parameters, unlike DualPipe.
 
-use piper_sdk::pipeline::{
-    dual_groups_and_pairs, dual_schedule, interleave_pair, microbatches, pipeline_options, Pipeline,
-};
+use piper_sdk::dualpipe::{dual_groups_and_pairs, dual_schedule, interleave_pair};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{export_strategy, Dag, Error, OptionSpec, Options, PluginInfo, Strategy};
 
 pub struct DualPipeV;
@@ -34,34 +33,18 @@ impl Strategy for DualPipeV {
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let who = "dualpipev";
-        // 1. Preconditions, with the numbers: two stages per device.
-        let stages = options.u32("stages")?;
-        if let Some(s) = stages {
-            if s == 0 || s % 2 == 1 {
-                return Err(Error::msg(format!(
-                    "{who} needs an even number of stages (2 per device): got {s}"
-                )));
-            }
-        }
-        // 2. The V: stage s < p on device s, stage s ≥ p on device 2p − 1 − s.
-        let pipe = Pipeline::layout(
-            dag,
-            stages.map(|s| s / 2),
-            2,
-            &|s, p| if s < p { s } else { 2 * p - 1 - s },
-            who,
-        )?
-        .with_boundaries(options, who)?;
-        let p = pipe.positions();
-        let m = microbatches(options, 2 * pipe.stages(), who)?;
+        // 1. The V, two stages per device (an even count): stage s < p on
+        //    device s, stage s ≥ p on device 2p − 1 − s; enough microbatches.
+        let pipe = Pipeline::new(dag, options, Layout::V, who)?;
+        let (p, m) = (pipe.positions(), pipe.microbatches);
         if m < 2 * p {
             return Err(Error::msg(format!(
                 "{who} needs microbatches ≥ 2·devices: got {m} microbatches for {p} devices"
             )));
         }
-        // 3. Microbatches; both stages of each device placed on it.
-        pipe.split_place(dag, options, m)?;
-        // 4. Per device: DeepSeek's eight-part schedule; phase 0 is the stage
+        // 2. Microbatches; both stages of each device placed on it.
+        pipe.split_place(dag, options)?;
+        // 3. Per device: DeepSeek's eight-part schedule; phase 0 is the stage
         //    on the way down, phase 1 the one on the way back.
         //    With `overlap`, each F&B pair alternates phase by phase.
         let overlap = options.bool("overlap")?.unwrap_or(true);

@@ -9,7 +9,7 @@
 //! shifted by s.
 
 use piper_sdk::{
-    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo,
+    export_strategy, strided_group, Dag, Error, Filter, NodeInfo, OptionSpec, Options, PluginInfo,
     ReplicateOptions, Strategy,
 };
 use std::collections::BTreeSet;
@@ -36,38 +36,51 @@ impl Strategy for ExpertParallel {
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
-        let devices = dag.cluster().devices;
         let degree = options.u32("ep")?;
-        let stream = options.str("stream")?.unwrap_or("ep").to_string();
-        let experts = Filter::all().any("EP");
-        let nodes = dag.query(&experts).map_err(|e| {
+        let stream = options.str("stream")?.unwrap_or("ep");
+        // 1. The experts: every node of an `EP`-tagged (MoE) segment.
+        let experts = dag.query(&Filter::all().any("EP")).map_err(|e| {
             Error::msg(format!(
                 "ep needs a mixture-of-experts model (a [moe] table): {}",
                 e.message
             ))
         })?;
-        // Not data-parallel yet: replicate everything over `ep` devices.
-        if nodes.iter().all(|n| n.devices.len() <= 1) {
+        // 2. Not data-parallel yet: the whole model replicated over `ep`
+        //    devices, spread as `dp` spreads them.
+        if experts.iter().all(|n| n.devices.len() <= 1) {
+            let devices = dag.cluster().devices;
             let group = strided_group("ep", "ep", degree.unwrap_or(devices), devices)?;
             dag.replicate(&Filter::all(), &group, &ReplicateOptions::zero(0))?;
         }
-        // Each MoE layer (EP index) on the group it is data-parallel over.
-        let blocks: BTreeSet<u32> = nodes
-            .iter()
-            .filter_map(|n| n.tags.get("EP").copied())
-            .collect();
-        for b in blocks {
-            let f = Filter::tag("EP", b);
-            let group = dag.query(&f)?[0].devices.clone();
-            if let Some(d) = degree.filter(|d| *d as usize != group.len()) {
-                return Err(Error::msg(format!(
-                    "ep {d} must equal the data-parallel degree of the experts' devices {group:?} ({}); experts replicated over several EP groups are not supported",
-                    group.len()
-                )));
-            }
-            dag.shard(&f, &group, &stream)?;
+        // 3. Each MoE layer's experts sharded over the group it is
+        //    data-parallel over, tokens exchanged by all-to-all on `stream`.
+        for layer in moe_layers(&experts) {
+            let layer = Filter::tag("EP", layer);
+            let group = dag.query(&layer)?[0].devices.clone();
+            check_degree(degree, &group)?;
+            dag.shard(&layer, &group, stream)?;
         }
         Ok(())
+    }
+}
+
+/// The MoE layers (`EP` tag values) the nodes belong to, in order.
+fn moe_layers(nodes: &[NodeInfo]) -> BTreeSet<u32> {
+    nodes
+        .iter()
+        .filter_map(|n| n.tags.get("EP").copied())
+        .collect()
+}
+
+/// An `ep` option must be the experts' data-parallel degree: one EP group
+/// per layer (experts replicated over several EP groups are not supported).
+fn check_degree(degree: Option<u32>, group: &[u32]) -> Result<(), Error> {
+    match degree.filter(|d| *d as usize != group.len()) {
+        Some(d) => Err(Error::msg(format!(
+            "ep {d} must equal the data-parallel degree of the experts' devices {group:?} ({}); experts replicated over several EP groups are not supported",
+            group.len()
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -1,7 +1,7 @@
 //! `gpipe`: pipeline parallelism with the GPipe schedule — every stage runs all
 //! its microbatches' forwards, then all their backwards.
 
-use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct GPipe;
@@ -20,8 +20,10 @@ impl Strategy for GPipe {
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
-        // 1–2. Stages on device groups, microbatches.
-        let (pipe, mbs) = Pipeline::split_and_place(dag, options, "gpipe")?;
+        // 1. Stages on device groups; 2. microbatches, stages placed.
+        let pipe = Pipeline::new(dag, options, Layout::Plain, "gpipe")?;
+        pipe.split_place(dag, options)?;
+        let mbs = pipe.microbatches;
         // 3. Per stage: F0 … F(m-1), then B0 … B(m-1).
         for s in 0..pipe.stages() {
             let mut groups: Vec<Vec<Filter>> = (0..mbs).map(|m| pipe.step(s, m, Pass::F)).collect();

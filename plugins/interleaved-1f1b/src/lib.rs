@@ -4,7 +4,7 @@
 //! microbatch visits every device `virtual` times and the pipeline bubble
 //! shrinks by that factor, at the price of `virtual ×` more transfers.
 
-use piper_sdk::pipeline::{microbatches, pipeline_options, Pipeline};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{
     export_strategy, Dag, Error, Filter, OptionSpec, Options, Pass, PluginInfo, Strategy,
 };
@@ -58,24 +58,18 @@ impl Strategy for Interleaved {
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let who = "interleaved-1f1b";
-        let v = options.u32("virtual")?.unwrap_or(2);
-        if v == 0 {
-            return Err(Error::msg(format!(
-                "{who} needs virtual ≥ 1 model chunk per device, got 0"
-            )));
-        }
         // 1. Stage s = k·p + r sits on device r: chunk k of device r.
-        let pipe = Pipeline::layout(dag, options.u32("stages")?, v, &|s, p| s % p, who)?
-            .with_boundaries(options, who)?;
-        let p = pipe.positions();
-        let m = microbatches(options, 2 * p, who)?;
+        let v = options.u32("virtual")?.unwrap_or(2);
+        let layout = Layout::Interleaved { virtual_stages: v };
+        let pipe = Pipeline::new(dag, options, layout, who)?;
+        let (p, m) = (pipe.positions(), pipe.microbatches);
         if !m.is_multiple_of(p) {
             return Err(Error::msg(format!(
                 "{who} needs microbatches to be a multiple of the pipeline devices: got {m} microbatches for {p} devices"
             )));
         }
         // 2. Microbatches, and every stage on its device.
-        pipe.split_place(dag, options, m)?;
+        pipe.split_place(dag, options)?;
         // 3. Per device: Megatron's interleaved order over its chunks.
         for r in 0..p {
             let groups: Vec<Vec<Filter>> = schedule(p, v, r, m)

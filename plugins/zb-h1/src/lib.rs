@@ -5,7 +5,7 @@
 //! cool-down bubble. Activation memory stays that of 1F1B (at most `p − s`
 //! microbatches in flight); the bubble shrinks to about a third.
 
-use piper_sdk::pipeline::{pipeline_options, Pipeline};
+use piper_sdk::pipeline::{pipeline_options, Layout, Pipeline};
 use piper_sdk::{export_strategy, Dag, Error, Filter, Options, Pass, PluginInfo, Strategy};
 
 pub struct ZbH1;
@@ -78,17 +78,15 @@ impl Strategy for ZbH1 {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         // 1. Stages on device groups; the schedule needs m ≥ p to reach its
         //    steady state.
-        let pipe = Pipeline::plan(dag, options.u32("stages")?, "zb-h1")?
-            .with_boundaries(options, "zb-h1")?;
-        let p = pipe.stages();
-        let m = piper_sdk::pipeline::microbatches(options, 2 * p, "zb-h1")?;
+        let pipe = Pipeline::new(dag, options, Layout::Plain, "zb-h1")?;
+        let (p, m) = (pipe.stages(), pipe.microbatches);
         if m < p {
             return Err(Error::msg(format!(
                 "zb-h1 needs microbatches ≥ stages: got {m} microbatches for {p} stages"
             )));
         }
         // 2. Microbatches, stages placed.
-        pipe.split_place(dag, options, m)?;
+        pipe.split_place(dag, options)?;
         // 3. Per stage: the ZB-H1 order (BI/BW filters split the backwards).
         for s in 0..p {
             let groups: Vec<Vec<Filter>> = schedule(p, s, m)
