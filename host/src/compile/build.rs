@@ -438,96 +438,14 @@ fn comm_bytes(c: &crate::dag::Comm, div: u64) -> u64 {
 
 /// Build the devices of chunk `c`.
 pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
-    let dag = cx.dag;
-    let g = &dag.graph;
-    let bit = 1u64 << c;
-    let ranks = cx.ranks(c);
-    let lo = ranks.start;
-    let mut devs: Vec<Dev> = ranks
-        .clone()
-        .map(|_| Dev {
-            counts: Vec::new(),
-            own: Vec::new(),
-            first: Vec::new(),
-            lists: Vec::new(),
-            live: 0,
-            peak: 0,
-        })
-        .collect();
-    let local = |d: usize| cx.rank[d] as usize - lo;
-    let here = |d: usize| cx.chunk[d] as usize == c;
-    let mut names = Names::new(dag);
-    // Local slots: a node's i-th device at `base[node] + i`, for the nodes
-    // of this chunk; each slot's (stream, index), and for the memory walk
-    // the bytes it left and its readers still to come.
-    let mut base = vec![u32::MAX; cx.order_ix.len()];
-    let mut slots: Vec<(u16, u32)> = Vec::new();
-    let mine = || {
-        cx.order
-            .iter()
-            .enumerate()
-            .filter(move |(k, _)| cx.chunks_of[*k] & bit != 0)
-    };
-    // 1. Positions.
-    let mut nodes = 0usize;
-    for (_, &id) in mine() {
-        nodes += 1;
-        let n = &g[id.ix()];
-        base[id.ix().index()] = slots.len() as u32;
-        for (i, dev) in n.devices.iter().enumerate() {
-            let d = dev.0 as usize;
-            if !here(d) {
-                slots.push((u16::MAX, u32::MAX));
-                continue;
-            }
-            let sid = names.of(n, i);
-            let counts = &mut devs[local(d)].counts;
-            let idx = match counts.iter_mut().find(|(s, _)| *s == sid) {
-                Some(e) => {
-                    e.1 += 1;
-                    e.1 - 1
-                }
-                None => {
-                    counts.push((sid, 1));
-                    0
-                }
-            };
-            slots.push((sid, idx));
-        }
-    }
-    for dv in &mut devs {
-        dv.own = vec![NO_STREAM; names.names.len()];
-        dv.first = vec![NO_STREAM; names.names.len()];
-        for (p, &(s, _)) in dv.counts.iter().enumerate() {
-            dv.own[s as usize] = p as u32;
-            let name = &names.names[s as usize];
-            dv.first[s as usize] = dv
-                .counts
-                .iter()
-                .position(|(x, _)| names.names[*x as usize] == *name)
-                .map_or(p as u32, |f| f as u32);
-        }
-        dv.lists = dv
-            .counts
-            .iter()
-            .map(|&(s, n)| {
-                (
-                    Vec::with_capacity(n as usize),
-                    plan::StreamHasher::new(&names.names[s as usize]),
-                    StreamSteps {
-                        steps: Vec::with_capacity(n as usize),
-                        waits: Vec::new(),
-                    },
-                )
-            })
-            .collect();
-    }
-    let mut bufs: Vec<(u64, u32)> = vec![(0, 0); slots.len()];
-
+    let mut b = ChunkBuild::new(cx, c);
+    // 1. Positions: each node's (stream, index) on each of the chunk's
+    //    devices, and each device's streams.
+    let nodes = b.positions();
     // 2. Ops, hashes, memory and steps, node by node.
     let mut sh = Shared {
         no_segments: Arc::from(Vec::new()),
-        one_segment: (0..dag.segments().len() as u32)
+        one_segment: (0..cx.dag.segments().len() as u32)
             .map(|s| Arc::from(vec![s]))
             .collect(),
         // Room for a tag set per two nodes (a microbatch's F and B share
@@ -537,96 +455,259 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
         no_inputs: Arc::from(Vec::new()),
         inputs: Vec::new(),
     };
-    // The last waits list, to share with the next op that waits on the
-    // same positions (a node's next device, mostly).
-    let mut last_waits: (Vec<(u32, u32)>, Arc<[Wait]>) = (Vec::new(), sh.no_waits.clone());
-    let mut wait_at: Vec<(u32, u32)> = Vec::new();
-    // Messages sent from this chunk's devices, until their receive: (the
-    // receive's order index, local device, bytes).
-    let mut in_flight: BinaryHeap<Reverse<(u32, usize, u64)>> = BinaryHeap::new();
-    let mut preds: Vec<(NodeId, EdgeKind)> = Vec::new();
-    let mut stack: Vec<(NodeId, EdgeKind)> = Vec::new();
-    let mut pred_at: Vec<(u32, bool)> = Vec::new();
-    let mut ready: Vec<(usize, usize, Op)> = Vec::with_capacity(BURST + 64);
-    // Per node: its devices in this chunk, each device's place among them
-    // (`u32::MAX` for others), and per place the waits and local inputs.
-    let mut here_ix: Vec<(u32, u32)> = Vec::new();
-    let mut slot_of = vec![u32::MAX; cx.rank.len()];
-    type Acc = (Vec<(u16, u32)>, Vec<Input>);
-    let mut acc: Vec<Acc> = Vec::new();
-    for (k, &id) in mine() {
-        let n = &g[id.ix()];
-        let k = k as u32;
+    b.last_waits.1 = sh.no_waits.clone();
+    for (k, &id) in mine(cx, b.bit) {
+        b.node(&mut sh, k as u32, id);
+    }
+    b.finish()
+}
+
+/// The order's nodes with a device in the chunk of bit `bit`: (order index, node).
+fn mine<'c>(cx: &'c Ctx<'_>, bit: u64) -> impl Iterator<Item = (usize, &'c NodeId)> + 'c {
+    cx.order
+        .iter()
+        .enumerate()
+        .filter(move |(k, _)| cx.chunks_of[*k] & bit != 0)
+}
+
+/// A chunk's devices while they are built, and the buffers its per-node
+/// steps reuse.
+struct ChunkBuild<'c, 'a> {
+    cx: &'c Ctx<'a>,
+    c: usize,
+    bit: u64,
+    /// The chunk's ranks; a device's local index is its rank less `lo`.
+    ranks: std::ops::Range<usize>,
+    lo: usize,
+    devs: Vec<Dev>,
+    names: Names,
+    /// Local slots: a node's i-th device at `base[node] + i`, for the nodes
+    /// of this chunk; each slot's (stream, index), and for the memory walk
+    /// the bytes it left and its readers still to come.
+    base: Vec<u32>,
+    slots: Vec<(u16, u32)>,
+    bufs: Vec<(u64, u32)>,
+    /// Messages sent from this chunk's devices, until their receive: (the
+    /// receive's order index, local device, bytes).
+    in_flight: BinaryHeap<Reverse<(u32, usize, u64)>>,
+    /// The node's effective predecessors (markers passed through), each
+    /// one's slot base and whether it runs on the node's device group.
+    preds: Vec<(NodeId, EdgeKind)>,
+    stack: Vec<(NodeId, EdgeKind)>,
+    pred_at: Vec<(u32, bool)>,
+    /// The node's devices in this chunk: (index in the node, device); each
+    /// device's place among them (`u32::MAX` for others); per place the
+    /// waits (stream id, op index) and local inputs.
+    here_ix: Vec<(u32, u32)>,
+    slot_of: Vec<u32>,
+    acc: Vec<(Vec<(u16, u32)>, Vec<Input>)>,
+    /// One op's waits as (the device's stream position, op index), and the
+    /// last waits list, to share with the next op that waits on the same
+    /// positions (a node's next device, mostly).
+    wait_at: Vec<(u32, u32)>,
+    last_waits: (Vec<(u32, u32)>, Arc<[Wait]>),
+    ready: Vec<(usize, usize, Op)>,
+}
+
+impl<'c, 'a> ChunkBuild<'c, 'a> {
+    fn new(cx: &'c Ctx<'a>, c: usize) -> Self {
+        let ranks = cx.ranks(c);
+        ChunkBuild {
+            cx,
+            c,
+            bit: 1u64 << c,
+            lo: ranks.start,
+            devs: ranks
+                .clone()
+                .map(|_| Dev {
+                    counts: Vec::new(),
+                    own: Vec::new(),
+                    first: Vec::new(),
+                    lists: Vec::new(),
+                    live: 0,
+                    peak: 0,
+                })
+                .collect(),
+            ranks,
+            names: Names::new(cx.dag),
+            base: vec![u32::MAX; cx.order_ix.len()],
+            slots: Vec::new(),
+            bufs: Vec::new(),
+            in_flight: BinaryHeap::new(),
+            preds: Vec::new(),
+            stack: Vec::new(),
+            pred_at: Vec::new(),
+            here_ix: Vec::new(),
+            slot_of: vec![u32::MAX; cx.rank.len()],
+            acc: Vec::new(),
+            wait_at: Vec::new(),
+            last_waits: (Vec::new(), Arc::from(Vec::new())),
+            ready: Vec::with_capacity(BURST + 64),
+        }
+    }
+
+    /// Device `d`'s index among the chunk's devices.
+    fn local(&self, d: usize) -> usize {
+        self.cx.rank[d] as usize - self.lo
+    }
+
+    fn here(&self, d: usize) -> bool {
+        self.cx.chunk[d] as usize == self.c
+    }
+
+    /// Step 1: every node's slots, each device's streams in first-use order
+    /// with their op counts, and the stream lists sized. Returns the number
+    /// of nodes in the chunk.
+    fn positions(&mut self) -> usize {
+        let (cx, g) = (self.cx, &self.cx.dag.graph);
+        let mut nodes = 0usize;
+        for (_, &id) in mine(cx, self.bit) {
+            nodes += 1;
+            let n = &g[id.ix()];
+            self.base[id.ix().index()] = self.slots.len() as u32;
+            for (i, dev) in n.devices.iter().enumerate() {
+                let d = dev.0 as usize;
+                if !self.here(d) {
+                    self.slots.push((u16::MAX, u32::MAX));
+                    continue;
+                }
+                let sid = self.names.of(n, i);
+                let dl = self.local(d);
+                let counts = &mut self.devs[dl].counts;
+                let idx = match counts.iter_mut().find(|(s, _)| *s == sid) {
+                    Some(e) => {
+                        e.1 += 1;
+                        e.1 - 1
+                    }
+                    None => {
+                        counts.push((sid, 1));
+                        0
+                    }
+                };
+                self.slots.push((sid, idx));
+            }
+        }
+        let names = &self.names.names;
+        for dv in &mut self.devs {
+            dv.own = vec![NO_STREAM; names.len()];
+            dv.first = vec![NO_STREAM; names.len()];
+            for (p, &(s, _)) in dv.counts.iter().enumerate() {
+                dv.own[s as usize] = p as u32;
+                let name = &names[s as usize];
+                dv.first[s as usize] = dv
+                    .counts
+                    .iter()
+                    .position(|(x, _)| names[*x as usize] == *name)
+                    .map_or(p as u32, |f| f as u32);
+            }
+            dv.lists = dv
+                .counts
+                .iter()
+                .map(|&(s, n)| {
+                    (
+                        Vec::with_capacity(n as usize),
+                        plan::StreamHasher::new(&names[s as usize]),
+                        StreamSteps {
+                            steps: Vec::with_capacity(n as usize),
+                            waits: Vec::new(),
+                        },
+                    )
+                })
+                .collect();
+        }
+        self.bufs = vec![(0, 0); self.slots.len()];
+        nodes
+    }
+
+    /// Step 2 for node `id` (order index `k`): its ops on the chunk's
+    /// devices, then the memory its inputs and messages free or hold.
+    fn node(&mut self, sh: &mut Shared<'a>, k: u32, id: NodeId) {
+        let cx = self.cx;
+        let n = &cx.dag.graph[id.ix()];
         // Every device of the node is in this chunk.
-        let whole = cx.chunks_of[k as usize] == bit;
-        // A message whose receive has come is off its sender's account.
-        while let Some(&Reverse((rk, dl, b))) = in_flight.peek() {
+        let whole = cx.chunks_of[k as usize] == self.bit;
+        self.deliver(k);
+        self.effective_preds(id);
+        let single = self.pred_at.iter().all(|(_, same)| *same);
+        let desc = describe(cx, sh, id, n, &self.preds, single);
+        // The node's devices in this chunk.
+        self.here_ix.clear();
+        for (i, d) in n.devices.iter().enumerate() {
+            if whole || self.here(d.0 as usize) {
+                self.here_ix.push((i as u32, d.0));
+            }
+        }
+        for (h, &(_, d)) in self.here_ix.iter().enumerate() {
+            self.slot_of[d as usize] = h as u32;
+        }
+        self.gather_waits_and_inputs(id, &desc);
+        for h in 0..self.here_ix.len() {
+            self.emit(sh, id, n, &desc, h);
+        }
+        if self.ready.len() >= BURST {
+            for (dl, si, op) in self.ready.drain(..) {
+                self.devs[dl].lists[si].0.push(op);
+            }
+        }
+        self.release_inputs();
+        for &(_, d) in &self.here_ix {
+            self.slot_of[d as usize] = u32::MAX;
+        }
+        self.hold_message(n, &desc, whole);
+    }
+
+    /// A message whose receive has come (order index ≤ `k`) is off its
+    /// sender's account.
+    fn deliver(&mut self, k: u32) {
+        while let Some(&Reverse((rk, dl, b))) = self.in_flight.peek() {
             if rk > k {
                 break;
             }
-            in_flight.pop();
-            devs[dl].live = devs[dl].live.saturating_sub(b);
+            self.in_flight.pop();
+            self.devs[dl].live = self.devs[dl].live.saturating_sub(b);
         }
-        let my_gid = cx.groups.gid[id.ix().index()];
-        // Markers are pass-through: the node's effective predecessors.
-        preds.clear();
-        stack.clear();
-        stack.extend(
-            cx.flat
-                .preds(id.ix().index())
-                .iter()
-                .map(|&(p, k)| (NodeId(p), k)),
-        );
-        while let Some((p, ek)) = stack.pop() {
+    }
+
+    /// The node's effective predecessors (markers are pass-through), each
+    /// with its slot base and whether it runs on the node's device group.
+    fn effective_preds(&mut self, id: NodeId) {
+        let cx = self.cx;
+        self.preds.clear();
+        self.stack.clear();
+        let flat = |p: usize| cx.flat.preds(p).iter().map(|&(q, k)| (NodeId(q), k));
+        self.stack.extend(flat(id.ix().index()));
+        while let Some((p, ek)) = self.stack.pop() {
             if cx.groups.is_marker(p.ix().index()) {
-                stack.extend(
-                    cx.flat
-                        .preds(p.ix().index())
-                        .iter()
-                        .map(|&(q, k)| (NodeId(q), k)),
-                );
+                self.stack.extend(flat(p.ix().index()));
             } else {
-                preds.push((p, ek));
+                self.preds.push((p, ek));
             }
         }
-        pred_at.clear();
-        pred_at.extend(preds.iter().map(|(p, _)| {
-            (
-                base[p.ix().index()],
-                cx.groups.gid[p.ix().index()] == my_gid,
-            )
+        let my_gid = cx.groups.gid[id.ix().index()];
+        let base = &self.base;
+        self.pred_at.clear();
+        self.pred_at.extend(self.preds.iter().map(|(p, _)| {
+            let p = p.ix().index();
+            (base[p], cx.groups.gid[p] == my_gid)
         }));
-        let single = pred_at.iter().all(|(_, same)| *same);
-        let desc = describe(cx, &mut sh, id, n, &preds, single);
-        let uniform_readers = desc.readers.other.is_empty();
-        let kbase = base[id.ix().index()] as usize;
-        let gbase = cx.pos_base[id.ix().index()];
-        let comm = match &n.kind {
-            NodeKind::Comm(cm) => Some(cm),
-            _ => None,
-        };
-        // The node's devices in this chunk: (index in the node, device).
-        here_ix.clear();
-        here_ix.extend(
-            n.devices
-                .iter()
-                .enumerate()
-                .filter(|(_, d)| whole || here(d.0 as usize))
-                .map(|(i, d)| (i as u32, d.0)),
-        );
-        for (h, &(_, d)) in here_ix.iter().enumerate() {
-            slot_of[d as usize] = h as u32;
+    }
+
+    /// Cross-stream waits (latest op per stream) and local inputs of each
+    /// of the node's devices here, from each predecessor's positions where
+    /// it runs.
+    fn gather_waits_and_inputs(&mut self, id: NodeId, desc: &Described<'a>) {
+        let cx = self.cx;
+        let kbase = self.base[id.ix().index()] as usize;
+        let here_ix = &self.here_ix;
+        if self.acc.len() < here_ix.len() {
+            self.acc.resize_with(here_ix.len(), Default::default);
         }
-        // Cross-stream waits (latest op per stream) and local inputs of
-        // each device, from each predecessor's positions where it runs.
-        if acc.len() < here_ix.len() {
-            acc.resize_with(here_ix.len(), Default::default);
-        }
-        for a in &mut acc[..here_ix.len()] {
+        for a in &mut self.acc[..here_ix.len()] {
             a.0.clear();
             a.1.clear();
         }
-        for (pe, &(pbase, same)) in preds.iter().zip(&pred_at) {
+        let (slots, acc) = (&self.slots, &mut self.acc);
+        for (pe, &(pbase, same)) in self.preds.iter().zip(&self.pred_at) {
             let input = (!desc.single_device_inputs).then(|| input_of(pe)).flatten();
             let mut visit = |h: usize, (ps, pidx): (u16, u32)| {
                 let (waits, inputs) = &mut acc[h];
@@ -647,218 +728,264 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
                 }
             } else {
                 for (j, pd) in cx.devices(pe.0.ix().index()).iter().enumerate() {
-                    let h = slot_of[pd.0 as usize];
+                    let h = self.slot_of[pd.0 as usize];
                     if h != u32::MAX {
                         visit(h as usize, slots[pbase as usize + j]);
                     }
                 }
             }
         }
-        for (h, &(i, d)) in here_ix.iter().enumerate() {
-            let (i, dev) = (i as usize, DeviceId(d));
-            let d = d as usize;
-            let dl = local(d);
-            let (sid, _) = slots[kbase + i];
-            let on_dev = if uniform_readers {
-                desc.readers.same
-            } else {
-                desc.readers.on(dev)
-            };
-            // Peers, pair and groups; the deadlock check's view of the op.
-            let (mut kind, mut key, mut need) = match desc.spread {
-                Some(_) => (Kind::Collective, gbase, n.devices.len() as u32),
-                None => (Kind::Local, 0, 0),
-            };
-            let (mut peer, mut pair) = (None, None);
-            let mut group = None;
-            if let Some(cm) = comm {
-                if cm.op.is_p2p() {
-                    peer = cm.peers.get(i).map(|p| p.0);
-                    pair = Some(match cm.op {
-                        CommOp::Send => id.0,
-                        _ => cm.pair.map(|p| p.0).unwrap_or(u32::MAX),
-                    });
-                    (kind, key) = match (cm.op, cm.pair, peer) {
-                        (CommOp::Send, _, _) => (Kind::Send, gbase + i as u32),
-                        (_, Some(pair), Some(peer)) if g.contains_node(pair.ix()) => {
-                            let at = cx
-                                .devices(pair.ix().index())
-                                .iter()
-                                .position(|x| x.0 == peer);
-                            match (at, cx.pos_base[pair.ix().index()]) {
-                                (Some(at), pb) if pb != u32::MAX => (Kind::Recv, pb + at as u32),
-                                _ => (Kind::Never, 0),
-                            }
-                        }
-                        _ => (Kind::Never, 0),
-                    };
-                } else {
-                    let gi = cm.groups.iter().position(|grp| grp.contains(&dev));
-                    group = gi.map(|gi| desc.groups[gi].clone());
-                    (kind, key, need) = match gi {
-                        Some(gi) if cm.groups[gi].len() > 1 => (
-                            Kind::Collective,
-                            gbase + gi as u32,
-                            cm.groups[gi].len() as u32,
-                        ),
-                        _ => (Kind::Local, 0, 0),
-                    };
-                }
-            } else {
-                group = desc.spread_group.clone();
-            }
-            let (waits, local_inputs) = &mut acc[h];
-            let inputs = if desc.single_device_inputs {
-                desc.inputs.clone()
-            } else {
-                sort_inputs(local_inputs);
-                Arc::from(&local_inputs[..])
-            };
-            if waits.len() > 1 {
-                waits.sort_unstable_by_key(|&(s, i)| (names.keys[s as usize], i));
-            }
-            // Each wait as (the device's stream position, op index). The
-            // devices of an SPMD node mostly wait on the same positions: one
-            // list for them (no allocation per op).
-            let dv = &devs[dl];
-            wait_at.clear();
-            wait_at.extend(waits.iter().map(|&(s, i)| (dv.first[s as usize], i)));
-            let waits_list = if wait_at.is_empty() {
-                sh.no_waits.clone()
-            } else if last_waits.0 == wait_at {
-                last_waits.1.clone()
-            } else {
-                let list: Arc<[Wait]> = wait_at
-                    .iter()
-                    .map(|&(s, i)| Wait {
-                        stream: StreamIx(s),
-                        op: i as usize,
-                    })
-                    .collect();
-                last_waits.0.clone_from(&wait_at);
-                last_waits.1 = list.clone();
-                list
-            };
-            let op = Op {
-                op: desc.kind,
-                node: id.0,
-                common: desc.common.clone(),
-                peer,
-                pair,
-                group,
-                waits: waits_list,
-                inputs,
-                // A tensor-parallel group runs one batch share.
-                replica: if desc.spread == Some(Spread::Tensor) {
-                    0
-                } else {
-                    i as u32
-                },
-                out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
-                    desc.readers.out_bytes
-                } else {
-                    0
-                },
-            };
-            let dv = &mut devs[dl];
-            let si = dv.own[sid as usize] as usize;
-            let (_, hasher, steps) = &mut dv.lists[si];
-            steps.waits.extend_from_slice(&wait_at);
-            let waits_end = steps.waits.len() as u32;
-            steps.steps.push(Step {
-                key,
-                need,
-                waits_end,
-                kind,
-            });
-            hasher.op(&op, d as u32 == desc.first_device, wait_at.iter().copied());
-            // Memory: the op's buffers (inputs are released below).
-            dv.peak = dv.peak.max(dv.live + desc.staging);
-            if on_dev > 0 {
-                dv.live += desc.readers.out_bytes;
-                bufs[kbase + i] = (desc.readers.out_bytes, on_dev);
-            }
-            dv.peak = dv.peak.max(dv.live);
-            ready.push((dl, si, op));
+    }
+
+    /// The node's op on its `h`-th device here: the op, its stream hash,
+    /// its deadlock step and its memory.
+    fn emit(&mut self, sh: &Shared<'a>, id: NodeId, n: &Node, desc: &Described<'a>, h: usize) {
+        let cx = self.cx;
+        let (i, d) = self.here_ix[h];
+        let (i, dev, d) = (i as usize, DeviceId(d), d as usize);
+        let dl = self.local(d);
+        let kbase = self.base[id.ix().index()] as usize;
+        let (sid, _) = self.slots[kbase + i];
+        let on_dev = if desc.readers.other.is_empty() {
+            desc.readers.same
+        } else {
+            desc.readers.on(dev)
+        };
+        let link = link(cx, id, n, desc, i, dev);
+        let (waits, local_inputs) = &mut self.acc[h];
+        let inputs = if desc.single_device_inputs {
+            desc.inputs.clone()
+        } else {
+            sort_inputs(local_inputs);
+            Arc::from(&local_inputs[..])
+        };
+        if waits.len() > 1 {
+            let keys = &self.names.keys;
+            waits.sort_unstable_by_key(|&(s, i)| (keys[s as usize], i));
         }
-        if ready.len() >= BURST {
-            for (dl, si, op) in ready.drain(..) {
-                devs[dl].lists[si].0.push(op);
-            }
+        // Each wait as (the device's stream position, op index). The
+        // devices of an SPMD node mostly wait on the same positions: one
+        // list for them (no allocation per op).
+        let first = &self.devs[dl].first;
+        self.wait_at.clear();
+        self.wait_at
+            .extend(waits.iter().map(|&(s, i)| (first[s as usize], i)));
+        let waits_list = if self.wait_at.is_empty() {
+            sh.no_waits.clone()
+        } else if self.last_waits.0 == self.wait_at {
+            self.last_waits.1.clone()
+        } else {
+            let list: Arc<[Wait]> = self
+                .wait_at
+                .iter()
+                .map(|&(s, i)| Wait {
+                    stream: StreamIx(s),
+                    op: i as usize,
+                })
+                .collect();
+            self.last_waits.0.clone_from(&self.wait_at);
+            self.last_waits.1 = list.clone();
+            list
+        };
+        let op = Op {
+            op: desc.kind,
+            node: id.0,
+            common: desc.common.clone(),
+            peer: link.peer,
+            pair: link.pair,
+            group: link.group,
+            waits: waits_list,
+            inputs,
+            // A tensor-parallel group runs one batch share.
+            replica: if desc.spread == Some(Spread::Tensor) {
+                0
+            } else {
+                i as u32
+            },
+            out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
+                desc.readers.out_bytes
+            } else {
+                0
+            },
+        };
+        let dv = &mut self.devs[dl];
+        let si = dv.own[sid as usize] as usize;
+        let (_, hasher, steps) = &mut dv.lists[si];
+        steps.waits.extend_from_slice(&self.wait_at);
+        let waits_end = steps.waits.len() as u32;
+        steps.steps.push(Step {
+            key: link.key,
+            need: link.need,
+            waits_end,
+            kind: link.kind,
+        });
+        hasher.op(
+            &op,
+            d as u32 == desc.first_device,
+            self.wait_at.iter().copied(),
+        );
+        // Memory: the op's buffers (inputs are released later).
+        dv.peak = dv.peak.max(dv.live + desc.staging);
+        if on_dev > 0 {
+            dv.live += desc.readers.out_bytes;
+            self.bufs[kbase + i] = (desc.readers.out_bytes, on_dev);
         }
-        // Release inputs whose last local reader this was. Data edges never
-        // pass through markers (they carry order only), so the data
-        // predecessors are the direct producers.
+        dv.peak = dv.peak.max(dv.live);
+        self.ready.push((dl, si, op));
+    }
+
+    /// Release inputs whose last local reader this node was. Data edges
+    /// never pass through markers (they carry order only), so the data
+    /// predecessors are the direct producers.
+    fn release_inputs(&mut self) {
+        let cx = self.cx;
+        let lo = self.lo;
+        let (bufs, devs) = (&mut self.bufs, &mut self.devs);
         let mut release = |slot: usize, d: usize| {
             let entry = &mut bufs[slot];
             if entry.1 > 0 {
                 entry.1 -= 1;
                 if entry.1 == 0 {
-                    devs[local(d)].live -= entry.0;
+                    devs[cx.rank[d] as usize - lo].live -= entry.0;
                 }
             }
         };
-        for (pe, &(pbase, same)) in preds.iter().zip(&pred_at) {
+        for (pe, &(pbase, same)) in self.preds.iter().zip(&self.pred_at) {
             if !matches!(pe.1, EdgeKind::Data { .. }) {
                 continue;
             }
             if same {
-                for &(i, d) in &here_ix {
+                for &(i, d) in &self.here_ix {
                     release(pbase as usize + i as usize, d as usize);
                 }
             } else {
                 for (j, pd) in cx.devices(pe.0.ix().index()).iter().enumerate() {
-                    if slot_of[pd.0 as usize] != u32::MAX {
+                    if self.slot_of[pd.0 as usize] != u32::MAX {
                         release(pbase as usize + j, pd.0 as usize);
                     }
                 }
             }
         }
-        for &(_, d) in &here_ix {
-            slot_of[d as usize] = u32::MAX;
+    }
+
+    /// A message stays on its sender's account from the send until its
+    /// receiver holds it (as the runtime counts it).
+    fn hold_message(&mut self, n: &Node, desc: &Described<'a>, whole: bool) {
+        let NodeKind::Comm(cm) = &n.kind else {
+            return;
+        };
+        let (CommOp::Send, Some(pair)) = (cm.op, cm.pair) else {
+            return;
+        };
+        let rk = self
+            .cx
+            .order_ix
+            .get(pair.ix().index())
+            .copied()
+            .unwrap_or(u32::MAX);
+        let b = comm_bytes(cm, desc.common.batch_div);
+        for dev in &n.devices {
+            let d = dev.0 as usize;
+            if !whole && !self.here(d) {
+                continue;
+            }
+            let dl = self.local(d);
+            let dv = &mut self.devs[dl];
+            dv.live += b;
+            dv.peak = dv.peak.max(dv.live);
+            self.in_flight.push(Reverse((rk, dl, b)));
         }
-        // A message stays on its sender's account from the send until its
-        // receiver holds it (as the runtime counts it).
-        if let Some(cm) = comm {
-            if let (CommOp::Send, Some(pair)) = (cm.op, cm.pair) {
-                let rk = cx
-                    .order_ix
-                    .get(pair.ix().index())
-                    .copied()
-                    .unwrap_or(u32::MAX);
-                let b = comm_bytes(cm, desc.common.batch_div);
-                for dev in &n.devices {
-                    let d = dev.0 as usize;
-                    if !whole && !here(d) {
-                        continue;
-                    }
-                    let dv = &mut devs[local(d)];
-                    dv.live += b;
-                    dv.peak = dv.peak.max(dv.live);
-                    in_flight.push(Reverse((rk, local(d), b)));
+    }
+
+    /// The chunk's devices, built.
+    fn finish(mut self) -> Vec<Built> {
+        for (dl, si, op) in self.ready.drain(..) {
+            self.devs[dl].lists[si].0.push(op);
+        }
+        let names = &self.names.names;
+        self.devs
+            .into_iter()
+            .zip(self.ranks)
+            .map(|(dv, r)| {
+                let mut streams = Vec::with_capacity(dv.lists.len());
+                let mut steps = Vec::with_capacity(dv.lists.len());
+                for (&(sid, _), (ops, h, st)) in dv.counts.iter().zip(dv.lists) {
+                    let hash = h.finish(ops.len());
+                    streams.push((names[sid as usize].clone(), ops, hash));
+                    steps.push(st);
+                }
+                Built {
+                    device: self.cx.by_rank[r],
+                    transient_peak: dv.peak,
+                    streams,
+                    steps,
+                }
+            })
+            .collect()
+    }
+}
+
+/// How an op meets other devices: its peer and pair (send/receive), its
+/// group (collectives, spread compute), and the deadlock check's view.
+struct Link {
+    peer: Option<u32>,
+    pair: Option<u32>,
+    group: Option<Arc<[u32]>>,
+    kind: Kind,
+    key: u32,
+    need: u32,
+}
+
+/// The link of node `id`'s op on its `i`-th device `dev`.
+fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev: DeviceId) -> Link {
+    let gbase = cx.pos_base[id.ix().index()];
+    let (kind, key, need) = match desc.spread {
+        Some(_) => (Kind::Collective, gbase, n.devices.len() as u32),
+        None => (Kind::Local, 0, 0),
+    };
+    let mut l = Link {
+        peer: None,
+        pair: None,
+        group: None,
+        kind,
+        key,
+        need,
+    };
+    let NodeKind::Comm(cm) = &n.kind else {
+        l.group = desc.spread_group.clone();
+        return l;
+    };
+    if cm.op.is_p2p() {
+        l.peer = cm.peers.get(i).map(|p| p.0);
+        l.pair = Some(match cm.op {
+            CommOp::Send => id.0,
+            _ => cm.pair.map(|p| p.0).unwrap_or(u32::MAX),
+        });
+        (l.kind, l.key) = match (cm.op, cm.pair, l.peer) {
+            (CommOp::Send, _, _) => (Kind::Send, gbase + i as u32),
+            (_, Some(pair), Some(peer)) if cx.dag.graph.contains_node(pair.ix()) => {
+                let at = cx
+                    .devices(pair.ix().index())
+                    .iter()
+                    .position(|x| x.0 == peer);
+                match (at, cx.pos_base[pair.ix().index()]) {
+                    (Some(at), pb) if pb != u32::MAX => (Kind::Recv, pb + at as u32),
+                    _ => (Kind::Never, 0),
                 }
             }
-        }
+            _ => (Kind::Never, 0),
+        };
+    } else {
+        let gi = cm.groups.iter().position(|grp| grp.contains(&dev));
+        l.group = gi.map(|gi| desc.groups[gi].clone());
+        (l.kind, l.key, l.need) = match gi {
+            Some(gi) if cm.groups[gi].len() > 1 => (
+                Kind::Collective,
+                gbase + gi as u32,
+                cm.groups[gi].len() as u32,
+            ),
+            _ => (Kind::Local, 0, 0),
+        };
     }
-    for (dl, si, op) in ready.drain(..) {
-        devs[dl].lists[si].0.push(op);
-    }
-    devs.into_iter()
-        .zip(ranks)
-        .map(|(dv, r)| {
-            let mut streams = Vec::with_capacity(dv.lists.len());
-            let mut steps = Vec::with_capacity(dv.lists.len());
-            for (&(sid, _), (ops, h, st)) in dv.counts.iter().zip(dv.lists) {
-                let hash = h.finish(ops.len());
-                streams.push((names.names[sid as usize].clone(), ops, hash));
-                steps.push(st);
-            }
-            Built {
-                device: cx.by_rank[r],
-                transient_peak: dv.peak,
-                streams,
-                steps,
-            }
-        })
-        .collect()
+    l
 }
