@@ -266,23 +266,7 @@ fn describe<'a>(
     single_device_inputs: bool,
 ) -> Described<'a> {
     let dag = cx.dag;
-    let my_gid = cx.groups.gid[id.ix().index()];
-    // The inputs every device reads, when they are the same everywhere
-    // (otherwise each device lists its own).
-    let inputs: Arc<[Input]> = if single_device_inputs {
-        // Gathered in a kept buffer: the list's one allocation is its `Arc`.
-        let inputs = &mut sh.inputs;
-        inputs.clear();
-        inputs.extend(preds.iter().filter_map(input_of));
-        sort_inputs(inputs);
-        if inputs.is_empty() {
-            sh.no_inputs.clone()
-        } else {
-            Arc::from(&inputs[..])
-        }
-    } else {
-        sh.no_inputs.clone()
-    };
+    let inputs = shared_inputs(sh, preds, single_device_inputs);
     let cost = dag.cost(id);
     let div = dag.batch_share_div(id);
     let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
@@ -298,94 +282,10 @@ fn describe<'a>(
     let microbatch = cx.split_sizes.iter().fold(0u32, |acc, (key, size)| {
         acc * size + n.tags.get(*key).unwrap_or(0)
     });
-    // ZeRO stage of the segments involved (from their replication spec).
-    let zero = {
-        let segs: &[u32] = match &n.kind {
-            NodeKind::Compute { segment, .. } => std::slice::from_ref(segment),
-            NodeKind::Update { segments } => segments,
-            NodeKind::Comm(c) => &c.segments,
-            NodeKind::Marker => &[],
-        };
-        segs.iter()
-            .filter_map(|s| cx.placement[*s as usize].as_ref())
-            .filter(|(devs, _)| devs.len() > 1)
-            .filter_map(|(_, rep)| rep.map(|r| dag.specs[r as usize].zero))
-            .max()
-            .unwrap_or(0)
-    };
-    // Expert- or tensor-parallel compute: its group exchanges inside the op,
-    // so the op meets its group like a collective (a phase of a split expert
-    // pass carries it too; its exchanges are ops).
-    let spread = match (&n.kind, n.replica) {
-        (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
-            Some(Spread::Tensor)
-        }
-        (NodeKind::Compute { .. }, Some(r))
-            if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
-        {
-            Some(Spread::Experts)
-        }
-        _ => None,
-    };
-    // What the op leaves for local readers: one buffer per tensor kind,
-    // however many readers it has; readers on exactly this node's devices
-    // read on each of them, others where they run.
-    let readers = {
-        let mut by_kind = [0u64; 8];
-        let mut other: Vec<&[DeviceId]> = Vec::new();
-        let mut same = 0u32;
-        for &(s, ek) in cx.flat.succs(id.ix().index()) {
-            let EdgeKind::Data { tensor, bytes } = ek else {
-                continue;
-            };
-            if !transient(dag, id, tensor) {
-                continue;
-            }
-            let mut b = if tensor.scales_with_batch() {
-                bytes / div
-            } else {
-                bytes
-            };
-            // Tensor parallelism splits about three quarters of what a
-            // segment saves and stashes (heads, MLP units).
-            if n.tensor_parallel.is_some()
-                && matches!(tensor, TensorKind::Saved | TensorKind::Stash)
-            {
-                let t = n.devices.len().max(1) as u64;
-                b = b / 4 + (b - b / 4) / t;
-            }
-            let slot = &mut by_kind[tensor as usize];
-            *slot = (*slot).max(b);
-            if cx.groups.gid[s as usize] == my_gid {
-                same += 1;
-            } else {
-                other.push(cx.devices(s as usize));
-            }
-        }
-        Readers {
-            out_bytes: by_kind.iter().sum(),
-            same,
-            other,
-        }
-    };
-    // A collective stages this device's contribution and the result while
-    // it runs (the runtime accounts both against the cap): the whole buffer
-    // twice for an all-reduce; the whole and one member's chunk for a
-    // reduce-scatter (its contribution, its chunk of the sum) or an
-    // all-gather (its shard, the gathered whole).
-    let staging = match &n.kind {
-        NodeKind::Comm(c) if !c.op.is_p2p() && c.purpose != CommPurpose::GradNorm => {
-            let whole = comm_bytes(c, div);
-            match c.op {
-                CommOp::ReduceScatter | CommOp::AllGather => {
-                    let members = c.groups.iter().map(|g| g.len()).max().unwrap_or(1);
-                    whole.saturating_add(whole.div_ceil(members.max(1) as u64))
-                }
-                _ => whole.saturating_mul(2),
-            }
-        }
-        _ => 0,
-    };
+    let zero = zero_stage(cx, n);
+    let spread = spread_of(dag, n);
+    let readers = readers(cx, id, n, div);
+    let staging = staging(n, div);
     let tags = sh
         .tag_maps
         .entry(&n.tags)
@@ -424,6 +324,121 @@ fn describe<'a>(
         // first in plan order (the plan hash covers the shared fields there).
         first_device: n.devices.iter().map(|d| d.0).min().unwrap_or(0),
         spread,
+    }
+}
+
+/// The inputs every device of a node reads, when they are the same
+/// everywhere (`single`; otherwise each device lists its own and this is
+/// empty). Gathered in a kept buffer: the list's one allocation is its `Arc`.
+fn shared_inputs(sh: &mut Shared<'_>, preds: &[(NodeId, EdgeKind)], single: bool) -> Arc<[Input]> {
+    if !single {
+        return sh.no_inputs.clone();
+    }
+    let inputs = &mut sh.inputs;
+    inputs.clear();
+    inputs.extend(preds.iter().filter_map(input_of));
+    sort_inputs(inputs);
+    if inputs.is_empty() {
+        sh.no_inputs.clone()
+    } else {
+        Arc::from(&inputs[..])
+    }
+}
+
+/// The ZeRO stage of the segments a node involves (from their replication
+/// spec; 0 when none is replicated).
+fn zero_stage(cx: &Ctx<'_>, n: &Node) -> u8 {
+    let segs: &[u32] = match &n.kind {
+        NodeKind::Compute { segment, .. } => std::slice::from_ref(segment),
+        NodeKind::Update { segments } => segments,
+        NodeKind::Comm(c) => &c.segments,
+        NodeKind::Marker => &[],
+    };
+    segs.iter()
+        .filter_map(|s| cx.placement[*s as usize].as_ref())
+        .filter(|(devs, _)| devs.len() > 1)
+        .filter_map(|(_, rep)| rep.map(|r| cx.dag.specs[r as usize].zero))
+        .max()
+        .unwrap_or(0)
+}
+
+/// Expert- or tensor-parallel compute: its group exchanges inside the op,
+/// so the op meets its group like a collective (a phase of a split expert
+/// pass carries it too; its exchanges are ops).
+fn spread_of(dag: &TrainingDag, n: &Node) -> Option<Spread> {
+    match (&n.kind, n.replica) {
+        (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
+            Some(Spread::Tensor)
+        }
+        (NodeKind::Compute { .. }, Some(r))
+            if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
+        {
+            Some(Spread::Experts)
+        }
+        _ => None,
+    }
+}
+
+/// What node `id`'s op leaves for local readers (`div`: its batch share):
+/// one buffer per tensor kind, however many readers it has; readers on
+/// exactly this node's devices read on each of them, others where they run.
+fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
+    let dag = cx.dag;
+    let my_gid = cx.groups.gid[id.ix().index()];
+    let mut by_kind = [0u64; 8];
+    let mut other: Vec<&[DeviceId]> = Vec::new();
+    let mut same = 0u32;
+    for &(s, ek) in cx.flat.succs(id.ix().index()) {
+        let EdgeKind::Data { tensor, bytes } = ek else {
+            continue;
+        };
+        if !transient(dag, id, tensor) {
+            continue;
+        }
+        let mut b = if tensor.scales_with_batch() {
+            bytes / div
+        } else {
+            bytes
+        };
+        // Tensor parallelism splits about three quarters of what a
+        // segment saves and stashes (heads, MLP units).
+        if n.tensor_parallel.is_some() && matches!(tensor, TensorKind::Saved | TensorKind::Stash) {
+            let t = n.devices.len().max(1) as u64;
+            b = b / 4 + (b - b / 4) / t;
+        }
+        let slot = &mut by_kind[tensor as usize];
+        *slot = (*slot).max(b);
+        if cx.groups.gid[s as usize] == my_gid {
+            same += 1;
+        } else {
+            other.push(cx.devices(s as usize));
+        }
+    }
+    Readers {
+        out_bytes: by_kind.iter().sum(),
+        same,
+        other,
+    }
+}
+
+/// What a collective stages on each device while it runs (the runtime
+/// accounts both against the cap): the whole buffer twice for an
+/// all-reduce; the whole and one member's chunk for a reduce-scatter (its
+/// contribution, its chunk of the sum) or an all-gather (its shard, the
+/// gathered whole). 0 for other nodes.
+fn staging(n: &Node, div: u64) -> u64 {
+    match &n.kind {
+        NodeKind::Comm(c) if !c.op.is_p2p() && c.purpose != CommPurpose::GradNorm => {
+            let whole = comm_bytes(c, div);
+            match c.op {
+                CommOp::ReduceScatter | CommOp::AllGather => {
+                    let members = c.groups.iter().map(|g| g.len()).max().unwrap_or(1);
+                    whole.saturating_add(whole.div_ceil(members.max(1) as u64))
+                }
+                _ => whole.saturating_mul(2),
+            }
+        }
+        _ => 0,
     }
 }
 

@@ -80,65 +80,7 @@ fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
                 .collect()
         })
         .collect();
-    // `after[s][i][t]`: the last kept op of stream `t` that op `i` of stream
-    // `s` comes after, itself included (new positions).
-    let mut after: Vec<Vec<Option<Vec<Option<usize>>>>> =
-        streams.iter().map(|s| vec![None; s.ops.len()]).collect();
-    let merge = |into: &mut Vec<Option<usize>>, from: &[Option<usize>]| {
-        for (a, b) in into.iter_mut().zip(from) {
-            *a = (*a).max(*b);
-        }
-    };
-    // Iterative depth-first: an op's frontier needs its stream predecessor's
-    // and its waits' first (a deadlock-free plan has no cycle among them).
-    let mut on_stack: Vec<Vec<bool>> = streams.iter().map(|s| vec![false; s.ops.len()]).collect();
-    for (s0, stream) in streams.iter().enumerate() {
-        for i0 in 0..stream.ops.len() {
-            let mut stack = vec![(s0, i0)];
-            on_stack[s0][i0] = true;
-            while let Some(&(s, i)) = stack.last() {
-                if after[s][i].is_some() {
-                    on_stack[s][i] = false;
-                    stack.pop();
-                    continue;
-                }
-                let op = &streams[s].ops[i];
-                let mut deps: Vec<(usize, usize)> = op
-                    .waits
-                    .iter()
-                    .map(|w| (w.stream.ix(), w.op))
-                    .filter(|(t, j)| streams.get(*t).is_some_and(|st| *j < st.ops.len()))
-                    .collect();
-                if i > 0 {
-                    deps.push((s, i - 1));
-                }
-                let pending: Vec<(usize, usize)> = deps
-                    .iter()
-                    .copied()
-                    .filter(|(t, j)| after[*t][*j].is_none() && !on_stack[*t][*j])
-                    .collect();
-                if !pending.is_empty() {
-                    for &(t, j) in &pending {
-                        on_stack[t][j] = true;
-                    }
-                    stack.extend(pending);
-                    continue;
-                }
-                let mut f = vec![None; streams.len()];
-                for (t, j) in deps {
-                    if let Some(g) = &after[t][j] {
-                        merge(&mut f, g);
-                    }
-                }
-                if let Some(n) = new_at[s][i] {
-                    f[s] = Some(n);
-                }
-                after[s][i] = Some(f);
-                on_stack[s][i] = false;
-                stack.pop();
-            }
-        }
-    }
+    let after = frontiers(streams, &new_at);
     let streams_out = streams
         .iter()
         .enumerate()
@@ -190,5 +132,72 @@ fn device_forward(d: &DevicePlan, keep: &HashSet<u32>) -> DevicePlan {
         model_state_bytes: d.model_state_bytes,
         transient_peak_bytes: d.transient_peak_bytes,
         streams: streams_out,
+    }
+}
+
+/// Per stream and op, the frontier an op comes after: `after[s][i][t]` is
+/// the last kept op of stream `t` (new positions, from `new_at`) that op `i`
+/// of stream `s` comes after, itself included.
+type Frontiers = Vec<Vec<Option<Vec<Option<usize>>>>>;
+
+fn frontiers(streams: &[StreamPlan], new_at: &[Vec<Option<usize>>]) -> Frontiers {
+    let mut after: Frontiers = streams.iter().map(|s| vec![None; s.ops.len()]).collect();
+    // Iterative depth-first: an op's frontier needs its stream predecessor's
+    // and its waits' first (a deadlock-free plan has no cycle among them).
+    let mut on_stack: Vec<Vec<bool>> = streams.iter().map(|s| vec![false; s.ops.len()]).collect();
+    for (s0, stream) in streams.iter().enumerate() {
+        for i0 in 0..stream.ops.len() {
+            let mut stack = vec![(s0, i0)];
+            on_stack[s0][i0] = true;
+            while let Some(&(s, i)) = stack.last() {
+                if after[s][i].is_some() {
+                    on_stack[s][i] = false;
+                    stack.pop();
+                    continue;
+                }
+                let op = &streams[s].ops[i];
+                let mut deps: Vec<(usize, usize)> = op
+                    .waits
+                    .iter()
+                    .map(|w| (w.stream.ix(), w.op))
+                    .filter(|(t, j)| streams.get(*t).is_some_and(|st| *j < st.ops.len()))
+                    .collect();
+                if i > 0 {
+                    deps.push((s, i - 1));
+                }
+                let pending: Vec<(usize, usize)> = deps
+                    .iter()
+                    .copied()
+                    .filter(|(t, j)| after[*t][*j].is_none() && !on_stack[*t][*j])
+                    .collect();
+                if !pending.is_empty() {
+                    for &(t, j) in &pending {
+                        on_stack[t][j] = true;
+                    }
+                    stack.extend(pending);
+                    continue;
+                }
+                let mut f = vec![None; streams.len()];
+                for (t, j) in deps {
+                    if let Some(g) = &after[t][j] {
+                        merge(&mut f, g);
+                    }
+                }
+                if let Some(n) = new_at[s][i] {
+                    f[s] = Some(n);
+                }
+                after[s][i] = Some(f);
+                on_stack[s][i] = false;
+                stack.pop();
+            }
+        }
+    }
+    after
+}
+
+/// `into` is after `from` too: the later op of each stream.
+fn merge(into: &mut [Option<usize>], from: &[Option<usize>]) {
+    for (a, b) in into.iter_mut().zip(from) {
+        *a = (*a).max(*b);
     }
 }

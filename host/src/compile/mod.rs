@@ -397,30 +397,11 @@ struct Lowered {
     keys: usize,
 }
 
-fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
-    // The passes that only read the DAG run side by side (each is mostly
-    // serial): the snapshots first, then validation and the schedule. A
-    // validation error is reported before a cycle, as when they ran in turn.
-    let ((flat, groups), segs) = rayon::join(
-        || rayon::join(|| flat::Flat::of(dag), || groups::Groups::of(dag)),
-        || Segments {
-            placement: dag.segment_placement(),
-            copies: dag.segment_copies(),
-        },
-    );
-    let (valid, order) = rayon::join(
-        || validate(dag, &flat, &groups, &segs),
-        || schedule(dag, &flat),
-    );
-    valid?;
+/// Each node's index in the order and its first global position (a node
+/// on n devices owns n positions; markers none), and the positions in all.
+fn positions(dag: &TrainingDag, order: &[NodeId]) -> (Vec<u32>, Vec<u32>, u32) {
     let g = &dag.graph;
     let bound = g.node_bound();
-    if order.len() != g.node_count() {
-        return Err(cycle_error(dag));
-    }
-    let ndev = dag.cluster_info().devices as usize;
-    // Each node's index in the order and its first global position (a
-    // node on n devices owns n positions; markers none).
     let mut order_ix = vec![u32::MAX; bound];
     let mut pos_base = vec![u32::MAX; bound];
     let mut total = 0u32;
@@ -432,11 +413,16 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
             total += n.devices.len() as u32;
         }
     }
-    // Devices ranked by first appearance in the order, cut into chunks of
-    // contiguous ranks (`build.rs`).
+    (order_ix, pos_base, total)
+}
+
+/// Devices ranked by first appearance in the order (those never in it
+/// last): each device's rank, and the devices by rank.
+fn rank_devices(dag: &TrainingDag, order: &[NodeId], ndev: usize) -> (Vec<u32>, Vec<u32>) {
+    let g = &dag.graph;
     let mut rank = vec![u32::MAX; ndev];
     let mut by_rank: Vec<u32> = Vec::with_capacity(ndev);
-    for id in &order {
+    for id in order {
         for dev in &g[id.ix()].devices {
             let r = &mut rank[dev.0 as usize];
             if *r == u32::MAX {
@@ -454,6 +440,18 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
             by_rank.push(d as u32);
         }
     }
+    (rank, by_rank)
+}
+
+/// The ranks cut into chunks of contiguous ranks (`build.rs`): how many,
+/// each device's chunk, and per order index the chunks the node has
+/// devices in (a bit each).
+fn chunk_devices(
+    groups: &groups::Groups,
+    order: &[NodeId],
+    rank: &[u32],
+) -> (usize, Vec<u8>, Vec<u64>) {
+    let ndev = rank.len();
     let nchunks = (rayon::current_num_threads() * 4)
         .clamp(1, 64)
         .min(ndev.max(1));
@@ -461,13 +459,12 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         .iter()
         .map(|&r| (r as usize * nchunks / ndev.max(1)) as u8)
         .collect();
-    let chunk_of = |d: usize| chunk[d] as usize;
     let group_chunks: Vec<u64> = groups
         .lists
         .iter()
         .map(|devs| {
             devs.iter()
-                .fold(0u64, |bits, d| bits | 1 << chunk_of(d.0 as usize))
+                .fold(0u64, |bits, d| bits | 1 << chunk[d.0 as usize])
         })
         .collect();
     let chunks_of: Vec<u64> = order
@@ -477,6 +474,33 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
             i => group_chunks[groups.of_node(i) as usize],
         })
         .collect();
+    (nchunks, chunk, chunks_of)
+}
+
+fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
+    // The passes that only read the DAG run side by side (each is mostly
+    // serial): the snapshots first, then validation and the schedule. A
+    // validation error is reported before a cycle, as when they ran in turn.
+    let ((flat, groups), segs) = rayon::join(
+        || rayon::join(|| flat::Flat::of(dag), || groups::Groups::of(dag)),
+        || Segments {
+            placement: dag.segment_placement(),
+            copies: dag.segment_copies(),
+        },
+    );
+    let (valid, order) = rayon::join(
+        || validate(dag, &flat, &groups, &segs),
+        || schedule(dag, &flat),
+    );
+    valid?;
+    let g = &dag.graph;
+    if order.len() != g.node_count() {
+        return Err(cycle_error(dag));
+    }
+    let ndev = dag.cluster_info().devices as usize;
+    let (order_ix, pos_base, total) = positions(dag, &order);
+    let (rank, by_rank) = rank_devices(dag, &order, ndev);
+    let (nchunks, chunk, chunks_of) = chunk_devices(&groups, &order, &rank);
     let placement = &segs.placement;
     // Split dimensions and their sizes, outermost first.
     let extents = dag.tag_extents();
