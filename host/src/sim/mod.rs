@@ -24,7 +24,7 @@ pub mod report;
 pub use cluster::{Cluster, ClusterError};
 pub use cost::{CostModel, UnitCosts};
 
-use crate::compile::plan::{OpKind, Plan, Spread};
+use crate::compile::plan::{Op, OpKind, Plan, Spread, StreamPlan};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
@@ -174,6 +174,13 @@ pub(crate) struct OpIndex {
 }
 
 impl OpIndex {
+    /// Op `g` of `plan` and its stream.
+    pub fn op<'p>(&self, plan: &'p Plan, g: usize) -> (&'p StreamPlan, &'p Op) {
+        let (d, _, i) = self.at[g];
+        let s = &plan.devices[d as usize].streams[self.local[g] as usize];
+        (s, &s.ops[i as usize])
+    }
+
     pub fn of(plan: &Plan) -> Self {
         let mut streams: Vec<String> = Vec::new();
         let mut stream_ix: HashMap<&str, u16> = HashMap::new();
@@ -207,15 +214,60 @@ impl OpIndex {
 /// Time `plan` under `costs`.
 pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimError> {
     let ix = OpIndex::of(plan);
-    let (base, at, local) = (&ix.base, &ix.at, &ix.local);
-    let n = at.len();
-    let op_of = |g: usize| {
-        let (d, _, i) = at[g];
-        let s = &plan.devices[d as usize].streams[local[g] as usize];
-        (s, &s.ops[i as usize])
+    let deps = dependencies(plan, &ix)?;
+    let n = ix.at.len();
+    let mut clock = Clock {
+        indeg: deps.indeg.clone(),
+        ready_at: vec![0f64; n],
+        start: vec![f64::NAN; n],
+        end: vec![f64::NAN; n],
+        done: 0,
     };
+    match costs.shared_compute() {
+        // Devices of a node share its compute: ops in time order.
+        Some(share) => run_shared(&ix, plan, costs, share, &deps, &mut clock),
+        None => run_in_dependency_order(&ix, plan, costs, &deps, &mut clock),
+    }
+    if clock.done < n {
+        let g = (0..n).find(|&g| clock.end[g].is_nan()).unwrap_or(0);
+        let (s, o) = ix.op(plan, g);
+        return Err(SimError::Stuck {
+            stuck: n - clock.done,
+            device: ix.at[g].0,
+            stream: s.stream.clone(),
+            index: ix.at[g].2 as usize,
+            label: o.label(),
+        });
+    }
+    finish(plan, &ix, costs, &clock.start, &clock.end)
+}
+
+/// The plan's ops (global ids) as a dependency graph.
+struct Deps {
+    /// Successors in one flat array (CSR): `succ[head[g]..head[g + 1]]`.
+    succ: Vec<u32>,
+    head: Vec<u32>,
+    indeg: Vec<u32>,
+    /// Each receive's send (`usize::MAX` for other ops).
+    send_of: Vec<usize>,
+    /// Each collective node's member ops.
+    members: HashMap<u32, Vec<usize>>,
+}
+
+impl Deps {
+    fn succs(&self, g: usize) -> &[u32] {
+        &self.succ[self.head[g] as usize..self.head[g + 1] as usize]
+    }
+}
+
+/// Each op's dependencies: the previous op of its stream, its waits, a
+/// receive's send. A wait or receive the plan cannot satisfy is an error
+/// naming the op.
+fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<Deps, SimError> {
+    let (base, at) = (&ix.base, &ix.at);
+    let n = at.len();
     let err = |g: usize, why: String| {
-        let (s, o) = op_of(g);
+        let (s, o) = ix.op(plan, g);
         SimError::Plan {
             device: at[g].0,
             stream: s.stream.clone(),
@@ -228,18 +280,15 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
     let mut sends: HashMap<(u32, u32), usize> = HashMap::new();
     let mut members: HashMap<u32, Vec<usize>> = HashMap::new();
     for (g, &(device, _, _)) in at.iter().enumerate() {
-        let (_, o) = op_of(g);
+        let (_, o) = ix.op(plan, g);
         match o.op {
             OpKind::Send => {
                 sends.insert((device, o.node), g);
             }
-            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
-                members.entry(o.node).or_default().push(g);
-            }
+            k if k.is_collective() => members.entry(o.node).or_default().push(g),
             _ => {}
         }
     }
-    // Dependencies: previous op of the stream, waits, a recv's send.
     let mut edges: Vec<(u32, u32)> = Vec::with_capacity(2 * n);
     let mut indeg = vec![0u32; n];
     let mut send_of = vec![usize::MAX; n];
@@ -285,7 +334,6 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
             }
         }
     }
-    // Successors in one flat array (CSR): `succ[head[g]..head[g + 1]]`.
     let mut head = vec![0u32; n + 1];
     for &(a, _) in &edges {
         head[a as usize + 1] += 1;
@@ -299,133 +347,124 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
         succ[fill[a as usize] as usize] = b;
         fill[a as usize] += 1;
     }
-    drop(edges);
-    let mut ready_at = vec![0f64; n];
-    let mut start = vec![f64::NAN; n];
-    let mut end = vec![f64::NAN; n];
-    let mut arrived: HashMap<u32, usize> = HashMap::new();
-    let mut done = 0usize;
-    if let Some(share) = costs.shared_compute() {
-        // Devices of a node share its compute: ops in time order.
-        let mut run = SharedRun {
-            share,
-            now: 0.0,
-            ready: BinaryHeap::new(),
-            active: HashMap::new(),
-        };
-        for g in (0..n).filter(|&g| indeg[g] == 0) {
-            run.ready.push(Reverse((Time(0.0), g)));
+    Ok(Deps {
+        succ,
+        head,
+        indeg,
+        send_of,
+        members,
+    })
+}
+
+/// A run's state per op: dependencies still to end, when the last ended,
+/// start and end; and how many ops have ended.
+struct Clock {
+    indeg: Vec<u32>,
+    ready_at: Vec<f64>,
+    start: Vec<f64>,
+    end: Vec<f64>,
+    done: usize,
+}
+
+impl Clock {
+    /// Op `g` has ended: its successors' dependencies count down; `ready`
+    /// gets each that has none left.
+    fn release(&mut self, deps: &Deps, g: usize, mut ready: impl FnMut(usize, f64)) {
+        for &s in deps.succs(g) {
+            let s = s as usize;
+            self.ready_at[s] = self.ready_at[s].max(self.end[g]);
+            self.indeg[s] -= 1;
+            if self.indeg[s] == 0 {
+                ready(s, self.ready_at[s]);
+            }
         }
-        let release = |g: usize,
-                       run: &mut SharedRun,
-                       end: &[f64],
-                       ready_at: &mut [f64],
-                       indeg: &mut [u32]| {
-            for &s in &succ[head[g] as usize..head[g + 1] as usize] {
-                let s = s as usize;
-                ready_at[s] = ready_at[s].max(end[g]);
-                indeg[s] -= 1;
-                if indeg[s] == 0 {
-                    run.ready.push(Reverse((Time(ready_at[s]), s)));
-                }
-            }
-        };
-        loop {
-            let next_ready = run.ready.peek().map_or(f64::INFINITY, |r| (r.0).0 .0);
-            let (next_end, finishing) = run.next_end();
-            if next_ready.is_infinite() && next_end.is_infinite() {
-                break;
-            }
-            if next_end < next_ready {
-                run.advance(next_end);
-                let (node, k) = finishing;
-                let Some(ops) = run.active.get_mut(&node) else {
-                    break;
-                };
-                let (g, _) = ops.swap_remove(k);
-                end[g] = next_end;
-                release(g, &mut run, &end, &mut ready_at, &mut indeg);
-                done += 1;
-                continue;
-            }
-            let Some(Reverse((Time(t), g))) = run.ready.pop() else {
+        self.done += 1;
+    }
+}
+
+/// The time-ordered run under shared compute (see [`SharedRun`]).
+fn run_shared(
+    ix: &OpIndex,
+    plan: &Plan,
+    costs: &dyn CostModel,
+    share: Sharing,
+    deps: &Deps,
+    clock: &mut Clock,
+) {
+    let at = &ix.at;
+    let mut run = SharedRun {
+        share,
+        now: 0.0,
+        ready: BinaryHeap::new(),
+        active: HashMap::new(),
+    };
+    for g in (0..at.len()).filter(|&g| clock.indeg[g] == 0) {
+        run.ready.push(Reverse((Time(0.0), g)));
+    }
+    let mut arrived: HashMap<u32, usize> = HashMap::new();
+    loop {
+        let next_ready = run.ready.peek().map_or(f64::INFINITY, |r| (r.0).0 .0);
+        let (next_end, finishing) = run.next_end();
+        if next_ready.is_infinite() && next_end.is_infinite() {
+            break;
+        }
+        if next_end < next_ready {
+            run.advance(next_end);
+            let (node, k) = finishing;
+            let Some(ops) = run.active.get_mut(&node) else {
                 break;
             };
-            run.advance(t);
-            let (_, o) = op_of(g);
-            let d = at[g].0;
-            match o.op {
-                OpKind::AllReduce
-                | OpKind::ReduceScatter
-                | OpKind::AllGather
-                | OpKind::AllToAll => {
-                    let group = &members[&o.node];
-                    let c = arrived.entry(o.node).or_insert(0);
-                    *c += 1;
-                    if *c < group.len() {
-                        continue;
-                    }
-                    let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
-                    let t = costs.collective(o, &devs);
-                    for &m in group {
-                        start[m] = run.now;
-                        end[m] = run.now + t;
-                    }
-                    for &m in group {
-                        release(m, &mut run, &end, &mut ready_at, &mut indeg);
-                        done += 1;
-                    }
+            let (g, _) = ops.swap_remove(k);
+            clock.end[g] = next_end;
+            clock.release(deps, g, |s, t| run.ready.push(Reverse((Time(t), s))));
+            continue;
+        }
+        let Some(Reverse((Time(t), g))) = run.ready.pop() else {
+            break;
+        };
+        run.advance(t);
+        let (_, o) = ix.op(plan, g);
+        let d = at[g].0;
+        match o.op {
+            k if k.is_collective() => {
+                let group = &deps.members[&o.node];
+                let c = arrived.entry(o.node).or_insert(0);
+                *c += 1;
+                if *c < group.len() {
                     continue;
                 }
-                OpKind::Send => {
-                    start[g] = run.now;
-                    end[g] = run.now + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+                let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
+                let t = costs.collective(o, &devs);
+                for &m in group {
+                    clock.start[m] = run.now;
+                    clock.end[m] = run.now + t;
                 }
-                OpKind::Recv => {
-                    start[g] = run.now;
-                    end[g] = run.now.max(end[send_of[g]]);
+                for &m in group {
+                    clock.release(deps, m, |s, t| run.ready.push(Reverse((Time(t), s))));
                 }
-                _ => {
-                    start[g] = run.now;
-                    let work = costs.compute(o);
-                    if work > 0.0 {
-                        let node = d / share.devices_per_node.max(1);
-                        run.active.entry(node).or_default().push((g, work));
-                        continue;
-                    }
-                    end[g] = run.now;
-                }
+                continue;
             }
-            release(g, &mut run, &end, &mut ready_at, &mut indeg);
-            done += 1;
+            OpKind::Send => {
+                clock.start[g] = run.now;
+                clock.end[g] = run.now + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+            }
+            OpKind::Recv => {
+                clock.start[g] = run.now;
+                clock.end[g] = run.now.max(clock.end[deps.send_of[g]]);
+            }
+            _ => {
+                clock.start[g] = run.now;
+                let work = costs.compute(o);
+                if work > 0.0 {
+                    let node = d / share.devices_per_node.max(1);
+                    run.active.entry(node).or_default().push((g, work));
+                    continue;
+                }
+                clock.end[g] = run.now;
+            }
         }
-    } else {
-        run_in_dependency_order(
-            &ix,
-            plan,
-            costs,
-            (&succ, &head),
-            &members,
-            &send_of,
-            &mut indeg,
-            &mut ready_at,
-            (&mut start, &mut end),
-            &mut done,
-        );
+        clock.release(deps, g, |s, t| run.ready.push(Reverse((Time(t), s))));
     }
-    drop(arrived);
-    if done < n {
-        let g = (0..n).find(|&g| end[g].is_nan()).unwrap_or(0);
-        let (s, o) = op_of(g);
-        return Err(SimError::Stuck {
-            stuck: n - done,
-            device: at[g].0,
-            stream: s.stream.clone(),
-            index: at[g].2 as usize,
-            label: o.label(),
-        });
-    }
-    finish(plan, &ix, costs, &start, &end)
 }
 
 /// How a node's devices share its compute ([`CostModel::shared_compute`]).
@@ -498,80 +537,55 @@ impl SharedRun {
 
 /// Kahn's order without contention: every op starts when its dependencies
 /// end; collectives when their whole group has arrived.
-#[allow(clippy::too_many_arguments)]
 fn run_in_dependency_order(
     ix: &OpIndex,
     plan: &Plan,
     costs: &dyn CostModel,
-    (succ, head): (&[u32], &[u32]),
-    members: &HashMap<u32, Vec<usize>>,
-    send_of: &[usize],
-    indeg: &mut [u32],
-    ready_at: &mut [f64],
-    (start, end): (&mut [f64], &mut [f64]),
-    done: &mut usize,
+    deps: &Deps,
+    clock: &mut Clock,
 ) {
-    let (at, local) = (&ix.at, &ix.local);
-    let n = at.len();
-    let op_of = |g: usize| {
-        let (d, _, i) = at[g];
-        let s = &plan.devices[d as usize].streams[local[g] as usize];
-        &s.ops[i as usize]
-    };
+    let at = &ix.at;
     let mut arrived: HashMap<u32, usize> = HashMap::new();
-    let mut queue: Vec<usize> = (0..n).filter(|&g| indeg[g] == 0).collect();
-    let release =
-        |g: usize, queue: &mut Vec<usize>, end: &[f64], ready_at: &mut [f64], indeg: &mut [u32]| {
-            for &s in &succ[head[g] as usize..head[g + 1] as usize] {
-                let s = s as usize;
-                ready_at[s] = ready_at[s].max(end[g]);
-                indeg[s] -= 1;
-                if indeg[s] == 0 {
-                    queue.push(s);
-                }
-            }
-        };
+    let mut queue: Vec<usize> = (0..at.len()).filter(|&g| clock.indeg[g] == 0).collect();
     while let Some(g) = queue.pop() {
-        let o = op_of(g);
+        let (_, o) = ix.op(plan, g);
         let d = at[g].0;
         match o.op {
-            OpKind::AllReduce | OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
-                let group = &members[&o.node];
+            k if k.is_collective() => {
+                let group = &deps.members[&o.node];
                 let c = arrived.entry(o.node).or_insert(0);
                 *c += 1;
                 if *c < group.len() {
                     continue;
                 }
-                let t0 = group.iter().map(|&m| ready_at[m]).fold(0.0, f64::max);
+                let t0 = group.iter().map(|&m| clock.ready_at[m]).fold(0.0, f64::max);
                 let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
                 let t = costs.collective(o, &devs);
                 for &m in group {
-                    start[m] = t0;
-                    end[m] = t0 + t;
+                    clock.start[m] = t0;
+                    clock.end[m] = t0 + t;
                 }
                 for &m in group {
-                    release(m, &mut queue, end, ready_at, indeg);
-                    *done += 1;
+                    clock.release(deps, m, |s, _| queue.push(s));
                 }
                 continue;
             }
             OpKind::Send => {
-                start[g] = ready_at[g];
-                end[g] = start[g] + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+                clock.start[g] = clock.ready_at[g];
+                clock.end[g] = clock.start[g] + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
             }
             OpKind::Recv => {
                 // The send was released before this recv: its end is the arrival.
-                let s = send_of[g];
-                start[g] = ready_at[g];
-                end[g] = start[g].max(end[s]);
+                let s = deps.send_of[g];
+                clock.start[g] = clock.ready_at[g];
+                clock.end[g] = clock.start[g].max(clock.end[s]);
             }
             _ => {
-                start[g] = ready_at[g];
-                end[g] = start[g] + costs.compute(o);
+                clock.start[g] = clock.ready_at[g];
+                clock.end[g] = clock.start[g] + costs.compute(o);
             }
         }
-        release(g, &mut queue, end, ready_at, indeg);
-        *done += 1;
+        clock.release(deps, g, |s, _| queue.push(s));
     }
 }
 
