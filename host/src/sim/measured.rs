@@ -47,12 +47,39 @@ pub fn from_trace(
     trace: &serde_json::Value,
     step: Option<u32>,
 ) -> Result<Measured, SimError> {
+    let ops = trace_ops(trace)?;
+    let (step, step_times) = pick_step(&ops, step)?;
+    let ix = OpIndex::of(plan);
+    let (mut start, end, clock_of) = onto_plan(&ix, &ops, step)?;
+    as_simulated(plan, &ix, &mut start, &end, &clock_of);
+    Ok(Measured {
+        sim: assemble(plan, &ix, &start, &end),
+        step,
+        step_times,
+    })
+}
+
+/// One plan op's event in a trace.
+struct TraceOp {
+    step: u32,
+    /// The clock its times are on (one per process).
+    clock: u32,
+    device: u32,
+    stream: u32,
+    op: u32,
+    /// Start and duration, µs.
+    ts: f64,
+    dur: f64,
+}
+
+/// The trace's plan ops: its complete events, less the kernels nested
+/// under them (`cat: kernel`). A field missing or out of range is an error
+/// naming the event.
+fn trace_ops(trace: &serde_json::Value) -> Result<Vec<TraceOp>, SimError> {
     let events = trace["traceEvents"].as_array().ok_or_else(|| {
         bad("no `traceEvents` array: not a trace written by `piper train --trace`".into())
     })?;
-    // (step, clock, device, stream, op, start µs, duration µs)
     let mut ops = Vec::with_capacity(events.len());
-    // Plan ops only: the kernels nested under them (`cat: kernel`) are not ops.
     for e in events
         .iter()
         .filter(|e| e["ph"] == "X" && e["cat"] != "kernel")
@@ -77,21 +104,27 @@ pub fn from_trace(
                     ))
                 })
         };
-        ops.push((
-            int(&e["args"]["step"], "args.step")?,
-            int(&e["args"]["clock"], "args.clock").unwrap_or(0),
-            int(&e["pid"], "pid (the device)")?,
-            int(&e["tid"], "tid (the stream)")?,
-            int(&e["args"]["op"], "args.op")?,
-            num(&e["ts"], "ts")?,
-            num(&e["dur"], "dur")?,
-        ));
+        ops.push(TraceOp {
+            step: int(&e["args"]["step"], "args.step")?,
+            clock: int(&e["args"]["clock"], "args.clock").unwrap_or(0),
+            device: int(&e["pid"], "pid (the device)")?,
+            stream: int(&e["tid"], "tid (the stream)")?,
+            op: int(&e["args"]["op"], "args.op")?,
+            ts: num(&e["ts"], "ts")?,
+            dur: num(&e["dur"], "dur")?,
+        });
     }
+    Ok(ops)
+}
+
+/// Each step's time (first start to last end, seconds), and the step to
+/// read: `step` if the trace has it, else the median one.
+fn pick_step(ops: &[TraceOp], step: Option<u32>) -> Result<(u32, Vec<(u32, f64)>), SimError> {
     let mut span: BTreeMap<u32, (f64, f64)> = BTreeMap::new();
-    for &(s, _, _, _, _, ts, dur) in &ops {
-        let e = span.entry(s).or_insert((f64::INFINITY, 0.0));
-        e.0 = e.0.min(ts);
-        e.1 = e.1.max(ts + dur);
+    for o in ops {
+        let e = span.entry(o.step).or_insert((f64::INFINITY, 0.0));
+        e.0 = e.0.min(o.ts);
+        e.1 = e.1.max(o.ts + o.dur);
     }
     let step_times: Vec<(u32, f64)> = span.iter().map(|(s, (a, b))| (*s, (b - a) / 1e6)).collect();
     let step = match step {
@@ -104,17 +137,26 @@ pub fn from_trace(
         }
         None => median_step(&step_times).ok_or_else(|| bad("the trace has no ops".into()))?,
     };
-    let ix = OpIndex::of(plan);
+    Ok((step, step_times))
+}
+
+/// Step `step`'s ops onto the plan's: each op's start and end (seconds
+/// from its clock's first start in the step) and its clock. Every plan op
+/// exactly once, and nothing the plan lacks.
+type OnPlan = (Vec<f64>, Vec<f64>, Vec<u32>);
+
+fn onto_plan(ix: &OpIndex, ops: &[TraceOp], step: u32) -> Result<OnPlan, SimError> {
     let n = ix.at.len();
     let mut t0: BTreeMap<u32, f64> = BTreeMap::new();
-    for &(_, clock, _, _, _, ts, _) in ops.iter().filter(|o| o.0 == step) {
-        let e = t0.entry(clock).or_insert(f64::INFINITY);
-        *e = e.min(ts);
+    for o in ops.iter().filter(|o| o.step == step) {
+        let e = t0.entry(o.clock).or_insert(f64::INFINITY);
+        *e = e.min(o.ts);
     }
     let mut start = vec![f64::NAN; n];
     let mut end = vec![f64::NAN; n];
     let mut clock_of = vec![0u32; n];
-    for &(_, clock, d, si, op, ts, dur) in ops.iter().filter(|o| o.0 == step) {
+    for o in ops.iter().filter(|o| o.step == step) {
+        let (d, si, op) = (o.device, o.stream, o.op);
         let g = ix
             .base
             .get(d as usize)
@@ -133,9 +175,9 @@ pub fn from_trace(
                 "step {step}: device {d} stream {si} op {op} appears twice"
             )));
         }
-        start[g] = (ts - t0[&clock]) / 1e6;
-        end[g] = start[g] + dur / 1e6;
-        clock_of[g] = clock;
+        start[g] = (o.ts - t0[&o.clock]) / 1e6;
+        end[g] = start[g] + o.dur / 1e6;
+        clock_of[g] = o.clock;
     }
     if let Some(g) = start.iter().position(|s| s.is_nan()) {
         let (d, _, op) = ix.at[g];
@@ -145,19 +187,20 @@ pub fn from_trace(
             ix.streams[ix.at[g].1 as usize]
         )));
     }
-    // A recv blocks from when its stream reaches it until the data is
-    // there; the simulator starts it when the send has ended, and counts
-    // the wait before as idle, not communication. Drawn the same way when
-    // the send's device shares the recv's clock.
-    let op_at = |g: usize| {
-        let (d, _, i) = ix.at[g];
-        &plan.devices[d as usize].streams[ix.local[g] as usize].ops[i as usize]
-    };
+    Ok((start, end, clock_of))
+}
+
+/// Measured starts drawn as the simulator draws them. A recv blocks from
+/// when its stream reaches it until the data is there; the simulator starts
+/// it when the send has ended, and counts the wait before as idle, not
+/// communication: the same here when the send's device shares the recv's
+/// clock. A collective likewise runs once the last member has arrived.
+fn as_simulated(plan: &Plan, ix: &OpIndex, start: &mut [f64], end: &[f64], clock_of: &[u32]) {
+    let n = ix.at.len();
     let mut sends = std::collections::HashMap::new();
-    // A collective likewise runs once the last member has arrived.
     let mut arrived: std::collections::HashMap<(u32, u32), f64> = Default::default();
     for g in 0..n {
-        let o = op_at(g);
+        let (_, o) = ix.op(plan, g);
         match o.op {
             OpKind::Send => {
                 sends.insert((ix.at[g].0, o.node), g);
@@ -170,7 +213,7 @@ pub fn from_trace(
         }
     }
     for g in 0..n {
-        let o = op_at(g);
+        let (_, o) = ix.op(plan, g);
         if o.op.is_collective() {
             start[g] = start[g].max(arrived[&(o.node, clock_of[g])]).min(end[g]);
         }
@@ -183,11 +226,6 @@ pub fn from_trace(
             }
         }
     }
-    Ok(Measured {
-        sim: assemble(plan, &ix, &start, &end),
-        step,
-        step_times,
-    })
 }
 
 /// Where a run's compute time went: seconds per kernel (summed over every

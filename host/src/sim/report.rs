@@ -155,87 +155,17 @@ pub fn timeline_svg_on(sim: &Simulation, title: &str, axis: f64) -> String {
             by_dev[s.device as usize].push(s);
         }
     }
+    let geo = Lanes {
+        left,
+        top,
+        width,
+        lane_h,
+        comm_h,
+        row,
+        scale,
+    };
     for (d, spans) in by_dev.iter().enumerate() {
-        let y = top + row * d as f64;
-        let _ = write!(
-            out,
-            r##"<g class="lane" data-device="{d}"><text x="{}" y="{}" font-size="12" text-anchor="end">device {d}</text><rect x="{left}" y="{y}" width="{width}" height="{lane_h}" fill="#ffffff" stroke="#999" stroke-width="0.5"/>"##,
-            left - 6.0,
-            y + 15.0
-        );
-        let mut compute: Vec<&&super::Span> =
-            spans.iter().filter(|s| s.kind.is_compute()).collect();
-        compute.sort_by(|a, b| a.start.total_cmp(&b.start));
-        // Overlapped F&B: a forward and a backward running at once. Sorted
-        // by start, span j overlaps span i (j > i) exactly while j starts
-        // before i ends, so the scan stops at the first that does not.
-        let mut overlapped = vec![false; compute.len()];
-        for i in 0..compute.len() {
-            for j in i + 1..compute.len() {
-                if compute[j].start >= compute[i].end {
-                    break;
-                }
-                if matches!(
-                    (compute[i].kind, compute[j].kind),
-                    (SpanKind::F, SpanKind::B | SpanKind::BI)
-                        | (SpanKind::B | SpanKind::BI, SpanKind::F)
-                ) {
-                    overlapped[i] = true;
-                    overlapped[j] = true;
-                }
-            }
-        }
-        for (s, &overlapped) in compute.iter().zip(&overlapped) {
-            let x = left + s.start * scale;
-            let w = ((s.end - s.start) * scale).max(0.5);
-            let fill = if overlapped {
-                "url(#fb)".to_string()
-            } else {
-                color(s.kind).to_string()
-            };
-            let _ = write!(
-                out,
-                r##"<rect x="{x:.2}" y="{y}" width="{w:.2}" height="{lane_h}" fill="{fill}" stroke="#333" stroke-width="0.3"><title>{}</title></rect>"##,
-                esc(&format!(
-                    "{} {}–{}",
-                    s.label,
-                    human_time(s.start),
-                    human_time(s.end)
-                ))
-            );
-            if w > 16.0 {
-                let mb = s
-                    .label
-                    .microbatch
-                    .map(|m| m.to_string())
-                    .unwrap_or_default();
-                let _ = write!(
-                    out,
-                    r#"<text x="{:.2}" y="{}" font-size="10" text-anchor="middle">{}</text>"#,
-                    x + w / 2.0,
-                    y + 15.0,
-                    mb
-                );
-            }
-        }
-        for s in spans.iter().filter(|s| !s.kind.is_compute()) {
-            let x = left + s.start * scale;
-            let w = ((s.end - s.start) * scale).max(0.5);
-            let _ = write!(
-                out,
-                r##"<rect x="{x:.2}" y="{}" width="{w:.2}" height="{comm_h}" fill="{}"><title>{}</title></rect>"##,
-                y + lane_h,
-                color(SpanKind::Comm),
-                esc(&format!(
-                    "{} [{}] {}–{}",
-                    s.label,
-                    sim.streams[s.stream as usize],
-                    human_time(s.start),
-                    human_time(s.end)
-                ))
-            );
-        }
-        out.push_str("</g>");
+        lane_svg(&mut out, sim, d, spans, &geo);
     }
     let y = top + row * lanes as f64 + 16.0;
     let mut note = format!(
@@ -256,6 +186,113 @@ pub fn timeline_svg_on(sim: &Simulation, title: &str, axis: f64) -> String {
         esc(&note)
     );
     out
+}
+
+/// Where the timeline's lanes are drawn: the plot's left edge, top and
+/// width, a lane's compute and communication heights, a row's height (lane,
+/// communication strip and gap), and pixels per second.
+struct Lanes {
+    left: f64,
+    top: f64,
+    width: f64,
+    lane_h: f64,
+    comm_h: f64,
+    row: f64,
+    scale: f64,
+}
+
+/// Device `d`'s lane: its compute spans (overlapped F&B hatched, the
+/// microbatch written where it fits), its communication strip below.
+fn lane_svg(out: &mut String, sim: &Simulation, d: usize, spans: &[&super::Span], g: &Lanes) {
+    let (left, width, lane_h, comm_h, scale) = (g.left, g.width, g.lane_h, g.comm_h, g.scale);
+    let y = g.top + g.row * d as f64;
+    let _ = write!(
+        out,
+        r##"<g class="lane" data-device="{d}"><text x="{}" y="{}" font-size="12" text-anchor="end">device {d}</text><rect x="{left}" y="{y}" width="{width}" height="{lane_h}" fill="#ffffff" stroke="#999" stroke-width="0.5"/>"##,
+        left - 6.0,
+        y + 15.0
+    );
+    let mut compute: Vec<&super::Span> = spans
+        .iter()
+        .copied()
+        .filter(|s| s.kind.is_compute())
+        .collect();
+    compute.sort_by(|a, b| a.start.total_cmp(&b.start));
+    let overlapped = overlapped_fb(&compute);
+    for (s, &overlapped) in compute.iter().zip(&overlapped) {
+        let x = left + s.start * scale;
+        let w = ((s.end - s.start) * scale).max(0.5);
+        let fill = if overlapped {
+            "url(#fb)".to_string()
+        } else {
+            color(s.kind).to_string()
+        };
+        let _ = write!(
+            out,
+            r##"<rect x="{x:.2}" y="{y}" width="{w:.2}" height="{lane_h}" fill="{fill}" stroke="#333" stroke-width="0.3"><title>{}</title></rect>"##,
+            esc(&format!(
+                "{} {}–{}",
+                s.label,
+                human_time(s.start),
+                human_time(s.end)
+            ))
+        );
+        if w > 16.0 {
+            let mb = s
+                .label
+                .microbatch
+                .map(|m| m.to_string())
+                .unwrap_or_default();
+            let _ = write!(
+                out,
+                r#"<text x="{:.2}" y="{}" font-size="10" text-anchor="middle">{}</text>"#,
+                x + w / 2.0,
+                y + 15.0,
+                mb
+            );
+        }
+    }
+    for s in spans.iter().filter(|s| !s.kind.is_compute()) {
+        let x = left + s.start * scale;
+        let w = ((s.end - s.start) * scale).max(0.5);
+        let _ = write!(
+            out,
+            r##"<rect x="{x:.2}" y="{}" width="{w:.2}" height="{comm_h}" fill="{}"><title>{}</title></rect>"##,
+            y + lane_h,
+            color(SpanKind::Comm),
+            esc(&format!(
+                "{} [{}] {}–{}",
+                s.label,
+                sim.streams[s.stream as usize],
+                human_time(s.start),
+                human_time(s.end)
+            ))
+        );
+    }
+    out.push_str("</g>");
+}
+
+/// Overlapped F&B: which compute spans (sorted by start) run a forward and
+/// a backward at once. Span j overlaps span i (j > i) exactly while j
+/// starts before i ends, so the scan stops at the first that does not.
+fn overlapped_fb(compute: &[&super::Span]) -> Vec<bool> {
+    let mut overlapped = vec![false; compute.len()];
+    for i in 0..compute.len() {
+        for j in i + 1..compute.len() {
+            if compute[j].start >= compute[i].end {
+                break;
+            }
+            if matches!(
+                (compute[i].kind, compute[j].kind),
+                (SpanKind::F, SpanKind::B | SpanKind::BI)
+                    | (SpanKind::B | SpanKind::BI, SpanKind::F)
+            ) {
+                overlapped[i] = true;
+                overlapped[j] = true;
+            }
+        }
+    }
+    overlapped
 }
 
 /// Bytes in use over time, one line per device (up to 8), model states included.
