@@ -193,64 +193,8 @@ impl TrainingDag {
     /// leave it for a node it does not contain.
     pub fn split(&mut self, f: &Filter, dim: &str, n: u32) -> Result<(), DagError> {
         let call = format!("split({f}, {}, {n})", quote(dim));
-        if n == 0 {
-            return Err(DagError::new(
-                call,
-                DagErrorKind::InvalidArgument("n must be at least 1, got 0".into()),
-            ));
-        }
-        if dim.is_empty() || dim == "PASS" || dim == "PP" || dim == "EP" {
-            return Err(DagError::new(
-                call,
-                DagErrorKind::InvalidArgument(format!(
-                    "{} cannot be a split dimension (use a new name such as MB)",
-                    quote(dim)
-                )),
-            ));
-        }
-        self.check_names(&call, &[dim], &[])?;
-        let ids: Vec<NodeId> = self
-            .select(f, &call)?
-            .into_iter()
-            .filter(|id| self.graph[id.ix()].derived.is_none())
-            .collect();
-        let ids = self.compute_only(f, ids.clone(), &call).map(|_| ids)?;
-        // The whole model, or its pieces would run other shares of the batch
-        // than the rest: a split of one microbatch would give its copies
-        // rows that the other microbatches also train, and leave others out.
-        let computes = |list: &mut dyn Iterator<Item = NodeId>| {
-            list.filter(|id| {
-                let n = &self.graph[id.ix()];
-                n.derived.is_none() && matches!(n.kind, NodeKind::Compute { .. })
-            })
-            .count()
-        };
-        let (matched, all) = (
-            computes(&mut ids.iter().copied()),
-            computes(&mut self.node_ids()),
-        );
-        if matched < all {
-            return Err(DagError::new(
-                call,
-                DagErrorKind::InvalidArgument(format!(
-                    "a split takes the whole model: the filter matches {matched} of its {all} compute \
-                     nodes, and a part split alone would train other rows of the batch than the rest"
-                )),
-            ));
-        }
-        // Every node's batch share must stay representable.
-        for &id in &ids {
-            let div = self.graph[id.ix()].batch_div;
-            if div.checked_mul(n).is_none() {
-                return Err(DagError::new(
-                    call,
-                    DagErrorKind::InvalidArgument(format!(
-                        "{} already runs 1/{div} of the batch; splitting it {n} ways more overflows",
-                        self.label(id)
-                    )),
-                ));
-            }
-        }
+        self.check_split_args(&call, dim, n)?;
+        let ids = self.split_region(f, dim, n, &call)?;
         // The region as a set, the edges it copies (at most every edge) and
         // their ends.
         self.charge_bytes(
@@ -260,63 +204,10 @@ impl TrainingDag {
                 .saturating_add((self.graph.edge_bound() as u64).saturating_mul(SPLIT_EDGE_BYTES)),
         )?;
         let set: HashSet<NodeId> = ids.iter().copied().collect();
-        if let Some(key) = self.find_tag(dim) {
-            if ids
-                .iter()
-                .any(|id| self.graph[id.ix()].tags.get(key).is_some())
-            {
-                return Err(DagError::new(
-                    call,
-                    DagErrorKind::AlreadySplit { dim: dim.into() },
-                ));
-            }
-        }
         // The closure scan and the edge scan below visit every edge.
         self.charge(&call, (self.edge_count() as u64).saturating_mul(2))?;
-        // Closure: data and peer edges between the region and other core nodes.
-        for &id in &ids {
-            for e in self.graph.edges_directed(id.ix(), Direction::Outgoing) {
-                let t = NodeId::of(e.target());
-                if !set.contains(&t)
-                    && self.graph[t.ix()].derived.is_none()
-                    && !matches!(e.weight(), EdgeKind::Temporal)
-                {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::NonContiguous {
-                            inside: self.label(id),
-                            outside: self.label(t),
-                        },
-                    ));
-                }
-            }
-            for e in self.graph.edges_directed(id.ix(), Direction::Incoming) {
-                let s = NodeId::of(e.source());
-                if !set.contains(&s)
-                    && self.graph[s.ix()].derived.is_none()
-                    && !matches!(e.weight(), EdgeKind::Temporal)
-                {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::NonContiguous {
-                            inside: self.label(id),
-                            outside: self.label(s),
-                        },
-                    ));
-                }
-            }
-        }
-        let edges: Vec<(NodeId, NodeId, EdgeKind)> = self
-            .graph
-            .edge_references()
-            .filter(|e| {
-                let (s, t) = (NodeId::of(e.source()), NodeId::of(e.target()));
-                let (ins, int) = (set.contains(&s), set.contains(&t));
-                let core = |x: NodeId| self.graph[x.ix()].derived.is_none();
-                (ins && int) || ((ins || int) && core(s) && core(t))
-            })
-            .map(|e| (NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
-            .collect();
+        self.check_closed(&call, &ids, &set)?;
+        let edges = self.region_edges(&set);
         // n − 1 copies of the region; each copied core node may bring a
         // derived node (a ZeRO gather or reduce-scatter) at the next rebuild.
         let copies = u64::from(n - 1);
@@ -334,10 +225,154 @@ impl TrainingDag {
         self.graph.reserve_nodes(room(add_nodes));
         self.graph.reserve_edges(room(add_edges));
         let key = self.tag_key(dim);
+        self.copy_region(&ids, &edges, key, n);
+        self.split_dims.push(key);
+        self.touch();
+        Ok(())
+    }
+
+    /// A split needs at least one copy and a dimension of its own.
+    fn check_split_args(&self, call: &str, dim: &str, n: u32) -> Result<(), DagError> {
+        if n == 0 {
+            return Err(DagError::new(
+                call.to_string(),
+                DagErrorKind::InvalidArgument("n must be at least 1, got 0".into()),
+            ));
+        }
+        if dim.is_empty() || dim == "PASS" || dim == "PP" || dim == "EP" {
+            return Err(DagError::new(
+                call.to_string(),
+                DagErrorKind::InvalidArgument(format!(
+                    "{} cannot be a split dimension (use a new name such as MB)",
+                    quote(dim)
+                )),
+            ));
+        }
+        self.check_names(call, &[dim], &[])
+    }
+
+    /// The region a split copies: the matched core nodes (sorted), which
+    /// must be the whole model, not split along `dim` yet, and each able to
+    /// run `1/n` of its share.
+    fn split_region(
+        &self,
+        f: &Filter,
+        dim: &str,
+        n: u32,
+        call: &str,
+    ) -> Result<Vec<NodeId>, DagError> {
+        let err = |kind| Err(DagError::new(call.to_string(), kind));
+        let ids: Vec<NodeId> = self
+            .select(f, call)?
+            .into_iter()
+            .filter(|id| self.graph[id.ix()].derived.is_none())
+            .collect();
+        let ids = self.compute_only(f, ids.clone(), call).map(|_| ids)?;
+        // The whole model, or its pieces would run other shares of the batch
+        // than the rest: a split of one microbatch would give its copies
+        // rows that the other microbatches also train, and leave others out.
+        let computes = |list: &mut dyn Iterator<Item = NodeId>| {
+            list.filter(|id| {
+                let n = &self.graph[id.ix()];
+                n.derived.is_none() && matches!(n.kind, NodeKind::Compute { .. })
+            })
+            .count()
+        };
+        let (matched, all) = (
+            computes(&mut ids.iter().copied()),
+            computes(&mut self.node_ids()),
+        );
+        if matched < all {
+            return err(DagErrorKind::InvalidArgument(format!(
+                "a split takes the whole model: the filter matches {matched} of its {all} compute \
+                 nodes, and a part split alone would train other rows of the batch than the rest"
+            )));
+        }
+        // Every node's batch share must stay representable.
         for &id in &ids {
+            let div = self.graph[id.ix()].batch_div;
+            if div.checked_mul(n).is_none() {
+                return err(DagErrorKind::InvalidArgument(format!(
+                    "{} already runs 1/{div} of the batch; splitting it {n} ways more overflows",
+                    self.label(id)
+                )));
+            }
+        }
+        if let Some(key) = self.find_tag(dim) {
+            if ids
+                .iter()
+                .any(|id| self.graph[id.ix()].tags.get(key).is_some())
+            {
+                return err(DagErrorKind::AlreadySplit { dim: dim.into() });
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The region must be closed: no data or peer edge between it and a
+    /// core node outside it.
+    fn check_closed(
+        &self,
+        call: &str,
+        ids: &[NodeId],
+        set: &HashSet<NodeId>,
+    ) -> Result<(), DagError> {
+        for &id in ids {
+            let outs = self
+                .graph
+                .edges_directed(id.ix(), Direction::Outgoing)
+                .map(|e| (NodeId::of(e.target()), *e.weight()));
+            let ins = self
+                .graph
+                .edges_directed(id.ix(), Direction::Incoming)
+                .map(|e| (NodeId::of(e.source()), *e.weight()));
+            for (other, kind) in outs.chain(ins) {
+                if !set.contains(&other)
+                    && self.graph[other.ix()].derived.is_none()
+                    && !matches!(kind, EdgeKind::Temporal)
+                {
+                    return Err(DagError::new(
+                        call.to_string(),
+                        DagErrorKind::NonContiguous {
+                            inside: self.label(id),
+                            outside: self.label(other),
+                        },
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The edges a split copies: those inside the region, and those between
+    /// it and core nodes outside (temporal ones: the closure allows no other).
+    fn region_edges(&self, set: &HashSet<NodeId>) -> Vec<(NodeId, NodeId, EdgeKind)> {
+        self.graph
+            .edge_references()
+            .filter(|e| {
+                let (s, t) = (NodeId::of(e.source()), NodeId::of(e.target()));
+                let (ins, int) = (set.contains(&s), set.contains(&t));
+                let core = |x: NodeId| self.graph[x.ix()].derived.is_none();
+                (ins && int) || ((ins || int) && core(s) && core(t))
+            })
+            .map(|e| (NodeId::of(e.source()), NodeId::of(e.target()), *e.weight()))
+            .collect()
+    }
+
+    /// Tag the region (`ids`, sorted) copy 0 along `key` and add copies 1 to
+    /// `n − 1` with their `edges`, each running `1/n` of its share. Checked
+    /// and charged before: nothing here fails.
+    fn copy_region(
+        &mut self,
+        ids: &[NodeId],
+        edges: &[(NodeId, NodeId, EdgeKind)],
+        key: super::TagKey,
+        n: u32,
+    ) {
+        for &id in ids {
             let node = &mut self.graph[id.ix()];
             node.tags.set(key, 0);
-            node.batch_div *= n; // checked above
+            node.batch_div *= n; // checked by split_region
             self.index_tag(id, key, 0);
         }
         // Each edge's ends as positions in `ids` (sorted), once: a copy's
@@ -357,7 +392,7 @@ impl TrainingDag {
         let mut copy: Vec<NodeId> = Vec::with_capacity(ids.len());
         for i in 1..n {
             copy.clear();
-            for &id in &ids {
+            for &id in ids {
                 let mut node = self.graph[id.ix()].clone();
                 node.tags.set(key, i);
                 copy.push(NodeId::of(self.add_node(node)));
@@ -375,9 +410,6 @@ impl TrainingDag {
                 self.graph.add_edge(s2.ix(), t2.ix(), k);
             }
         }
-        self.split_dims.push(key);
-        self.touch();
-        Ok(())
     }
 
     /// **place**: put the matched compute nodes on `devices` (several devices =
@@ -974,90 +1006,13 @@ impl TrainingDag {
         call: &str,
         resolved: &[Vec<(&Filter, super::primitives::Resolved)>],
     ) -> Result<(), DagError> {
-        let mut sets: Vec<Vec<NodeId>> = Vec::new();
-        for rg in resolved {
-            let mut set = Vec::new();
-            // Deduplicated whenever it doubles: a group of many filters
-            // matching the same nodes holds about its union, not every match.
-            let mut unique = 0;
-            for (f, r) in rg {
-                let m = self.select_resolved(r, call)?;
-                if m.is_empty() {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::NoMatch {
-                            filter: f.to_string(),
-                        },
-                    ));
-                }
-                set.extend(m);
-                if set.len() > 2 * unique.max(1024) {
-                    set.sort_unstable();
-                    set.dedup();
-                    unique = set.len();
-                }
-            }
-            set.sort_unstable();
-            set.dedup();
-            sets.push(set);
-        }
-        // One device group for the whole order.
-        let first = sets[0][0];
-        let devs = self.graph[first.ix()].devices.clone();
-        for set in &sets {
-            for &id in set {
-                let d = &self.graph[id.ix()].devices;
-                if d.is_empty() {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::Unplaced {
-                            node: self.label(id),
-                        },
-                    ));
-                }
-                if *d != devs {
-                    return Err(DagError::new(
-                        call,
-                        DagErrorKind::CrossDevice {
-                            a: self.label(first),
-                            a_devices: devs.iter().map(|d| d.0).collect(),
-                            b: self.label(id),
-                            b_devices: d.iter().map(|d| d.0).collect(),
-                        },
-                    ));
-                }
-            }
-        }
+        let sets = self.order_sets(call, resolved)?;
+        let devs = self.one_device_group(call, &sets)?;
         // Boundaries visit each member's edges: at most every edge twice.
         let members: u64 = sets.iter().map(|s| s.len() as u64).sum();
         self.charge(call, members.saturating_add(2 * self.edge_count() as u64))?;
-        // Plan: per window, direct edges or a marker (virtual node ids from
-        // the graph's node bound up).
         let bound = self.graph.node_bound();
-        let mut markers = 0usize;
-        let mut planned: Vec<(usize, usize)> = Vec::new();
-        for w in sets.windows(2) {
-            let sinks = self.boundary(&w[0], Direction::Outgoing);
-            let sources = self.boundary(&w[1], Direction::Incoming);
-            if let Some(&n) = sinks.iter().find(|s| sources.contains(s)) {
-                let cycle = vec![self.label(n), self.label(n)];
-                return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
-            }
-            if sinks.len() * sources.len() > sinks.len() + sources.len() {
-                let m = bound + markers;
-                markers += 1;
-                planned.extend(sinks.iter().map(|s| (s.ix().index(), m)));
-                planned.extend(sources.iter().map(|t| (m, t.ix().index())));
-            } else {
-                for &s in &sinks {
-                    for &t in &sources {
-                        if self.graph.find_edge(s.ix(), t.ix()).is_none() {
-                            planned.push((s.ix().index(), t.ix().index()));
-                        }
-                    }
-                }
-            }
-        }
+        let (planned, markers) = self.plan_order_edges(call, &sets, bound)?;
         self.check_growth(call, markers as u64, planned.len() as u64)?;
         self.charge(
             call,
@@ -1115,6 +1070,115 @@ impl TrainingDag {
         }
         self.keep_edges(&planned, &ids, pos);
         Ok(())
+    }
+
+    /// Each order group's nodes, sorted and each once; a filter that
+    /// matches nothing is an error naming it.
+    fn order_sets(
+        &self,
+        call: &str,
+        resolved: &[Vec<(&Filter, super::primitives::Resolved)>],
+    ) -> Result<Vec<Vec<NodeId>>, DagError> {
+        let mut sets: Vec<Vec<NodeId>> = Vec::new();
+        for rg in resolved {
+            let mut set = Vec::new();
+            // Deduplicated whenever it doubles: a group of many filters
+            // matching the same nodes holds about its union, not every match.
+            let mut unique = 0;
+            for (f, r) in rg {
+                let m = self.select_resolved(r, call)?;
+                if m.is_empty() {
+                    return Err(DagError::new(
+                        call,
+                        DagErrorKind::NoMatch {
+                            filter: f.to_string(),
+                        },
+                    ));
+                }
+                set.extend(m);
+                if set.len() > 2 * unique.max(1024) {
+                    set.sort_unstable();
+                    set.dedup();
+                    unique = set.len();
+                }
+            }
+            set.sort_unstable();
+            set.dedup();
+            sets.push(set);
+        }
+        Ok(sets)
+    }
+
+    /// The one device group every ordered node runs on (an order is per
+    /// device group); an unplaced node or another group is an error.
+    fn one_device_group(
+        &self,
+        call: &str,
+        sets: &[Vec<NodeId>],
+    ) -> Result<Vec<super::DeviceId>, DagError> {
+        let first = sets[0][0];
+        let devs = self.graph[first.ix()].devices.clone();
+        for &id in sets.iter().flatten() {
+            let d = &self.graph[id.ix()].devices;
+            if d.is_empty() {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::Unplaced {
+                        node: self.label(id),
+                    },
+                ));
+            }
+            if *d != devs {
+                return Err(DagError::new(
+                    call,
+                    DagErrorKind::CrossDevice {
+                        a: self.label(first),
+                        a_devices: devs.iter().map(|d| d.0).collect(),
+                        b: self.label(id),
+                        b_devices: d.iter().map(|d| d.0).collect(),
+                    },
+                ));
+            }
+        }
+        Ok(devs)
+    }
+
+    /// The temporal edges between consecutive groups: from each group's
+    /// sinks to the next one's sources, directly, or through a marker
+    /// (virtual node ids from `bound` up) where that is fewer edges. Returns
+    /// the edges as node indices and the markers needed. A node that is both
+    /// a sink and the next group's source would order itself after itself.
+    fn plan_order_edges(
+        &self,
+        call: &str,
+        sets: &[Vec<NodeId>],
+        bound: usize,
+    ) -> Result<(Vec<(usize, usize)>, usize), DagError> {
+        let mut markers = 0usize;
+        let mut planned: Vec<(usize, usize)> = Vec::new();
+        for w in sets.windows(2) {
+            let sinks = self.boundary(&w[0], Direction::Outgoing);
+            let sources = self.boundary(&w[1], Direction::Incoming);
+            if let Some(&n) = sinks.iter().find(|s| sources.contains(s)) {
+                let cycle = vec![self.label(n), self.label(n)];
+                return Err(DagError::new(call, DagErrorKind::Cycle { cycle }));
+            }
+            if sinks.len() * sources.len() > sinks.len() + sources.len() {
+                let m = bound + markers;
+                markers += 1;
+                planned.extend(sinks.iter().map(|s| (s.ix().index(), m)));
+                planned.extend(sources.iter().map(|t| (m, t.ix().index())));
+            } else {
+                for &s in &sinks {
+                    for &t in &sources {
+                        if self.graph.find_edge(s.ix(), t.ix()).is_none() {
+                            planned.push((s.ix().index(), t.ix().index()));
+                        }
+                    }
+                }
+            }
+        }
+        Ok((planned, markers))
     }
 
     /// Nodes of `set` (sorted) with no successor (Outgoing) / predecessor
