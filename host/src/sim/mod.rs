@@ -258,6 +258,14 @@ impl Deps {
     fn succs(&self, g: usize) -> &[u32] {
         &self.succ[self.head[g] as usize..self.head[g + 1] as usize]
     }
+    /// A member of collective `node` has arrived (`arrived` counts them):
+    /// the group's members when it was the last.
+    fn arrive(&self, arrived: &mut HashMap<u32, usize>, node: u32) -> Option<&[usize]> {
+        let group = &self.members[&node];
+        let c = arrived.entry(node).or_insert(0);
+        *c += 1;
+        (*c == group.len()).then_some(&group[..])
+    }
 }
 
 /// Each op's dependencies: the previous op of its stream, its waits, a
@@ -427,12 +435,9 @@ fn run_shared(
         let d = at[g].0;
         match o.op {
             k if k.is_collective() => {
-                let group = &deps.members[&o.node];
-                let c = arrived.entry(o.node).or_insert(0);
-                *c += 1;
-                if *c < group.len() {
+                let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
-                }
+                };
                 let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
                 let t = costs.collective(o, &devs);
                 for &m in group {
@@ -552,12 +557,9 @@ fn run_in_dependency_order(
         let d = at[g].0;
         match o.op {
             k if k.is_collective() => {
-                let group = &deps.members[&o.node];
-                let c = arrived.entry(o.node).or_insert(0);
-                *c += 1;
-                if *c < group.len() {
+                let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
-                }
+                };
                 let t0 = group.iter().map(|&m| clock.ready_at[m]).fold(0.0, f64::max);
                 let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
                 let t = costs.collective(o, &devs);
