@@ -186,6 +186,24 @@ impl TrainingDag {
         self.topo = None;
     }
 
+    /// What `place`, `shard` and `shard_tensor` check first: the devices,
+    /// the stream's name, and the filter's compute nodes (nothing else may
+    /// be matched).
+    fn devices_and_compute(
+        &mut self,
+        f: &Filter,
+        devices: &[u32],
+        stream: &str,
+        call: &str,
+    ) -> Result<(Vec<DeviceId>, Vec<NodeId>), DagError> {
+        let devs = self.check_devices(devices, call)?;
+        Self::check_stream(stream, "stream", call)?;
+        self.check_names(call, &[], &[stream])?;
+        let ids = self.select(f, call)?;
+        let compute = self.compute_only(f, ids, call)?;
+        Ok((devs, compute))
+    }
+
     /// **split**: copy the matched sub-DAG `n` times along dimension `dim`
     /// (microbatches: `split(all, "MB", 8)`), tagging copy `i` with `dim = i`.
     /// Each copy runs `1/n` of the batch; parameter gradients of the copies
@@ -423,11 +441,7 @@ impl TrainingDag {
             devices_str(devices),
             quote(stream)
         );
-        let devs = self.check_devices(devices, &call)?;
-        Self::check_stream(stream, "stream", &call)?;
-        self.check_names(&call, &[], &[stream])?;
-        let ids = self.select(f, &call)?;
-        let compute = self.compute_only(f, ids, &call)?;
+        let (devs, compute) = self.devices_and_compute(f, devices, stream, &call)?;
         self.charge_rewire(&call, &compute, devs.len())?;
         let s = self.stream_id(stream);
         for &id in &compute {
@@ -590,11 +604,7 @@ impl TrainingDag {
             devices_str(devices),
             quote(stream)
         );
-        let devs = self.check_devices(devices, &call)?;
-        Self::check_stream(stream, "stream", &call)?;
-        self.check_names(&call, &[], &[stream])?;
-        let ids = self.select(f, &call)?;
-        let compute = self.compute_only(f, ids, &call)?;
+        let (devs, compute) = self.devices_and_compute(f, devices, stream, &call)?;
         self.charge(&call, compute.len() as u64)?;
         let invalid = |m: String| {
             Err(DagError::new(
@@ -867,11 +877,7 @@ impl TrainingDag {
             devices_str(devices),
             quote(stream)
         );
-        let devs = self.check_devices(devices, &call)?;
-        Self::check_stream(stream, "stream", &call)?;
-        self.check_names(&call, &[], &[stream])?;
-        let ids = self.select(f, &call)?;
-        let compute = self.compute_only(f, ids, &call)?;
+        let (devs, compute) = self.devices_and_compute(f, devices, stream, &call)?;
         self.charge_rewire(&call, &compute, devs.len())?;
         let invalid = |m: String| {
             Err(DagError::new(
