@@ -607,9 +607,9 @@ impl Op {
         } else {
             format!("{}[{}]", self.op, tags.join(" "))
         };
-        match (self.op.as_str(), self.peer) {
-            ("send", Some(p)) => write!(s, "→{p}").unwrap(),
-            ("recv", Some(p)) => write!(s, "←{p}").unwrap(),
+        match (self.op, self.peer) {
+            (OpKind::Send, Some(p)) => write!(s, "→{p}").unwrap(),
+            (OpKind::Recv, Some(p)) => write!(s, "←{p}").unwrap(),
             _ => {}
         }
         s

@@ -661,7 +661,7 @@ impl TrainingDag {
                 ));
             }
         }
-        let split = stream != "compute";
+        let split = stream != self.stream_name(super::COMPUTE);
         if split {
             if let Some(id) = compute.iter().find(|id| {
                 matches!(
