@@ -485,6 +485,9 @@ fn mine<'c>(cx: &'c Ctx<'_>, bit: u64) -> impl Iterator<Item = (usize, &'c NodeI
         .filter(move |(k, _)| cx.chunks_of[*k] & bit != 0)
 }
 
+/// One device's waits (stream id, op index) and local inputs for a node.
+type Acc = (Vec<(u16, u32)>, Vec<Input>);
+
 /// A chunk's devices while they are built, and the buffers its per-node
 /// steps reuse.
 struct ChunkBuild<'c, 'a> {
@@ -515,7 +518,7 @@ struct ChunkBuild<'c, 'a> {
     /// waits (stream id, op index) and local inputs.
     here_ix: Vec<(u32, u32)>,
     slot_of: Vec<u32>,
-    acc: Vec<(Vec<(u16, u32)>, Vec<Input>)>,
+    acc: Vec<Acc>,
     /// One op's waits as (the device's stream position, op index), and the
     /// last waits list, to share with the next op that waits on the same
     /// positions (a node's next device, mostly).

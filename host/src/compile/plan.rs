@@ -218,7 +218,7 @@ impl TryFrom<DeviceIn> for DevicePlan {
                     .ops
                     .into_iter()
                     .map(|f| {
-                        f.into_op(&at).map_err(|w| {
+                        f.into_op(at).map_err(|w| {
                             format!(
                                 "device {}: an op of stream `{}` waits on stream `{w}`, \
                                  which this device lacks",
