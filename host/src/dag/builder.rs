@@ -28,21 +28,13 @@ pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelEr
             let ep = dag.tag_key("EP");
             tags.set(ep, e);
         }
-        let mk = |pass| Node {
-            kind: NodeKind::Compute {
+        let mk = |pass| {
+            let kind = NodeKind::Compute {
                 pass,
                 segment: seg.index,
                 phase: None,
-            },
-            tags: tags.clone(),
-            devices: Vec::new(),
-            stream: crate::dag::COMPUTE,
-            priority: 0,
-            batch_div: 1,
-            replica: None,
-            tensor_parallel: None,
-            derived: None,
-            tweaked: false,
+            };
+            Node::new(kind, tags.clone(), Vec::new(), crate::dag::COMPUTE, 1)
         };
         fwd.push(NodeId::of(dag.graph.add_node(mk(Pass::F))));
         bwd.push(NodeId::of(dag.graph.add_node(mk(Pass::B))));

@@ -268,16 +268,8 @@ impl TrainingDag {
         tweaks: &HashMap<u64, Tweak>,
     ) -> NodeId {
         let mut node = Node {
-            kind,
-            tags,
-            devices,
-            stream,
-            priority: 0,
-            batch_div,
-            replica: None,
-            tensor_parallel: None,
             derived: Some(key),
-            tweaked: false,
+            ..Node::new(kind, tags, devices, stream, batch_div)
         };
         if let Some(t) = tweaks.get(&key) {
             node.stream = t.stream;

@@ -761,26 +761,19 @@ impl TrainingDag {
         for (i, w) in phases.windows(2).enumerate() {
             let mut tags = node.tags.clone();
             tags.set(part, order[i].index());
+            let kind = NodeKind::Comm(Comm {
+                op: CommOp::AllToAll,
+                purpose: CommPurpose::Experts,
+                tensor: TensorKind::Routed,
+                bytes: x.routed_bytes,
+                segments: vec![segment],
+                peers: Vec::new(),
+                groups: vec![node.devices.clone()],
+                pair: None,
+            });
             let a2a = self.add_node(Node {
-                kind: NodeKind::Comm(Comm {
-                    op: CommOp::AllToAll,
-                    purpose: CommPurpose::Experts,
-                    tensor: TensorKind::Routed,
-                    bytes: x.routed_bytes,
-                    segments: vec![segment],
-                    peers: Vec::new(),
-                    groups: vec![node.devices.clone()],
-                    pair: None,
-                }),
-                tags,
-                devices: node.devices.clone(),
-                stream,
                 priority: node.priority,
-                batch_div: node.batch_div,
-                replica: None,
-                tensor_parallel: None,
-                derived: None,
-                tweaked: false,
+                ..Node::new(kind, tags, node.devices.clone(), stream, node.batch_div)
             });
             self.graph.add_edge(w[0], a2a, routed);
             self.graph.add_edge(a2a, w[1], routed);
@@ -1051,18 +1044,13 @@ impl TrainingDag {
         // Proven acyclic: add the markers and edges.
         let mut ids = Vec::with_capacity(markers);
         for _ in 0..markers {
-            ids.push(self.add_node(Node {
-                kind: NodeKind::Marker,
-                tags: Default::default(),
-                devices: devs.clone(),
-                stream: super::COMPUTE,
-                priority: 0,
-                batch_div: 1,
-                replica: None,
-                tensor_parallel: None,
-                derived: None,
-                tweaked: false,
-            }));
+            ids.push(self.add_node(Node::new(
+                NodeKind::Marker,
+                Default::default(),
+                devs.clone(),
+                super::COMPUTE,
+                1,
+            )));
         }
         let at = |i: usize| {
             if i >= bound {
@@ -1370,8 +1358,8 @@ impl TrainingDag {
                 NodeKind::Compute { segment, .. } => vec![segment],
                 _ => vec![],
             };
-            let mk = |op, base: &Node, peers: &[DeviceId], segments| Node {
-                kind: NodeKind::Comm(Comm {
+            let mk = |op, base: &Node, peers: &[DeviceId], segments| {
+                let kind = NodeKind::Comm(Comm {
                     op,
                     purpose: CommPurpose::Pipeline,
                     tensor,
@@ -1380,16 +1368,9 @@ impl TrainingDag {
                     peers: peers.to_vec(),
                     groups: Vec::new(),
                     pair: None,
-                }),
-                tags: base.tags.clone(),
-                devices: base.devices.clone(),
-                stream,
-                priority: 0,
-                batch_div: base.batch_div,
-                replica: None,
-                tensor_parallel: None,
-                derived: None,
-                tweaked: false,
+                });
+                let (tags, devices) = (base.tags.clone(), base.devices.clone());
+                Node::new(kind, tags, devices, stream, base.batch_div)
             };
             let (send, recv) = (
                 mk(CommOp::Send, un, &vn.devices, seg(un)),

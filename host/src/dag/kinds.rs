@@ -328,6 +328,30 @@ pub struct Node {
     pub(crate) tweaked: bool,
 }
 
+impl Node {
+    /// A core node at priority 0, unreplicated, not tensor-parallel.
+    pub(crate) fn new(
+        kind: NodeKind,
+        tags: Tags,
+        devices: Vec<DeviceId>,
+        stream: StreamId,
+        batch_div: u32,
+    ) -> Node {
+        Node {
+            kind,
+            tags,
+            devices,
+            stream,
+            priority: 0,
+            batch_div,
+            replica: None,
+            tensor_parallel: None,
+            derived: None,
+            tweaked: false,
+        }
+    }
+}
+
 /// What an edge means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
