@@ -54,6 +54,10 @@ pub(crate) mod embedded {
         ("src/lib.rs", include_str!("../../../../sdk/src/lib.rs")),
         ("src/dag.rs", include_str!("../../../../sdk/src/dag.rs")),
         (
+            "src/dualpipe.rs",
+            include_str!("../../../../sdk/src/dualpipe.rs"),
+        ),
+        (
             "src/filter.rs",
             include_str!("../../../../sdk/src/filter.rs"),
         ),
@@ -120,4 +124,33 @@ pub(crate) fn write(path: &std::path::Path, contents: &[u8]) -> Result<(), Autho
         std::fs::create_dir_all(dir).map_err(io("cannot create", dir))?;
     }
     std::fs::write(path, contents).map_err(io("cannot write", path))
+}
+
+#[cfg(test)]
+mod tests {
+    /// A Rust skeleton vendors every source file of the SDK: one missing
+    /// from the list leaves `piper plugin new --lang rust` unbuildable.
+    #[test]
+    fn the_vendored_rust_sdk_is_every_sdk_source_file() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../sdk/src");
+        let mut on_disk: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".rs"))
+            .map(|n| format!("src/{n}"))
+            .collect();
+        on_disk.sort();
+        let mut vendored: Vec<String> = super::embedded::RUST_SDK
+            .iter()
+            .map(|(n, _)| n.to_string())
+            .collect();
+        vendored.sort();
+        assert_eq!(vendored, on_disk);
+        for (name, text) in super::embedded::RUST_SDK {
+            assert_eq!(
+                *text,
+                std::fs::read_to_string(dir.join(&name[4..])).unwrap()
+            );
+        }
+    }
 }
