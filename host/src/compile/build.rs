@@ -471,7 +471,7 @@ pub(super) fn chunk<'a>(cx: &Ctx<'a>, c: usize) -> Vec<Built> {
         inputs: Vec::new(),
     };
     b.last_waits.1 = sh.no_waits.clone();
-    for (k, &id) in mine(cx, b.bit) {
+    for (k, &id) in mine(cx, b.bit()) {
         b.node(&mut sh, k as u32, id);
     }
     b.finish()
@@ -493,10 +493,8 @@ type Acc = (Vec<(u16, u32)>, Vec<Input>);
 struct ChunkBuild<'c, 'a> {
     cx: &'c Ctx<'a>,
     c: usize,
-    bit: u64,
-    /// The chunk's ranks; a device's local index is its rank less `lo`.
+    /// The chunk's ranks; a device's local index is its rank less the first.
     ranks: std::ops::Range<usize>,
-    lo: usize,
     devs: Vec<Dev>,
     names: Names,
     /// Local slots: a node's i-th device at `base[node] + i`, for the nodes
@@ -533,8 +531,6 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         ChunkBuild {
             cx,
             c,
-            bit: 1u64 << c,
-            lo: ranks.start,
             devs: ranks
                 .clone()
                 .map(|_| Dev {
@@ -564,9 +560,14 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         }
     }
 
+    /// The chunk's bit in `Ctx::chunks_of`.
+    fn bit(&self) -> u64 {
+        1u64 << self.c
+    }
+
     /// Device `d`'s index among the chunk's devices.
     fn local(&self, d: usize) -> usize {
-        self.cx.rank[d] as usize - self.lo
+        self.cx.rank[d] as usize - self.ranks.start
     }
 
     fn here(&self, d: usize) -> bool {
@@ -579,7 +580,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
     fn positions(&mut self) -> usize {
         let (cx, g) = (self.cx, &self.cx.dag.graph);
         let mut nodes = 0usize;
-        for (_, &id) in mine(cx, self.bit) {
+        for (_, &id) in mine(cx, self.bit()) {
             nodes += 1;
             let n = &g[id.ix()];
             self.base[id.ix().index()] = self.slots.len() as u32;
@@ -643,7 +644,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         let cx = self.cx;
         let n = &cx.dag.graph[id.ix()];
         // Every device of the node is in this chunk.
-        let whole = cx.chunks_of[k as usize] == self.bit;
+        let whole = cx.chunks_of[k as usize] == self.bit();
         self.deliver(k);
         self.effective_preds(id);
         let single = self.pred_at.iter().all(|(_, same)| *same);
@@ -857,7 +858,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
     /// predecessors are the direct producers.
     fn release_inputs(&mut self) {
         let cx = self.cx;
-        let lo = self.lo;
+        let lo = self.ranks.start;
         let (bufs, devs) = (&mut self.bufs, &mut self.devs);
         let mut release = |slot: usize, d: usize| {
             let entry = &mut bufs[slot];

@@ -2,7 +2,7 @@
 //! costs. A plan is plain data (serde), has a stable hash, and renders as a
 //! readable per-device table.
 
-use crate::dag::{CommOp, NodeKind, Pass};
+use crate::dag::{Label, NodeKind, PASS_VALUES};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -174,11 +174,19 @@ impl Serialize for StreamsOut<'_> {
 
 impl Serialize for OpsOut<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let name = |w: &Wait| {
-            self.streams
-                .get(w.stream.ix())
-                .map_or("?", |st| st.stream.as_str())
-        };
+        let n = self.streams.len();
+        if let Some(w) = self
+            .ops
+            .iter()
+            .flat_map(|o| o.waits.iter())
+            .find(|w| w.stream.ix() >= n)
+        {
+            return Err(serde::ser::Error::custom(format!(
+                "a wait on stream #{} of a device with {n} streams",
+                w.stream.0
+            )));
+        }
+        let name = |w: &Wait| self.streams[w.stream.ix()].stream.as_str();
         s.collect_seq(self.ops.iter().map(|o| FlatOp::of(o, name)))
     }
 }
@@ -415,42 +423,28 @@ pub enum OpKind {
 }
 
 impl OpKind {
+    /// Every op kind, in [`Label`]'s order (a label less the marker).
+    const ALL: [OpKind; 11] = [
+        OpKind::F,
+        OpKind::B,
+        OpKind::BI,
+        OpKind::BW,
+        OpKind::Update,
+        OpKind::Send,
+        OpKind::Recv,
+        OpKind::AllReduce,
+        OpKind::ReduceScatter,
+        OpKind::AllGather,
+        OpKind::AllToAll,
+    ];
+    /// Its name: its label's, from the DAG's one name table.
     pub fn as_str(self) -> &'static str {
-        match self {
-            OpKind::F => "F",
-            OpKind::B => "B",
-            OpKind::BI => "BI",
-            OpKind::BW => "BW",
-            OpKind::Update => "update",
-            OpKind::Send => "send",
-            OpKind::Recv => "recv",
-            OpKind::AllReduce => "all-reduce",
-            OpKind::ReduceScatter => "reduce-scatter",
-            OpKind::AllGather => "all-gather",
-            OpKind::AllToAll => "all-to-all",
-        }
+        PASS_VALUES[self as usize]
     }
-    /// The op a DAG node runs as (`None` for a marker, which never reaches
-    /// a plan).
+    /// The op a DAG node runs as: the node's label (`None` for a marker,
+    /// which never reaches a plan).
     pub fn of(kind: &NodeKind) -> Option<Self> {
-        Some(match kind {
-            NodeKind::Compute { pass, .. } => match pass {
-                Pass::F => OpKind::F,
-                Pass::B => OpKind::B,
-                Pass::BI => OpKind::BI,
-                Pass::BW => OpKind::BW,
-            },
-            NodeKind::Update { .. } => OpKind::Update,
-            NodeKind::Comm(c) => match c.op {
-                CommOp::Send => OpKind::Send,
-                CommOp::Recv => OpKind::Recv,
-                CommOp::AllReduce => OpKind::AllReduce,
-                CommOp::ReduceScatter => OpKind::ReduceScatter,
-                CommOp::AllGather => OpKind::AllGather,
-                CommOp::AllToAll => OpKind::AllToAll,
-            },
-            NodeKind::Marker => return None,
-        })
+        Self::ALL.get(Label::of(kind) as usize).copied()
     }
     pub fn is_compute(self) -> bool {
         matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
@@ -790,5 +784,27 @@ pub fn human_bytes(b: u64) -> String {
         format!("{b} B")
     } else {
         format!("{v:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `OpKind` follows `Label`'s order, so a label's index is its op's:
+    /// each op is named as its label and serialized under that name.
+    #[test]
+    fn op_kinds_are_the_labels_less_the_marker() {
+        for (i, op) in OpKind::ALL.iter().enumerate() {
+            assert_eq!(*op as usize, i);
+            assert_eq!(op.as_str(), Label::ALL[i].as_str());
+            assert_eq!(
+                serde_json::to_string(op).unwrap(),
+                format!("\"{}\"", op.as_str())
+            );
+        }
+        assert_eq!(OpKind::ALL.len() + 1, Label::ALL.len());
+        assert_eq!(Label::ALL[OpKind::ALL.len()], Label::Marker);
+        assert_eq!(OpKind::of(&NodeKind::Marker), None);
     }
 }

@@ -214,10 +214,10 @@ impl OpIndex {
 /// Time `plan` under `costs`.
 pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimError> {
     let ix = OpIndex::of(plan);
-    let deps = dependencies(plan, &ix)?;
+    let (deps, indeg) = dependencies(plan, &ix)?;
     let n = ix.at.len();
     let mut clock = Clock {
-        indeg: deps.indeg.clone(),
+        indeg,
         ready_at: vec![0f64; n],
         start: vec![f64::NAN; n],
         end: vec![f64::NAN; n],
@@ -247,7 +247,6 @@ struct Deps {
     /// Successors in one flat array (CSR): `succ[head[g]..head[g + 1]]`.
     succ: Vec<u32>,
     head: Vec<u32>,
-    indeg: Vec<u32>,
     /// Each receive's send (`usize::MAX` for other ops).
     send_of: Vec<usize>,
     /// Each collective node's member ops.
@@ -268,10 +267,10 @@ impl Deps {
     }
 }
 
-/// Each op's dependencies: the previous op of its stream, its waits, a
-/// receive's send. A wait or receive the plan cannot satisfy is an error
-/// naming the op.
-fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<Deps, SimError> {
+/// Each op's dependencies (the previous op of its stream, its waits, a
+/// receive's send), and how many each op has. A wait or receive the plan
+/// cannot satisfy is an error naming the op.
+fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<(Deps, Vec<u32>), SimError> {
     let (base, at) = (&ix.base, &ix.at);
     let n = at.len();
     let err = |g: usize, why: String| {
@@ -355,13 +354,13 @@ fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<Deps, SimError> {
         succ[fill[a as usize] as usize] = b;
         fill[a as usize] += 1;
     }
-    Ok(Deps {
+    let deps = Deps {
         succ,
         head,
-        indeg,
         send_of,
         members,
-    })
+    };
+    Ok((deps, indeg))
 }
 
 /// A run's state per op: dependencies still to end, when the last ended,
