@@ -36,12 +36,18 @@ const BUNDLED: &[(&str, &str, &str)] = &[
     ("dualpipe", "piper-plugin-dualpipe", "piper_plugin_dualpipe"),
     ("ep", "piper-plugin-ep", "piper_plugin_ep"),
     ("tp", "piper-plugin-tp", "piper_plugin_tp"),
+    (
+        "recompute",
+        "piper-plugin-recompute",
+        "piper_plugin_recompute",
+    ),
 ];
 /// Built for tests, not bundled.
 const TESTING: &[&str] = &[
     "piper-testing-hostile",
     "piper-testing-wrong-version",
     "piper-testing-extra-import",
+    "piper-testing-wit-0-1",
 ];
 
 fn main() -> ExitCode {

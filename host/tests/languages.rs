@@ -223,6 +223,8 @@ fn the_python_js_and_c_examples_plan_exactly_like_the_rust_1f1b() {
             &[("microbatches", "4")],
         ),
         (16, 8, None, &[("stages", "8"), ("microbatches", "16")]),
+        // Each SDK's `recompute` (0.2.0) through the example's option.
+        (8, 4, None, &[("microbatches", "4"), ("recompute", "full")]),
     ];
     let mut compared = 0;
     for (lang, dir, name) in [
@@ -681,8 +683,8 @@ fn plugin_check_reports_the_wit_imports_exports_and_info_without_applying() {
     let wasm = Path::new(&p.origin);
     let out = ok(piper().args(["plugin", "check"]).arg(wasm));
     for want in [
-        "wit:     piper:strategy@0.1.0 (this host accepts piper:strategy@0.1.x)",
-        "piper:strategy/dag@0.1.0",
+        "wit:     piper:strategy@0.2.0 (this host accepts piper:strategy@0.1.x or 0.2.x)",
+        "piper:strategy/dag@0.2.0",
         "exports: info, apply",
         "1f1b-c 0.1.0",
         "microbatches",
@@ -706,7 +708,7 @@ fn plugin_check_reports_the_wit_imports_exports_and_info_without_applying() {
     assert!(!o.status.success());
     assert!(text.contains("accepted: no"), "{text}");
     assert!(
-        text.contains("this host accepts piper:strategy@0.1.x"),
+        text.contains("this host accepts piper:strategy@0.1.x or 0.2.x"),
         "{text}"
     );
 }

@@ -763,3 +763,58 @@ fn balanced_boundaries_recover_the_bubble_the_lm_head_makes_on_gpt2_small() {
         assert!(e.contains(want), "{b}: {e}");
     }
 }
+
+/// gpt2-small on 8 simulated H100s under a 3 GiB cap: 1F1B's activations
+/// exceed it, the same schedule with `recompute` fits, and the step time it
+/// pays (a forward more per microbatch) is printed beside: more than 1F1B's,
+/// less than 1.5× (a forward is about a third of forward + backward).
+#[test]
+fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
+    let home = std::env::temp_dir().join(format!("piper-recompute-sim-{}", std::process::id()));
+    let (ok, text, err) = common::piper(
+        &home,
+        &[
+            "plan",
+            "--model",
+            "gpt2-small",
+            "--devices",
+            "8",
+            "--simulate",
+            "--compare",
+            "1f1b:microbatches=16",
+            "--compare",
+            "1f1b:microbatches=16+recompute",
+            "--device-memory",
+            "3GiB",
+        ],
+    );
+    assert!(ok, "{err}");
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| l.contains(" devices, gpt2-small)"))
+        .map(|l| {
+            l.split(')')
+                .next_back()
+                .unwrap()
+                .split_whitespace()
+                .collect()
+        })
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    let step = |r: &[&str]| -> f64 {
+        assert_eq!(r[1], "ms", "{text}");
+        r[0].parse().unwrap()
+    };
+    assert_eq!(rows[0].last(), Some(&"no"), "1F1B fits 3 GiB:\n{text}");
+    assert_eq!(
+        rows[1].last(),
+        Some(&"yes"),
+        "recompute does not fit:\n{text}"
+    );
+    let cost = step(&rows[1]) / step(&rows[0]);
+    assert!(
+        cost > 1.0 && cost < 1.5,
+        "recompute costs {cost}× the step:\n{text}"
+    );
+    let _ = std::fs::remove_dir_all(&home);
+}

@@ -119,6 +119,27 @@ bool piper_split(piper_dag *dag, piper_filter f, const char *dim, uint32_t n) {
   return ok || host_error(dag, &err);
 }
 
+bool piper_recompute(piper_dag *dag, piper_filter f, const char *policy, uint32_t *count) {
+  piper_strategy_dag_recompute_policy_t p;
+  if (policy != NULL && strcmp(policy, "full") == 0) {
+    p = PIPER_STRATEGY_DAG_RECOMPUTE_POLICY_FULL;
+  } else if (policy != NULL && strcmp(policy, "selective") == 0) {
+    p = PIPER_STRATEGY_DAG_RECOMPUTE_POLICY_SELECTIVE;
+  } else {
+    return piper_fail(dag, "recompute policy `%s` is not full or selective",
+                      policy != NULL ? policy : "(null)");
+  }
+  if (!check_filter(dag, &f)) return false;
+  piper_strategy_dag_filter_t wf;
+  to_wit(&f, &wf);
+  uint32_t made = 0;
+  piper_strategy_dag_dag_error_t err;
+  bool ok = piper_strategy_dag_method_training_dag_recompute(dag->handle, &wf, p, &made, &err);
+  free(wf.tags.ptr);
+  if (ok && count != NULL) *count = made;
+  return ok || host_error(dag, &err);
+}
+
 bool piper_place(piper_dag *dag, piper_filter f, const uint32_t *devices, size_t n_devices,
                  const char *stream) {
   if (!check_filter(dag, &f)) return false;

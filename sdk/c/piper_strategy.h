@@ -31,6 +31,7 @@
 #define PIPER_B "B"
 #define PIPER_BI "BI"
 #define PIPER_BW "BW"
+#define PIPER_R "R"
 #define PIPER_UPDATE "update"
 
 typedef struct {
@@ -66,6 +67,11 @@ bool piper_place(piper_dag *dag, piper_filter f, const uint32_t *devices, size_t
 /* Data parallelism over `devices` with ZeRO stage 0..3, collectives on `stream`. */
 bool piper_replicate(piper_dag *dag, piper_filter f, const uint32_t *devices, size_t n_devices,
                      int zero_stage, const char *stream);
+/* Activation recomputation: the matched forwards keep only what `policy`
+   ("full" or "selective") says; a recompute node (PASS R) rebuilds the rest
+   right before the backward. Apply it after every split/place/replicate.
+   *count (if not NULL) gets how many forwards got one. */
+bool piper_recompute(piper_dag *dag, piper_filter f, const char *policy, uint32_t *count);
 /* Run group i before group i+1 on one device: build groups with an order. */
 typedef struct piper_order piper_order;
 piper_order *piper_order_new(void);

@@ -11,12 +11,12 @@
 // any bug) reaches the user as the plugin's error: its name, message and
 // stack, with the plugin's name added by the host.
 
-import { log as hostLog } from 'piper:strategy/log@0.1.0';
+import { log as hostLog } from 'piper:strategy/log@0.2.0';
 
 export const Pass = Object.freeze({
   F: 'F', B: 'B', BI: 'BI', BW: 'BW', UPDATE: 'update', SEND: 'send', RECV: 'recv',
   ALL_REDUCE: 'all-reduce', REDUCE_SCATTER: 'reduce-scatter', ALL_GATHER: 'all-gather',
-  ALL_TO_ALL: 'all-to-all', MARKER: 'marker',
+  ALL_TO_ALL: 'all-to-all', R: 'R', MARKER: 'marker',
 });
 
 /** Selects nodes by tags (AND) and optionally one pass:
@@ -107,6 +107,12 @@ export class Dag {
   addTemporalEdge(from, to) { call(() => this.d.addTemporalEdge(from, to)); }
   setStream(filter, stream) { return call(() => this.d.setStream(filter.toWit(), stream)); }
   setPriority(filter, priority) { return call(() => this.d.setPriority(filter.toWit(), priority)); }
+  /**
+   * Activation recomputation: the matched forwards keep only what `policy` ('full' or
+   * 'selective') says; a recompute node (Pass.R) rebuilds the rest before the backward.
+   * Apply it after every split/place/replicate. Returns how many forwards got one.
+   */
+  recompute(filter, policy = 'full') { return call(() => this.d.recompute(filter.toWit(), policy)); }
 }
 
 /** The options the host passed (declared ones, given or defaulted, type-checked). */
@@ -305,4 +311,30 @@ export function pipelineOptions(info, stagesHelp, microbatchesHelp) {
     .option(OptionSpec.int('microbatches', undefined, microbatchesHelp))
     .option(OptionSpec.str('boundaries', undefined, 'first PP region of each stage, e.g. 0/4/8/11 (default: regions cut evenly, earlier stages taking the remainder)'))
     .option(OptionSpec.str('stream', 'pp', 'stream of the activation/gradient transfers'));
+}
+
+/** A pipeline plugin's `recompute` option: none (default), full or selective. */
+export function recomputeOption() {
+  return OptionSpec.str('recompute', 'none', "activation recomputation after the schedule: none, full (keep each segment's input, rerun its forward before the backward) or selective");
+}
+
+/** Apply the `recompute` option last (after `order`) to every PP region's
+ *  forwards; under `full`, regions of split expert phases only are skipped.
+ *  Returns how many forwards got a recompute node. */
+export function applyRecomputeOption(dag, options, who) {
+  const policy = (options.str('recompute') ?? 'none').trim();
+  if (policy === 'none') return 0;
+  if (policy !== 'full' && policy !== 'selective') {
+    throw new OptionError(`${who}: recompute \`${policy.slice(0, 40)}\` is not none, full or selective`);
+  }
+  let made = 0;
+  const regions = dag.tagExtents().PP ?? 0;
+  for (let r = 0; r < regions; r++) {
+    try {
+      made += dag.recompute(Filter.tag('PP', r).pass(Pass.F), policy);
+    } catch (e) {
+      if (!(e instanceof DagError) || e.kind !== 'unsupported' || policy !== 'full') throw e;
+    }
+  }
+  return made;
 }

@@ -19,6 +19,7 @@ from wit_world import OptionSpec as _OptionSpec
 from wit_world import OptionType as _OptionType
 from wit_world import PluginInfo as _PluginInfo
 from wit_world import OptionValue_Bool, OptionValue_Float, OptionValue_Int, OptionValue_Str
+from wit_world.imports import dag as _dag
 from wit_world.imports import log as _log
 from wit_world.imports import types as _t
 
@@ -36,6 +37,7 @@ class Pass:
     REDUCE_SCATTER = "reduce-scatter"
     ALL_GATHER = "all-gather"
     ALL_TO_ALL = "all-to-all"
+    R = "R"
     MARKER = "marker"
 
 
@@ -190,6 +192,16 @@ class Dag:
 
     def set_priority(self, filter, priority):
         return _call(self._d.set_priority, filter.to_wit(), priority)
+
+    def recompute(self, filter, policy="full"):
+        """Activation recomputation: the matched forwards keep only what `policy`
+        ("full" or "selective") says; a recompute node (Pass.R) rebuilds the rest
+        before the backward. Apply it after every split/place/replicate. Returns
+        how many forwards got one."""
+        policies = {"full": _dag.RecomputePolicy.FULL, "selective": _dag.RecomputePolicy.SELECTIVE}
+        if policy not in policies:
+            raise DagError("invalid-argument", "recompute policy %r is not full or selective" % (policy,))
+        return _call(self._d.recompute, filter.to_wit(), policies[policy])
 
 
 class Options:
@@ -448,3 +460,29 @@ def pipeline_options(info, stages_help, microbatches_help):
                                        "first PP region of each stage, e.g. 0/4/8/11 "
                                        "(default: regions cut evenly, earlier stages taking the remainder)"))
                 .option(OptionSpec.str("stream", "pp", "stream of the activation/gradient transfers")))
+
+
+def recompute_option():
+    """A pipeline plugin's `recompute` option: none (default), full or selective."""
+    return OptionSpec.str("recompute", "none",
+                          "activation recomputation after the schedule: none, full (keep each "
+                          "segment's input, rerun its forward before the backward) or selective")
+
+
+def apply_recompute_option(dag, options, who):
+    """Apply the `recompute` option last (after `order`) to every PP region's
+    forwards; under `full`, regions of split expert phases only are skipped.
+    Returns how many forwards got a recompute node."""
+    policy = (options.str("recompute") or "none").strip()
+    if policy == "none":
+        return 0
+    if policy not in ("full", "selective"):
+        raise OptionError("%s: recompute `%s` is not none, full or selective" % (who, policy[:40]))
+    made = 0
+    for r in range(dag.tag_extents().get("PP", 0)):
+        try:
+            made += dag.recompute(Filter.tag("PP", r).pass_(Pass.F), policy)
+        except DagError as e:
+            if e.kind != "unsupported" or policy != "full":
+                raise
+    return made

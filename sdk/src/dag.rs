@@ -175,6 +175,32 @@ pub trait Dag {
     fn add_temporal_edge(&mut self, from: u32, to: u32) -> Result<(), DagError>;
     fn set_stream(&mut self, filter: &Filter, stream: &str) -> Result<u32, DagError>;
     fn set_priority(&mut self, filter: &Filter, priority: i32) -> Result<u32, DagError>;
+    /// Activation recomputation: the matched forwards keep only what
+    /// `policy` says; a recompute node (`Pass::R`) rebuilds the rest right
+    /// before the backward. Apply it after every split, place, replicate,
+    /// shard and shard-tensor. Returns how many forwards got one.
+    fn recompute(&mut self, filter: &Filter, policy: RecomputePolicy) -> Result<u32, DagError>;
+}
+
+/// What `recompute` keeps of a forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecomputePolicy {
+    /// Only the segment's input (Megatron's full recompute).
+    Full,
+    /// The matmul outputs (Megatron's selective recompute; the host refuses
+    /// it as `Unsupported` for now).
+    Selective,
+}
+
+impl RecomputePolicy {
+    /// `full` or `selective`, as options spell it.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "full" => Some(RecomputePolicy::Full),
+            "selective" => Some(RecomputePolicy::Selective),
+            _ => None,
+        }
+    }
 }
 
 /// The DAG inside the sandbox: every call goes to the host through WIT.
@@ -320,6 +346,13 @@ impl Dag for WitDag<'_> {
     fn set_stream(&mut self, filter: &Filter, stream: &str) -> Result<u32, DagError> {
         self.0.set_stream(&filter.to_wit(), stream).map_err(err)
     }
+    fn recompute(&mut self, filter: &Filter, policy: RecomputePolicy) -> Result<u32, DagError> {
+        let policy = match policy {
+            RecomputePolicy::Full => wdag::RecomputePolicy::Full,
+            RecomputePolicy::Selective => wdag::RecomputePolicy::Selective,
+        };
+        self.0.recompute(&filter.to_wit(), policy).map_err(err)
+    }
     fn set_priority(&mut self, filter: &Filter, priority: i32) -> Result<u32, DagError> {
         self.0.set_priority(&filter.to_wit(), priority).map_err(err)
     }
@@ -347,6 +380,7 @@ mod native {
                 Pass::B => host::Label::B,
                 Pass::BI => host::Label::BI,
                 Pass::BW => host::Label::BW,
+                Pass::R => host::Label::R,
                 Pass::Update => host::Label::Update,
                 Pass::Send => host::Label::Send,
                 Pass::Recv => host::Label::Recv,
@@ -501,6 +535,13 @@ mod native {
             host::TrainingDag::set_stream(self, &filter(f), stream)
                 .map(|n| n as u32)
                 .map_err(err)
+        }
+        fn recompute(&mut self, f: &Filter, policy: RecomputePolicy) -> Result<u32, DagError> {
+            let policy = match policy {
+                RecomputePolicy::Full => host::RecomputePolicy::Full,
+                RecomputePolicy::Selective => host::RecomputePolicy::Selective,
+            };
+            host::TrainingDag::recompute(self, &filter(f), policy).map_err(err)
         }
         fn set_priority(&mut self, f: &Filter, priority: i32) -> Result<u32, DagError> {
             host::TrainingDag::set_priority(self, &filter(f), priority)

@@ -15,6 +15,8 @@ pub enum Pass {
     BI,
     /// Backward for weights.
     BW,
+    /// A forward recomputed before its backward (`recompute`).
+    R,
     Update,
     Send,
     Recv,
@@ -32,6 +34,7 @@ impl Pass {
             Pass::B => "B",
             Pass::BI => "BI",
             Pass::BW => "BW",
+            Pass::R => "R",
             Pass::Update => "update",
             Pass::Send => "send",
             Pass::Recv => "recv",

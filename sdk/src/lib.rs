@@ -125,10 +125,11 @@ mod filter;
 mod info;
 mod options;
 pub mod pipeline;
+pub mod recompute;
 
 pub use dag::{
     ClusterInfo, Dag, DagError, DagErrorKind, EdgeKind, Neighbour, Neighbours, NodeCost, NodeInfo,
-    ReplicateOptions,
+    RecomputePolicy, ReplicateOptions,
 };
 pub use filter::{Filter, Pass, TagMatch};
 pub use info::{OptionSpec, OptionType, PluginInfo};

@@ -2,6 +2,7 @@
  * Rust `1f1b`. Stage s of p runs p - s - 1 warm-up forwards, then alternates
  * one forward and one backward, then drains the remaining backwards. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "piper_strategy.h"
 
@@ -14,6 +15,8 @@ void piper_strategy_info(piper_info *info) {
   piper_info_option(info, "microbatches", PIPER_INT, NULL,
                     "microbatches per step (default: 2 x stages)");
   piper_info_option(info, "stream", PIPER_STR, "pp", "stream of the activation/gradient transfers");
+  piper_info_option(info, "recompute", PIPER_STR, "none",
+                    "activation recomputation after the schedule: none, full or selective");
 }
 
 /* Add one order group: `pass` of microbatch m over regions [lo, hi). */
@@ -81,5 +84,11 @@ bool piper_strategy_apply(piper_dag *dag, const piper_options *options) {
   free(lo);
   free(group);
   free(base);
+  /* 4. Activation recomputation, every region's forwards, if asked for. */
+  const char *recompute = "none";
+  if (piper_opt_str(dag, options, "recompute", &recompute) < 0) return false;
+  if (strcmp(recompute, "none") == 0) return true;
+  for (uint32_t r = 0; r < regions; r++)
+    if (!piper_recompute(dag, piper_pass(piper_tag("PP", r), PIPER_F), recompute, NULL)) return false;
   return true;
 }

@@ -1,7 +1,9 @@
 // 1F1B pipeline schedule (PipeDream-Flush) in JavaScript: the same plan as
 // the bundled Rust `1f1b`. Stage s of p runs p - s - 1 warm-up forwards, then
 // alternates one forward and one backward, then drains the backwards.
-import { Pass, Pipeline, PluginInfo, exportStrategy, pipelineOptions } from './piper_strategy.js';
+import {
+  Pass, Pipeline, PluginInfo, applyRecomputeOption, exportStrategy, pipelineOptions, recomputeOption,
+} from './piper_strategy.js';
 
 /** The 1F1B order of stage s of p over m microbatches, as [pass, microbatch]. */
 function schedule(p, s, m) {
@@ -18,7 +20,7 @@ class OneFOneB {
     return pipelineOptions(
       new PluginInfo('1f1b-js', '0.1.0', '1F1B pipeline schedule (PipeDream-Flush), in JavaScript'),
       'pipeline stages (default: devices / data-parallel degree)',
-      'microbatches per step (default: 2 x stages)');
+      'microbatches per step (default: 2 x stages)').option(recomputeOption());
   }
 
   apply(dag, options) {
@@ -28,6 +30,7 @@ class OneFOneB {
     for (let s = 0; s < p; s++) {
       dag.order(schedule(p, s, mbs).map(([pass, m]) => pipe.step(s, m, pass)));
     }
+    applyRecomputeOption(dag, options, '1f1b-js');
   }
 }
 

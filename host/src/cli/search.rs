@@ -25,9 +25,6 @@ pub struct SearchArgs {
     /// (and a `--search-space` file's), simulated.
     #[arg(long, conflicts_with_all = ["compare", "simulate"])]
     pub search: bool,
-    /// Memory each device may hold (`80GiB`; default: the cluster's).
-    #[arg(long, requires = "search", value_name = "SIZE")]
-    pub device_memory: Option<String>,
     /// Rows of the global batch (default: the model's `batch_size`).
     #[arg(long, requires = "search", value_parser = clap::value_parser!(u32).range(1..))]
     pub global_batch: Option<u32>,
@@ -72,7 +69,7 @@ pub fn run(
         (None, None) => 8,
     };
     let cluster = cluster_for(sim_args.cluster.as_deref(), devices)?;
-    let cap = match &a.device_memory {
+    let cap = match &sim_args.device_memory {
         Some(s) => parse_size(s)?,
         None => cluster.memory_bytes as u64,
     };

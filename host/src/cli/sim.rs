@@ -35,6 +35,21 @@ pub struct SimArgs {
     /// `--report` stacks their timelines on one time axis.
     #[arg(long, requires = "simulate", value_name = "STRATEGIES|CONFIG", conflicts_with_all = ["trace", "svg"])]
     pub compare: Vec<String>,
+    /// Memory each device may hold (`80GiB`; default: the cluster's): what
+    /// `fits` judges with `--simulate` and `--compare`, and `--search` cuts by.
+    #[arg(long, value_name = "SIZE")]
+    pub device_memory: Option<String>,
+}
+
+impl SimArgs {
+    /// The cluster to time on, with `--device-memory` as its memory.
+    fn cluster(&self, devices: u32) -> Result<Cluster> {
+        let mut c = cluster_for(self.cluster.as_deref(), devices)?;
+        if let Some(s) = &self.device_memory {
+            c.memory_bytes = super::train::parse_size(s)? as f64;
+        }
+        Ok(c)
+    }
 }
 
 /// The cluster a plan over `devices` is simulated on.
@@ -71,7 +86,7 @@ fn describe(c: &Cluster) -> String {
 
 /// Simulate, print, and write what was asked for. `title` names the run.
 pub fn run(plan: &Plan, args: &SimArgs, title: &str) -> Result<sim::Simulation> {
-    let cluster = cluster_for(args.cluster.as_deref(), plan.devices.len() as u32)?;
+    let cluster = args.cluster(plan.devices.len() as u32)?;
     let t = std::time::Instant::now();
     let s = sim::simulate(plan, &cluster).context("simulating the plan")?;
     let took = t.elapsed();
@@ -166,7 +181,7 @@ pub fn compare(base: &RunArgs, args: &SimArgs) -> Result<()> {
         .map(|(_, p)| p.devices.len() as u32)
         .max()
         .unwrap_or(1);
-    let cluster = cluster_for(args.cluster.as_deref(), devices)?;
+    let cluster = args.cluster(devices)?;
     let mut sims = Vec::with_capacity(plans.len());
     for (c, plan) in &plans {
         let s = sim::simulate(plan, &cluster).with_context(|| format!("candidate `{c}`"))?;

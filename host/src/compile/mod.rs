@@ -11,8 +11,9 @@
 //! 2. **Order**: one global list schedule (among ready nodes the lowest
 //!    depth first, then the higher priority, then the lower id; a node with
 //!    no predecessor is keyed just before its first consumer, so prefetches
-//!    run late, not all at once). Each device's per-stream order is this
-//!    order restricted to it, so every edge is respected.
+//!    run late, not all at once; an unordered recompute `R` waits for every
+//!    other input of its backward, `flat.rs`). Each device's per-stream
+//!    order is this order restricted to it, so every edge is respected.
 //! 3. **Build** (`build.rs`, per chunk of devices in parallel): each op with
 //!    its events (a cross-stream dependency on one device becomes a `wait`
 //!    on the producer's position in its stream; send/recv carry peer and

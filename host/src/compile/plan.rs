@@ -399,7 +399,7 @@ pub struct Input {
 }
 
 /// What an op does; serialized as `F`, `B`, `BI`, `BW`, `update`, `send`,
-/// `recv`, `all-reduce`, `reduce-scatter`, `all-gather` or `all-to-all`.
+/// `recv`, `all-reduce`, `reduce-scatter`, `all-gather`, `all-to-all` or `R`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum OpKind {
     F,
@@ -420,11 +420,13 @@ pub enum OpKind {
     AllGather,
     #[serde(rename = "all-to-all")]
     AllToAll,
+    /// A forward run again before its backward (`recompute`).
+    R,
 }
 
 impl OpKind {
     /// Every op kind, in [`Label`]'s order (a label less the marker).
-    const ALL: [OpKind; 11] = [
+    const ALL: [OpKind; 12] = [
         OpKind::F,
         OpKind::B,
         OpKind::BI,
@@ -436,6 +438,7 @@ impl OpKind {
         OpKind::ReduceScatter,
         OpKind::AllGather,
         OpKind::AllToAll,
+        OpKind::R,
     ];
     /// Its name: its label's, from the DAG's one name table.
     pub fn as_str(self) -> &'static str {
@@ -447,7 +450,10 @@ impl OpKind {
         Self::ALL.get(Label::of(kind) as usize).copied()
     }
     pub fn is_compute(self) -> bool {
-        matches!(self, OpKind::F | OpKind::B | OpKind::BI | OpKind::BW)
+        matches!(
+            self,
+            OpKind::F | OpKind::B | OpKind::BI | OpKind::BW | OpKind::R
+        )
     }
     /// Send, receive or a collective.
     pub fn is_comm(self) -> bool {

@@ -186,9 +186,9 @@ impl TrainingDag {
         self.topo = None;
     }
 
-    /// What `place`, `shard` and `shard_tensor` check first: the devices,
-    /// the stream's name, and the filter's compute nodes (nothing else may
-    /// be matched).
+    /// What `place`, `shard` and `shard_tensor` check first: no recompute
+    /// node yet, the devices, the stream's name, and the filter's compute
+    /// nodes (nothing else may be matched).
     fn devices_and_compute(
         &mut self,
         f: &Filter,
@@ -196,6 +196,7 @@ impl TrainingDag {
         stream: &str,
         call: &str,
     ) -> Result<(Vec<DeviceId>, Vec<NodeId>), DagError> {
+        self.check_not_recomputed(call)?;
         let devs = self.check_devices(devices, call)?;
         Self::check_stream(stream, "stream", call)?;
         self.check_names(call, &[], &[stream])?;
@@ -211,6 +212,7 @@ impl TrainingDag {
     /// leave it for a node it does not contain.
     pub fn split(&mut self, f: &Filter, dim: &str, n: u32) -> Result<(), DagError> {
         let call = format!("split({f}, {}, {n})", quote(dim));
+        self.check_not_recomputed(&call)?;
         self.check_split_args(&call, dim, n)?;
         let ids = self.split_region(f, dim, n, &call)?;
         // The region as a set, the edges it copies (at most every edge) and
@@ -499,6 +501,7 @@ impl TrainingDag {
             opts.stage(),
             opts.bucket_bytes
         );
+        self.check_not_recomputed(&call)?;
         let devs = self.check_devices(devices, &call)?;
         Self::check_stream(&opts.reduce_stream, "reduce-stream", &call)?;
         Self::check_stream(&opts.gather_stream, "gather-stream", &call)?;

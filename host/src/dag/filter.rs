@@ -41,11 +41,12 @@ pub enum Label {
     ReduceScatter,
     AllGather,
     AllToAll,
+    R,
     Marker,
 }
 
 /// Values the `PASS` key can take, in [`Label`]'s order.
-pub const PASS_VALUES: [&str; 12] = [
+pub const PASS_VALUES: [&str; 13] = [
     "F",
     "B",
     "BI",
@@ -57,12 +58,13 @@ pub const PASS_VALUES: [&str; 12] = [
     "reduce-scatter",
     "all-gather",
     "all-to-all",
+    "R",
     "marker",
 ];
 
 impl Label {
     /// Every label, in [`PASS_VALUES`]' order.
-    pub const ALL: [Label; 12] = [
+    pub const ALL: [Label; 13] = [
         Label::F,
         Label::B,
         Label::BI,
@@ -74,6 +76,7 @@ impl Label {
         Label::ReduceScatter,
         Label::AllGather,
         Label::AllToAll,
+        Label::R,
         Label::Marker,
     ];
     pub fn as_str(self) -> &'static str {
@@ -87,6 +90,7 @@ impl Label {
                 Pass::B => Label::B,
                 Pass::BI => Label::BI,
                 Pass::BW => Label::BW,
+                Pass::R => Label::R,
             },
             NodeKind::Update { .. } => Label::Update,
             NodeKind::Comm(c) => match c.op {

@@ -44,6 +44,9 @@ pub enum Pass {
     BI,
     /// Backward for weights.
     BW,
+    /// Recompute: the forward run again right before its backward, to
+    /// rebuild the saved tensors `recompute` dropped after `F`.
+    R,
 }
 
 impl Pass {
@@ -53,6 +56,7 @@ impl Pass {
             Pass::B => "B",
             Pass::BI => "BI",
             Pass::BW => "BW",
+            Pass::R => "R",
         }
     }
     /// Does this pass produce weight gradients?
@@ -61,7 +65,7 @@ impl Pass {
     }
     /// Does this pass read the weights?
     pub fn reads_weights(self) -> bool {
-        matches!(self, Pass::F | Pass::B | Pass::BI)
+        matches!(self, Pass::F | Pass::B | Pass::BI | Pass::R)
     }
 }
 

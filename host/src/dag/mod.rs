@@ -20,8 +20,9 @@
 //!
 //! # Node kinds and who owns them
 //! - *Core* nodes: `F`/`B`/`BI`/`BW` compute nodes (one per segment, copied by
-//!   `split`), `send`/`recv` pairs (inserted by `place` where a data edge
-//!   crosses device groups) and `order` markers.
+//!   `split`), `R` recompute nodes (`recompute`), `send`/`recv` pairs
+//!   (inserted by `place` where a data edge crosses device groups) and
+//!   `order` markers.
 //! - *Derived* nodes: the `update` nodes, the data-parallel collectives
 //!   inserted for `replicate` (all-reduce, ZeRO reduce-scatter / all-gather)
 //!   and the tied-embedding all-reduce. They are a function of the core nodes'
@@ -39,6 +40,7 @@ pub mod error;
 pub mod filter;
 mod kinds;
 mod primitives;
+mod recompute;
 #[cfg(test)]
 mod tests;
 mod topo;
@@ -49,6 +51,7 @@ pub use error::{DagError, DagErrorKind};
 pub use filter::{Filter, Label, TagMatch, PASS_VALUES};
 pub use kinds::*;
 pub use primitives::{Neighbour, NodeInfo};
+pub use recompute::RecomputePolicy;
 
 use crate::model::{ModelConfig, ModelError, Segment};
 use petgraph::stable_graph::{NodeIndex, StableDiGraph};
@@ -83,6 +86,8 @@ pub struct TrainingDag {
     /// Per segment, the elements of its experts' parameters (0 for a dense
     /// segment): read for every derived node, computed once.
     pub(crate) expert_param_elems: Vec<u64>,
+    /// Recompute nodes `recompute` added (placement is final once any exist).
+    pub(crate) recomputes: u32,
 }
 
 pub(crate) const COMPUTE: StreamId = StreamId(0);
@@ -121,6 +126,7 @@ impl TrainingDag {
             meter: Default::default(),
             expert_phases: crate::model::expert_phases(&model),
             topo: None,
+            recomputes: 0,
             model,
         }
     }
@@ -352,6 +358,7 @@ impl TrainingDag {
             && self.specs == other.specs
             && self.split_dims == other.split_dims
             && self.tied_stream == other.tied_stream
+            && self.recomputes == other.recomputes
             && self.dirty == other.dirty
             && self.model == other.model
             && self.cluster == other.cluster

@@ -551,7 +551,7 @@ impl TrainingDag {
                 let seg = &self.segments()[*segment as usize];
                 let c = &seg.cost;
                 let mut flops = match pass {
-                    super::Pass::F => c.fwd_flops,
+                    super::Pass::F | super::Pass::R => c.fwd_flops,
                     super::Pass::B => c.bwd_flops,
                     super::Pass::BW => c.bwd_weight_flops,
                     super::Pass::BI => c.bwd_flops - c.bwd_weight_flops,
@@ -703,6 +703,7 @@ mod tests {
             comm(CommOp::ReduceScatter),
             comm(CommOp::AllGather),
             comm(CommOp::AllToAll),
+            compute(Pass::R),
             NodeKind::Marker,
         ];
         assert_eq!(kinds.len(), PASS_VALUES.len());

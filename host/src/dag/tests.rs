@@ -585,3 +585,120 @@ fn compile_reports_an_invalid_node_before_a_cycle() {
     let e = crate::compile::compile(&dag).unwrap_err().to_string();
     assert!(e.starts_with("the DAG has a cycle: "), "{e}");
 }
+
+/// `recompute` gives each matched forward an `R` that reads the forward's
+/// inputs and hands its saved tensors to the backward; the forward keeps
+/// none. A second call changes nothing; bad calls fail with the DAG as it
+/// was; placement directives after it are refused, naming the fix.
+#[test]
+fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
+    let mut dag = tiny(2);
+    dag.split(&Filter::all(), "MB", 2).unwrap();
+    let f = |s: &str| s.parse::<Filter>().unwrap();
+    // Not placed yet: refused, nothing changed.
+    fails_unchanged(&mut dag, "is not placed on any device yet", |d| {
+        d.recompute(&Filter::all(), RecomputePolicy::Full)
+            .map(|_| ())
+    });
+    for r in 0..8 {
+        dag.place(&Filter::tag("PP", r), &[r / 4], "pp").unwrap();
+    }
+    fails_unchanged(
+        &mut dag,
+        "selective recompute (keeping the matmul outputs) is not yet supported",
+        |d| {
+            d.recompute(&Filter::all(), RecomputePolicy::Selective)
+                .map(|_| ())
+        },
+    );
+    fails_unchanged(&mut dag, "matches no forward (F) node", |d| {
+        d.recompute(&f("{PASS:B}"), RecomputePolicy::Full)
+            .map(|_| ())
+    });
+    assert_eq!(
+        dag.recompute(&f("{PP:2}"), RecomputePolicy::Full).unwrap(),
+        2
+    );
+    assert_eq!(count(&mut dag, "{PASS:R}"), 2);
+    let r = dag.query(&f("{PP:2,MB:1,PASS:R}")).unwrap().remove(0);
+    let fwd = dag.query(&f("{PP:2,MB:1,PASS:F}")).unwrap().remove(0);
+    let b = dag.query(&f("{PP:2,MB:1,PASS:B}")).unwrap().remove(0);
+    assert_eq!(
+        (r.devices.clone(), r.stream.clone()),
+        (fwd.devices, fwd.stream)
+    );
+    let saved = |dag: &TrainingDag, from: NodeId| {
+        dag.succs(from)
+            .filter(|(_, e)| {
+                matches!(
+                    e,
+                    EdgeKind::Data {
+                        tensor: TensorKind::Saved,
+                        ..
+                    }
+                )
+            })
+            .map(|(n, _)| n)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(saved(&dag, r.id), [b.id]);
+    assert!(saved(&dag, fwd.id).is_empty());
+    // R reads what F reads (the previous region's activation).
+    let inputs = |id: NodeId| {
+        let mut v: Vec<NodeId> = dag
+            .preds(id)
+            .filter(|(_, e)| matches!(e, EdgeKind::Data { .. }))
+            .map(|(n, _)| n)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(inputs(r.id), inputs(fwd.id));
+    // Again: nothing left to recompute there.
+    assert_eq!(
+        dag.recompute(&f("{PP:2}"), RecomputePolicy::Full).unwrap(),
+        0
+    );
+    fails_unchanged(
+        &mut dag,
+        "split, place, replicate, shard and shard-tensor must come before `recompute`",
+        |d| d.place(&Filter::tag("PP", 2), &[1], "pp"),
+    );
+    fails_unchanged(&mut dag, "must come before `recompute`", |d| {
+        d.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0))
+    });
+    fails_unchanged(&mut dag, "must come before `recompute`", |d| {
+        d.split(&Filter::all(), "X", 2)
+    });
+    let plan = crate::compile::compile(&dag).unwrap();
+    let ops: usize = plan
+        .devices
+        .iter()
+        .flat_map(|d| &d.streams)
+        .flat_map(|s| &s.ops)
+        .filter(|o| o.op == crate::compile::OpKind::R)
+        .count();
+    assert_eq!(ops, 2);
+}
+
+/// An `R` a strategy ordered keeps that order (compile adds its own
+/// placement only to unordered ones): here right after its forward.
+#[test]
+fn a_recompute_the_strategy_orders_keeps_its_order() {
+    let mut dag = tiny(1);
+    dag.split(&Filter::all(), "MB", 2).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    let f = |s: &str| s.parse::<Filter>().unwrap();
+    dag.recompute(&f("{PP:0}"), RecomputePolicy::Full).unwrap();
+    dag.order(&[vec![f("{PP:0,MB:0,PASS:R}")], vec![f("{PP:1,MB:0,PASS:F}")]])
+        .unwrap();
+    let plan = crate::compile::compile(&dag).unwrap();
+    let ops: Vec<String> = plan.devices[0].streams[0]
+        .ops
+        .iter()
+        .map(|o| format!("{}{}/{}", o.op, o.segments[0], o.microbatch))
+        .collect();
+    let at = |s: &str| ops.iter().position(|o| o == s).unwrap();
+    assert!(at("R0/0") < at("F1/0"), "{ops:?}");
+    assert!(at("F0/0") < at("R0/0"), "{ops:?}");
+}

@@ -415,6 +415,21 @@ impl wdag::HostTrainingDag for PluginState {
         let r = self.dag().set_stream(&f, &stream);
         self.done(r.map(|n| n as u32))
     }
+    fn recompute(
+        &mut self,
+        h: Resource<DagHandle>,
+        f: wit::Filter,
+        policy: wdag::RecomputePolicy,
+    ) -> R<u32> {
+        check!(self.enter(&h, Args::default().filter(&f)));
+        let f = check!(self.done(filter(f, "recompute")));
+        let policy = match policy {
+            wdag::RecomputePolicy::Full => dag::RecomputePolicy::Full,
+            wdag::RecomputePolicy::Selective => dag::RecomputePolicy::Selective,
+        };
+        let r = self.dag().recompute(&f, policy);
+        self.done(r)
+    }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f)));
         let f = check!(self.done(filter(f, "set-priority")));

@@ -30,6 +30,7 @@ mod host_impl;
 mod limits;
 mod no_sleep;
 mod options;
+mod v01;
 
 pub use cache::CompileCache;
 pub use limits::{LimitsError, SandboxLimits};
@@ -60,9 +61,42 @@ pub(crate) mod bindings {
     });
 }
 
-/// The `piper:strategy` versions this host accepts: 0.1.x.
-pub const WIT_VERSION: &str = "0.1.0";
-const WIT_ACCEPTS: &str = "0.1.x";
+/// The `piper:strategy` version the SDKs and `piper plugin new` target.
+pub const WIT_VERSION: &str = "0.2.0";
+/// The versions this host links, each with its own bindings: the current
+/// ones above, 0.1.x through `v01.rs`.
+const WIT_ACCEPTS: &str = "0.1.x or 0.2.x";
+
+/// Which bindings a component's `piper:strategy` version instantiates with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Contract {
+    V01,
+    V02,
+}
+
+impl Contract {
+    /// The contract of a version string (`0.2.0`), if this host links it.
+    fn of(version: &str) -> Option<Contract> {
+        let patch = |minor: &str| {
+            version
+                .strip_prefix(minor)
+                .is_some_and(|p| p.parse::<u32>().is_ok())
+        };
+        if patch("0.2.") {
+            Some(Contract::V02)
+        } else if patch("0.1.") {
+            Some(Contract::V01)
+        } else {
+            None
+        }
+    }
+}
+
+/// An instantiated component, through the bindings of its version.
+enum Instance {
+    V01(v01::bindings::Strategy),
+    V02(bindings::Strategy),
+}
 
 /// Strategy components bundled into the binary at build time: (name, wasm).
 pub mod bundled {
@@ -272,6 +306,8 @@ impl PluginHost {
         let engine = Engine::new(&config).map_err(|e| fail(format!("{e:#}")))?;
         let mut linker: Linker<PluginState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
+        v01::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
+            .map_err(|e| fail(format!("{e:#}")))?;
         bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
         no_sleep::shadow_clock_subscriptions(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
@@ -471,10 +507,7 @@ impl PluginHost {
                     unexpected.push(name.to_string());
                     continue;
                 }
-                let compatible = ver
-                    .strip_prefix("0.1.")
-                    .is_some_and(|p| p.parse::<u32>().is_ok());
-                if !compatible {
+                if Contract::of(ver).is_none() || version.as_deref().is_some_and(|v| v != ver) {
                     return Err(Cause::Version {
                         found: ver.to_string(),
                         accepted: WIT_ACCEPTS.into(),
@@ -606,13 +639,32 @@ impl PluginHost {
         Cause::Trap(clip(text, l.max_error_bytes))
     }
 
+    /// Instantiate a plugin with the bindings of the version it imports.
+    fn instantiate(
+        &self,
+        store: &mut Store<PluginState>,
+        plugin: &Plugin,
+    ) -> Result<Instance, Cause> {
+        let load = |e: wasmtime::Error| Cause::Load(format!("{e:#}"));
+        Ok(match Contract::of(&plugin.wit_version) {
+            Some(Contract::V01) => Instance::V01(
+                v01::bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
+                    .map_err(load)?,
+            ),
+            _ => Instance::V02(
+                bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
+                    .map_err(load)?,
+            ),
+        })
+    }
+
     fn call_info(&self, plugin: &Plugin) -> Result<PluginInfo, Cause> {
         let (mut store, stderr) = self.new_store(None, &plugin.origin);
-        let inst = bindings::Strategy::instantiate(&mut store, &plugin.component, &self.linker)
-            .map_err(|e| Cause::Load(format!("{e:#}")))?;
-        let info = inst
-            .call_info(&mut store)
-            .map_err(|e| self.cause(&mut store, &stderr, e))?;
+        let info = match self.instantiate(&mut store, plugin)? {
+            Instance::V01(i) => i.call_info(&mut store).map(v01::plugin_info),
+            Instance::V02(i) => i.call_info(&mut store),
+        }
+        .map_err(|e| self.cause(&mut store, &stderr, e))?;
         Ok(PluginInfo {
             name: info.name,
             version: info.version,
@@ -655,14 +707,16 @@ impl PluginHost {
         let entries = Self::check_options(plugin, options).map_err(fail)?;
         let t = Instant::now();
         let (mut store, stderr) = self.new_store(Some(dag.clone()), &plugin.ident());
-        let inst = bindings::Strategy::instantiate(&mut store, &plugin.component, &self.linker)
-            .map_err(|e| fail(Cause::Load(format!("{e:#}"))))?;
+        let inst = self.instantiate(&mut store, plugin).map_err(fail)?;
         let handle = store
             .data_mut()
             .table
             .push(DagHandle)
             .map_err(|e| fail(Cause::Load(e.to_string())))?;
-        let result = inst.call_apply(&mut store, handle, &entries);
+        let result = match inst {
+            Instance::V01(i) => i.call_apply(&mut store, handle, &v01::options(&entries)),
+            Instance::V02(i) => i.call_apply(&mut store, handle, &entries),
+        };
         let fuel_used = self.limits.fuel - store.get_fuel().unwrap_or(0);
         let max_err = self.limits.max_error_bytes;
         let outcome = match result {

@@ -88,7 +88,9 @@ impl Samples {
             times.clear();
             times.extend(steps.iter().map(|s| s.spans[g].end - s.spans[g].start));
             let t = median(&mut times);
-            if let Some(k) = KINDS.iter().position(|(k, _)| *k == op.op) {
+            // A recompute is a sample of the forward's rate.
+            let kind = if op.op == OpKind::R { OpKind::F } else { op.op };
+            if let Some(k) = KINDS.iter().position(|(k, _)| *k == kind) {
                 self.compute[k].push((op.flops, t));
                 continue;
             }

@@ -31,7 +31,8 @@ const ADAMW_PASSES: f64 = 7.0;
 impl CostModel for Cluster {
     fn compute(&self, op: &Op) -> f64 {
         let (eff, fixed) = match op.op {
-            OpKind::F => (self.efficiency.f, self.op_overhead_s.f),
+            // A recompute is its forward again, at the forward's rate.
+            OpKind::F | OpKind::R => (self.efficiency.f, self.op_overhead_s.f),
             OpKind::B => (self.efficiency.b, self.op_overhead_s.b),
             OpKind::BI => (self.efficiency.bi, self.op_overhead_s.bi),
             OpKind::BW => (self.efficiency.bw, self.op_overhead_s.bw),
@@ -51,12 +52,13 @@ impl CostModel for Cluster {
         // a tensor-parallel pass for its sums (as one ring all-reduce of
         // all their bytes: one latency, not one per sum).
         match (op.op, &op.group, op.spread, op.phase) {
-            (OpKind::F | OpKind::B | OpKind::BI, Some(g), Some(Spread::Experts), None)
-                if op.bytes > 0 =>
-            {
-                2.0 * self.all_to_all(op.bytes, g)
-            }
-            (OpKind::F | OpKind::B | OpKind::BI, Some(g), Some(Spread::Tensor), _)
+            (
+                OpKind::F | OpKind::R | OpKind::B | OpKind::BI,
+                Some(g),
+                Some(Spread::Experts),
+                None,
+            ) if op.bytes > 0 => 2.0 * self.all_to_all(op.bytes, g),
+            (OpKind::F | OpKind::R | OpKind::B | OpKind::BI, Some(g), Some(Spread::Tensor), _)
                 if op.bytes > 0 && g.len() > 1 =>
             {
                 let n = g.len() as f64;
@@ -147,7 +149,7 @@ pub struct UnitCosts {
 impl CostModel for UnitCosts {
     fn compute(&self, op: &Op) -> f64 {
         match op.op {
-            OpKind::F => self.f,
+            OpKind::F | OpKind::R => self.f,
             OpKind::B => self.b,
             OpKind::BI => self.bi,
             OpKind::BW => self.bw,

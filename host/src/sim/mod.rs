@@ -35,6 +35,8 @@ pub enum SpanKind {
     B,
     BI,
     BW,
+    /// A forward recomputed before its backward.
+    R,
     Update,
     /// A send, recv or collective.
     Comm,
@@ -47,6 +49,7 @@ impl SpanKind {
             OpKind::B => SpanKind::B,
             OpKind::BI => SpanKind::BI,
             OpKind::BW => SpanKind::BW,
+            OpKind::R => SpanKind::R,
             OpKind::Update => SpanKind::Update,
             _ => SpanKind::Comm,
         }

@@ -16,6 +16,7 @@ fn color(k: SpanKind) -> &'static str {
         SpanKind::B => "#93c47d",
         SpanKind::BI => "#b6d7a8",
         SpanKind::BW => "#6fa8dc",
+        SpanKind::R => "#e06666",
         SpanKind::Update => "#b7b7b7",
         SpanKind::Comm => "#ffe599",
     }
@@ -27,6 +28,7 @@ fn kind_name(k: SpanKind) -> &'static str {
         SpanKind::B => "B",
         SpanKind::BI => "BI",
         SpanKind::BW => "BW",
+        SpanKind::R => "R",
         SpanKind::Update => "update",
         SpanKind::Comm => "comm",
     }
@@ -93,6 +95,7 @@ fn legend(out: &mut String, x: f64, y: f64) {
         (Some(SpanKind::B), "B"),
         (Some(SpanKind::BI), "BI"),
         (Some(SpanKind::BW), "BW (W)"),
+        (Some(SpanKind::R), "R (recompute)"),
         (None, "overlapped F&B"),
         (Some(SpanKind::Update), "update"),
         (Some(SpanKind::Comm), "comm"),

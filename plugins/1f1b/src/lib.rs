@@ -31,6 +31,7 @@ impl Strategy for OneFOneB {
             "pipeline stages (default: devices ÷ data-parallel degree)",
             "microbatches per step (default: 2 × stages)",
         )
+        .option(piper_sdk::recompute::recompute_option())
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
@@ -46,6 +47,8 @@ impl Strategy for OneFOneB {
                 .collect();
             dag.order(&groups)?;
         }
+        // 4. Megatron's `--recompute-granularity`, if asked for.
+        piper_sdk::recompute::apply_option(dag, options, "1f1b")?;
         Ok(())
     }
 }

@@ -54,6 +54,7 @@ impl Strategy for Interleaved {
             Some("2"),
             "model chunks per device v (the model is cut into p × v stages)",
         ))
+        .option(piper_sdk::recompute::recompute_option())
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
@@ -78,6 +79,8 @@ impl Strategy for Interleaved {
                 .collect();
             dag.order(&groups)?;
         }
+        // 4. Megatron's `--recompute-granularity`, if asked for.
+        piper_sdk::recompute::apply_option(dag, options, who)?;
         Ok(())
     }
 }

@@ -63,6 +63,10 @@ pub(crate) mod embedded {
         ),
         ("src/info.rs", include_str!("../../../../sdk/src/info.rs")),
         (
+            "src/recompute.rs",
+            include_str!("../../../../sdk/src/recompute.rs"),
+        ),
+        (
             "src/options.rs",
             include_str!("../../../../sdk/src/options.rs"),
         ),

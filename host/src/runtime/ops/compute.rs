@@ -1,6 +1,7 @@
-//! Compute ops: a segment's forward (`F`), its backward (`B`, or split into
-//! `BI` for the input gradient and `BW` for the weight gradients), with
-//! ZeRO-3's gathered parameters when the plan gathers them.
+//! Compute ops: a segment's forward (`F`; `R` when `recompute` runs it again
+//! before the backward), its backward (`B`, or split into `BI` for the input
+//! gradient and `BW` for the weight gradients), with ZeRO-3's gathered
+//! parameters when the plan gathers them.
 
 use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
@@ -111,6 +112,9 @@ pub(in crate::runtime) fn rows_of(op: &Op, b: usize) -> std::ops::Range<usize> {
     piece * rows..(piece + 1) * rows
 }
 
+/// `F`, or its recompute `R`: the same kernels on the same inputs (so the
+/// same bits), whose saved tensors the backward reads. `R` reports no loss
+/// or routing counts (its `F` did) and its output has no reader.
 pub(super) fn forward<B: Backend>(
     dev: &Device<B>,
     op: &Op,
@@ -153,11 +157,12 @@ pub(super) fn forward<B: Backend>(
     })?;
     let (routed, dropped) = cache.moe_counts();
     // A tensor-parallel group computes one loss: its first member reports it.
-    let reports = dev
-        .spreads
-        .tensor
-        .get(&op.segments[0])
-        .is_none_or(|(_, r)| *r == 0);
+    let reports = op.op == OpKind::F
+        && dev
+            .spreads
+            .tensor
+            .get(&op.segments[0])
+            .is_none_or(|(_, r)| *r == 0);
     if reports {
         let mut s = dev.state.lock().unwrap();
         s.losses.push(loss);

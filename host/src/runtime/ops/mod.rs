@@ -1,5 +1,6 @@
 //! The ops of a plan, one file per family, dispatched on the plan's enums
-//! (op kind and comm purpose): compute (`F`, `B`, `BI`, `BW`), point-to-point
+//! (op kind and comm purpose): compute (`F`, its recompute `R`, `B`, `BI`,
+//! `BW`), point-to-point
 //! (`send`, `recv`), the phases of split expert passes and their
 //! all-to-alls (`experts`), gradient collectives (norm, DP / tied / copy
 //! reductions), ZeRO gathers (in `zero`), and the optimizer `update`.
@@ -50,7 +51,7 @@ pub(super) fn exec_op<B: Backend>(
             kernel(&|| experts::phase(dev, op, ctx))
         }
         (OpKind::AllToAll, Some(P::Experts)) => host(&|| experts::all_to_all(dev, op, ctx, &group)),
-        (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
+        (OpKind::F | OpKind::R, _) => kernel(&|| compute::forward(dev, op, ctx)),
         (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
         (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),
         (OpKind::Send, _) => host(&|| p2p::send(dev, op, ctx)),

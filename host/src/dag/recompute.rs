@@ -1,0 +1,227 @@
+//! The `recompute` directive: activation recomputation as a rewrite of the
+//! DAG, applied by a strategy after it placed the model. For each matched
+//! forward `F` a recompute node `R` (pass `R`, the forward run again) takes
+//! over the saved tensors: `F` keeps none, `R` reads `F`'s inputs (so they
+//! stay alive until it runs) and hands its saved tensors to the backward.
+//! Compile schedules `R` right before its backward (`compile/flat.rs`) unless
+//! a strategy ordered it itself; the memory walk, the runtime and the
+//! simulator count it like any compute node.
+
+use super::error::quote;
+use super::{DagError, DagErrorKind, EdgeKind, Filter, NodeId, NodeKind, Pass, TensorKind};
+use super::{Node, TrainingDag};
+use petgraph::visit::EdgeRef;
+use petgraph::Direction;
+use std::fmt;
+use std::str::FromStr;
+
+/// What a recompute keeps from the forward.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RecomputePolicy {
+    /// Keep only the segment's input; the backward reruns the whole forward
+    /// (Megatron's `--recompute-granularity full`).
+    Full,
+    /// Keep the matmul outputs, recompute attention softmax, GELU and
+    /// layernorms (Megatron's selective recompute).
+    Selective,
+}
+
+impl RecomputePolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RecomputePolicy::Full => "full",
+            RecomputePolicy::Selective => "selective",
+        }
+    }
+}
+
+impl fmt::Display for RecomputePolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for RecomputePolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "full" => Ok(RecomputePolicy::Full),
+            "selective" => Ok(RecomputePolicy::Selective),
+            _ => Err(format!(
+                "recompute policy {} is not `full` or `selective`",
+                quote(s)
+            )),
+        }
+    }
+}
+
+impl TrainingDag {
+    /// **recompute**: drop the saved tensors of the matched forwards after
+    /// `F` and rebuild them with a recompute node `R` (same devices, stream,
+    /// tags and batch share) that runs right before the backward. Returns
+    /// how many forwards got one. A forward already recomputed, and the
+    /// phases of an expert pass split by `shard` (their all-to-alls would
+    /// run again), are left as they are. Apply it after every `split`,
+    /// `place`, `replicate`, `shard` and `shard-tensor`: those refuse a DAG
+    /// with recompute nodes.
+    pub fn recompute(&mut self, f: &Filter, policy: RecomputePolicy) -> Result<u32, DagError> {
+        let call = format!("recompute({f}, {policy})");
+        if policy == RecomputePolicy::Selective {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::Unsupported {
+                    what: "selective recompute (keeping the matmul outputs)".into(),
+                },
+            ));
+        }
+        let ids = self.select(f, &call)?;
+        let forwards: Vec<NodeId> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                matches!(
+                    self.graph[id.ix()].kind,
+                    NodeKind::Compute { pass: Pass::F, .. }
+                )
+            })
+            .collect();
+        if forwards.is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::WrongKind {
+                    filter: f.to_string(),
+                    what: "forward (F)",
+                    matched: ids.iter().take(8).map(|i| self.label(*i)).collect(),
+                },
+            ));
+        }
+        if let Some(&id) = forwards
+            .iter()
+            .find(|id| self.graph[id.ix()].devices.is_empty())
+        {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::Unplaced {
+                    node: self.label(id),
+                },
+            ));
+        }
+        let phased = |dag: &Self, id: &NodeId| {
+            matches!(
+                dag.graph[id.ix()].kind,
+                NodeKind::Compute { phase: Some(_), .. }
+            )
+        };
+        if forwards.iter().all(|id| phased(self, id)) {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::Unsupported {
+                    what: format!(
+                        "recomputing the phases of a split expert pass ({}; its all-to-alls would run again)",
+                        self.label(forwards[0])
+                    ),
+                },
+            ));
+        }
+        // Each forward's edges are read; each recompute adds a node, a copy
+        // of the forward's data inputs and takes over its saved edges.
+        let degree: u64 = forwards
+            .iter()
+            .map(|id| {
+                self.graph
+                    .edges_directed(id.ix(), Direction::Incoming)
+                    .count() as u64
+                    + 2
+            })
+            .sum();
+        self.check_growth(&call, forwards.len() as u64, degree)?;
+        self.charge(&call, degree.saturating_mul(2))?;
+        let mut made = 0u32;
+        for id in forwards {
+            if !phased(self, &id) && self.add_recompute(id) {
+                made += 1;
+            }
+        }
+        if made > 0 {
+            self.recomputes = self.recomputes.saturating_add(made);
+            self.touch();
+        }
+        Ok(made)
+    }
+
+    /// Give forward `f` a recompute node: its saved edges move to the new
+    /// node, which reads what `f` reads from core nodes (derived inputs,
+    /// ZeRO-3's gathers, are rebuilt for it). False when `f` saves nothing
+    /// (already recomputed).
+    fn add_recompute(&mut self, f: NodeId) -> bool {
+        let saved: Vec<_> = self
+            .graph
+            .edges_directed(f.ix(), Direction::Outgoing)
+            .filter(|e| {
+                matches!(
+                    e.weight(),
+                    EdgeKind::Data {
+                        tensor: TensorKind::Saved,
+                        ..
+                    }
+                )
+            })
+            .map(|e| (e.id(), e.target(), *e.weight()))
+            .collect();
+        if saved.is_empty() {
+            return false;
+        }
+        let inputs: Vec<_> = self
+            .graph
+            .edges_directed(f.ix(), Direction::Incoming)
+            .filter(|e| {
+                matches!(e.weight(), EdgeKind::Data { .. })
+                    && self.graph[e.source()].derived.is_none()
+            })
+            .map(|e| (e.source(), *e.weight()))
+            .collect();
+        let fwd = &self.graph[f.ix()];
+        let NodeKind::Compute { segment, .. } = fwd.kind else {
+            return false;
+        };
+        let mut r = Node::new(
+            NodeKind::Compute {
+                pass: Pass::R,
+                segment,
+                phase: None,
+            },
+            fwd.tags.clone(),
+            fwd.devices.clone(),
+            fwd.stream,
+            fwd.batch_div,
+        );
+        r.priority = fwd.priority;
+        r.replica = fwd.replica;
+        r.tensor_parallel = fwd.tensor_parallel;
+        let r = self.add_node(r);
+        for (src, w) in inputs {
+            self.graph.add_edge(src, r, w);
+        }
+        for (e, b, w) in saved {
+            self.graph.remove_edge(e);
+            self.graph.add_edge(r, b, w);
+        }
+        true
+    }
+
+    /// What `split`, `place`, `replicate`, `shard` and `shard-tensor` check
+    /// first: no recompute node exists yet (they would move a forward
+    /// without its recompute, or send its inputs twice).
+    pub(crate) fn check_not_recomputed(&self, call: &str) -> Result<(), DagError> {
+        if self.recomputes == 0 {
+            return Ok(());
+        }
+        Err(DagError::new(
+            call,
+            DagErrorKind::InvalidArgument(format!(
+                "the DAG already has {} recompute (R) nodes: split, place, replicate, shard and shard-tensor must come before `recompute` (list the recompute strategy after the ones that place the model)",
+                self.recomputes
+            )),
+        ))
+    }
+}
