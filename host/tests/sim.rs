@@ -768,6 +768,8 @@ fn balanced_boundaries_recover_the_bubble_the_lm_head_makes_on_gpt2_small() {
 /// exceed it, the same schedule with `recompute` fits, and the step time it
 /// pays (a forward more per microbatch) is printed beside: more than 1F1B's,
 /// less than 1.5× (a forward is about a third of forward + backward).
+/// Selective recompute fits too, at a fraction of full's extra time (it
+/// reruns the attention core only) and a peak between the two.
 #[test]
 fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
     let home = std::env::temp_dir().join(format!("piper-recompute-sim-{}", std::process::id()));
@@ -784,6 +786,8 @@ fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
             "1f1b:microbatches=16",
             "--compare",
             "1f1b:microbatches=16+recompute",
+            "--compare",
+            "1f1b:microbatches=16+recompute:policy=selective",
             "--device-memory",
             "3GiB",
         ],
@@ -800,7 +804,7 @@ fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
                 .collect()
         })
         .collect();
-    assert_eq!(rows.len(), 2, "{text}");
+    assert_eq!(rows.len(), 3, "{text}");
     let step = |r: &[&str]| -> f64 {
         assert_eq!(r[1], "ms", "{text}");
         r[0].parse().unwrap()
@@ -815,6 +819,25 @@ fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
     assert!(
         cost > 1.0 && cost < 1.5,
         "recompute costs {cost}× the step:\n{text}"
+    );
+    assert_eq!(
+        rows[2].last(),
+        Some(&"yes"),
+        "selective does not fit:\n{text}"
+    );
+    let selective = step(&rows[2]) / step(&rows[0]);
+    assert!(
+        selective > 1.0 && selective - 1.0 < (cost - 1.0) / 4.0,
+        "selective costs {selective}×, full {cost}×:\n{text}"
+    );
+    let peak = |r: &[&str]| -> f64 {
+        let (v, unit) = (r[r.len() - 3], r[r.len() - 2]);
+        assert_eq!(unit, "GB", "{text}");
+        v.parse().unwrap()
+    };
+    assert!(
+        peak(&rows[1]) < peak(&rows[2]) && peak(&rows[2]) < peak(&rows[0]),
+        "{text}"
     );
     let _ = std::fs::remove_dir_all(&home);
 }

@@ -1134,10 +1134,10 @@ fn step_once(
 }
 
 /// Activation recomputation changes no bit: under 1F1B, ZeRO-3 inside 1F1B,
-/// DualPipeV, tensor and expert parallelism, the step's loss and every
-/// step-1 gradient with the `recompute` plugin (or 1F1B's own `recompute`
-/// option) equal the run without; every recompute runs right before its
-/// backward on its stream.
+/// DualPipeV, tensor and expert parallelism and on the Llama family, full
+/// and selective, the step's loss and every step-1 gradient with the
+/// `recompute` plugin (or 1F1B's own `recompute` option) equal the run
+/// without; every recompute runs right before its backward on its stream.
 #[test]
 fn recompute_changes_no_bit_under_every_parallelism() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
@@ -1146,7 +1146,8 @@ fn recompute_changes_no_bit_under_every_parallelism() {
         ..small()
     };
     let moe = small_moe();
-    let cases: [(&str, &piper::model::ModelConfig, u32, Strategy); 5] = [
+    let llama = small_llama();
+    let cases: [(&str, &piper::model::ModelConfig, u32, Strategy); 6] = [
         ("1f1b", &dense, 2, &[("1f1b", &[("microbatches", "4")])]),
         (
             "zero3+1f1b",
@@ -1175,12 +1176,23 @@ fn recompute_changes_no_bit_under_every_parallelism() {
             4,
             &[("ep", &[]), ("1f1b", &[("microbatches", "2")])],
         ),
+        (
+            "llama 1f1b",
+            &llama,
+            2,
+            &[("1f1b", &[("microbatches", "2")])],
+        ),
     ];
-    for (name, cfg, devices, strategy) in cases {
+    for ((name, cfg, devices, strategy), policy) in cases
+        .into_iter()
+        .flat_map(|c| [(c, "full"), (c, "selective")])
+    {
+        let name = format!("{name} ({policy})");
+        let opts = [("policy", policy)];
         let with: Vec<_> = strategy
             .iter()
             .copied()
-            .chain([("recompute", &[][..])])
+            .chain([("recompute", &opts[..])])
             .collect();
         let (loss, grads, _, _, _) = step_once(&host, cfg, devices, strategy);
         let (rloss, rgrads, _, _, plan) = step_once(&host, cfg, devices, &with);
@@ -1240,8 +1252,9 @@ fn recompute_changes_no_bit_under_every_parallelism() {
 }
 
 /// Recomputation lowers the measured peak by what the plan predicts (within
-/// 5% of the predicted saving on every device), on `tiny` and on
-/// `gpt2-small` (256 tokens a row, so one CPU step stays quick).
+/// 5% of the predicted saving on every device), full and selective, on
+/// `tiny` and on `gpt2-small` (256 tokens a row, so one CPU step stays
+/// quick).
 #[test]
 fn recompute_saves_the_memory_the_plan_predicts() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
@@ -1268,38 +1281,38 @@ fn recompute_saves_the_memory_the_plan_predicts() {
             &[("1f1b", &[("stages", "1"), ("microbatches", "2")])],
         ),
     ];
+    let saving = |a: &[u64], b: &[u64]| -> Vec<f64> {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| *x as f64 - *y as f64)
+            .collect()
+    };
     for (cfg, devices, base) in cases {
-        let with: Vec<_> = base
-            .iter()
-            .copied()
-            .chain([("recompute", &[][..])])
-            .collect();
         let (_, _, pred, got, _) = step_once(&host, &cfg, devices, base);
-        let (_, _, rpred, rgot, _) = step_once(&host, &cfg, devices, &with);
-        let saving = |a: &[u64], b: &[u64]| -> Vec<f64> {
-            a.iter()
-                .zip(b)
-                .map(|(x, y)| *x as f64 - *y as f64)
-                .collect()
-        };
-        let (predicted, measured) = (saving(&pred, &rpred), saving(&got, &rgot));
-        println!(
-            "{}: peaks {got:?} -> {rgot:?} measured, {pred:?} -> {rpred:?} predicted",
-            cfg.name
-        );
-        // Within 5% of the largest predicted saving on every device (a
-        // device whose peak is not its activations' saves nothing, and
-        // must measure so).
-        let most = predicted.iter().fold(0f64, |m, x| m.max(*x));
-        assert!(most > 0.0, "{}: recompute saves nothing", cfg.name);
-        for d in 0..devices as usize {
-            assert!(
-                (measured[d] - predicted[d]).abs() <= 0.05 * most,
-                "{}: device {d} saved {} bytes, the plan predicted {}",
-                cfg.name,
-                measured[d],
-                predicted[d]
-            );
+        for policy in ["full", "selective"] {
+            let opts = [("policy", policy)];
+            let with: Vec<_> = base
+                .iter()
+                .copied()
+                .chain([("recompute", &opts[..])])
+                .collect();
+            let (_, _, rpred, rgot, _) = step_once(&host, &cfg, devices, &with);
+            let (predicted, measured) = (saving(&pred, &rpred), saving(&got, &rgot));
+            let name = format!("{} ({policy})", cfg.name);
+            println!("{name}: peaks {got:?} -> {rgot:?} measured, {pred:?} -> {rpred:?} predicted");
+            // Within 5% of the largest predicted saving on every device (a
+            // device whose peak is not its activations' saves nothing, and
+            // must measure so).
+            let most = predicted.iter().fold(0f64, |m, x| m.max(*x));
+            assert!(most > 0.0, "{name}: recompute saves nothing");
+            for d in 0..devices as usize {
+                assert!(
+                    (measured[d] - predicted[d]).abs() <= 0.05 * most,
+                    "{name}: device {d} saved {} bytes, the plan predicted {}",
+                    measured[d],
+                    predicted[d]
+                );
+            }
         }
     }
 }

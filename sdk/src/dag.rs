@@ -187,8 +187,8 @@ pub trait Dag {
 pub enum RecomputePolicy {
     /// Only the segment's input (Megatron's full recompute).
     Full,
-    /// The matmul outputs (Megatron's selective recompute; the host refuses
-    /// it as `Unsupported` for now).
+    /// The matmul outputs; norms, attention probabilities and activations
+    /// are recomputed (Megatron's selective recompute).
     Selective,
 }
 

@@ -88,7 +88,8 @@ pub(super) fn transient(dag: &TrainingDag, producer: NodeId, tensor: TensorKind)
         | TensorKind::Saved
         | TensorKind::MicroGrad
         | TensorKind::Stash
-        | TensorKind::Routed => true,
+        | TensorKind::Routed
+        | TensorKind::Kept => true,
         TensorKind::ParamGrad => false,
         TensorKind::Param => matches!(
             &dag.graph[producer.ix()].kind,
@@ -385,7 +386,7 @@ fn spread_of(dag: &TrainingDag, n: &Node) -> Option<Spread> {
 fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
     let dag = cx.dag;
     let my_gid = cx.groups.gid[id.ix().index()];
-    let mut by_kind = [0u64; 8];
+    let mut by_kind = [0u64; TensorKind::COUNT];
     let mut other: Vec<&[DeviceId]> = Vec::new();
     let mut same = 0u32;
     for &(s, ek) in cx.flat.succs(id.ix().index()) {
@@ -402,7 +403,12 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
         };
         // Tensor parallelism splits about three quarters of what a
         // segment saves and stashes (heads, MLP units).
-        if n.tensor_parallel.is_some() && matches!(tensor, TensorKind::Saved | TensorKind::Stash) {
+        if n.tensor_parallel.is_some()
+            && matches!(
+                tensor,
+                TensorKind::Saved | TensorKind::Stash | TensorKind::Kept
+            )
+        {
             let t = n.devices.len().max(1) as u64;
             b = b / 4 + (b - b / 4) / t;
         }
@@ -660,6 +666,21 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             self.slot_of[d as usize] = h as u32;
         }
         self.gather_waits_and_inputs(id, &desc);
+        // A selective recompute moves what its forward kept into the saved
+        // tensors it makes: freed as it takes them (as the runtime counts
+        // them), not after its outputs are counted.
+        let moves_kept = self.preds.iter().any(|pe| {
+            matches!(
+                pe.1,
+                EdgeKind::Data {
+                    tensor: TensorKind::Kept,
+                    ..
+                }
+            )
+        });
+        if moves_kept {
+            self.release_inputs();
+        }
         for h in 0..self.here_ix.len() {
             self.emit(sh, id, n, &desc, h);
         }
@@ -668,7 +689,9 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
                 self.devs[dl].lists[si].0.push(op);
             }
         }
-        self.release_inputs();
+        if !moves_kept {
+            self.release_inputs();
+        }
         for &(_, d) in &self.here_ix {
             self.slot_of[d as usize] = u32::MAX;
         }

@@ -221,9 +221,15 @@ pub enum TensorKind {
     /// Rows exchanged between the phases of an expert segment (scales with
     /// the batch share).
     Routed,
+    /// What a forward keeps for its selective recompute `R`, which rebuilds
+    /// the saved tensors from it (scales with the batch share).
+    Kept,
 }
 
 impl TensorKind {
+    /// How many kinds there are (arrays indexed by kind).
+    pub const COUNT: usize = TensorKind::Kept as usize + 1;
+
     /// Does the size scale with the share of the batch the node runs?
     pub fn scales_with_batch(self) -> bool {
         matches!(
@@ -233,6 +239,7 @@ impl TensorKind {
                 | TensorKind::Saved
                 | TensorKind::Stash
                 | TensorKind::Routed
+                | TensorKind::Kept
         )
     }
 }

@@ -551,7 +551,11 @@ impl TrainingDag {
                 let seg = &self.segments()[*segment as usize];
                 let c = &seg.cost;
                 let mut flops = match pass {
-                    super::Pass::F | super::Pass::R => c.fwd_flops,
+                    super::Pass::F => c.fwd_flops,
+                    // A selective recompute (fed what its forward kept)
+                    // reruns the attention core; a full one, the forward.
+                    super::Pass::R if self.reads_kept(id) => c.recompute_flops,
+                    super::Pass::R => c.fwd_flops,
                     super::Pass::B => c.bwd_flops,
                     super::Pass::BW => c.bwd_weight_flops,
                     super::Pass::BI => c.bwd_flops - c.bwd_weight_flops,

@@ -1,8 +1,9 @@
 //! The `recompute` directive: activation recomputation as a rewrite of the
 //! DAG, applied by a strategy after it placed the model. For each matched
-//! forward `F` a recompute node `R` (pass `R`, the forward run again) takes
-//! over the saved tensors: `F` keeps none, `R` reads `F`'s inputs (so they
-//! stay alive until it runs) and hands its saved tensors to the backward.
+//! forward `F` a recompute node `R` (pass `R`) takes over the saved tensors
+//! and hands them to the backward. `full`: `F` keeps none, `R` reads `F`'s
+//! inputs (alive until it runs) and runs the forward again. `selective`:
+//! `F` hands `R` what it keeps (a `Kept` edge), `R` computes the rest.
 //! Compile schedules `R` right before its backward (`compile/flat.rs`) unless
 //! a strategy ordered it itself; the memory walk, the runtime and the
 //! simulator count it like any compute node.
@@ -21,8 +22,11 @@ pub enum RecomputePolicy {
     /// Keep only the segment's input; the backward reruns the whole forward
     /// (Megatron's `--recompute-granularity full`).
     Full,
-    /// Keep the matmul outputs, recompute attention softmax, GELU and
-    /// layernorms (Megatron's selective recompute).
+    /// Keep the matmul outputs (q/k/v, attention output, the MLP's
+    /// pre-activation), the layer inputs and norm statistics; recompute the
+    /// norm outputs, the attention probabilities (QKᵀ, softmax, AV) and the
+    /// activation (Megatron's selective recompute). Expert parts, the head
+    /// and the embedding keep everything.
     Selective,
 }
 
@@ -66,14 +70,6 @@ impl TrainingDag {
     /// with recompute nodes.
     pub fn recompute(&mut self, f: &Filter, policy: RecomputePolicy) -> Result<u32, DagError> {
         let call = format!("recompute({f}, {policy})");
-        if policy == RecomputePolicy::Selective {
-            return Err(DagError::new(
-                call,
-                DagErrorKind::Unsupported {
-                    what: "selective recompute (keeping the matmul outputs)".into(),
-                },
-            ));
-        }
         let ids = self.select(f, &call)?;
         let forwards: Vec<NodeId> = ids
             .iter()
@@ -138,7 +134,7 @@ impl TrainingDag {
         self.charge(&call, degree.saturating_mul(2))?;
         let mut made = 0u32;
         for id in forwards {
-            if !phased(self, &id) && self.add_recompute(id) {
+            if !phased(self, &id) && self.add_recompute(id, policy) {
                 made += 1;
             }
         }
@@ -150,10 +146,10 @@ impl TrainingDag {
     }
 
     /// Give forward `f` a recompute node: its saved edges move to the new
-    /// node, which reads what `f` reads from core nodes (derived inputs,
-    /// ZeRO-3's gathers, are rebuilt for it). False when `f` saves nothing
-    /// (already recomputed).
-    fn add_recompute(&mut self, f: NodeId) -> bool {
+    /// node, which reads what `f` reads from core nodes (`full`; derived
+    /// inputs, ZeRO-3's gathers, are rebuilt for it) or what `f` keeps
+    /// (`selective`). False when `f` saves nothing (already recomputed).
+    fn add_recompute(&mut self, f: NodeId, policy: RecomputePolicy) -> bool {
         let saved: Vec<_> = self
             .graph
             .edges_directed(f.ix(), Direction::Outgoing)
@@ -198,15 +194,42 @@ impl TrainingDag {
         r.priority = fwd.priority;
         r.replica = fwd.replica;
         r.tensor_parallel = fwd.tensor_parallel;
+        let kept = self.segments()[segment as usize].cost.kept_bytes;
         let r = self.add_node(r);
-        for (src, w) in inputs {
-            self.graph.add_edge(src, r, w);
+        match policy {
+            RecomputePolicy::Full => {
+                for (src, w) in inputs {
+                    self.graph.add_edge(src, r, w);
+                }
+            }
+            RecomputePolicy::Selective => {
+                let w = EdgeKind::Data {
+                    tensor: TensorKind::Kept,
+                    bytes: kept,
+                };
+                self.graph.add_edge(f.ix(), r, w);
+            }
         }
         for (e, b, w) in saved {
             self.graph.remove_edge(e);
             self.graph.add_edge(r, b, w);
         }
         true
+    }
+
+    /// Does this (recompute) node read what a selective forward kept?
+    pub(crate) fn reads_kept(&self, id: NodeId) -> bool {
+        self.graph
+            .edges_directed(id.ix(), Direction::Incoming)
+            .any(|e| {
+                matches!(
+                    e.weight(),
+                    EdgeKind::Data {
+                        tensor: TensorKind::Kept,
+                        ..
+                    }
+                )
+            })
     }
 
     /// What `split`, `place`, `replicate`, `shard` and `shard-tensor` check

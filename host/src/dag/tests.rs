@@ -603,14 +603,6 @@ fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
     for r in 0..8 {
         dag.place(&Filter::tag("PP", r), &[r / 4], "pp").unwrap();
     }
-    fails_unchanged(
-        &mut dag,
-        "selective recompute (keeping the matmul outputs) is not yet supported",
-        |d| {
-            d.recompute(&Filter::all(), RecomputePolicy::Selective)
-                .map(|_| ())
-        },
-    );
     fails_unchanged(&mut dag, "matches no forward (F) node", |d| {
         d.recompute(&f("{PASS:B}"), RecomputePolicy::Full)
             .map(|_| ())
@@ -659,6 +651,29 @@ fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
         dag.recompute(&f("{PP:2}"), RecomputePolicy::Full).unwrap(),
         0
     );
+    // Selective: R reads what F keeps (less than it saves), not F's inputs,
+    // and reruns only the attention core.
+    assert_eq!(
+        dag.recompute(&f("{PP:3}"), RecomputePolicy::Selective)
+            .unwrap(),
+        2
+    );
+    let rs = dag.query(&f("{PP:3,MB:0,PASS:R}")).unwrap().remove(0);
+    let fs = dag.query(&f("{PP:3,MB:0,PASS:F}")).unwrap().remove(0);
+    let kept: Vec<(NodeId, u64)> = dag
+        .preds(rs.id)
+        .filter_map(|(n, e)| match e {
+            EdgeKind::Data {
+                tensor: TensorKind::Kept,
+                bytes,
+            } => Some((n, bytes)),
+            _ => None,
+        })
+        .collect();
+    let seg = &dag.segments()[fs.segments[0] as usize];
+    assert_eq!(kept, [(fs.id, seg.cost.kept_bytes)]);
+    assert!(0 < seg.cost.kept_bytes && seg.cost.kept_bytes < seg.cost.saved_bytes);
+    assert!(rs.cost.flops < fs.cost.flops / 4.0);
     fails_unchanged(
         &mut dag,
         "split, place, replicate, shard and shard-tensor must come before `recompute`",
@@ -678,7 +693,7 @@ fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
         .flat_map(|s| &s.ops)
         .filter(|o| o.op == crate::compile::OpKind::R)
         .count();
-    assert_eq!(ops, 2);
+    assert_eq!(ops, 4);
 }
 
 /// An `R` a strategy ordered keeps that order (compile adds its own

@@ -28,6 +28,15 @@ pub struct PartCost {
     /// output gradient of every weight.
     #[serde(default)]
     pub stash_bytes: u64,
+    /// Of `saved_bytes`, what a selective recompute keeps (the layer
+    /// inputs, norm statistics, q/k/v, attention output, residual and MLP
+    /// pre-activations); the rest its recompute computes again.
+    #[serde(default)]
+    pub kept_bytes: u64,
+    /// FLOPs of a selective recompute: QKᵀ, softmax and AV again (the norms
+    /// and activations it also reruns are elementwise).
+    #[serde(default)]
+    pub recompute_flops: f64,
 }
 
 impl PartCost {
@@ -42,6 +51,8 @@ impl PartCost {
         self.act_out_bytes = o.act_out_bytes;
         self.saved_bytes += o.saved_bytes;
         self.stash_bytes += o.stash_bytes;
+        self.kept_bytes += o.kept_bytes;
+        self.recompute_flops += o.recompute_flops;
     }
 }
 
@@ -128,7 +139,25 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             b, // the loss
         ),
     };
-    finish(cfg, part, (fwd, wgrad_share, saved, stash, act_in, act_out))
+    // Selective recompute drops the layernorm outputs, the attention
+    // probabilities and GELU's output, and reruns the attention core.
+    let (dropped, rerun) = match part {
+        Part::Block(_) => ((6.0 * d + h * t) * n * b, attn_flops),
+        Part::Attention(_) => ((d + h * t) * n * b, attn_flops),
+        _ => (0.0, 0.0),
+    };
+    selective(
+        finish(cfg, part, (fwd, wgrad_share, saved, stash, act_in, act_out)),
+        dropped,
+        rerun,
+    )
+}
+
+/// A part's cost with what selective recompute drops and reruns.
+fn selective(mut pc: PartCost, dropped: f64, rerun: f64) -> PartCost {
+    pc.kept_bytes = pc.saved_bytes.saturating_sub(dropped as u64);
+    pc.recompute_flops = rerun;
+    pc
 }
 
 /// A part's cost from its forward FLOPs and bytes: backward is twice the
@@ -157,6 +186,8 @@ fn finish(
         act_out_bytes: act_out as u64,
         saved_bytes: saved as u64,
         stash_bytes: stash as u64,
+        kept_bytes: saved as u64,
+        recompute_flops: 0.0,
     }
 }
 
@@ -225,7 +256,19 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
         ),
     };
     let share = if part == Part::Embedding { 1.0 } else { 0.5 };
-    finish(cfg, part, (fwd, share, saved, stash, act_in, act_out))
+    // Selective recompute drops the norm outputs, the probabilities and
+    // SwiGLU's output, and reruns the attention core.
+    let core = 4.0 * n * t * qw;
+    let (dropped, rerun) = match part {
+        Part::Block(_) => ((2.0 * d + h * t + hid) * n * b, core),
+        Part::Attention(_) => ((d + h * t) * n * b, core),
+        _ => (0.0, 0.0),
+    };
+    selective(
+        finish(cfg, part, (fwd, share, saved, stash, act_in, act_out)),
+        dropped,
+        rerun,
+    )
 }
 
 /// How an expert segment's work divides between the phases `shard` splits

@@ -142,6 +142,15 @@ impl<B: Backend> Device<B> {
         b.live = b.live.saturating_sub(bytes);
     }
 
+    /// Does anyone on this device read `op`'s output of this kind?
+    pub(super) fn reads(&self, op: &Op, kind: TensorKind) -> bool {
+        self.bufs
+            .lock()
+            .unwrap()
+            .readers
+            .contains_key(&(op.node, kind))
+    }
+
     /// Store an op's output if anyone on this device reads it.
     pub(super) fn put(&self, op: &Op, kind: TensorKind, buf: Buf<B>) -> Result<(), RuntimeError> {
         let mut b = self.bufs.lock().unwrap();

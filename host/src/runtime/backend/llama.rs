@@ -307,6 +307,46 @@ impl<B: Backend> Model<'_, B> {
         ))
     }
 
+    /// A selective recompute of a Llama attention half: the norm's output
+    /// and the probabilities.
+    pub(super) fn rebuild_llama_attn(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        a: &mut LlamaAttnCache<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let ids = self.llama_attn_ids(a.layer)?;
+        let Dims { b, t, c, .. } = dims;
+        let n = dims.n();
+        let lc = Local::of(&dims);
+        let qw = lc.qw();
+        (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
+        let mut att = self.b.zeros(b * lc.nh * t * t)?;
+        let mut atty = self.b.zeros(n * qw)?;
+        self.b
+            .attention_forward(&mut atty, &mut att, &a.qkv, b, t, qw, lc.nh);
+        a.att = att;
+        Ok(())
+    }
+
+    /// A selective recompute of a SwiGLU half: the norm's output and
+    /// `silu(gate)·up`.
+    pub(super) fn rebuild_swiglu(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        m: &mut SwiGluCache<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let (norm, _) = self.swiglu_ids(m.layer)?;
+        let (n, c) = (dims.n(), dims.c);
+        let hl = Local::of(&dims).hidden;
+        (m.ln2, _) = self.rmsnorm(params, norm, &m.x2, n, c, dims.arch.norm_eps)?;
+        let mut act = self.b.zeros(n * hl)?;
+        self.b.swiglu_forward(&mut act, &m.gate, &m.up);
+        m.act = act;
+        Ok(())
+    }
+
     /// SwiGLU half of layer `l`.
     pub(super) fn swiglu_forward(
         &self,

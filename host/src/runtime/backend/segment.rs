@@ -234,6 +234,29 @@ impl<B: Backend> SegmentCache<B> {
     }
 
     /// A device copy (a forward cache two backward ops read).
+    /// What a selective recompute keeps of this cache: the norm outputs,
+    /// the attention probabilities and the activations are dropped
+    /// ([`Model::rebuild`] computes them again); expert parts, the head and
+    /// the embedding keep everything.
+    pub fn thin(mut self) -> Self {
+        for p in &mut self.parts {
+            match p {
+                PartCache::Block(a, m) => {
+                    (a.ln1, a.att) = Default::default();
+                    (m.ln2, m.fch_gelu) = Default::default();
+                }
+                PartCache::Attention(a) => (a.ln1, a.att) = Default::default(),
+                PartCache::LlamaBlock(a, m) => {
+                    (a.ln1, a.att) = Default::default();
+                    (m.ln2, m.act) = Default::default();
+                }
+                PartCache::LlamaAttention(a) => (a.ln1, a.att) = Default::default(),
+                PartCache::Embedding { .. } | PartCache::Experts(_) | PartCache::Head { .. } => {}
+            }
+        }
+        self
+    }
+
     pub fn duplicate(&self, b: &B) -> Result<Self, BackendError> {
         let parts = self
             .parts
@@ -396,6 +419,73 @@ pub type Forward<B> = (
 );
 
 impl<'a, B: Backend> Model<'a, B> {
+    /// A selective recompute: the tensors [`SegmentCache::thin`] dropped,
+    /// computed again with the forward's kernels from what it kept (the
+    /// same bits as the forward's).
+    pub fn rebuild(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        mut cache: SegmentCache<B>,
+    ) -> Result<SegmentCache<B>, BackendError> {
+        let dims = cache.dims;
+        for p in &mut cache.parts {
+            match p {
+                PartCache::Block(a, m) => {
+                    self.rebuild_attn(params, a, dims)?;
+                    self.rebuild_mlp(params, m, dims)?;
+                }
+                PartCache::Attention(a) => self.rebuild_attn(params, a, dims)?,
+                PartCache::LlamaBlock(a, m) => {
+                    self.rebuild_llama_attn(params, a, dims)?;
+                    self.rebuild_swiglu(params, m, dims)?;
+                }
+                PartCache::LlamaAttention(a) => self.rebuild_llama_attn(params, a, dims)?,
+                PartCache::Embedding { .. } | PartCache::Experts(_) | PartCache::Head { .. } => {}
+            }
+        }
+        Ok(cache)
+    }
+
+    /// ln1's output and the attention probabilities of an attention half.
+    fn rebuild_attn(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        a: &mut AttnCache<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let Dims {
+            b, t, c, nh, tp, ..
+        } = dims;
+        let (cl, nhl, n) = (c / tp, nh / tp, dims.n());
+        let ln1 = self.table.layer(a.layer).attn.ln1;
+        (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
+        let mut att = self.b.zeros(b * nhl * t * t)?;
+        let mut atty = self.b.zeros(n * cl)?;
+        self.b
+            .attention_forward(&mut atty, &mut att, &a.qkv, b, t, cl, nhl);
+        a.att = att;
+        Ok(())
+    }
+
+    /// ln2's output and GELU's of a dense MLP half.
+    fn rebuild_mlp(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        m: &mut MlpCache<B>,
+        dims: Dims,
+    ) -> Result<(), BackendError> {
+        let (c, n) = (dims.c, dims.n());
+        let hl = 4 * c / dims.tp;
+        let (ln2, _) = self.dense(m.layer)?;
+        (m.ln2, _, _) = self.layernorm(params, ln2, &m.x2, n, c)?;
+        // The kept pre-activation already has fc's bias; `gelu_forward` is
+        // `bias_gelu_forward` without it (the same operations).
+        let mut gelu = self.b.zeros(n * hl)?;
+        self.b.gelu_forward(&mut gelu, &m.fch);
+        m.fch_gelu = gelu;
+        Ok(())
+    }
+
     pub fn new(b: &'a B, table: &'a ParamTable) -> Self {
         Model { b, table }
     }

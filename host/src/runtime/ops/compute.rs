@@ -172,7 +172,42 @@ pub(super) fn forward<B: Backend>(
     if let Some(out) = out {
         dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
     }
+    // A forward with a selective recompute hands it only what it keeps.
+    if dev.reads(op, TensorKind::Kept) {
+        return dev.put(op, TensorKind::Kept, Buf::Saved(cache.thin()));
+    }
     dev.put(op, TensorKind::Saved, Buf::Saved(cache))
+}
+
+/// `R`: a full recompute runs the forward again ([`forward`]); a selective
+/// one rebuilds the saved tensors from what its forward kept.
+pub(super) fn recompute<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+) -> Result<(), RuntimeError> {
+    if !op.inputs.iter().any(|i| i.tensor == TensorKind::Kept) {
+        return forward(dev, op, ctx);
+    }
+    let what = "what the forward kept for its recompute";
+    let kept = dev
+        .take(op, TensorKind::Kept)?
+        .ok_or_else(|| missing(dev, op, what))?;
+    let cache = match Arc::try_unwrap(kept) {
+        Ok(Buf::Saved(c)) => c,
+        Ok(_) => return Err(missing(dev, op, what)),
+        Err(shared) => match &*shared {
+            Buf::Saved(c) => c.duplicate(&dev.b).map_err(|e| dev.backend_error(op, e))?,
+            _ => return Err(missing(dev, op, what)),
+        },
+    };
+    let model = Model::new(&dev.b, &dev.table);
+    let full = with_params(dev, op, |params| {
+        model
+            .rebuild(params, cache)
+            .map_err(|e| dev.backend_error(op, e))
+    })?;
+    dev.put(op, TensorKind::Saved, Buf::Saved(full))
 }
 
 /// `B` (input and weight gradients) or `BI` (input gradient; hands the

@@ -51,7 +51,8 @@ pub(super) fn exec_op<B: Backend>(
             kernel(&|| experts::phase(dev, op, ctx))
         }
         (OpKind::AllToAll, Some(P::Experts)) => host(&|| experts::all_to_all(dev, op, ctx, &group)),
-        (OpKind::F | OpKind::R, _) => kernel(&|| compute::forward(dev, op, ctx)),
+        (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
+        (OpKind::R, _) => kernel(&|| compute::recompute(dev, op, ctx)),
         (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
         (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),
         (OpKind::Send, _) => host(&|| p2p::send(dev, op, ctx)),
