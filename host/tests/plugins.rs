@@ -635,3 +635,62 @@ fn a_plugin_importing_anything_else_is_refused_with_the_list() {
         "{err}"
     );
 }
+
+/// The `recompute` plugin's wrong inputs are named: a policy, a region list,
+/// a region past the model, `every = 0`, and being listed before the
+/// strategy that places the model.
+#[test]
+fn the_recompute_plugin_names_what_is_wrong() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let recompute = host.load("recompute").unwrap();
+    let pipeline = host.load("1f1b").unwrap();
+    let placed = || {
+        let mut dag = tiny(2);
+        host.apply(&pipeline, &mut dag, &opts(&[])).unwrap();
+        dag
+    };
+    for (o, want) in [
+        (
+            &[("policy", "fast")][..],
+            "recompute: policy `fast` is not none, full or selective",
+        ),
+        (
+            &[("regions", "0/x")],
+            "recompute: regions `0/x`: `x` is not a region index (e.g. `0/2/5`)",
+        ),
+        (
+            &[("regions", "1/1")],
+            "recompute: regions name region 1 twice",
+        ),
+        (
+            &[("regions", "3/99")],
+            "recompute: region 99 is past the model's 8 PP regions",
+        ),
+        (&[("every", "0")], "recompute needs every ≥ 1: got 0"),
+    ] {
+        let mut dag = placed();
+        let err = host
+            .apply(&recompute, &mut dag, &opts(o))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{o:?}: {err}");
+    }
+    let err = host
+        .apply(&recompute, &mut tiny(2), &opts(&[]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("directive `recompute({PP:0,PASS:F}, full)`: F{PP:0}#0 is not placed on any device yet; place it first"),
+        "{err}"
+    );
+    // Listed last it plans, every region's forwards recomputed once.
+    let mut dag = placed();
+    host.apply(&recompute, &mut dag, &opts(&[("every", "2")]))
+        .unwrap();
+    let r = dag.query(&"{PASS:R}".parse().unwrap()).unwrap();
+    let f = dag.query(&"{PASS:F}".parse().unwrap()).unwrap();
+    assert_eq!(r.len() * 2, f.len());
+    assert!(r
+        .iter()
+        .all(|n| n.tags.iter().any(|(k, v)| k == "PP" && v % 2 == 0)));
+}

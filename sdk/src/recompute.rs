@@ -16,13 +16,13 @@ pub fn recompute_option() -> OptionSpec {
     )
 }
 
-/// A policy's text, `none` as `None`.
-pub fn parse_policy(text: &str, who: &str) -> Result<Option<RecomputePolicy>, Error> {
+/// A policy's text (option `option` of plugin `who`), `none` as `None`.
+pub fn parse_policy(text: &str, option: &str, who: &str) -> Result<Option<RecomputePolicy>, Error> {
     match text.trim() {
         "none" => Ok(None),
         t => RecomputePolicy::parse(t).map(Some).ok_or_else(|| {
             Error::msg(format!(
-                "{who}: recompute `{}` is not none, full or selective",
+                "{who}: {option} `{}` is not none, full or selective",
                 t.chars().take(40).collect::<String>()
             ))
         }),
@@ -32,7 +32,7 @@ pub fn parse_policy(text: &str, who: &str) -> Result<Option<RecomputePolicy>, Er
 /// Apply a pipeline plugin's `recompute` option (last, after `order`).
 pub fn apply_option(dag: &mut dyn Dag, options: &Options, who: &str) -> Result<u32, Error> {
     let text = options.str("recompute")?.unwrap_or("none");
-    match parse_policy(text, who)? {
+    match parse_policy(text, "recompute", who)? {
         None => Ok(0),
         Some(policy) => {
             let regions = every_region(dag);

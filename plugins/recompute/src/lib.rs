@@ -36,13 +36,13 @@ impl Strategy for Recompute {
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let who = "recompute";
         let text = options.str("policy")?.unwrap_or("full");
-        let Some(policy) = parse_policy(text, who)? else {
+        let Some(policy) = parse_policy(text, "policy", who)? else {
             return Ok(());
         };
         let all = every_region(dag);
         let regions: Vec<u32> = match options.str("regions")? {
             Some(list) => {
-                let chosen = piper_sdk::pipeline::parse_boundaries(list, who)?;
+                let chosen = parse_regions(list)?;
                 if let Some(r) = chosen.iter().find(|r| !all.contains(r)) {
                     return Err(Error::msg(format!(
                         "recompute: region {r} is past the model's {} PP regions",
@@ -66,6 +66,39 @@ impl Strategy for Recompute {
         }
         Ok(())
     }
+}
+
+/// The `regions` option: PP region indices separated by `/` (or commas
+/// inside brackets, as a TOML list arrives), at most one per region.
+fn parse_regions(text: &str) -> Result<Vec<u32>, Error> {
+    let t = text.trim();
+    let inner = t
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .unwrap_or(t);
+    let mut out: Vec<u32> = Vec::new();
+    for item in inner.split(['/', ',']).map(str::trim) {
+        let r = item.parse::<u32>().map_err(|_| {
+            Error::msg(format!(
+                "recompute: regions `{}`: `{}` is not a region index (e.g. `0/2/5`)",
+                t.chars().take(80).collect::<String>(),
+                item.chars().take(40).collect::<String>()
+            ))
+        })?;
+        if out.contains(&r) {
+            return Err(Error::msg(format!(
+                "recompute: regions name region {r} twice"
+            )));
+        }
+        // Past any model's regions long before it costs anything.
+        if out.len() == 1 << 16 {
+            return Err(Error::msg(
+                "recompute: regions name more than 65536 regions",
+            ));
+        }
+        out.push(r);
+    }
+    Ok(out)
 }
 
 export_strategy!(Recompute);
