@@ -8,13 +8,11 @@
 //! a strategy ordered it itself; the memory walk, the runtime and the
 //! simulator count it like any compute node.
 
-use super::error::quote;
 use super::{DagError, DagErrorKind, EdgeKind, Filter, NodeId, NodeKind, Pass, TensorKind};
 use super::{Node, TrainingDag};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
 use std::fmt;
-use std::str::FromStr;
 
 /// What a recompute keeps from the forward.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -42,20 +40,6 @@ impl RecomputePolicy {
 impl fmt::Display for RecomputePolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
-    }
-}
-
-impl FromStr for RecomputePolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "full" => Ok(RecomputePolicy::Full),
-            "selective" => Ok(RecomputePolicy::Selective),
-            _ => Err(format!(
-                "recompute policy {} is not `full` or `selective`",
-                quote(s)
-            )),
-        }
     }
 }
 

@@ -193,14 +193,7 @@ pub(super) fn recompute<B: Backend>(
     let kept = dev
         .take(op, TensorKind::Kept)?
         .ok_or_else(|| missing(dev, op, what))?;
-    let cache = match Arc::try_unwrap(kept) {
-        Ok(Buf::Saved(c)) => c,
-        Ok(_) => return Err(missing(dev, op, what)),
-        Err(shared) => match &*shared {
-            Buf::Saved(c) => c.duplicate(&dev.b).map_err(|e| dev.backend_error(op, e))?,
-            _ => return Err(missing(dev, op, what)),
-        },
-    };
+    let cache = owned_cache(dev, op, kept, what)?;
     let model = Model::new(&dev.b, &dev.table);
     let full = with_params(dev, op, |params| {
         model
@@ -208,6 +201,24 @@ pub(super) fn recompute<B: Backend>(
             .map_err(|e| dev.backend_error(op, e))
     })?;
     dev.put(op, TensorKind::Saved, Buf::Saved(full))
+}
+
+/// A taken forward cache (`what`, for the error), owned: moved out when
+/// this was its last holder, a device copy otherwise.
+fn owned_cache<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    buf: Arc<Buf<B>>,
+    what: &str,
+) -> Result<SegmentCache<B>, RuntimeError> {
+    match Arc::try_unwrap(buf) {
+        Ok(Buf::Saved(c)) => Ok(c),
+        Ok(_) => Err(missing(dev, op, what)),
+        Err(shared) => match &*shared {
+            Buf::Saved(c) => c.duplicate(&dev.b).map_err(|e| dev.backend_error(op, e)),
+            _ => Err(missing(dev, op, what)),
+        },
+    }
 }
 
 /// `B` (input and weight gradients) or `BI` (input gradient; hands the
@@ -242,14 +253,7 @@ pub(super) fn backward_input<B: Backend>(
     } else {
         // BI is the saved tensors' last reader: hand what BW needs on in
         // the stash, free the rest now.
-        let cache = match Arc::try_unwrap(saved) {
-            Ok(Buf::Saved(c)) => c,
-            Ok(_) => return Err(missing(dev, op, "the forward's saved tensors")),
-            Err(shared) => match &*shared {
-                Buf::Saved(c) => c.duplicate(&dev.b).map_err(|e| dev.backend_error(op, e))?,
-                _ => return Err(missing(dev, op, "the forward's saved tensors")),
-            },
-        };
+        let cache = owned_cache(dev, op, saved, "the forward's saved tensors")?;
         stash.keep_for_weights(cache);
         dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
     }
