@@ -71,7 +71,7 @@ fn measure(
             "--strategy",
             strategy,
             "--steps",
-            "15",
+            "25",
             "--metrics",
             metrics.to_str().unwrap(),
             "--report",

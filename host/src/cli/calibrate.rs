@@ -4,7 +4,7 @@
 //! Two real training runs with tracing on: `dp` over the devices (forward,
 //! fused backward, gradient all-reduces, optimizer steps) and `zb-h1` over
 //! as many pipeline stages (microbatched forwards, split backwards, sends).
-//! Every op's median time over the steps after the first is fitted by
+//! Every op's trimmed mean time over the steps after the first is fitted by
 //! [`crate::sim::calibrate`]; the fitted cluster is checked against the two
 //! runs' own step times and written as TOML.
 
@@ -33,7 +33,7 @@ pub struct CalibrateArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1024))]
     threads: Option<u32>,
     /// Measured steps per run (the first is left out as warm-up).
-    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(3..=10_000))]
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(3..=10_000))]
     steps: u32,
     /// Where to write the cluster (default: `$PIPER_HOME/cpu-local.toml`,
     /// which `--cluster cpu-local` reads).

@@ -1,13 +1,19 @@
 //! Calibration: a cluster description fitted to measured steps of the CPU
 //! runtime (`piper calibrate`), so the simulator predicts this machine.
 //!
-//! Each op's time is the median over the measured steps. Compute ops are
-//! fitted per kind as `overhead + FLOPs / rate` (least squares, overhead
-//! ≥ 0); optimizer steps as the AdamW bytes at a memory bandwidth; transfers
-//! and collectives jointly as `α·k + bytes·k'/β` with the coefficients of
-//! the cost model (a send: 1 and 1; a ring all-reduce over n: 2(n−1) and
-//! 2(n−1)/n; the other collectives half that), so the fitted cluster costs
-//! them exactly as [`super::cost`] does.
+//! Each op's time is its trimmed mean over the measured steps (the fastest
+//! and slowest tenth left out). Not the median: on shared cores most ops
+//! are slowed now and then by a preempting thread, the median of each op
+//! leaves every such slowdown out, yet a step pays them all (most on `dp`,
+//! whose devices compute back to back with no bubble to absorb them). The
+//! mean keeps them; trimming drops the rare stall of tens of milliseconds.
+//!
+//! Compute ops are fitted per kind as `overhead + FLOPs / rate` (least
+//! squares, overhead ≥ 0); optimizer steps as the AdamW bytes at a memory
+//! bandwidth; transfers and collectives jointly as `α·k + bytes·k'/β` with
+//! the coefficients of the cost model (a send: 1 and 1; a ring all-reduce
+//! over n: 2(n−1) and 2(n−1)/n; the other collectives half that), so the
+//! fitted cluster costs them exactly as [`super::cost`] does.
 
 use super::cluster::{Cluster, Efficiency, Overhead};
 use super::Simulation;
@@ -59,18 +65,16 @@ fn adamw_bytes(op: &crate::compile::plan::Op) -> f64 {
     7.0 * op.param_bytes as f64 / shard
 }
 
-fn median(v: &mut [f64]) -> f64 {
+/// The mean of `v` without its fastest and slowest tenth (⌊n/10⌋ each).
+fn trimmed_mean(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
+    let k = v.len() / 10;
+    let kept = &v[k..v.len() - k];
+    kept.iter().sum::<f64>() / kept.len() as f64
 }
 
 impl Samples {
-    /// Add every op of `plan` with its median time over `steps` (measured
+    /// Add every op of `plan` with its trimmed mean time over `steps` (measured
     /// steps of that plan, e.g. [`super::measured::from_trace`] per step).
     pub fn add(&mut self, plan: &Plan, steps: &[Simulation]) -> Result<(), CalibrateError> {
         if steps.is_empty() {
@@ -87,7 +91,7 @@ impl Samples {
             let op = &plan.devices[d as usize].streams[ix.local[g] as usize].ops[i as usize];
             times.clear();
             times.extend(steps.iter().map(|s| s.spans[g].end - s.spans[g].start));
-            let t = median(&mut times);
+            let t = trimmed_mean(&mut times);
             // A recompute is a sample of the forward's rate.
             let kind = if op.op == OpKind::R { OpKind::F } else { op.op };
             if let Some(k) = KINDS.iter().position(|(k, _)| *k == kind) {
@@ -269,6 +273,19 @@ fn quality(kind: &'static str, pairs: impl Iterator<Item = (f64, f64)>) -> Fit {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_op_time_keeps_frequent_slowdowns_and_drops_a_rare_stall() {
+        // Ten steps of 1 ms with three slowed by 0.3 ms, one stalled 40 ms
+        // and one unusually fast: the steps pay the slowdowns (1.09 ms on
+        // average over the eight kept), not the stall.
+        let mut t = [1.0, 1.3, 1.0, 1.0, 41.0, 1.3, 1.0, 0.5, 1.0, 1.3].map(|x| x * 1e-3);
+        let m = trimmed_mean(&mut t);
+        assert!((m - 8.9e-3 / 8.0).abs() < 1e-12, "{m}");
+        // Fewer than ten samples: nothing is trimmed, the plain mean.
+        let mut few = [2.0, 4.0, 9.0];
+        assert_eq!(trimmed_mean(&mut few), 5.0);
+    }
 
     #[test]
     fn a_line_with_an_overhead_is_recovered() {
