@@ -1098,6 +1098,44 @@ fn evaluation_runs_forward_only_and_agrees_across_strategies() {
     assert!(evals[2] < evals[0], "{evals:?}");
 }
 
+/// The plan's peak per device bounds the measured one from above, within
+/// 5%, on `gpt2-small` over two 1F1B stages with and without recompute: the
+/// last stage's tied-embedding gradient all-reduce takes 300 MB of staging
+/// as soon as the head's last backward is done and holds it until the first
+/// stage joins, while that stage's last backwards still hold activations;
+/// the plan counts them together.
+#[test]
+fn a_collective_waiting_for_its_group_is_counted_beside_what_runs_meanwhile() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let gpt2 = piper::model::ModelConfig {
+        seq_len: 256,
+        batch_size: 8,
+        ..piper::model::ModelConfig::gpt2_small()
+    };
+    let full = [("policy", "full")];
+    let cases: [Strategy; 2] = [
+        &[("1f1b", &[("microbatches", "4")])],
+        &[("1f1b", &[("microbatches", "4")]), ("recompute", &full)],
+    ];
+    for strategy in cases {
+        let (_, _, pred, got, _) = step_once(&host, &gpt2, 2, strategy);
+        println!("{strategy:?}: peaks {got:?} measured, {pred:?} predicted");
+        for d in 0..2 {
+            // Above the plan by at most 1% (allocator rounding, the norm's
+            // scalars); below it by at most 5% (the staging taken a little
+            // after the head's backward, as threads interleave).
+            let rel = (got[d] as f64 - pred[d] as f64) / pred[d] as f64;
+            assert!(
+                (-0.05..=0.01).contains(&rel),
+                "{strategy:?}: device {d} measured {} bytes at its peak, the plan predicted {} ({:+.1}%)",
+                got[d],
+                pred[d],
+                rel * 100.0
+            );
+        }
+    }
+}
+
 /// One step of `strategy` with step-1 gradients captured: (loss, gradients,
 /// the plan's predicted peaks, the measured peaks, the plan).
 fn step_once(
@@ -1265,10 +1303,11 @@ fn recompute_saves_the_memory_the_plan_predicts() {
         batch_size: 8,
         ..piper::model::ModelConfig::gpt2_small()
     };
-    // gpt2-small on one device: two stages would put the peak of the last
-    // one at the tied embedding's gradient all-reduce, whose staging the
-    // runtime overlaps with the last backwards' activations more than the
-    // plan's walk does (a gap with or without recompute).
+    // gpt2-small on one device: on two stages the last one's peak comes
+    // while the tied embedding's gradient all-reduce waits for the first
+    // stage, and how many of the last backwards' activations are still
+    // live when its staging is taken is a race between two threads (the
+    // plan counts the most; the test below holds it to that).
     let cases: [(piper::model::ModelConfig, u32, Strategy); 2] = [
         (
             piper::model::ModelConfig::tiny(),

@@ -168,8 +168,62 @@ struct Dev {
     first: Vec<u32>,
     /// Ops, hash and steps per stream (in `counts` order).
     lists: Vec<(Vec<Op>, plan::StreamHasher, StreamSteps)>,
+    /// Per stream (in `counts` order): the order index of its last op so far.
+    last_k: Vec<u32>,
     live: u64,
     peak: u64,
+    /// The bytes in use at each of the device's ops so far.
+    marks: Marks,
+}
+
+/// A device's high-water mark at each op (by order index, ascending), and
+/// the maximum of each block of [`Marks::BLOCK`] marks, so the highest
+/// mark between two order indices is found without walking every op.
+#[derive(Default)]
+struct Marks {
+    k: Vec<u32>,
+    bytes: Vec<u64>,
+    blocks: Vec<u64>,
+}
+
+impl Marks {
+    const BLOCK: usize = 64;
+
+    fn push(&mut self, k: u32, bytes: u64) {
+        if self.bytes.len().is_multiple_of(Self::BLOCK) {
+            self.blocks.push(bytes);
+        } else if let Some(b) = self.blocks.last_mut() {
+            *b = (*b).max(bytes);
+        }
+        self.k.push(k);
+        self.bytes.push(bytes);
+    }
+
+    /// The highest mark at order indices in `(after, upto]` (from the
+    /// first when `after` is `None`), 0 when none.
+    fn high(&self, after: Option<u32>, upto: u32) -> u64 {
+        let mut lo = after.map_or(0, |a| self.k.partition_point(|&k| k <= a));
+        let hi = self.k.partition_point(|&k| k <= upto);
+        let mut high = 0;
+        while lo < hi {
+            if lo.is_multiple_of(Self::BLOCK) && lo + Self::BLOCK <= hi {
+                high = high.max(self.blocks[lo / Self::BLOCK]);
+                lo += Self::BLOCK;
+            } else {
+                high = high.max(self.bytes[lo]);
+                lo += 1;
+            }
+        }
+        high
+    }
+}
+
+impl Dev {
+    /// Record `bytes` in use at order index `k`.
+    fn mark(&mut self, k: u32, bytes: u64) {
+        self.peak = self.peak.max(bytes);
+        self.marks.push(k, bytes);
+    }
 }
 
 /// What the op leaves for local readers, and who reads it.
@@ -544,8 +598,10 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
                     own: Vec::new(),
                     first: Vec::new(),
                     lists: Vec::new(),
+                    last_k: Vec::new(),
                     live: 0,
                     peak: 0,
+                    marks: Marks::default(),
                 })
                 .collect(),
             ranks,
@@ -639,6 +695,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
                     )
                 })
                 .collect();
+            dv.last_k = vec![u32::MAX; dv.counts.len()];
         }
         self.bufs = vec![(0, 0); self.slots.len()];
         nodes
@@ -682,7 +739,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             self.release_inputs();
         }
         for h in 0..self.here_ix.len() {
-            self.emit(sh, id, n, &desc, h);
+            self.emit(sh, k, id, n, &desc, h);
         }
         if self.ready.len() >= BURST {
             for (dl, si, op) in self.ready.drain(..) {
@@ -695,7 +752,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         for &(_, d) in &self.here_ix {
             self.slot_of[d as usize] = u32::MAX;
         }
-        self.hold_message(n, &desc, whole);
+        self.hold_message(k, n, &desc, whole);
     }
 
     /// A message whose receive has come (order index ≤ `k`) is off its
@@ -781,7 +838,15 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
 
     /// The node's op on its `h`-th device here: the op, its stream hash,
     /// its deadlock step and its memory.
-    fn emit(&mut self, sh: &Shared<'a>, id: NodeId, n: &Node, desc: &Described<'a>, h: usize) {
+    fn emit(
+        &mut self,
+        sh: &Shared<'a>,
+        k: u32,
+        id: NodeId,
+        n: &Node,
+        desc: &Described<'a>,
+        h: usize,
+    ) {
         let cx = self.cx;
         let (i, d) = self.here_ix[h];
         let (i, dev, d) = (i as usize, DeviceId(d), d as usize);
@@ -866,14 +931,49 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             d as u32 == desc.first_device,
             self.wait_at.iter().copied(),
         );
-        // Memory: the op's buffers (inputs are released later).
-        dv.peak = dv.peak.max(dv.live + desc.staging);
+        // Memory: the op's buffers (inputs are released later). A
+        // collective's staging is held from when this device reaches it
+        // (its stream's previous op and its inputs here done) until the
+        // last member does (every input of the node done): whatever the
+        // device held in between is held beside it.
+        let prev = dv.last_k[si];
+        let before = match (desc.staging > 0).then(|| self.reached(dev, prev)) {
+            Some((here, meet)) if here.is_none_or(|h| meet > h) => {
+                let dv = &self.devs[dl];
+                dv.live.max(dv.marks.high(here, meet))
+            }
+            _ => self.devs[dl].live,
+        };
+        let dv = &mut self.devs[dl];
+        dv.last_k[si] = k;
+        let staged = before.saturating_add(desc.staging);
         if on_dev > 0 {
             dv.live += desc.readers.out_bytes;
             self.bufs[kbase + i] = (desc.readers.out_bytes, on_dev);
         }
-        dv.peak = dv.peak.max(dv.live);
+        let high = staged.max(dv.live);
+        dv.mark(k, high);
         self.ready.push((dl, si, op));
+    }
+
+    /// The order index after which `dev` can start the current node (its
+    /// stream's previous op there, `prev`, `u32::MAX` for none, and every
+    /// effective predecessor running there; `None`: from the step's
+    /// start), and the one after which every device can (the latest
+    /// predecessor anywhere, or this device's own).
+    fn reached(&self, dev: DeviceId, prev: u32) -> (Option<u32>, u32) {
+        let cx = self.cx;
+        let mut here = (prev != u32::MAX).then_some(prev);
+        let mut last = 0;
+        for (pe, &(_, same)) in self.preds.iter().zip(&self.pred_at) {
+            let p = pe.0.ix().index();
+            let pk = cx.order_ix[p];
+            last = last.max(pk);
+            if same || cx.devices(p).contains(&dev) {
+                here = Some(here.map_or(pk, |a| a.max(pk)));
+            }
+        }
+        (here, last.max(here.unwrap_or(0)))
     }
 
     /// Release inputs whose last local reader this node was. Data edges
@@ -912,7 +1012,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
 
     /// A message stays on its sender's account from the send until its
     /// receiver holds it (as the runtime counts it).
-    fn hold_message(&mut self, n: &Node, desc: &Described<'a>, whole: bool) {
+    fn hold_message(&mut self, k: u32, n: &Node, desc: &Described<'a>, whole: bool) {
         let NodeKind::Comm(cm) = &n.kind else {
             return;
         };
@@ -934,7 +1034,8 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             let dl = self.local(d);
             let dv = &mut self.devs[dl];
             dv.live += b;
-            dv.peak = dv.peak.max(dv.live);
+            let live = dv.live;
+            dv.mark(k, live);
             self.in_flight.push(Reverse((rk, dl, b)));
         }
     }
@@ -1030,4 +1131,36 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
         };
     }
     l
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Marks;
+
+    #[test]
+    fn the_highest_mark_between_two_order_indices_is_found_across_blocks() {
+        let mut m = Marks::default();
+        // Order indices 0, 3, 6, …; bytes from a hash, so blocks differ.
+        let bytes = |i: u64| (i.wrapping_mul(2_654_435_761) >> 7) % 10_000;
+        for i in 0..300u64 {
+            m.push(3 * i as u32, bytes(i));
+        }
+        for (after, upto) in [
+            (None, 0),
+            (None, 899),
+            (Some(0), 3),
+            (Some(1), 190),
+            (Some(5), 700),
+            (Some(190), 194),
+            (Some(800), 10_000),
+            (Some(897), 900),
+        ] {
+            let want = (0..300u64)
+                .filter(|i| after.is_none_or(|a| 3 * *i as u32 > a) && 3 * *i as u32 <= upto)
+                .map(bytes)
+                .max()
+                .unwrap_or(0);
+            assert_eq!(m.high(after, upto), want, "({after:?}, {upto}]");
+        }
+    }
 }

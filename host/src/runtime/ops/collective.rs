@@ -9,7 +9,7 @@ use super::update::{local_sq, set_clip};
 use super::{comm_error, missing, owned};
 use crate::compile::plan::{CommPurpose, Op, OpKind, TensorKind};
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
-use crate::runtime::buffers::Buf;
+use crate::runtime::buffers::{Buf, Reserved};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
@@ -39,16 +39,18 @@ pub(super) fn grad_norm<B: Backend>(
 /// The gradients a reduction moves, laid out one after the other: the
 /// device's own, or (ZeRO-2/3) the sum of each microbatch's, whose buffers
 /// the backwards hand over (a tied all-reduce's result replaces the local
-/// pieces).
-fn contribution<B: Backend>(
-    dev: &Device<B>,
+/// pieces). `staging` accounts the collective's buffers for the total
+/// length before any of them is made: the bytes count from the moment they
+/// exist, as the plan counts them from when the device reaches the op.
+fn contribution<'d, B: Backend>(
+    dev: &'d Device<B>,
     op: &Op,
     ids: &[ParamId],
     per_microbatch: bool,
-) -> Result<B::Tensor, RuntimeError> {
+    staging: impl FnOnce(usize) -> Result<Reserved<'d, B>, RuntimeError>,
+) -> Result<(B::Tensor, Reserved<'d, B>), RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
-    let concat = |pieces: &[&B::Tensor]| -> Result<B::Tensor, RuntimeError> {
-        let total: usize = pieces.iter().map(|t| B::len(t)).sum();
+    let concat = |pieces: &[&B::Tensor], total: usize| -> Result<B::Tensor, RuntimeError> {
         let mut flat = dev.b.zeros(total).map_err(fail)?;
         let mut at = 0;
         for t in pieces {
@@ -67,34 +69,48 @@ fn contribution<B: Backend>(
                     .ok_or_else(|| missing(dev, op, &format!("gradient {}", dev.table.name(id))))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        return concat(&pieces);
+        let total = pieces.iter().map(|t| B::len(t)).sum();
+        let held = staging(total)?;
+        return Ok((concat(&pieces, total)?, held));
     }
     let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
-    let mut sums: Vec<B::Tensor> = Vec::with_capacity(ids.len());
-    for &id in ids {
-        let reduced = bufs
-            .iter()
-            .any(|b| matches!(&**b, Buf::Tied(t) if t.contains(id)));
-        let mut acc: Option<B::Tensor> = None;
-        for b in &bufs {
-            let t = match &**b {
-                Buf::Tied(t) => t,
-                Buf::Params(t) if !reduced => t,
-                _ => continue,
-            };
-            if let Some(g) = t.get(id) {
-                match acc.as_mut() {
-                    None => acc = Some(dev.b.duplicate(g).map_err(fail)?),
-                    Some(a) => dev.b.add(a, g),
-                }
+    // Each parameter's pieces: the tied all-reduce's result where there is
+    // one, else every microbatch's.
+    let pieces = ids
+        .iter()
+        .map(|&id| {
+            let reduced = bufs
+                .iter()
+                .any(|b| matches!(&**b, Buf::Tied(t) if t.contains(id)));
+            let of_id: Vec<&B::Tensor> = (bufs.iter())
+                .filter_map(|b| match &**b {
+                    Buf::Tied(t) => t.get(id),
+                    Buf::Params(t) if !reduced => t.get(id),
+                    _ => None,
+                })
+                .collect();
+            if of_id.is_empty() {
+                let name = dev.table.name(id);
+                return Err(missing(
+                    dev,
+                    op,
+                    &format!("this microbatch's gradient of {name}"),
+                ));
             }
+            Ok(of_id)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let total = pieces.iter().map(|p| B::len(p[0])).sum();
+    let held = staging(total)?;
+    let mut sums: Vec<B::Tensor> = Vec::with_capacity(ids.len());
+    for of_id in &pieces {
+        let mut acc = dev.b.duplicate(of_id[0]).map_err(fail)?;
+        for g in &of_id[1..] {
+            dev.b.add(&mut acc, g);
         }
-        sums.push(acc.ok_or_else(|| {
-            let name = dev.table.name(id);
-            missing(dev, op, &format!("this microbatch's gradient of {name}"))
-        })?);
+        sums.push(acc);
     }
-    concat(&sums.iter().collect::<Vec<_>>())
+    Ok((concat(&sums.iter().collect::<Vec<_>>(), total)?, held))
 }
 
 pub(super) fn reduce_grads<B: Backend>(
@@ -122,20 +138,23 @@ pub(super) fn reduce_grads<B: Backend>(
         ids.retain(|id| dev.table.expert_of(*id).is_none());
     }
     let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);
-    let flat = dev
-        .b
-        .download_owned(contribution(dev, op, &ids, per_microbatch)?)
-        .map_err(fail)?;
-    if op.op == OpKind::ReduceScatter && !tied {
-        // ZeRO: this device gets its shard of the reduced gradients (of
-        // each microbatch's, ZeRO-2/3; of the accumulated ones, ZeRO-1).
-        let lens = zero::member_lens(dev, op, group)?;
-        let own = group
-            .iter()
-            .position(|d| *d == dev.id)
-            .map_or(0, |p| lens[p]);
-        // Staging: this device's contribution and its reduced shard.
-        let _staging = dev.reserve(op, (flat.len() + own) as u64 * 4)?;
+    let scatter = op.op == OpKind::ReduceScatter && !tied;
+    // ZeRO: this device gets its shard of the reduced gradients (of each
+    // microbatch's, ZeRO-2/3; of the accumulated ones, ZeRO-1).
+    let lens = match scatter {
+        true => zero::member_lens(dev, op, group)?,
+        false => Vec::new(),
+    };
+    let own =
+        (group.iter().position(|d| *d == dev.id)).map_or(0, |p| lens.get(p).copied().unwrap_or(0));
+    // Staging: this device's contribution and the reduced result (its
+    // shard, for a reduce-scatter).
+    let (contrib, _staging) = contribution(dev, op, &ids, per_microbatch, |total| {
+        let result = if scatter { own } else { total };
+        dev.reserve(op, (total as u64 + result as u64) * 4)
+    })?;
+    let flat = dev.b.download_owned(contrib).map_err(fail)?;
+    if scatter {
         let shard = ctx
             .comm
             .reduce_scatter(op.op.as_str(), op.node, group, dev.id, flat, &lens)
@@ -145,8 +164,6 @@ pub(super) fn reduce_grads<B: Backend>(
             false => zero::write_grad_shard(dev, op, &shard),
         };
     }
-    // Staging: this device's contribution and the reduced result.
-    let _staging = dev.reserve(op, flat.len() as u64 * 8)?;
     let sum = ctx
         .comm
         .all_reduce(op.op.as_str(), op.node, group, dev.id, flat)
