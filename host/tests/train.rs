@@ -1098,6 +1098,16 @@ fn evaluation_runs_forward_only_and_agrees_across_strategies() {
     assert!(evals[2] < evals[0], "{evals:?}");
 }
 
+/// `gpt2-small` with 2048 tokens a step (8 rows of 256), so one CPU step
+/// stays quick.
+fn gpt2_small_2048_tokens() -> piper::model::ModelConfig {
+    piper::model::ModelConfig {
+        seq_len: 256,
+        batch_size: 8,
+        ..piper::model::ModelConfig::gpt2_small()
+    }
+}
+
 /// The plan's peak per device bounds the measured one from above, within
 /// 5%, on `gpt2-small` over two 1F1B stages with and without recompute: the
 /// last stage's tied-embedding gradient all-reduce takes 300 MB of staging
@@ -1107,11 +1117,7 @@ fn evaluation_runs_forward_only_and_agrees_across_strategies() {
 #[test]
 fn a_collective_waiting_for_its_group_is_counted_beside_what_runs_meanwhile() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
-    let gpt2 = piper::model::ModelConfig {
-        seq_len: 256,
-        batch_size: 8,
-        ..piper::model::ModelConfig::gpt2_small()
-    };
+    let gpt2 = gpt2_small_2048_tokens();
     let full = [("policy", "full")];
     let cases: [Strategy; 2] = [
         &[("1f1b", &[("microbatches", "4")])],
@@ -1298,11 +1304,7 @@ fn recompute_saves_the_memory_the_plan_predicts() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     // 2048 tokens a step: enough activations that the peak of the first
     // stage is theirs, not the tied embedding's gradient staging.
-    let gpt2 = piper::model::ModelConfig {
-        seq_len: 256,
-        batch_size: 8,
-        ..piper::model::ModelConfig::gpt2_small()
-    };
+    let gpt2 = gpt2_small_2048_tokens();
     // gpt2-small on one device: on two stages the last one's peak comes
     // while the tied embedding's gradient all-reduce waits for the first
     // stage, and how many of the last backwards' activations are still
