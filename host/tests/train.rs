@@ -1098,6 +1098,18 @@ fn evaluation_runs_forward_only_and_agrees_across_strategies() {
     assert!(evals[2] < evals[0], "{evals:?}");
 }
 
+/// `strategy` with the `recompute` plugin and `opts` after it.
+fn then_recompute<'a>(
+    strategy: Strategy<'a>,
+    opts: &'a [(&'a str, &'a str)],
+) -> Vec<(&'a str, &'a [(&'a str, &'a str)])> {
+    strategy
+        .iter()
+        .copied()
+        .chain([("recompute", opts)])
+        .collect()
+}
+
 /// `gpt2-small` with 2048 tokens a step (8 rows of 256), so one CPU step
 /// stays quick.
 fn gpt2_small_2048_tokens() -> piper::model::ModelConfig {
@@ -1233,11 +1245,7 @@ fn recompute_changes_no_bit_under_every_parallelism() {
     {
         let name = format!("{name} ({policy})");
         let opts = [("policy", policy)];
-        let with: Vec<_> = strategy
-            .iter()
-            .copied()
-            .chain([("recompute", &opts[..])])
-            .collect();
+        let with = then_recompute(strategy, &opts);
         let (loss, grads, _, _, _) = step_once(&host, cfg, devices, strategy);
         let (rloss, rgrads, _, _, plan) = step_once(&host, cfg, devices, &with);
         assert_eq!(
@@ -1332,11 +1340,7 @@ fn recompute_saves_the_memory_the_plan_predicts() {
         let (_, _, pred, got, _) = step_once(&host, &cfg, devices, base);
         for policy in ["full", "selective"] {
             let opts = [("policy", policy)];
-            let with: Vec<_> = base
-                .iter()
-                .copied()
-                .chain([("recompute", &opts[..])])
-                .collect();
+            let with = then_recompute(base, &opts);
             let (_, _, rpred, rgot, _) = step_once(&host, &cfg, devices, &with);
             let (predicted, measured) = (saving(&pred, &rpred), saving(&got, &rgot));
             let name = format!("{} ({policy})", cfg.name);

@@ -280,12 +280,19 @@ impl Pipeline {
 /// The most stages a `boundaries` option may name.
 const MAX_BOUNDARIES: usize = 4096;
 
-/// A `boundaries` option's text: the first `PP` region of each stage,
-/// separated by `/` (`0/4/8/11`, as a command line's `k=v,k=v` leaves
-/// commas to the options) or commas inside brackets (`[0, 4, 8, 11]`, as a
-/// TOML list arrives). Megatron's first/last-stage layer counts are the
-/// common case: a lighter last stage for the LM head.
-pub fn parse_boundaries(text: &str, who: &str) -> Result<Vec<u32>, Error> {
+/// Why a list of region indices was refused.
+#[derive(Debug, PartialEq)]
+pub enum RegionListError {
+    /// An item that is not an index (trimmed, at most 40 characters).
+    NotAnIndex(String),
+    /// More than the caller's limit of items.
+    TooMany,
+}
+
+/// A list of PP region indices separated by `/` (`0/4/8`, as a command
+/// line's `k=v,k=v` leaves commas to the options) or by commas inside
+/// brackets (`[0, 4, 8]`, as a TOML list arrives), at most `max` of them.
+pub fn parse_region_list(text: &str, max: usize) -> Result<Vec<u32>, RegionListError> {
     let t = text.trim();
     let inner = t
         .strip_prefix('[')
@@ -293,21 +300,37 @@ pub fn parse_boundaries(text: &str, who: &str) -> Result<Vec<u32>, Error> {
         .unwrap_or(t);
     let mut out = Vec::new();
     for item in inner.split(['/', ',']).map(str::trim) {
-        if out.len() == MAX_BOUNDARIES {
-            return Err(Error::msg(format!(
-                "{who}: boundaries name more than {MAX_BOUNDARIES} stages"
-            )));
+        if out.len() == max {
+            return Err(RegionListError::TooMany);
         }
-        let r = item.parse::<u32>().map_err(|_| {
-            Error::msg(format!(
-                "{who}: boundaries `{}`: `{}` is not a region index (give each stage's first PP region, e.g. `0/4/8/11`)",
-                t.chars().take(80).collect::<String>(),
-                item.chars().take(40).collect::<String>()
-            ))
-        })?;
+        let r = item
+            .parse::<u32>()
+            .map_err(|_| RegionListError::NotAnIndex(item.chars().take(40).collect()))?;
         out.push(r);
     }
     Ok(out)
+}
+
+/// An option's text as it is echoed in an error: trimmed, at most 80
+/// characters.
+pub fn echo(text: &str) -> String {
+    text.trim().chars().take(80).collect()
+}
+
+/// A `boundaries` option's text: the first `PP` region of each stage
+/// ([`parse_region_list`]: `0/4/8/11` or `[0, 4, 8, 11]`). Megatron's
+/// first/last-stage layer counts are the common case: a lighter last stage
+/// for the LM head.
+pub fn parse_boundaries(text: &str, who: &str) -> Result<Vec<u32>, Error> {
+    parse_region_list(text, MAX_BOUNDARIES).map_err(|e| match e {
+        RegionListError::TooMany => Error::msg(format!(
+            "{who}: boundaries name more than {MAX_BOUNDARIES} stages"
+        )),
+        RegionListError::NotAnIndex(item) => Error::msg(format!(
+            "{who}: boundaries `{}`: `{item}` is not a region index (give each stage's first PP region, e.g. `0/4/8/11`)",
+            echo(text)
+        )),
+    })
 }
 
 /// The options every pipeline plugin takes: `stages` and `microbatches`

@@ -4,6 +4,7 @@
 //! drop their saved tensors and a recompute node (`R`) rebuilds them right
 //! before each backward, trading one more forward for the activations.
 
+use piper_sdk::pipeline::{echo, parse_region_list, RegionListError};
 use piper_sdk::recompute::{every_region, parse_policy, recompute_regions};
 use piper_sdk::{export_strategy, Dag, Error, OptionSpec, Options, PluginInfo, Strategy};
 
@@ -68,35 +69,22 @@ impl Strategy for Recompute {
     }
 }
 
-/// The `regions` option: PP region indices separated by `/` (or commas
-/// inside brackets, as a TOML list arrives), at most one per region.
+/// The `regions` option: PP region indices ([`parse_region_list`]: `0/2/5`
+/// or `[0, 2, 5]`), each named once.
 fn parse_regions(text: &str) -> Result<Vec<u32>, Error> {
-    let t = text.trim();
-    let inner = t
-        .strip_prefix('[')
-        .and_then(|r| r.strip_suffix(']'))
-        .unwrap_or(t);
-    let mut out: Vec<u32> = Vec::new();
-    for item in inner.split(['/', ',']).map(str::trim) {
-        let r = item.parse::<u32>().map_err(|_| {
-            Error::msg(format!(
-                "recompute: regions `{}`: `{}` is not a region index (e.g. `0/2/5`)",
-                t.chars().take(80).collect::<String>(),
-                item.chars().take(40).collect::<String>()
-            ))
-        })?;
-        if out.contains(&r) {
-            return Err(Error::msg(format!(
-                "recompute: regions name region {r} twice"
-            )));
-        }
-        // Past any model's regions long before it costs anything.
-        if out.len() == 1 << 16 {
-            return Err(Error::msg(
-                "recompute: regions name more than 65536 regions",
-            ));
-        }
-        out.push(r);
+    // Past any model's regions long before it costs anything.
+    let out = parse_region_list(text, 1 << 16).map_err(|e| match e {
+        RegionListError::TooMany => Error::msg("recompute: regions name more than 65536 regions"),
+        RegionListError::NotAnIndex(item) => Error::msg(format!(
+            "recompute: regions `{}`: `{item}` is not a region index (e.g. `0/2/5`)",
+            echo(text)
+        )),
+    })?;
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(r) = out.iter().find(|r| !seen.insert(**r)) {
+        return Err(Error::msg(format!(
+            "recompute: regions name region {r} twice"
+        )));
     }
     Ok(out)
 }
