@@ -353,7 +353,8 @@ fn a_split_past_the_node_budget_is_refused_at_once() {
         .split(&Filter::all(), "MB", 4_000_000_000)
         .unwrap_err()
         .to_string();
-    assert!(t.elapsed() < Duration::from_millis(500));
+    // At once, not 4·10⁹ copies later (a busy machine is given slack).
+    assert!(t.elapsed() < Duration::from_secs(5));
     assert!(
         err.contains("over the host budget `sandbox.max_nodes` = 100000"),
         "{err}"

@@ -276,7 +276,7 @@ fn a_first_runs_rough_edges_read_cleanly() {
         "device 0 needs ",
     );
     assert!(
-        start.elapsed() < std::time::Duration::from_secs(5),
+        start.elapsed() < std::time::Duration::from_secs(20),
         "refused after {:?}",
         start.elapsed()
     );

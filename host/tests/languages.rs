@@ -495,7 +495,7 @@ fn an_endless_loop_in_python_or_js_is_stopped_within_the_default_deadline() {
             "{e}"
         );
         assert!(
-            took.as_millis() < u128::from(deadline) + 2_000,
+            took.as_millis() < u128::from(deadline) + 10_000,
             "{} loop ran {took:?}, the deadline is {deadline} ms",
             lang.title()
         );

@@ -88,7 +88,7 @@ fn hostile_arguments_at_the_host_boundary_are_refused_quickly_with_a_named_limit
             "mode {mode}: `{err}` should contain `{expect}`"
         );
         assert!(err.starts_with("plugin `hostile@0.1.0` (sha256 "), "{err}");
-        assert!(took.as_secs_f64() < 5.0, "mode {mode} took {took:?}");
+        assert!(took.as_secs_f64() < 15.0, "mode {mode} took {took:?}");
         assert!(
             grew < 1 << 30,
             "mode {mode}: resident memory grew by {grew} bytes"
@@ -241,7 +241,7 @@ fn a_plugin_under_the_default_limits_is_also_stopped_quickly() {
             .unwrap_err()
             .to_string();
         assert!(err.contains(expect), "mode {mode}: {err}");
-        assert!(t.elapsed().as_secs_f64() < 5.0, "mode {mode}");
+        assert!(t.elapsed().as_secs_f64() < 15.0, "mode {mode}");
     }
 }
 

@@ -431,7 +431,7 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
         .unwrap();
     op.segments = std::sync::Arc::from(vec![0u32]);
     let opts = TrainOptions {
-        comm_timeout: Some(std::time::Duration::from_secs(5)),
+        comm_timeout: Some(std::time::Duration::from_secs(60)),
         ..Default::default()
     };
     let t = std::time::Instant::now();
@@ -442,7 +442,8 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
             && err.contains("device 1:"),
         "{err}"
     );
-    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    // Found by comparing sizes, not by the exchange's timeout.
+    assert!(t.elapsed() < std::time::Duration::from_secs(30));
 }
 
 #[test]

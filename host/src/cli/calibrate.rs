@@ -7,15 +7,24 @@
 //! Every op's trimmed mean time over the steps after the first is fitted by
 //! [`crate::sim::calibrate`]; the fitted cluster is checked against the two
 //! runs' own step times and written as TOML.
+//!
+//! `--save-traces DIR` keeps what was measured (both traces, the machine's
+//! cores, threads and memory); `--from-traces DIR` fits from such a record
+//! without running anything, so a calibration can be fitted again on any
+//! machine, and the tests check the simulator against a recorded run
+//! (`host/tests/data/calibration/`) instead of timing this one.
 
 use super::RunArgs;
 use crate::compile::compile;
+use crate::compile::plan::Plan;
+use crate::model::ModelConfig;
 use crate::runtime::{Corpus, TrainOptions, Trainer};
 use crate::sim::calibrate::Samples;
 use crate::sim::{self, measured, report, Cluster};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
 
 #[derive(Args)]
 pub struct CalibrateArgs {
@@ -39,28 +48,99 @@ pub struct CalibrateArgs {
     /// which `--cluster cpu-local` reads).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Also keep what was measured (each run's trace and the machine's
+    /// figures) in this directory, for `--from-traces`.
+    #[arg(long, value_name = "DIR", conflicts_with = "from_traces")]
+    save_traces: Option<PathBuf>,
+    /// Fit from runs kept by `--save-traces DIR` instead of measuring this
+    /// machine: the same cluster, as often as asked, on any machine.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "devices", "threads", "steps"])]
+    from_traces: Option<PathBuf>,
 }
 
 /// One calibration run: the plan, its measured steps after the first, and
 /// their median step time.
 struct Run {
     name: String,
-    threads: usize,
     plan: crate::compile::plan::Plan,
     steps: Vec<sim::Simulation>,
     median: f64,
 }
 
-fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
+/// What a calibration measured, as `--save-traces` keeps it and
+/// `--from-traces` reads it back: the machine and model it ran, and each
+/// run's trace (plan ops only, without the kernels nested in them).
+#[derive(Serialize, Deserialize)]
+struct Record {
+    /// The model measured (preset or model TOML), as `--model` gave it.
+    model: Option<String>,
+    devices: u32,
+    /// Kernel threads per device while measuring.
+    threads: usize,
+    /// The machine's cores while measuring.
+    cores: usize,
+    steps: u32,
+    /// The machine's memory, when the OS said.
+    memory_bytes: Option<f64>,
+}
+
+/// The two runs calibration measures on `d` devices.
+fn strategies(d: u32) -> [String; 2] {
+    [
+        format!("dp:degree={d}"),
+        format!("zb-h1:microbatches={}", 2 * d),
+    ]
+}
+
+/// File names of a record's parts in its directory.
+const RECORD: &str = "calibration.toml";
+fn trace_file(strategy: &str) -> String {
+    let name = strategy.split(':').next().unwrap_or(strategy);
+    format!("{name}.trace.json")
+}
+
+/// The plan a calibration run of `strategy` trains.
+fn plan_of(model: Option<&str>, devices: u32, strategy: &str) -> Result<(Plan, ModelConfig)> {
     let args = RunArgs {
-        model: a.model.clone(),
-        devices: Some(a.devices),
-        strategies: vec![strategy.clone()],
+        model: model.map(str::to_string),
+        devices: Some(devices),
+        strategies: vec![strategy.to_string()],
         ..RunArgs::default()
     };
     let p = super::prepare(&args)?;
     let cfg = p.config.model_config()?;
     let plan = compile(&p.dag).context("compiling the plan")?;
+    Ok((plan, cfg))
+}
+
+/// Read `trace` onto `plan`: every step after the first (warm-up) as a
+/// timeline, and their median time.
+fn run_of(name: &str, plan: Plan, trace: &serde_json::Value, steps: u32) -> Result<Run> {
+    let steps = (2..=steps)
+        .map(|step| {
+            measured::from_trace(&plan, trace, Some(step))
+                .map(|m| m.sim)
+                .with_context(|| format!("reading step {step} of the `{name}` trace"))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let mut times: Vec<f64> = steps.iter().map(|s| s.step_time).collect();
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    if median.is_nan() || median <= 0.0 {
+        bail!("calibration run `{name}` measured no time");
+    }
+    Ok(Run {
+        name: name.to_string(),
+        plan,
+        steps,
+        median,
+    })
+}
+
+/// Train `strategy` with tracing on: its run and its trace (plan ops only),
+/// and the kernel threads per device it used.
+fn measure(a: &CalibrateArgs, strategy: &str) -> Result<(Run, serde_json::Value, usize)> {
+    let (plan, cfg) = plan_of(a.model.as_deref(), a.devices, strategy)?;
     let corpus = Corpus::builtin();
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
     let opts = TrainOptions {
@@ -80,20 +160,12 @@ fn measure(a: &CalibrateArgs, strategy: String) -> Result<Run> {
             .step(&batch)
             .with_context(|| format!("calibration run `{strategy}`, step {step}"))?;
     }
-    let trace = trainer.trace_json();
+    let mut trace = trainer.trace_json();
+    if let Some(events) = trace["traceEvents"].as_array_mut() {
+        events.retain(|e| e["cat"] != "kernel");
+    }
     let threads = trainer.threads();
-    let steps = (2..=a.steps)
-        .map(|step| Ok(measured::from_trace(&plan, &trace, Some(step))?.sim))
-        .collect::<Result<Vec<_>>>()?;
-    let mut times: Vec<f64> = steps.iter().map(|s| s.step_time).collect();
-    times.sort_by(f64::total_cmp);
-    Ok(Run {
-        name: strategy,
-        threads,
-        plan,
-        steps,
-        median: times[times.len() / 2],
-    })
+    Ok((run_of(strategy, plan, &trace, a.steps)?, trace, threads))
 }
 
 /// Total memory of this machine, when the OS says.
@@ -104,6 +176,87 @@ fn machine_memory() -> Option<f64> {
     Some(kib * 1024.0)
 }
 
+/// Measure both runs on this machine; with `--save-traces`, keep what was
+/// measured there.
+fn measure_both(a: &CalibrateArgs) -> Result<(Record, Vec<Run>)> {
+    let d = a.devices;
+    eprintln!(
+        "calibrating the CPU runtime: {} steps each of dp and zb-h1 on {d} devices",
+        a.steps
+    );
+    let mut runs = Vec::new();
+    let mut threads = 1;
+    let mut traces = Vec::new();
+    for s in strategies(d) {
+        let (run, trace, t) = measure(a, &s)?;
+        threads = t;
+        traces.push((trace_file(&s), trace));
+        runs.push(run);
+    }
+    let record = Record {
+        model: a.model.clone(),
+        devices: d,
+        threads,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        steps: a.steps,
+        memory_bytes: machine_memory(),
+    };
+    if let Some(dir) = &a.save_traces {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let write = |name: &str, text: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))
+        };
+        for (name, trace) in &traces {
+            write(name, serde_json::to_string(trace)?)?;
+        }
+        write(RECORD, toml::to_string(&record)?)?;
+        println!("kept the measured runs in {}", dir.display());
+    }
+    Ok((record, runs))
+}
+
+/// Read a kept calibration (`--save-traces DIR`) back: its record and both
+/// runs, read onto the plans this build compiles for them.
+fn read_back(dir: &Path) -> Result<(Record, Vec<Run>)> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))
+    };
+    let record: Record = toml::from_str(&read(RECORD)?)
+        .with_context(|| format!("reading {}", dir.join(RECORD).display()))?;
+    let within = |v: u64, lo: u64, hi: u64, what: &str| {
+        if (lo..=hi).contains(&v) {
+            Ok(())
+        } else {
+            Err(anyhow::anyhow!(
+                "{}: {what} = {v} is out of range ({lo} to {hi})",
+                dir.join(RECORD).display()
+            ))
+        }
+    };
+    within(record.devices.into(), 2, 64, "devices")?;
+    within(record.steps.into(), 3, 10_000, "steps")?;
+    within(record.threads as u64, 1, 1 << 16, "threads")?;
+    within(record.cores as u64, 1, 1 << 16, "cores")?;
+    let mut runs = Vec::new();
+    for s in strategies(record.devices) {
+        let name = trace_file(&s);
+        let trace: serde_json::Value = serde_json::from_str(&read(&name)?)
+            .with_context(|| format!("reading {}", dir.join(&name).display()))?;
+        let (plan, _) = plan_of(record.model.as_deref(), record.devices, &s)
+            .with_context(|| format!("the plan of `{s}` for {}", dir.join(RECORD).display()))?;
+        let run = run_of(&s, plan, &trace, record.steps).with_context(|| {
+            format!(
+                "{} does not fit the plan this build compiles for `{s}` (a plan changed since it was recorded: record it again)",
+                dir.join(&name).display()
+            )
+        })?;
+        runs.push(run);
+    }
+    Ok((record, runs))
+}
+
 pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     let out = a
         .out
@@ -112,35 +265,28 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     }
-    let d = a.devices;
-    eprintln!(
-        "calibrating the CPU runtime: {} steps each of dp and zb-h1 on {d} devices",
-        a.steps
-    );
-    let runs = [
-        measure(&a, format!("dp:degree={d}"))?,
-        measure(&a, format!("zb-h1:microbatches={}", 2 * d))?,
-    ];
-    if let Some(r) = runs.iter().find(|r| r.median.is_nan() || r.median <= 0.0) {
-        bail!("calibration run `{}` measured no time", r.name);
-    }
+    let (record, runs) = match &a.from_traces {
+        Some(dir) => read_back(dir)?,
+        None => measure_both(&a)?,
+    };
+    let d = record.devices;
     let mut samples = Samples::default();
     for r in &runs {
         samples.add(&r.plan, &r.steps)?;
     }
     let mut base = Cluster::cpu_local_default();
-    if let Some(m) = machine_memory() {
+    if let Some(m) = record.memory_bytes.filter(|m| m.is_finite() && *m > 0.0) {
         base.memory_bytes = m;
     }
-    // The devices share this machine's cores: as many compute at full
+    // The devices share the machine's cores: as many compute at full
     // speed at once as the cores give each its kernel threads.
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let slots = (cores as f64 / runs[0].threads.max(1) as f64).max(1.0);
+    let (cores, threads) = (record.cores.max(1), record.threads.max(1));
+    let slots = (cores as f64 / threads as f64).max(1.0);
     base.compute_slots = Some(slots);
     if f64::from(d) > slots {
         eprintln!(
             "note: {d} devices × {} kernel thread(s) share {cores} core(s) while measuring: the fitted rates are of shared cores and the simulator will share them again (calibrate with --devices {} or fewer)",
-            runs[0].threads,
+            threads,
             slots.floor()
         );
     }
@@ -181,10 +327,10 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     let model = runs[0].plan.model.clone();
     let body = toml::to_string(&cluster).context("writing the cluster as TOML")?;
     let text = format!(
-        "# This machine's CPU runtime, measured by `piper calibrate` \
+        "# A CPU runtime measured by `piper calibrate` \
          (model `{model}`, {d} devices at once × {} kernel thread(s), {} steps of dp and zb-h1).\n\
          # Read by `--cluster cpu-local` when it is $PIPER_HOME/cpu-local.toml.\n{body}",
-        runs[0].threads, a.steps
+        threads, record.steps
     );
     std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());
