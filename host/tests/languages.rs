@@ -582,7 +582,7 @@ fn plugin_new_writes_a_skeleton_that_builds_and_plans_in_every_language_outside_
         let wasm = dir.join("build").join(format!("{name}.wasm"));
         assert!(out.contains(&wasm.display().to_string()), "{out}");
         let plan = ok(piper()
-            .args(["plan", "--model", "tiny", "--devices", "2", "--strategy"])
+            .args(["plan", "--model", "tiny", "--devices", "1", "--strategy"])
             .arg(&wasm));
         assert!(plan.contains(&format!("{name}@0.1.0")), "{plan}");
         if lang == Lang::Rust {

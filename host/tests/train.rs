@@ -523,8 +523,22 @@ fn spread_checkpoints_resume_on_the_same_and_another_plan() {
         Strategy,
         u32,
         Strategy,
-    ); 2] = [
-        ("tp", dense, 4, &[("tp", &[])], 2, &[("tp", &[])]),
+    ); 3] = [
+        ("tp", dense.clone(), 4, &[("tp", &[])], 2, &[("tp", &[])]),
+        // ZeRO-3 shards of tensor-parallel slices, resumed on Megatron's
+        // 3D mesh with ZeRO-1.
+        (
+            "mesh",
+            dense,
+            4,
+            &[("tp", &[("tp", "2")]), ("zero", &[("stage", "3")])],
+            8,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
         (
             "ep",
             small_moe(),

@@ -92,11 +92,13 @@
 //! the call and the offending nodes — propagate it with `?`.
 //!
 //! ## Group helpers
-//! [`strided_group`] is the device group of a data-, tensor- or
-//! expert-parallel strategy: `degree` devices spread evenly over the cluster
-//! (so a pipeline after it shifts the group per stage), refused with the
-//! numbers when the degree does not divide the device count (`dp`, `zero`,
-//! `tp` and `ep` use it).
+//! [`strided_group`] is the device group of a data- or expert-parallel
+//! strategy: `degree` devices spread evenly over the cluster (so a pipeline
+//! after it shifts the group per stage), refused with the numbers when the
+//! degree does not divide the device count (`dp`, `zero` and `ep` use it).
+//! [`mesh`] says how `dp`, `zero`, `tp` and a pipeline compose into one
+//! device mesh (tensor parallelism contiguous, then pipeline positions,
+//! then data-parallel replicas), with the groups each one gives.
 //!
 //! ## Pipeline helpers
 //! [`pipeline::Pipeline::new`] is the layout every pipeline strategy starts
@@ -123,6 +125,7 @@ mod dag;
 pub mod dualpipe;
 mod filter;
 mod info;
+pub mod mesh;
 mod options;
 pub mod pipeline;
 pub mod recompute;

@@ -7,11 +7,14 @@
 //! schedule puts stage `s` on position `s mod p`; DualPipeV folds the stages
 //! into a V (stage `s` and `2p − 1 − s` on position `s`).
 //!
-//! A pipeline composes with a data-parallel strategy applied before it: if
-//! every forward already sits on one device group `G` (e.g. `dp:degree=2` put
-//! the model on `[0, 4]` of 8 devices), position `q` runs on `G + q`
-//! (`[q, 4 + q]`), so each stage keeps `|G|` data-parallel replicas. Otherwise
-//! the pipeline starts from device 0.
+//! A pipeline composes with data and tensor parallelism applied before it:
+//! if every forward already sits on one device group `G`, position `q` runs
+//! on `G + q·k`, `k` the smallest shift that keeps the positions apart
+//! (`dp:degree=2` on 8 devices put the model on `[0, 4]`: position q on
+//! `[q, 4 + q]`; `tp:tp=2` then `dp:degree=2` on `[0, 1, 4, 5]`: position q
+//! on `[2q, 2q + 1, 4 + 2q, 5 + 2q]`), so each stage keeps `G`'s replicas and
+//! tensor-parallel groups (the mesh of [`crate::mesh`]). Otherwise the
+//! pipeline starts from device 0.
 
 use crate::{Dag, Error, Filter, Pass};
 
@@ -51,6 +54,34 @@ pub struct Pipeline {
     pub position: Vec<u32>,
     /// Microbatches per step (the `microbatches` option, at least 1).
     pub microbatches: u32,
+}
+
+/// The smallest shift `k ≥ 1` for which `positions` copies of `base`, the
+/// `q`-th shifted by `q·k`, stay on `devices` and share no device.
+fn position_step(base: &[u32], positions: u32, devices: u32) -> Option<u32> {
+    let mut taken = vec![false; devices as usize];
+    for k in 1..=devices {
+        taken.iter_mut().for_each(|t| *t = false);
+        let fits = (0..positions).all(|q| {
+            base.iter().all(|&g| {
+                let d = u64::from(g) + u64::from(q) * u64::from(k);
+                match usize::try_from(d).ok().filter(|d| *d < taken.len()) {
+                    Some(d) if !taken[d] => {
+                        taken[d] = true;
+                        true
+                    }
+                    _ => false,
+                }
+            })
+        });
+        if fits {
+            return Some(k);
+        }
+        if positions <= 1 {
+            return None;
+        }
+    }
+    None
 }
 
 impl Pipeline {
@@ -131,7 +162,7 @@ impl Pipeline {
                 "{who} needs a model annotated with PP regions"
             )));
         }
-        // The group a previous strategy (dp, zero) put the model on, if any.
+        // The group a previous strategy (dp, zero, tp) put the model on, if any.
         let forwards = dag.query(&Filter::all().pass(Pass::F))?;
         let first = forwards[0].devices.clone();
         if let Some(other) = forwards.iter().find(|n| n.devices != first) {
@@ -158,22 +189,19 @@ impl Pipeline {
                 "{who} needs stages ≤ PP regions: got {stages} stages for {n_regions} regions"
             )));
         }
-        if positions * dp > devices {
+        if u64::from(positions) * u64::from(dp) > u64::from(devices) {
             return Err(Error::msg(format!(
-                "{who} needs pipeline devices × data-parallel degree ≤ devices: {positions} × {dp} > {devices}"
+                "{who} needs pipeline devices × the group before it ≤ devices: {positions} × {dp} > {devices}"
             )));
         }
+        let Some(step) = position_step(&base, positions, devices) else {
+            return Err(Error::msg(format!(
+                "{who}: the group {base:?} the model is on leaves no room for {positions} pipeline positions on {devices} devices (position q runs on the group shifted by q·k, no k keeps them apart)"
+            )));
+        };
         let position_groups: Vec<Vec<u32>> = (0..positions)
-            .map(|q| base.iter().map(|g| g + q).collect())
+            .map(|q| base.iter().map(|g| g + q * step).collect())
             .collect();
-        let mut seen = std::collections::BTreeSet::new();
-        for g in position_groups.iter().flatten() {
-            if *g >= devices || !seen.insert(*g) {
-                return Err(Error::msg(format!(
-                    "{who}: the data-parallel group {base:?} leaves no room for {positions} pipeline positions on {devices} devices (position q runs on the group shifted by q)"
-                )));
-            }
-        }
         let position: Vec<u32> = (0..stages).map(|s| position_of(s, positions)).collect();
         if let Some((s, q)) = position.iter().enumerate().find(|(_, q)| **q >= positions) {
             return Err(Error::msg(format!(

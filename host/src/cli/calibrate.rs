@@ -15,7 +15,6 @@
 //! (`host/tests/data/calibration/`) instead of timing this one.
 
 use super::RunArgs;
-use crate::compile::compile;
 use crate::compile::plan::Plan;
 use crate::model::ModelConfig;
 use crate::runtime::{Corpus, TrainOptions, Trainer};
@@ -109,7 +108,7 @@ fn plan_of(model: Option<&str>, devices: u32, strategy: &str) -> Result<(Plan, M
     };
     let p = super::prepare(&args)?;
     let cfg = p.config.model_config()?;
-    let plan = compile(&p.dag).context("compiling the plan")?;
+    let plan = p.compile()?;
     Ok((plan, cfg))
 }
 

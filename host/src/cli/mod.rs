@@ -388,6 +388,27 @@ pub struct Prepared {
     pub applied: Vec<String>,
 }
 
+impl Prepared {
+    /// The strategies as the user gave them: `tp:tp=2 + dp:degree=2`.
+    pub fn strategies(&self) -> String {
+        let specs: Vec<String> = (self.config.strategies.iter())
+            .map(|s| {
+                let opts: Vec<String> = s.options.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                match opts.is_empty() {
+                    true => s.name.clone(),
+                    false => format!("{}:{}", s.name, opts.join(",")),
+                }
+            })
+            .collect();
+        specs.join(" + ")
+    }
+
+    /// Compile the DAG; an error names the strategies that made it.
+    pub fn compile(&self) -> Result<crate::compile::plan::Plan> {
+        compile(&self.dag).with_context(|| format!("compiling the plan of `{}`", self.strategies()))
+    }
+}
+
 /// Resolve config + flags, build the DAG, load and apply the strategies.
 pub fn prepare(args: &RunArgs) -> Result<Prepared> {
     prepare_with(args, 4)
@@ -520,7 +541,7 @@ fn plan(a: PlanArgs) -> Result<()> {
         return sim::compare(&a.run, &a.sim);
     }
     let p = prepare(&a.run)?;
-    let plan = compile(&p.dag).context("compiling the plan")?;
+    let plan = p.compile()?;
     if a.sim.simulate {
         let title = p
             .config

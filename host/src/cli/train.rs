@@ -4,7 +4,7 @@
 //! summary, and per-step metrics as JSON lines.
 
 use super::RunArgs;
-use crate::compile::{compile, human_bytes};
+use crate::compile::human_bytes;
 use crate::model::ModelConfig;
 use crate::runtime::checkpoint::{self, gpt2_entries, write_safetensors, Checkpoint};
 use crate::runtime::data::file::Width;
@@ -305,7 +305,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     let default_devices = 4;
     let p = super::prepare_with(&a.run, default_devices)?;
     let cfg = p.config.model_config()?;
-    let plan = compile(&p.dag).context("compiling the plan")?;
+    let plan = p.compile()?;
     // `--simulate`'s cluster checked before any training: a finished run is
     // never lost to a cluster file that does not parse or is too small.
     let sim_cluster = match a.simulate {

@@ -45,6 +45,8 @@ pub(super) struct Ctx<'a> {
     pub chunk: &'a [u8],
     pub nchunks: usize,
     pub placement: &'a [Option<(Vec<DeviceId>, Option<u32>)>],
+    /// Each segment's tensor-parallel degree (1: none).
+    pub tp: &'a [u32],
     /// Each node's device group, interned.
     pub groups: &'a Groups<'a>,
     /// Split dimensions and their sizes, outermost first.
@@ -252,8 +254,11 @@ struct Described<'a> {
     common: Arc<OpCommon>,
     /// The inputs every device reads (when `single_device_inputs`).
     inputs: Arc<[Input]>,
-    /// Expert- or tensor-parallel compute: the node's devices.
-    spread_group: Option<Arc<[u32]>>,
+    /// Expert- or tensor-parallel compute: the groups its devices exchange
+    /// in (one for experts; one per data-parallel replica for tensor
+    /// parallelism), and the group size.
+    spread_groups: Vec<Arc<[u32]>>,
+    spread_size: u32,
     /// Every effective predecessor (markers passed through) runs on exactly
     /// this node's devices, so each device reads the same `inputs`
     /// (otherwise each lists its own).
@@ -370,7 +375,17 @@ fn describe<'a>(
             param_bytes: cost.param_bytes,
         }),
         inputs,
-        spread_group: spread.map(|_| id_list(&n.devices)),
+        spread_groups: match spread {
+            Some(Spread::Tensor) => crate::dag::Node::tp_groups(&n.devices, n.tp_degree())
+                .map(id_list)
+                .collect(),
+            Some(Spread::Experts) => vec![id_list(&n.devices)],
+            None => Vec::new(),
+        },
+        spread_size: match spread {
+            Some(Spread::Tensor) => n.tp_degree(),
+            _ => n.devices.len() as u32,
+        },
         single_device_inputs,
         readers,
         groups,
@@ -410,9 +425,9 @@ fn zero_stage(cx: &Ctx<'_>, n: &Node) -> u8 {
         NodeKind::Marker => &[],
     };
     segs.iter()
-        .filter_map(|s| cx.placement[*s as usize].as_ref())
-        .filter(|(devs, _)| devs.len() > 1)
-        .filter_map(|(_, rep)| rep.map(|r| cx.dag.specs[r as usize].zero))
+        .filter_map(|s| Some((s, cx.placement[*s as usize].as_ref()?)))
+        .filter(|(s, (devs, _))| devs.len() as u32 / cx.tp[**s as usize] > 1)
+        .filter_map(|(_, (_, rep))| rep.map(|r| cx.dag.specs[r as usize].zero))
         .max()
         .unwrap_or(0)
 }
@@ -463,7 +478,7 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
                 TensorKind::Saved | TensorKind::Stash | TensorKind::Kept
             )
         {
-            let t = n.devices.len().max(1) as u64;
+            let t = n.tp_degree() as u64;
             b = b / 4 + (b - b / 4) / t;
         }
         let slot = &mut by_kind[tensor as usize];
@@ -903,11 +918,10 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             group: link.group,
             waits: waits_list,
             inputs,
-            // A tensor-parallel group runs one batch share.
-            replica: if desc.spread == Some(Spread::Tensor) {
-                0
-            } else {
-                i as u32
+            // A tensor-parallel group runs one batch share: its replica's.
+            replica: match desc.spread {
+                Some(Spread::Tensor) => i as u32 / desc.spread_size.max(1),
+                _ => i as u32,
             },
             out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
                 desc.readers.out_bytes
@@ -1082,8 +1096,10 @@ struct Link {
 /// The link of node `id`'s op on its `i`-th device `dev`.
 fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev: DeviceId) -> Link {
     let gbase = cx.pos_base[id.ix().index()];
+    // A tensor-parallel mesh meets in one group per replica.
+    let within = i / desc.spread_size.max(1) as usize;
     let (kind, key, need) = match desc.spread {
-        Some(_) => (Kind::Collective, gbase, n.devices.len() as u32),
+        Some(_) => (Kind::Collective, gbase + within as u32, desc.spread_size),
         None => (Kind::Local, 0, 0),
     };
     let mut l = Link {
@@ -1095,7 +1111,7 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
         need,
     };
     let NodeKind::Comm(cm) = &n.kind else {
-        l.group = desc.spread_group.clone();
+        l.group = desc.spread_groups.get(within).cloned();
         return l;
     };
     if cm.op.is_p2p() {

@@ -93,6 +93,12 @@ pub enum CompileError {
     SelfSend { node: String, device: u32 },
     #[error("the DAG has a cycle: {}", .0.join(" -> "))]
     Cycle(Vec<String>),
+    #[error("{} of the {cluster} devices run no compute: {} (the strategies use {busy}; a composition must place every device, or run with --devices {busy})", .idle.len(), idle_list(.idle))]
+    Idle {
+        idle: Vec<u32>,
+        busy: u32,
+        cluster: u32,
+    },
     #[error(transparent)]
     Deadlock(#[from] DeadlockError),
 }
@@ -108,6 +114,47 @@ pub fn compile(dag: &TrainingDag) -> Result<Plan, CompileError> {
     compile_synced(dag)
 }
 
+/// `devices 1, 3` or `devices 1, 3, 5, … (120 in all)`.
+fn idle_list(idle: &[u32]) -> String {
+    let shown: Vec<String> = idle.iter().take(8).map(|d| d.to_string()).collect();
+    match idle.len() {
+        1 => format!("device {}", shown[0]),
+        n if n <= 8 => format!("devices {}", shown.join(", ")),
+        n => format!("devices {}, … ({n} in all)", shown.join(", ")),
+    }
+}
+
+/// Every device of the cluster must run compute: a composition that
+/// leaves one idle dropped a strategy's effect or asked for more devices
+/// than it uses.
+fn check_busy(dag: &TrainingDag, groups: &groups::Groups) -> Result<(), CompileError> {
+    let cluster = dag.cluster_info().devices;
+    let mut busy = vec![false; cluster as usize];
+    // Each distinct group of compute nodes once.
+    let mut seen = vec![false; groups.lists.len()];
+    for i in dag.graph.node_indices() {
+        let gid = groups.of_node(i.index()) as usize;
+        if seen[gid] || !matches!(dag.graph[i].kind, NodeKind::Compute { .. }) {
+            continue;
+        }
+        seen[gid] = true;
+        for d in groups.lists[gid] {
+            if let Some(b) = busy.get_mut(d.0 as usize) {
+                *b = true;
+            }
+        }
+    }
+    let idle: Vec<u32> = (0..cluster).filter(|d| !busy[*d as usize]).collect();
+    if idle.is_empty() {
+        return Ok(());
+    }
+    Err(CompileError::Idle {
+        busy: cluster - idle.len() as u32,
+        idle,
+        cluster,
+    })
+}
+
 fn ids(devs: &[DeviceId]) -> Vec<u32> {
     devs.iter().map(|d| d.0).collect()
 }
@@ -116,6 +163,8 @@ fn ids(devs: &[DeviceId]) -> Vec<u32> {
 struct Segments {
     placement: Vec<Option<(Vec<DeviceId>, Option<u32>)>>,
     copies: Vec<Vec<(Vec<DeviceId>, Option<u32>)>>,
+    /// Each segment's tensor-parallel degree (1: none).
+    tp: Vec<u32>,
 }
 
 fn validate(
@@ -186,7 +235,8 @@ fn validate(
     if let Some(e) = nodes().find_first(|n| check(*n).is_some()).and_then(check) {
         return Err(e);
     }
-    validate_edges(dag, flat, groups, &segs.placement)
+    validate_edges(dag, flat, groups, &segs.placement)?;
+    check_busy(dag, groups)
 }
 
 /// A segment's compute nodes of one microbatch share one group; different
@@ -487,6 +537,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         || Segments {
             placement: dag.segment_placement(),
             copies: dag.segment_copies(),
+            tp: dag.segment_tp(),
         },
     );
     let (valid, order) = rayon::join(
@@ -522,6 +573,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         chunk: &chunk,
         nchunks,
         placement,
+        tp: &segs.tp,
         groups: &groups,
         split_sizes: &split_sizes,
         microbatches: split_sizes.iter().map(|(_, s)| *s).product(),
@@ -590,8 +642,9 @@ fn model_states(dag: &TrainingDag, segs: &Segments, ndev: usize) -> Vec<u64> {
             None => continue,
         };
         for (devs, rep) in &held_on {
-            let held = dag.held_elems(s as u32, placement);
-            let n = devs.len() as u64;
+            let held = dag.held_elems(s as u32, placement, &segs.tp);
+            // Sharded over the replicas: the mesh's tensor-parallel groups.
+            let n = (devs.len() as u64 / u64::from(segs.tp[s])).max(1);
             let zero = match rep {
                 Some(r) if n > 1 => dag.specs[*r as usize].zero,
                 _ => 0,

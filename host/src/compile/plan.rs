@@ -633,6 +633,12 @@ impl Plan {
                 };
                 ops.map(|op| match op.op {
                     OpKind::Send => op.bytes as f64,
+                    // A tensor-parallel pass sums over its group inside the op.
+                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI
+                        if op.spread == Some(Spread::Tensor) =>
+                    {
+                        2.0 * part(op)
+                    }
                     OpKind::AllReduce => 2.0 * part(op),
                     OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => part(op),
                     _ => 0.0,

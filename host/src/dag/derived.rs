@@ -64,6 +64,8 @@ type Sources = Vec<(Option<Vec<u32>>, NodeId)>;
 struct Rebuild {
     tweaks: HashMap<u64, Tweak>,
     placement: Vec<Placement>,
+    /// Each segment's tensor-parallel degree (1: none).
+    tp: Vec<u32>,
     copies: Vec<Vec<(Vec<DeviceId>, Option<u32>)>>,
     sources: Vec<Sources>,
     readers: Vec<Vec<NodeId>>,
@@ -100,6 +102,19 @@ impl TrainingDag {
         out.into_iter()
             .map(|s| s.flatten().map(|(d, r)| (d.to_vec(), r)))
             .collect()
+    }
+
+    /// Per segment, the tensor-parallel degree of its compute nodes (1
+    /// when none is split): its devices are meshes of groups that size.
+    pub(crate) fn segment_tp(&self) -> Vec<u32> {
+        let mut out = vec![1u32; self.segments().len()];
+        for n in self.graph.node_weights() {
+            if let NodeKind::Compute { segment, .. } = n.kind {
+                let t = &mut out[segment as usize];
+                *t = (*t).max(n.tp_degree());
+            }
+        }
+        out
     }
 
     /// Every distinct (group, replication) a segment's compute nodes run on,
@@ -177,29 +192,32 @@ impl TrainingDag {
         &self,
         seg: u32,
         placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+        tp: &[u32],
     ) -> u64 {
         match self.expert_elems(seg, placement) {
-            (all, spread) if spread > 1 => self.held_elems(seg, placement) - all / spread,
-            _ => self.held_elems(seg, placement),
+            (all, spread) if spread > 1 => self.held_elems(seg, placement, tp) - all / spread,
+            _ => self.held_elems(seg, placement, tp),
         }
     }
 
     /// Parameter elements a segment holds on each of its devices: its own
-    /// (of spread experts, this device's share), plus a copy of the tied
-    /// `wte` when it has the head but not the embedding's group.
+    /// (of spread experts, this device's share; of a tensor-parallel
+    /// segment, this device's slices, `tp` giving each segment's degree),
+    /// plus a copy of the tied `wte` when it has the head but not the
+    /// embedding's group.
     pub(crate) fn held_elems(
         &self,
         seg: u32,
         placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+        tp: &[u32],
     ) -> u64 {
         let s = &self.segments()[seg as usize];
         let (all, spread) = self.expert_elems(seg, placement);
         if spread > 1 {
             return s.param_elems - all + all / spread;
         }
-        // Tensor parallelism: a multi-device group without replication.
-        if let Some((devs, None)) = &placement[seg as usize] {
-            let t = devs.len() as u64;
+        {
+            let t = u64::from(tp.get(seg as usize).copied().unwrap_or(1));
             if t > 1 {
                 let held: u64 = crate::model::params::segment_entries(&self.model, s)
                     .iter()
@@ -376,6 +394,7 @@ impl TrainingDag {
     /// produces gradients of the embedding's bucket.
     fn gradient_flow(&self, tweaks: HashMap<u64, Tweak>) -> Rebuild {
         let placement = self.segment_placement();
+        let tp = self.segment_tp();
         let nseg = self.segments().len();
         let mut sources: Vec<Sources> = vec![Vec::new(); nseg];
         let mut readers: Vec<Vec<NodeId>> = vec![Vec::new(); nseg];
@@ -406,6 +425,7 @@ impl TrainingDag {
         Rebuild {
             tweaks,
             placement,
+            tp,
             copies,
             sources,
             readers,
@@ -423,7 +443,7 @@ impl TrainingDag {
 
     /// Bytes of segment `seg`'s gradients that its group synchronizes.
     fn grad_bytes(&self, seg: u32, r: &Rebuild) -> u64 {
-        self.synced_elems(seg, &r.placement) * DTYPE_BYTES
+        self.synced_elems(seg, &r.placement, &r.tp) * DTYPE_BYTES
     }
 
     /// Parameter copies: all-reduce each duplicated segment's gradients
@@ -581,7 +601,9 @@ impl TrainingDag {
             &r.tweaks,
         );
         let spec = rep.map(|x| self.specs[x as usize].clone());
-        let Some(spec) = spec.filter(|_| devs.len() > 1) else {
+        // The data-parallel replicas: the mesh's tensor-parallel groups.
+        let t = segs.iter().map(|s| r.tp[*s as usize]).max().unwrap_or(1);
+        let Some(spec) = spec.filter(|_| devs.len() as u32 / t > 1) else {
             for &s in &segs {
                 let b = self.grad_bytes(s, r);
                 for &(_, src) in &r.sources[s as usize] {
@@ -603,27 +625,29 @@ impl TrainingDag {
             acc += self.grad_bytes(s, r);
         }
         for bucket in buckets {
-            self.add_bucket_sync(r, &spec, &devs, update, bucket);
+            self.add_bucket_sync(r, &spec, (&devs, t), update, bucket);
         }
         if spec.zero == 3 {
-            self.add_param_gathers(r, &spec, &devs, &segs);
+            self.add_param_gathers(r, &spec, (&devs, t), &segs);
         }
     }
 
     /// One bucket's gradient reduction into `update` (an all-reduce, or a
     /// reduce-scatter under ZeRO: once after the last microbatch at stage 1,
     /// per microbatch from stage 2), and at stages 1 and 2 the all-gather
-    /// of the updated shards.
+    /// of the updated shards. `mesh` is the update's devices and their
+    /// tensor-parallel degree: each tensor-parallel rank reduces over its
+    /// own data-parallel group.
     fn add_bucket_sync(
         &mut self,
         r: &Rebuild,
         spec: &ReplicaSpec,
-        devs: &[DeviceId],
+        (devs, t): (&[DeviceId], u32),
         update: NodeId,
         bucket: Vec<u32>,
     ) {
-        let n = devs.len() as u64;
-        let groups = vec![devs.to_vec()];
+        let n = (devs.len() as u32 / t).max(1) as u64;
+        let groups = Node::dp_groups(devs, t);
         let bytes: u64 = bucket.iter().map(|s| self.grad_bytes(*s, r)).sum();
         let tags = self.region_tags(bucket[0]);
         let op = if spec.zero == 0 {
@@ -732,10 +756,10 @@ impl TrainingDag {
         &mut self,
         r: &Rebuild,
         spec: &ReplicaSpec,
-        devs: &[DeviceId],
+        (devs, t): (&[DeviceId], u32),
         segs: &[u32],
     ) {
-        let groups = vec![devs.to_vec()];
+        let groups = Node::dp_groups(devs, t);
         let mut split_key: Vec<u32> = Vec::new();
         for &s in segs {
             let bytes = self.grad_bytes(s, r);

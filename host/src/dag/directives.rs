@@ -8,7 +8,7 @@ use super::error::{list, quote, DagError, DagErrorKind};
 use super::filter::{Filter, Label};
 use super::{
     Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
-    ReplicaSpec, StreamId, TensorKind, TrainingDag,
+    ReplicaSpec, StreamId, TensorKind, TensorParallel, TrainingDag,
 };
 use foldhash::{HashSet, HashSetExt};
 use petgraph::visit::{EdgeIndexable, EdgeRef, IntoEdgeReferences, NodeIndexable};
@@ -445,6 +445,23 @@ impl TrainingDag {
         );
         let (devs, compute) = self.devices_and_compute(f, devices, stream, &call)?;
         self.charge_rewire(&call, &compute, devs.len())?;
+        // A tensor-parallel mesh moves whole, device for device.
+        if let Some(id) = compute.iter().find(|id| {
+            let n = &self.graph[id.ix()];
+            n.tensor_parallel.is_some() && n.devices.len() != devs.len()
+        }) {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "{} is tensor-parallel on {} devices {}: place moves its groups whole, so give {} devices (got {})",
+                    self.label(*id),
+                    self.graph[id.ix()].devices.len(),
+                    self.devices_label(*id),
+                    self.graph[id.ix()].devices.len(),
+                    devs.len()
+                )),
+            ));
+        }
         let s = self.stream_id(stream);
         for &id in &compute {
             self.graph[id.ix()].devices = devs.clone();
@@ -488,7 +505,9 @@ impl TrainingDag {
     /// ZeRO-2 reduce-scatters every microbatch's gradients, ZeRO-3 also shards
     /// the parameters and all-gathers them on `gather_stream` before every
     /// forward and backward use. A segment's forward and backward must be
-    /// matched together.
+    /// matched together. On tensor-parallel nodes, `devices` gives one
+    /// device per replica: replica i's group has the node's group's shape
+    /// from `devices[i]` (see [`shard_tensor`](Self::shard_tensor)).
     pub fn replicate(
         &mut self,
         f: &Filter,
@@ -538,11 +557,26 @@ impl TrainingDag {
                 (self.specs.len() - 1) as u32
             }
         };
+        // A tensor-parallel node keeps its group's shape on every replica:
+        // replica i's group starts at `devices[i]`.
+        let meshes = compute
+            .iter()
+            .map(|&id| {
+                let n = &self.graph[id.ix()];
+                match n.tensor_parallel {
+                    Some(tp) => {
+                        let first = &n.devices[..(tp.degree as usize).min(n.devices.len())];
+                        self.lay_mesh(id, &devs, first, &call)
+                    }
+                    None => Ok(devs.clone()),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         // Pipeline transfers keep the stream they were placed with.
         let p2p_stream = self.tied_stream;
-        for &id in &compute {
+        for (&id, mesh) in compute.iter().zip(meshes) {
             let n = &mut self.graph[id.ix()];
-            n.devices = devs.clone();
+            n.devices = mesh;
             n.replica = Some(rep);
         }
         for &id in &compute {
@@ -550,6 +584,57 @@ impl TrainingDag {
         }
         self.touch();
         Ok(())
+    }
+
+    /// The devices of node `id` as a message shows them.
+    fn devices_label(&self, id: NodeId) -> String {
+        let d: Vec<u32> = self.graph[id.ix()].devices.iter().map(|d| d.0).collect();
+        devices_str(&d)
+    }
+
+    /// A device mesh for node `id`: the shape of `group` (each device's
+    /// distance from its first) laid on every device of `bases`, base by
+    /// base (`bases` [0, 4] × `group` [0, 1] = [0, 1, 4, 5]). Every device
+    /// must exist and appear once.
+    fn lay_mesh(
+        &self,
+        id: NodeId,
+        bases: &[DeviceId],
+        group: &[DeviceId],
+        call: &str,
+    ) -> Result<Vec<DeviceId>, DagError> {
+        let cluster = self.cluster_info().devices;
+        let first = group.first().map_or(0, |d| i64::from(d.0));
+        let size = bases.len().saturating_mul(group.len());
+        self.charge(call, size as u64)?;
+        let mut mesh = Vec::with_capacity(size);
+        let mut seen = HashSet::with_capacity(size);
+        let b: Vec<u32> = bases.iter().map(|d| d.0).collect();
+        let g: Vec<u32> = group.iter().map(|d| d.0).collect();
+        for base in bases {
+            for d in group {
+                let at = i64::from(base.0) + i64::from(d.0) - first;
+                let fits = u32::try_from(at).ok().filter(|a| *a < cluster);
+                let Some(at) = fits.filter(|a| seen.insert(*a)) else {
+                    let why = match fits {
+                        None => format!("device {at} does not exist, the cluster has {cluster}"),
+                        Some(_) => format!("device {at} twice"),
+                    };
+                    return Err(DagError::new(
+                        call.to_string(),
+                        DagErrorKind::InvalidArgument(format!(
+                            "{}: the tensor-parallel group {} laid on each data-parallel replica {} gives {why}: the replicas need {} devices apart (dp × tp must fit the {cluster} devices)",
+                            self.label(id),
+                            devices_str(&g),
+                            devices_str(&b),
+                            g.len()
+                        )),
+                    ));
+                };
+                mesh.push(DeviceId(at));
+            }
+        }
+        Ok(mesh)
     }
 
     /// Forward and backward of one segment and microbatch go together: a
@@ -857,11 +942,17 @@ impl TrainingDag {
     /// the gradients of the layernorm outputs that feed the column-parallel
     /// layers (`f`'s backward). Layernorms, the row-parallel biases, the
     /// embedding and the head run replicated. The heads and `4·d_model`
-    /// must divide by the degree. Data parallelism over tensor-parallel
-    /// groups is not supported yet (the nodes must not be replicated).
-    /// `stream` names where the reductions belong (today they run inside
-    /// the compute op; see docs/design-notes.md). A pipeline applied after
-    /// moves the group as `place` does.
+    /// must divide by the degree.
+    ///
+    /// Composes with data parallelism in either order, as a device mesh:
+    /// on nodes `replicate` already spread over `R`, the group's shape is
+    /// laid on every replica (`R` = [0, 4], `devices` = [0, 1]: groups
+    /// [0, 1] and [4, 5]); `replicate` after `shard-tensor` does the same
+    /// with the node's group. Gradients are then reduced (or ZeRO-sharded)
+    /// over the data-parallel group of each tensor-parallel rank ([0, 4]
+    /// and [1, 5]). `stream` names where the reductions belong (today they
+    /// run inside the compute op; see docs/design-notes.md). A pipeline
+    /// applied after moves the groups as `place` does.
     pub fn shard_tensor(
         &mut self,
         f: &Filter,
@@ -896,22 +987,38 @@ impl TrainingDag {
                 self.label(*id)
             ));
         }
-        if let Some(id) = compute
-            .iter()
-            .find(|id| self.graph[id.ix()].replica.is_some())
-        {
+        if let Some(id) = compute.iter().find(|id| {
+            let node = &self.graph[id.ix()];
+            node.replica.is_some() && node.tensor_parallel.is_some()
+        }) {
             return invalid(format!(
-                "{} is data-parallel (replicated); data parallelism over tensor-parallel groups is not supported yet: shard-tensor without `dp`",
-                self.label(*id)
+                "{} is already tensor-parallel over its replicas' groups {}: shard-tensor it once",
+                self.label(*id),
+                self.devices_label(*id)
             ));
         }
         self.check_paired(&call, &compute)?;
+        // A replicated node gets the group's shape on every replica: its
+        // replica on device r runs on `r + (d − devices[0])` for each d.
+        let meshes = compute
+            .iter()
+            .map(|&id| {
+                let node = &self.graph[id.ix()];
+                match node.replica {
+                    Some(_) => self.lay_mesh(id, &node.devices, &devs, &call),
+                    None => Ok(devs.clone()),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let s = self.stream_id(stream);
         let p2p_stream = self.tied_stream;
-        for &id in &compute {
+        for (&id, mesh) in compute.iter().zip(meshes) {
             let node = &mut self.graph[id.ix()];
-            node.devices = devs.clone();
-            node.tensor_parallel = (n > 1).then_some(s);
+            node.devices = mesh;
+            node.tensor_parallel = (n > 1).then_some(TensorParallel {
+                stream: s,
+                degree: n,
+            });
         }
         for &id in &compute {
             self.rewire_p2p(id, p2p_stream);

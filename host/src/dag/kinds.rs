@@ -328,10 +328,11 @@ pub struct Node {
     pub batch_div: u32,
     /// Replication spec (index into the DAG's specs) for compute nodes.
     pub replica: Option<u32>,
-    /// `shard-tensor`: the node's devices are one tensor-parallel group (each
-    /// runs the whole batch share on its slice of the heads and MLP units);
-    /// the stream named is where its reductions belong.
-    pub tensor_parallel: Option<StreamId>,
+    /// `shard-tensor`: the node's devices are tensor-parallel groups of
+    /// `degree` consecutive devices (each runs its replica's batch share on
+    /// its slice of the heads and MLP units); the stream named is where
+    /// their reductions belong. See [`Node::tp_groups`].
+    pub tensor_parallel: Option<TensorParallel>,
     /// Identity of a derived node across rebuilds; `None` for core nodes.
     pub(crate) derived: Option<u64>,
     /// A strategy changed this derived node (stream, priority, temporal edge):
@@ -339,7 +340,45 @@ pub struct Node {
     pub(crate) tweaked: bool,
 }
 
+/// A node's tensor parallelism (`shard-tensor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorParallel {
+    /// Where the group's reductions belong.
+    pub stream: StreamId,
+    /// Devices per tensor-parallel group.
+    pub degree: u32,
+}
+
 impl Node {
+    /// Devices per tensor-parallel group (1 when not tensor-parallel).
+    pub fn tp_degree(&self) -> u32 {
+        self.tensor_parallel.map_or(1, |t| t.degree.max(1))
+    }
+
+    /// Data-parallel replicas: the device list holds this many
+    /// tensor-parallel groups one after the other (one device each when
+    /// not tensor-parallel).
+    pub fn replicas(&self) -> u32 {
+        (self.devices.len() as u32 / self.tp_degree()).max(1)
+    }
+
+    /// The device mesh of a node on `devices` with tensor-parallel degree
+    /// `t`: replica `i`'s group is `devices[i·t .. (i+1)·t]`; the
+    /// data-parallel group of tensor-parallel rank `j` is every `t`-th
+    /// device from `j`.
+    pub fn tp_groups(devices: &[DeviceId], t: u32) -> impl Iterator<Item = &[DeviceId]> {
+        devices.chunks(t.max(1) as usize)
+    }
+
+    /// The data-parallel groups of a mesh (see [`Node::tp_groups`]): one
+    /// per tensor-parallel rank.
+    pub fn dp_groups(devices: &[DeviceId], t: u32) -> Vec<Vec<DeviceId>> {
+        let t = t.max(1) as usize;
+        (0..t.min(devices.len()))
+            .map(|j| devices.iter().skip(j).step_by(t).copied().collect())
+            .collect()
+    }
+
     /// A core node at priority 0, unreplicated, not tensor-parallel.
     pub(crate) fn new(
         kind: NodeKind,

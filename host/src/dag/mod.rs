@@ -278,11 +278,7 @@ impl TrainingDag {
     pub fn batch_share_div(&self, id: NodeId) -> u64 {
         let n = &self.graph[id.ix()];
         // A tensor-parallel group runs one batch share together.
-        let replicas = match n.tensor_parallel {
-            Some(_) => 1,
-            None => n.devices.len().max(1) as u64,
-        };
-        n.batch_div as u64 * replicas
+        n.batch_div as u64 * n.replicas() as u64
     }
 
     /// A JSON snapshot of the DAG for debugging (derived nodes brought up to date first).

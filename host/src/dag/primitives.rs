@@ -566,10 +566,7 @@ impl TrainingDag {
                 }
                 // Tensor parallelism splits a segment's FLOPs over its group
                 // (layernorms and the embedding, replicated, are small).
-                let tp = match n.tensor_parallel {
-                    Some(_) => n.devices.len().max(1) as f64,
-                    None => 1.0,
-                };
+                let tp = n.tp_degree() as f64;
                 NodeCost {
                     flops: flops / div as f64 / tp,
                     param_bytes: (seg.param_elems + seg.tied_elems) * DTYPE_BYTES,

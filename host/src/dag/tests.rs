@@ -372,13 +372,13 @@ fn shard_errors_name_the_numbers_and_leave_the_dag_unchanged() {
 
 #[test]
 fn shard_tensor_splits_the_group_and_names_bad_degrees() {
-    let mut dag = tiny(4);
-    dag.shard_tensor(&Filter::all(), &[0, 2], "tp").unwrap();
+    let mut dag = tiny(2);
+    dag.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
     // One batch share per group: the forward runs the whole batch on each
     // member, half of its FLOPs.
     let f = &dag.query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0];
     let alone = tiny(1).query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0].clone();
-    assert_eq!(f.devices, vec![0, 2]);
+    assert_eq!(f.devices, vec![0, 1]);
     assert_eq!(f.cost.act_in_bytes, alone.cost.act_in_bytes);
     assert!((f.cost.flops - alone.cost.flops / 2.0).abs() < 1e-6 * alone.cost.flops);
     let plan = crate::compile::compile(&dag).unwrap();
@@ -394,17 +394,88 @@ fn shard_tensor_splits_the_group_and_names_bad_degrees() {
         "needs the heads (4) and the MLP width 4·d_model (256) to divide by 3",
         |d| d.shard_tensor(&Filter::all(), &[0, 1, 2], "tp"),
     );
-    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+    // Replicas two devices apart have no room for a group of three.
+    dag.replicate(&Filter::all(), &[0, 2], &ReplicateOptions::default())
         .unwrap();
-    fails_unchanged(
-        &mut dag,
-        "data parallelism over tensor-parallel groups",
-        |d| d.shard_tensor(&Filter::all(), &[0, 1], "tp"),
-    );
+    fails_unchanged(&mut dag, "gives device 2 twice", |d| {
+        d.shard_tensor(&Filter::all(), &[0, 1, 2, 3], "tp")
+    });
     let mut dag = tiny_moe(2, 4);
     fails_unchanged(&mut dag, "is an expert segment", |d| {
         d.shard_tensor(&Filter::all(), &[0, 1], "tp")
     });
+}
+
+#[test]
+fn data_and_tensor_parallelism_make_one_mesh_in_either_order() {
+    // dp over [0, 2] then tp over [0, 1], and the other way round: each
+    // replica's group is the tensor-parallel shape from its device.
+    let meshes: Vec<TrainingDag> = [true, false]
+        .into_iter()
+        .map(|dp_first| {
+            let mut dag = tiny(4);
+            let rep = ReplicateOptions::zero(1);
+            if dp_first {
+                dag.replicate(&Filter::all(), &[0, 2], &rep).unwrap();
+                dag.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
+            } else {
+                dag.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
+                dag.replicate(&Filter::all(), &[0, 2], &rep).unwrap();
+            }
+            dag
+        })
+        .collect();
+    for mut dag in meshes {
+        let f = &dag.query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0];
+        assert_eq!(f.devices, vec![0, 1, 2, 3]);
+        // Each device runs half the batch (two replicas) on half the heads.
+        let alone = tiny(1).query(&"{PP:1,PASS:F}".parse().unwrap()).unwrap()[0].clone();
+        assert!((f.cost.flops - alone.cost.flops / 4.0).abs() < 1e-6 * alone.cost.flops);
+        dag.snapshot();
+        let plan = crate::compile::compile(&dag).unwrap();
+        for d in &plan.devices {
+            let ops: Vec<_> = d.streams.iter().flat_map(|s| &s.ops).collect();
+            // The tensor-parallel pass meets its replica's group; the
+            // ZeRO reduction the same rank of the other replica.
+            let tp_group: Vec<u32> = if d.device < 2 { vec![0, 1] } else { vec![2, 3] };
+            let dp_group = [d.device % 2, d.device % 2 + 2];
+            let f = ops
+                .iter()
+                .find(|o| o.op == crate::compile::OpKind::F)
+                .unwrap();
+            assert_eq!(
+                f.group.as_deref(),
+                Some(&tp_group[..]),
+                "device {}",
+                d.device
+            );
+            assert_eq!(f.replica, d.device / 2);
+            let rs = ops
+                .iter()
+                .find(|o| o.op == crate::compile::OpKind::ReduceScatter)
+                .unwrap();
+            assert_eq!(
+                rs.group.as_deref(),
+                Some(&dp_group[..]),
+                "device {}",
+                d.device
+            );
+        }
+    }
+    // A pipeline after the mesh keeps its groups, shifted whole.
+    let mut dag = tiny(8);
+    dag.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
+    dag.replicate(&Filter::all(), &[0, 4], &ReplicateOptions::default())
+        .unwrap();
+    fails_unchanged(
+        &mut dag,
+        "place moves its groups whole, so give 4 devices",
+        |d| d.place(&Filter::tag("PP", 7), &[2, 3], "pp"),
+    );
+    dag.place(&Filter::tag("PP", 7), &[2, 3, 6, 7], "pp")
+        .unwrap();
+    dag.snapshot();
+    crate::compile::compile(&dag).unwrap();
 }
 
 #[test]

@@ -301,13 +301,13 @@ impl<B: Backend> Device<B> {
                     params.insert(id, b.upload(mine).map_err(setup)?);
                 }
                 // Replicated tensors count in the norm on their first
-                // replica (tensor-parallel rank 0); spread experts and
-                // tensor-parallel slices on every device holding them.
+                // replica (of a tensor-parallel mesh, rank 0 of the first
+                // replica's group); spread experts and tensor-parallel
+                // slices on every device holding them (of the first replica).
+                let first_replica = replica.get(&s) == Some(&0);
                 let first = match tp_rank {
-                    Some(r) => r == 0 || p.piece.is_some(),
-                    None => {
-                        replica.get(&s) == Some(&0) || (spread && table.expert_of(id).is_some())
-                    }
+                    Some(r) => first_replica && (r == 0 || p.piece.is_some()),
+                    None => first_replica || (spread && table.expert_of(id).is_some()),
                 };
                 if let Some(pc) = p.piece {
                     tp_pieces.insert(id, pc);

@@ -200,6 +200,48 @@ pub(crate) struct Shard {
     pub values: Vec<f32>,
 }
 
+/// A bucket's shard (`values`, its layout's `b.shard`) as pieces of the
+/// full tensors it covers, one shard per tensor: the part of a
+/// tensor-parallel slice maps onto the ranges of the full tensor the slice
+/// holds, so the pieces of every rank's buckets fit together.
+fn tensor_shards<B: Backend>(
+    b: &Bucket<B>,
+    values: &[f32],
+    tp_pieces: &ParamMap<super::device::TpPiece>,
+) -> Vec<Shard> {
+    let mut out = Vec::new();
+    let lens: HashMap<ParamId, usize> = b.names.iter().copied().collect();
+    for (n, in_tensor, in_shard) in b.pieces() {
+        let vals = &values[in_shard];
+        let Some(piece) = tp_pieces.get(n) else {
+            let len = lens.get(&n).copied().unwrap_or(in_tensor.end);
+            out.push(Shard {
+                names: vec![(n, len)],
+                total: len,
+                range: in_tensor,
+                values: vals.to_vec(),
+            });
+            continue;
+        };
+        // The slice's values run through `piece.ranges` in order.
+        let mut at = 0;
+        for r in &piece.ranges {
+            let (lo, hi) = (in_tensor.start.max(at), in_tensor.end.min(at + r.len()));
+            if lo < hi {
+                let from = lo - in_tensor.start;
+                out.push(Shard {
+                    names: vec![(n, piece.total)],
+                    total: piece.total,
+                    range: r.start + (lo - at)..r.start + (hi - at),
+                    values: vals[from..from + (hi - lo)].to_vec(),
+                });
+            }
+            at += r.len();
+        }
+    }
+    out
+}
+
 /// Put full tensors back together from the shards of every device (the
 /// first device holding a range wins; the union of a group's ranges is the
 /// whole layout).
@@ -242,12 +284,7 @@ impl<B: Backend> Device<B> {
                 .b
                 .download(t)
                 .map_err(|e| self.read_error("a ZeRO shard", e))?;
-            out.push(Shard {
-                names: b.names.clone(),
-                total: b.total,
-                range: b.shard.clone(),
-                values,
-            });
+            out.extend(tensor_shards(b, &values, &self.tp_pieces));
         }
         Ok(out)
     }
@@ -260,14 +297,19 @@ impl<B: Backend> Device<B> {
             let flat = |t: &ParamMap<Vec<f32>>, what: &str| -> Result<Vec<f32>, RuntimeError> {
                 let mut v = Vec::with_capacity(b.total);
                 for (n, len) in &b.names {
-                    let x = t.get(*n).filter(|x| x.len() == *len).ok_or_else(|| {
+                    // A tensor-parallel slice is cut from the full tensor.
+                    let total = self.tp_pieces.get(*n).map_or(*len, |p| p.total);
+                    let x = t.get(*n).filter(|x| x.len() == total).ok_or_else(|| {
                         RuntimeError::Plan(format!(
-                            "the checkpoint has no {what} `{}` of {len} values for device {}",
+                            "the checkpoint has no {what} `{}` of {total} values for device {}",
                             self.table.name(*n),
                             self.id
                         ))
                     })?;
-                    v.extend_from_slice(x);
+                    match self.tp_pieces.get(*n) {
+                        Some(p) => v.extend(p.take(x)),
+                        None => v.extend_from_slice(x),
+                    }
                 }
                 Ok(v[b.shard.clone()].to_vec())
             };
@@ -309,8 +351,15 @@ pub(super) fn norm_sq<B: Backend>(
         .collect();
     for (b, cut) in buckets.iter().zip(&cut) {
         let flat = cut.as_ref().unwrap_or(&b.grad);
+        // Of a tensor-parallel mesh, a tensor every rank holds whole is
+        // counted by rank 0's data-parallel group only.
+        let tp_rank = b.segments.iter().find_map(|s| dev.spreads.tensor.get(s));
+        let whole_elsewhere = tp_rank.is_some_and(|(_, r)| *r != 0);
         for (n, _, in_shard) in b.pieces() {
             if n == dev.table.wte && !dev.has_embedding {
+                continue;
+            }
+            if whole_elsewhere && !dev.tp_pieces.contains(n) {
                 continue;
             }
             pieces.push((flat, in_shard));

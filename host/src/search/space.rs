@@ -363,20 +363,18 @@ pub fn enumerate(
     for (rep, rep_shape) in &replicate {
         let dp = rep_shape.map(|s| s.0);
         let rest = dp.map(|d| devices / d);
-        // Tensor parallelism inside a node; not with data parallelism yet,
-        // nor on expert segments.
+        // Tensor parallelism inside a node and inside each data-parallel
+        // replica's devices (the mesh: tp × pp × dp); not on expert segments.
         let mut tensor: Vec<(Option<Step>, Option<u32>)> = vec![(None, Some(1))];
-        if bundled && !moe && dp == Some(1) {
-            for t in divisors(devices) {
-                let fits = t <= per_node && model.tensor_split(t).is_ok();
+        if bundled && !moe {
+            for t in divisors(rest.unwrap_or(devices)) {
+                let fits = t > 1 && t <= per_node && model.tensor_split(t).is_ok();
                 if fits {
                     tensor.push((Some(Step::new("tp", &[("tp", t.to_string())])), Some(t)));
                 }
             }
         }
-        if dp == Some(1) || dp.is_none() {
-            tensor.extend(user(Role::Tensor).into_iter().map(|s| (Some(s), None)));
-        }
+        tensor.extend(user(Role::Tensor).into_iter().map(|s| (Some(s), None)));
         for (tp_step, tp) in &tensor {
             let positions = match (rest, tp) {
                 (Some(r), Some(t)) if r % t == 0 => Some(r / t),
@@ -640,8 +638,16 @@ mod tests {
                 "{want} missing: {labels:?}"
             );
         }
-        // Not with dp yet; degrees divide the devices; no duplicates.
-        assert!(!labels.iter().any(|l| l.contains("dp=2+tp")));
+        // With data parallelism (the mesh), inside each replica's devices;
+        // degrees divide the devices; no duplicates.
+        for want in [
+            "dp:degree=2+tp:tp=2",
+            "zero:stage=3,dp=2+tp:tp=2",
+            "zero:stage=1,dp=2+tp:tp=2",
+        ] {
+            assert!(labels.contains(&want.to_string()), "{want} missing");
+        }
+        assert!(!labels.iter().any(|l| l.contains("dp=2+tp:tp=4")));
         assert!(!labels.iter().any(|l| l.contains("dp=3")));
         let mut sorted = labels.clone();
         sorted.sort();

@@ -408,7 +408,13 @@ pub fn summary_rows(sim: &Simulation, capacity: Option<f64>) -> Vec<[String; 6]>
                     format!("{} ({})", human_time(exposed), detail.join(", "))
                 },
                 human_bytes(s.peak_bytes),
-                fits(s.peak_bytes, capacity),
+                // A device with nothing to do is not a fit: the plan
+                // leaves it idle (the compiler refuses such plans).
+                if s.busy > 0.0 {
+                    fits(s.peak_bytes, capacity)
+                } else {
+                    "idle".into()
+                },
             ]
         })
         .collect()

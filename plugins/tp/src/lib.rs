@@ -1,13 +1,15 @@
 //! `tp`: tensor parallelism (Megatron). Every segment runs on a group of
-//! `tp` devices, each with `1/tp` of the attention heads and MLP units; the
-//! row-parallel outputs and the input gradients of the column-parallel
-//! layers are summed over the group. Devices are spread as `dp` spreads
-//! them (`tp=2` on 4 devices: [0, 2]), so a pipeline applied next puts
-//! stage s on the group shifted by s. Dense segments only (experts: `ep`);
-//! not combined with `dp` yet.
+//! `tp` consecutive devices (inside a node: `tp=2` is [0, 1]), each with
+//! `1/tp` of the attention heads and MLP units; the row-parallel outputs
+//! and the input gradients of the column-parallel layers are summed over
+//! the group. Composes with `dp` and `zero` in either order (each replica
+//! gets its own group, gradients are reduced over each rank's replicas)
+//! and with a pipeline applied after it (stage s on the groups shifted by
+//! s·tp): the device mesh of `piper_sdk::mesh`. Dense segments only
+//! (experts: `ep`).
 
 use piper_sdk::{
-    export_strategy, strided_group, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,
+    export_strategy, mesh, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,
 };
 
 pub struct TensorParallel;
@@ -22,7 +24,7 @@ impl Strategy for TensorParallel {
         .option(OptionSpec::int(
             "tp",
             None,
-            "tensor-parallel degree (default: every device)",
+            "tensor-parallel degree (default: every device of a data-parallel replica)",
         ))
         .option(OptionSpec::str(
             "stream",
@@ -33,8 +35,12 @@ impl Strategy for TensorParallel {
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
         let devices = dag.cluster().devices;
-        let degree = options.u32("tp")?.unwrap_or(devices);
-        let group = strided_group("tp", "tp", degree, devices)?;
+        // 1. The model on one group (data parallelism before is fine).
+        let replicas = mesh::model_group(dag, "tp")?.map_or(1, |g| g.len() as u32);
+        let degree = options.u32("tp")?.unwrap_or(devices / replicas.max(1));
+        // 2. Heads and MLP units over `degree` consecutive devices, laid on
+        //    every data-parallel replica by the host.
+        let group = mesh::contiguous_group("tp", "tp", degree, devices)?;
         let stream = options.str("stream")?.unwrap_or("tp");
         dag.shard_tensor(&Filter::all(), &group, stream)?;
         Ok(())

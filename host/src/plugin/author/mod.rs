@@ -62,6 +62,7 @@ pub(crate) mod embedded {
             include_str!("../../../../sdk/src/filter.rs"),
         ),
         ("src/info.rs", include_str!("../../../../sdk/src/info.rs")),
+        ("src/mesh.rs", include_str!("../../../../sdk/src/mesh.rs")),
         (
             "src/recompute.rs",
             include_str!("../../../../sdk/src/recompute.rs"),

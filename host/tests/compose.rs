@@ -1,0 +1,305 @@
+//! Layouts people train with, composed from the bundled plugins on one
+//! device mesh (tensor parallelism contiguous, then pipeline positions,
+//! then data-parallel replicas): each trains to one device's losses with
+//! every device at work, or is refused naming what conflicts. No
+//! composition leaves a device idle without an error.
+
+use piper::compile::plan::{OpKind, Spread};
+use piper::plugin::{PluginHost, SandboxLimits};
+use piper::runtime::{Corpus, TrainOptions, Trainer};
+
+use common::{assert_same_training, one_device, plan_with, small, train, Strategy};
+
+mod common;
+
+/// `small` with 4 heads, so tensor parallelism of 2 divides them.
+fn four_heads() -> piper::model::ModelConfig {
+    piper::model::ModelConfig {
+        heads: 4,
+        ..small()
+    }
+}
+
+/// Every device of `plan` runs compute, each tensor-parallel pass meets a
+/// group of `tp` devices, and gradients are reduced over groups of `dp`.
+fn assert_mesh(name: &str, plan: &piper::compile::Plan, tp: usize, dp: usize) {
+    for d in &plan.devices {
+        let ops: Vec<_> = d.streams.iter().flat_map(|s| &s.ops).collect();
+        assert!(
+            ops.iter().any(|o| o.op.is_compute()),
+            "{name}: device {} runs no compute",
+            d.device
+        );
+        for o in ops.iter().filter(|o| o.spread == Some(Spread::Tensor)) {
+            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(tp), "{name}");
+        }
+        let syncs = ops.iter().filter(|o| {
+            matches!(o.op, OpKind::AllReduce | OpKind::ReduceScatter)
+                && o.purpose == Some(piper::compile::plan::CommPurpose::GradSync)
+        });
+        for o in syncs {
+            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(dp), "{name}");
+        }
+    }
+}
+
+#[test]
+fn data_and_tensor_parallelism_compose_with_pipelines_at_one_devices_losses() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = four_heads();
+    let base = one_device(&host, &cfg, steps);
+    let cases: [(&str, u32, usize, usize, Strategy); 6] = [
+        (
+            "dp×tp",
+            4,
+            2,
+            2,
+            &[("dp", &[("degree", "2")]), ("tp", &[("tp", "2")])],
+        ),
+        (
+            "tp×dp",
+            4,
+            2,
+            2,
+            &[("tp", &[("tp", "2")]), ("dp", &[("degree", "2")])],
+        ),
+        (
+            "zero2×tp",
+            4,
+            2,
+            2,
+            &[
+                ("zero", &[("stage", "2"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+            ],
+        ),
+        (
+            "zero3×tp",
+            4,
+            2,
+            2,
+            &[
+                ("tp", &[("tp", "2")]),
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+            ],
+        ),
+        // Megatron's 3D layout: dp 2 × tp 2 × pp 2.
+        (
+            "zero1×tp×1f1b",
+            8,
+            2,
+            2,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero1×tp×interleaved",
+            8,
+            2,
+            2,
+            &[
+                ("tp", &[("tp", "2")]),
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                (
+                    "interleaved-1f1b",
+                    &[("virtual", "2"), ("microbatches", "4")],
+                ),
+            ],
+        ),
+    ];
+    for (name, devices, tp, dp, strategy) in cases {
+        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+        assert_mesh(name, &plan, tp, dp);
+        let run = train(&host, &cfg, devices, strategy, steps);
+        assert_same_training(name, &run, &base);
+    }
+}
+
+#[test]
+fn the_llama_family_trains_on_a_3d_mesh_at_one_devices_losses() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let steps = 10;
+    let cfg = piper::model::ModelConfig {
+        name: "small-llama".into(),
+        heads: 4,
+        family: piper::model::Family::Llama,
+        kv_heads: Some(2),
+        intermediate: Some(88),
+        qk_norm: true,
+        norm_eps: Some(1e-6),
+        ..small()
+    };
+    let base = one_device(&host, &cfg, steps);
+    let strategy: Strategy = &[
+        ("tp", &[("tp", "2")]),
+        ("zero", &[("stage", "3"), ("dp", "2")]),
+        ("1f1b", &[("microbatches", "4")]),
+    ];
+    let plan = plan_with(&host, &cfg, 8, strategy).unwrap();
+    assert_mesh("llama zero3×tp×1f1b", &plan, 2, 2);
+    let run = train(&host, &cfg, 8, strategy, steps);
+    assert_same_training("llama zero3×tp×1f1b", &run, &base);
+}
+
+/// Step-1 gradients put back together from every device's ZeRO shards of
+/// its tensor-parallel slices are one device's, every parameter present.
+#[test]
+fn step1_gradients_of_zero_over_tensor_parallel_groups_match_one_device() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = four_heads();
+    let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
+    let grads = |devices: u32, strategy: Strategy| {
+        let opts = TrainOptions {
+            capture_grads: true,
+            ..Default::default()
+        };
+        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+        let mut t = Trainer::new(&cfg, plan, opts).unwrap();
+        t.step(&batch).unwrap();
+        (t.last_grads().unwrap(), t.params().unwrap())
+    };
+    let (base, params) = grads(1, &[("1f1b", &[("stages", "1"), ("microbatches", "1")])]);
+    for (name, devices, strategy) in [
+        (
+            "zero1×tp×1f1b",
+            8u32,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")][..]),
+                ("tp", &[("tp", "2")][..]),
+                ("1f1b", &[("microbatches", "4")][..]),
+            ][..],
+        ),
+        (
+            "zero3×tp",
+            4,
+            &[("tp", &[("tp", "2")][..]), ("zero", &[("stage", "3")][..])][..],
+        ),
+    ] {
+        let (g, p) = grads(devices, strategy);
+        assert_eq!(
+            g.keys().collect::<Vec<_>>(),
+            params.keys().collect::<Vec<_>>(),
+            "{name}: every parameter has a gradient"
+        );
+        for (n, want) in &base {
+            let (got, pw, pb) = (&g[n], &p[n], &params[n]);
+            // The stepped parameters, put back together from slices and
+            // shards: one device's up to Adam's normalised float noise.
+            assert_eq!(
+                pw.len(),
+                pb.len(),
+                "{name}: parameter {n} put back together"
+            );
+            let pscale = pb.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-3);
+            let pworst = (pw.iter().zip(pb)).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            assert!(
+                pworst / pscale < 1e-2,
+                "{name}: parameter {n} differs by {pworst}"
+            );
+            let scale = want.iter().fold(0f32, |a, x| a.max(x.abs())).max(1e-12);
+            let worst = (got.iter().zip(want)).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+            // Another summation order (half batches, the group's sums):
+            // ~1e-6 of the largest entry; a lost shard or slice is 1e-2.
+            assert!(
+                worst / scale < 1e-5,
+                "{name}: gradient of {n} differs by {worst} (scale {scale})"
+            );
+        }
+    }
+}
+
+#[test]
+fn compositions_that_cannot_hold_are_refused_by_name() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = four_heads();
+    let refused = |devices: u32, strategy: Strategy, expect: &str| {
+        let err = plan_with(&host, &cfg, devices, strategy).unwrap_err();
+        assert!(
+            err.contains(expect),
+            "{strategy:?}: `{err}` lacks `{expect}`"
+        );
+    };
+    // Data or tensor parallelism after a pipeline would fold its stages
+    // onto one group: named with the order that works.
+    refused(
+        4,
+        &[("1f1b", &[("stages", "2")]), ("tp", &[("tp", "2")])],
+        "apply tp before the pipeline strategy",
+    );
+    refused(
+        4,
+        &[("gpipe", &[("stages", "2")]), ("dp", &[("degree", "2")])],
+        "apply dp before the pipeline strategy",
+    );
+    // tp 2 × dp 4 needs 8 devices.
+    refused(
+        4,
+        &[("tp", &[("tp", "2")]), ("dp", &[("degree", "4")])],
+        "dp × tp must fit the 4 devices",
+    );
+    // A composition that leaves devices without work: refused, not run.
+    refused(
+        4,
+        &[("tp", &[("tp", "2")])],
+        "2 of the 4 devices run no compute: devices 2, 3",
+    );
+}
+
+/// The first report: `tp:tp=2` then `dp:degree=2` on 4 devices ran
+/// with devices 1 and 3 idle. Now every device trains, and each sends what
+/// the plan says (the tensor-parallel sums inside the passes included).
+#[test]
+fn tp_then_dp_keeps_every_device_busy_and_sends_what_it_planned() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = four_heads();
+    let strategy: Strategy = &[("tp", &[("tp", "2")]), ("dp", &[("degree", "2")])];
+    let plan = plan_with(&host, &cfg, 4, strategy).unwrap();
+    let planned = plan.predicted_sent_bytes();
+    let mut trainer = Trainer::new(&cfg, plan, TrainOptions::default()).unwrap();
+    let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
+    let st = trainer.step(&batch).unwrap();
+    for (d, planned) in planned.iter().enumerate() {
+        assert!(st.peak_bytes[d] > 0, "device {d} idle");
+        let (sent, plan) = (st.comm_bytes[d] as f64, *planned as f64);
+        assert!(
+            (sent / plan - 1.0).abs() < 0.05,
+            "device {d}: sent {sent} bytes, planned {plan}"
+        );
+    }
+}
+
+/// The second report: tp 8 × ZeRO-1 dp 2 × 1F1B over 8 stages on
+/// 128 simulated H100s planned 8 devices. Now all 128 work, in Megatron's
+/// order: tensor-parallel groups of 8 consecutive devices, stage s of
+/// replica i on devices 64·i + 8·s … + 7.
+#[test]
+fn a_128_device_3d_layout_plans_every_device() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = piper::model::ModelConfig {
+        heads: 8,
+        batch_size: 128,
+        ..small()
+    };
+    let strategy: Strategy = &[
+        ("tp", &[("tp", "8")]),
+        ("zero", &[("stage", "1"), ("dp", "2")]),
+        ("1f1b", &[("stages", "8"), ("microbatches", "64")]),
+    ];
+    let plan = plan_with(&host, &cfg, 128, strategy).unwrap();
+    assert_mesh("tp8×zero1×1f1b", &plan, 8, 2);
+    let dev = &plan.devices[64 + 8 * 3 + 5];
+    let f = (dev.streams.iter().flat_map(|s| &s.ops))
+        .find(|o| o.op == OpKind::F)
+        .unwrap();
+    assert_eq!(
+        f.group.as_deref(),
+        Some(&(88..96).collect::<Vec<u32>>()[..])
+    );
+    assert_eq!(f.tags.get("PP"), Some(&3));
+    let s = piper::sim::simulate(&plan, &piper::sim::Cluster::h100_cluster(16)).unwrap();
+    assert!(s.devices.iter().all(|d| d.busy > 0.0));
+}
