@@ -174,6 +174,26 @@ fn zero3_inside_1f1b_on_2_and_4_ranks() {
     same_as_one_process("zero3-eval", 2, &eval);
 }
 
+/// Megatron's 3D layout, dp 2 × tp 2 × pp 2 on 8 devices: the
+/// tensor-parallel sums, the pipeline's transfers and ZeRO's reductions
+/// over each rank's replicas cross the ranks and give one process's bits.
+#[test]
+fn a_3d_mesh_on_2_and_4_ranks() {
+    on_2_and_4_ranks(
+        "3d",
+        &[
+            "--devices",
+            "8",
+            "--strategy",
+            "zero:stage=1,dp=2",
+            "--strategy",
+            "tp:tp=2",
+            "--strategy",
+            "1f1b:microbatches=4",
+        ],
+    );
+}
+
 #[test]
 fn dualpipev_on_2_and_4_ranks() {
     // DualPipeV needs microbatches ≥ 2 × devices.

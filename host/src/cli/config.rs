@@ -189,8 +189,21 @@ impl RunConfig {
             }
             None => FileConfig::default(),
         };
+        // A file a config names (a model TOML, a strategy's `.wasm`) is
+        // relative to the config, wherever it is run from.
+        let beside = |name: String| -> String {
+            let dir = args.config.as_deref().and_then(|c| c.parent());
+            let is_file = name.ends_with(".toml") || name.ends_with(".wasm");
+            match dir {
+                Some(d) if is_file && std::path::Path::new(&name).is_relative() => {
+                    d.join(&name).to_string_lossy().into_owned()
+                }
+                _ => name,
+            }
+        };
         let model = match (&args.model, file.model) {
             (Some(m), _) => ModelSpec::Name(m.clone()),
+            (None, Some(ModelSpec::Name(n))) => ModelSpec::Name(beside(n)),
             (None, Some(m)) => m,
             (None, None) => ModelSpec::Name("tiny".into()),
         };
@@ -198,7 +211,7 @@ impl RunConfig {
             file.strategy
                 .into_iter()
                 .map(|s| StrategySpec {
-                    name: s.name,
+                    name: beside(s.name),
                     options: s
                         .options
                         .iter()

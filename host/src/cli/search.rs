@@ -400,7 +400,14 @@ fn best_config(
         .iter()
         .map(|st| {
             let mut t = toml::Table::new();
-            t.insert("name".into(), toml::Value::String(st.plugin.clone()));
+            // A config's files are relative to it: a plugin file is
+            // written absolute, so the config works wherever it is kept.
+            let name = match st.plugin.ends_with(".wasm") {
+                true => std::fs::canonicalize(&st.plugin)
+                    .map_or(st.plugin.clone(), |p| p.to_string_lossy().into_owned()),
+                false => st.plugin.clone(),
+            };
+            t.insert("name".into(), toml::Value::String(name));
             let opts: toml::Table = (st.options.iter())
                 .map(|(k, v)| (k.clone(), typed(v)))
                 .collect();
