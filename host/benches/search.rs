@@ -7,7 +7,12 @@
 //! usual recipe, TP 8 inside a node and 1F1B across nodes with 4 × PP
 //! microbatches (for the MoE model, whose experts TP cannot split: experts
 //! spread over 8 inside a node by `ep`, 1F1B across nodes) — goal ≥ 1.2× its
-//! tokens/s, both fitting in 80 GB.
+//! tokens/s, both fitting in 80 GB. Then for Llama-3-8B- and 70B-shaped
+//! models (the Llama family, 2 048-token sequences; 8B on 64 H100s, 70B on
+//! 256) the best candidate
+//! beside the best of the compositions that existed before data
+//! parallelism composed with tensor parallelism (no `dp`/`zero` with `tp`),
+//! with the ratio of their tokens/s.
 
 use piper::compile::compile;
 use piper::dag::{Cluster as DagCluster, TrainingDag};
@@ -60,6 +65,72 @@ fn qwen3_30b_a3b_like() -> ModelConfig {
         regions: None,
         moe: Some(moe),
         ..Default::default()
+    }
+}
+
+/// A Llama-family model of the example TOML's shape at 2 048-token
+/// sequences (attention still keeps each head's probabilities).
+fn llama(file: &str) -> ModelConfig {
+    let path = format!("{}/../examples/models/{file}", env!("CARGO_MANIFEST_DIR"));
+    ModelConfig {
+        seq_len: 2048,
+        ..ModelConfig::from_name_or_file(&path).unwrap()
+    }
+}
+
+/// Does a candidate compose data and tensor parallelism (new with the
+/// device mesh)?
+fn composes_dp_and_tp(c: &Candidate) -> bool {
+    let has = |names: &[&str]| c.steps.iter().any(|s| names.contains(&s.plugin.as_str()));
+    has(&["dp", "zero"]) && has(&["tp"])
+}
+
+/// The best candidate on `devices` H100s against the best one without
+/// dp/zero × tp.
+fn mesh_against_before(host: &PluginHost, devices: u32, model: &ModelConfig) {
+    let cluster = Cluster::h100_cluster(devices / 8);
+    let cluster = &cluster;
+    let cap = cluster.memory_bytes as u64;
+    let candidates: Vec<Candidate> = space::enumerate(model, devices, 8, None);
+    let plugins = search::load_all(&candidates, |n| host.load(n).map_err(|e| e.to_string()));
+    let r = search::search(
+        host,
+        Query {
+            model,
+            cluster,
+            devices,
+            cap,
+            candidates,
+            plugins,
+            budget: None,
+        },
+    );
+    let n = r.candidates.len();
+    let secs = r.elapsed.as_secs_f64();
+    let ranked = r.ranked();
+    let best = ranked.first();
+    let before = ranked
+        .iter()
+        .find(|(i, _)| !composes_dp_and_tp(&r.candidates[*i]));
+    let show = |x: Option<&(usize, &search::Scored)>| match x {
+        Some((i, s)) => format!(
+            "{} at {:.0} tokens/s (MFU {:.1}%, peak {:.1} GB)",
+            r.candidates[*i].label(),
+            s.tokens_per_s,
+            s.mfu * 100.0,
+            s.peak() as f64 / 1e9
+        ),
+        None => "nothing fits".into(),
+    };
+    println!(
+        "{} on {devices} devices: {n} candidates in {secs:.1} s = {:.1} candidates/s",
+        model.name,
+        n as f64 / secs
+    );
+    println!("  best: {}", show(best));
+    println!("  best without dp/zero × tp: {}", show(before));
+    if let (Some((_, b)), Some((_, o))) = (best, before) {
+        println!("  ratio {:.2}×", b.tokens_per_s / o.tokens_per_s);
     }
 }
 
@@ -167,5 +238,9 @@ fn main() {
             if hand_peak > cap { " (does not fit)" } else { "" },
             if ratio >= 1.2 && hand_peak <= cap { "met" } else { "NOT met" }
         );
+    }
+    // Llama 3 8B on 64 H100s, 70B on 256 (torchtitan's count).
+    for (file, devices) in [("llama3-8b.toml", 64), ("llama3-70b.toml", 256)] {
+        mesh_against_before(&host, devices, &llama(file));
     }
 }

@@ -49,7 +49,7 @@ fn data_and_tensor_parallelism_compose_with_pipelines_at_one_devices_losses() {
     let steps = 10;
     let cfg = four_heads();
     let base = one_device(&host, &cfg, steps);
-    let cases: [(&str, u32, usize, usize, Strategy); 6] = [
+    let cases: [(&str, u32, usize, usize, Strategy); 7] = [
         (
             "dp×tp",
             4,
@@ -108,6 +108,18 @@ fn data_and_tensor_parallelism_compose_with_pipelines_at_one_devices_losses() {
                     "interleaved-1f1b",
                     &[("virtual", "2"), ("microbatches", "4")],
                 ),
+            ],
+        ),
+        // ZeRO-1 over DualPipe's two parameter copies: the copies'
+        // gradients summed, then each copy's states sharded over its group.
+        (
+            "zero1×dualpipe",
+            8,
+            1,
+            2,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("dualpipe", &[("microbatches", "8")]),
             ],
         ),
     ];
@@ -241,6 +253,15 @@ fn compositions_that_cannot_hold_are_refused_by_name() {
         &[("tp", &[("tp", "2")]), ("dp", &[("degree", "4")])],
         "dp × tp must fit the 4 devices",
     );
+    // ZeRO-2/3 would reduce each microbatch before DualPipe's copies meet.
+    refused(
+        8,
+        &[
+            ("zero", &[("stage", "2"), ("dp", "2")]),
+            ("dualpipe", &[("microbatches", "8")]),
+        ],
+        "ZeRO-2/3 over parameter copies is not supported (plain data parallelism and ZeRO-1 are)",
+    );
     // A composition that leaves devices without work: refused, not run.
     refused(
         4,
@@ -337,10 +358,12 @@ fn the_published_layouts_plan_every_device_on_their_real_shapes() {
     let _ = std::fs::remove_dir_all(&home);
 }
 
-/// DeepSeek-V3's composition on a small MoE model: ZeRO-1 over 2 replicas,
-/// each MoE layer's experts over them, DualPipeV over 2 pipeline devices.
+/// Expert parallelism with every ZeRO stage: the experts' replicated rest
+/// (norm, router) sharded over the data-parallel group, each expert whole
+/// on its device; DeepSeek-V3's composition (ZeRO-1 × EP × DualPipeV)
+/// among them. On a dropless MoE model, at one device's losses.
 #[test]
-fn zero1_experts_and_dualpipev_train_at_one_devices_losses() {
+fn experts_compose_with_every_zero_stage_at_one_devices_losses() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let mut moe = piper::model::MoeConfig::new(4, 2);
     moe.hidden = Some(48);
@@ -352,11 +375,45 @@ fn zero1_experts_and_dualpipev_train_at_one_devices_losses() {
         ..small()
     };
     let base = one_device(&host, &cfg, 10);
-    let strategy: Strategy = &[
-        ("zero", &[("stage", "1"), ("dp", "2")]),
-        ("ep", &[]),
-        ("dualpipev", &[("microbatches", "4")]),
+    let cases: [(&str, u32, Strategy); 4] = [
+        (
+            "zero2×ep",
+            2,
+            &[
+                ("zero", &[("stage", "2")]),
+                ("ep", &[("stream", "compute")]),
+            ],
+        ),
+        (
+            "zero3×ep×1f1b",
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("ep", &[]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero1×ep×dualpipev",
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero2×ep×dualpipev",
+            4,
+            &[
+                ("zero", &[("stage", "2"), ("dp", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
     ];
-    let run = train(&host, &cfg, 4, strategy, 10);
-    assert_same_training("zero1×ep×dualpipev", &run, &base);
+    for (name, devices, strategy) in cases {
+        let run = train(&host, &cfg, devices, strategy, 10);
+        assert_same_training(name, &run, &base);
+    }
 }

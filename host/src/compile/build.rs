@@ -47,6 +47,8 @@ pub(super) struct Ctx<'a> {
     pub placement: &'a [Option<(Vec<DeviceId>, Option<u32>)>],
     /// Each segment's tensor-parallel degree (1: none).
     pub tp: &'a [u32],
+    /// Each segment's parameter copies (group, replication).
+    pub copies: &'a [Vec<(Vec<DeviceId>, Option<u32>)>],
     /// Each node's device group, interned.
     pub groups: &'a Groups<'a>,
     /// Split dimensions and their sizes, outermost first.
@@ -424,8 +426,15 @@ fn zero_stage(cx: &Ctx<'_>, n: &Node) -> u8 {
         NodeKind::Comm(c) => &c.segments,
         NodeKind::Marker => &[],
     };
+    // A segment on one group, or each of its parameter copies' groups.
+    let groups = |s: &u32| -> Vec<&(Vec<DeviceId>, Option<u32>)> {
+        match &cx.placement[*s as usize] {
+            Some(one) => vec![one],
+            None => cx.copies[*s as usize].iter().collect(),
+        }
+    };
     segs.iter()
-        .filter_map(|s| Some((s, cx.placement[*s as usize].as_ref()?)))
+        .flat_map(|s| groups(s).into_iter().map(move |g| (s, g)))
         .filter(|(s, (devs, _))| devs.len() as u32 / cx.tp[**s as usize] > 1)
         .filter_map(|(_, (_, rep))| rep.map(|r| cx.dag.specs[r as usize].zero))
         .max()

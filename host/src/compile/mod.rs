@@ -62,7 +62,7 @@ pub enum CompileError {
         b: String,
         b_devices: Vec<u32>,
     },
-    #[error("segment {segment} ({name}) has parameter copies on {groups:?} and is sharded with ZeRO-{zero}: ZeRO-1/2/3 over parameter copies is not supported (plain data parallelism is)")]
+    #[error("segment {segment} ({name}) has parameter copies on {groups:?} and is sharded with ZeRO-{zero}: ZeRO-2/3 over parameter copies is not supported (plain data parallelism and ZeRO-1 are)")]
     ShardedCopies {
         segment: u32,
         name: String,
@@ -305,7 +305,9 @@ fn validate_segments(
         if nodes.len() > 1 && TrainingDag::paired_copies(list).is_none() {
             return Err(split(segment, nodes[0].0, nodes[1].0));
         }
-        // Sharded states would need a bucket per copy group; not built.
+        // ZeRO-1 shards each copy's optimizer states over its own group
+        // after the copies' gradients are summed; ZeRO-2/3 would reduce
+        // each microbatch before the copies meet: not built.
         let zero = |(devs, rep): &(Vec<DeviceId>, Option<u32>)| match rep {
             Some(r) if devs.len() > 1 => dag.specs[*r as usize].zero,
             _ => 0,
@@ -314,7 +316,7 @@ fn validate_segments(
             .iter()
             .map(zero)
             .max()
-            .filter(|z| nodes.len() > 1 && *z > 0)
+            .filter(|z| nodes.len() > 1 && *z > 1)
         {
             return Err(CompileError::ShardedCopies {
                 segment,
@@ -574,6 +576,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         nchunks,
         placement,
         tp: &segs.tp,
+        copies: &segs.copies,
         groups: &groups,
         split_sizes: &split_sizes,
         microbatches: split_sizes.iter().map(|(_, s)| *s).product(),

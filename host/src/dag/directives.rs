@@ -725,27 +725,16 @@ impl TrainingDag {
         }
         for &id in &compute {
             let node = &self.graph[id.ix()];
-            let Some(r) = node.replica.filter(|_| node.devices == devs) else {
+            // ZeRO shards what stays replicated (router, norms, attention)
+            // over the group; each expert lives on one device, its states
+            // whole there (its expert-data-parallel group is itself).
+            if node.replica.is_none() || node.devices != devs {
                 return invalid(format!(
                     "{} is on devices {}{}; shard its experts over the devices it is data-parallel over (EP degree = DP degree: `dp` or `replicate` over {} first)",
                     self.label(id),
                     devices_str(&node.devices.iter().map(|d| d.0).collect::<Vec<_>>()),
                     if node.replica.is_some() { "" } else { " and not replicated" },
                     devices_str(devices)
-                ));
-            };
-            // ZeRO-1 shards the optimizer states of what stays replicated
-            // (router, ln2); each expert's states stay whole on its device.
-            if self.specs[r as usize].zero > 1 {
-                return Err(DagError::new(
-                    call,
-                    DagErrorKind::Unsupported {
-                        what: format!(
-                            "ZeRO stage {} on expert segments with expert parallelism ({} is replicated with ZeRO)",
-                            self.specs[r as usize].zero,
-                            self.label(id)
-                        ),
-                    },
                 ));
             }
         }

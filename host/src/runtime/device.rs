@@ -75,6 +75,9 @@ pub(crate) struct Device<B: Backend> {
     pub(super) owned: BTreeMap<u32, Vec<ParamId>>,
     /// Tensor-parallel slices: this device's part of each full tensor.
     pub(super) tp_pieces: ParamMap<TpPiece>,
+    /// Segments of which this device holds a parameter copy whose summed
+    /// gradient another copy counts in the norm (DualPipe's second copy).
+    pub(super) other_copy: BTreeSet<u32>,
     /// Does it run the embedding (which owns the tied `wte`)?
     pub(super) has_embedding: bool,
     pub(super) bufs: Mutex<Buffers<B>>,
@@ -328,9 +331,11 @@ impl<B: Backend> Device<B> {
             .collect();
         // Parameter copies (DualPipe): the first device of each copy group
         // counts the reduced gradient in the norm, the others do not.
+        let mut other_copy = BTreeSet::new();
         for op in ops().filter(|o| o.purpose == Some(CommPurpose::CopyGrad)) {
             let group = op.group.as_deref().unwrap_or(&[]);
             if group.first() != Some(&plan.device) {
+                other_copy.extend(op.segments.iter().copied());
                 for s in op.segments.iter() {
                     for id in owned.get(s).into_iter().flatten() {
                         norm_ids.retain(|x| x != id);
@@ -392,6 +397,7 @@ impl<B: Backend> Device<B> {
             spreads,
             owned,
             tp_pieces,
+            other_copy,
             has_embedding,
             bufs: Mutex::new(Buffers::default()),
             state: Mutex::new(StepState::default()),

@@ -350,6 +350,10 @@ pub(super) fn norm_sq<B: Backend>(
         .map(|g| (g, 0..B::len(g)))
         .collect();
     for (b, cut) in buckets.iter().zip(&cut) {
+        // A second parameter copy's shard: its first copy counts it.
+        if b.segments.iter().any(|s| dev.other_copy.contains(s)) {
+            continue;
+        }
         let flat = cut.as_ref().unwrap_or(&b.grad);
         // Of a tensor-parallel mesh, a tensor every rank holds whole is
         // counted by rank 0's data-parallel group only.

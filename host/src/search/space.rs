@@ -398,11 +398,6 @@ pub fn enumerate(
                 experts.extend(user(Role::Experts).into_iter().map(|s| (Some(s), 1)));
             }
             for (ep_step, ep) in &experts {
-                // ZeRO-2/3 on expert segments under expert parallelism is
-                // not supported (ZeRO-1 shards the rest's moments).
-                if ep_step.is_some() && rep_shape.is_some_and(|(_, z)| z >= 2) {
-                    continue;
-                }
                 // `ep` alone replicates the model over every device.
                 let positions = match (ep_step.is_some(), dp, positions) {
                     (true, Some(1), Some(_)) if tp_step.is_none() => Some(1),
@@ -438,8 +433,9 @@ pub fn enumerate(
                     pipelines(positions, regions, batch / replicas.max(1), bundled)
                 {
                     let copies = if step.plugin == "dualpipe" { 2 } else { 1 };
-                    // ZeRO over DualPipe's parameter copies is not supported.
-                    if copies == 2 && rep_shape.is_some_and(|(_, z)| z > 0) {
+                    // ZeRO-2/3 over DualPipe's parameter copies is not
+                    // supported (ZeRO-1 is).
+                    if copies == 2 && rep_shape.is_some_and(|(_, z)| z > 1) {
                         continue;
                     }
                     let mut steps = head.clone();

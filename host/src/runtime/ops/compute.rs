@@ -303,11 +303,35 @@ fn weight_grads<B: Backend>(
             t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
         }
         model.backward_weight(&mut t, cache, stash).map_err(fail)?;
+        keep_expert_grads(dev, seg, &mut t);
         dev.put(op, TensorKind::MicroGrad, Buf::Params(t))
     } else {
         model
             .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
             .map_err(fail)
+    }
+}
+
+/// Experts spread by `shard` live on this device alone: under ZeRO-2/3
+/// their gradients are not reduced but accumulate here, as without ZeRO;
+/// they leave the microbatch's buffer for the reduce-scatter.
+pub(super) fn keep_expert_grads<B: Backend>(
+    dev: &Device<B>,
+    seg: &Segment,
+    t: &mut ParamMap<B::Tensor>,
+) {
+    if !dev.spreads.experts.contains_key(&seg.index) {
+        return;
+    }
+    let experts: Vec<_> = (t.iter())
+        .map(|(id, _)| id)
+        .filter(|id| dev.table.expert_of(*id).is_some())
+        .collect();
+    let mut grads = dev.grads.lock().unwrap();
+    for id in experts {
+        if let (Some(g), Some(mine)) = (t.remove(id), grads.get_mut(id)) {
+            dev.b.add(mine, &g);
+        }
     }
 }
 

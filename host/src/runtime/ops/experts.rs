@@ -13,9 +13,9 @@ use crate::runtime::backend::moe::{ExpertGroup, MoeCache, MoeDims};
 use crate::runtime::backend::segment::{
     Dims, Model, PartCache, PartStash, SegmentCache, SegmentStash,
 };
-use crate::runtime::backend::{Backend, BackendError};
+use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::{Buf, MoePart};
-use crate::runtime::device::Device;
+use crate::runtime::device::{params_here, Device};
 use crate::runtime::error::{label, RuntimeError};
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
@@ -215,9 +215,6 @@ fn backward_phase<B: Backend>(
     let fail = |e: BackendError| dev.backend_error(op, e);
     let model = Model::new(&dev.b, &dev.table);
     let fused = op.op == OpKind::B;
-    if fused && op.zero >= 2 {
-        return Err(plan_error("ZeRO-2/3 on a split expert pass"));
-    }
     let cache = moe_cache(dev, op, &saved)?;
     match phase {
         ExpertPhase::Combine => {
@@ -269,7 +266,23 @@ fn backward_phase<B: Backend>(
                     .map_err(fail)
             })?;
             drop(got);
-            if fused {
+            if fused && op.zero >= 2 {
+                // ZeRO-2/3: the replicated router and norm's gradients of
+                // this microbatch go to its reduce-scatter (the experts'
+                // accumulated in place in the experts phase).
+                let seg = &ctx.segments[op.segments[0] as usize];
+                let mut t: ParamMap<B::Tensor> = ParamMap::new();
+                for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
+                    if dev.table.expert_of(p.id).is_none() {
+                        let len = dev.table.entry(p.id).numel();
+                        t.insert(p.id, dev.b.zeros(len).map_err(fail)?);
+                    }
+                }
+                model
+                    .moe_router_weight(&mut t, cache, &stash)
+                    .map_err(fail)?;
+                dev.put(op, TensorKind::MicroGrad, Buf::Params(t))?;
+            } else if fused {
                 model
                     .moe_router_weight(&mut dev.grads.lock().unwrap(), cache, &stash)
                     .map_err(fail)?;
