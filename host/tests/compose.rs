@@ -332,7 +332,7 @@ fn a_128_device_3d_layout_plans_every_device() {
 #[test]
 fn the_published_layouts_plan_every_device_on_their_real_shapes() {
     let home = std::env::temp_dir().join(format!("piper-layouts-{}", std::process::id()));
-    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples");
+    let examples = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/layouts");
     for (config, devices) in [
         ("megatron-3d", "8 × 8 devices"),
         ("torchtitan-2d", "32 × 8 devices"),

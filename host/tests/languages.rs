@@ -209,7 +209,7 @@ fn the_python_js_and_c_examples_plan_exactly_like_the_rust_1f1b() {
         (8, 4, None, &[]),
         (8, 4, None, &[("microbatches", "8")]),
         (8, 2, None, &[("microbatches", "2"), ("stream", "p2p")]),
-        (8, 4, None, &[("stages", "3"), ("microbatches", "4")]),
+        (8, 3, None, &[("stages", "3"), ("microbatches", "4")]),
         (
             8,
             4,
