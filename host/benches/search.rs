@@ -103,6 +103,7 @@ fn mesh_against_before(host: &PluginHost, devices: u32, model: &ModelConfig) {
             candidates,
             plugins,
             budget: None,
+            keep: 0,
         },
     );
     let n = r.candidates.len();
@@ -203,6 +204,7 @@ fn main() {
                 candidates,
                 plugins,
                 budget: None,
+                keep: 0,
             },
         );
         let n = r.candidates.len();

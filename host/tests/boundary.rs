@@ -17,6 +17,7 @@
 use piper::compile::compile;
 use piper::dag::{
     Cluster, DagBudget, Filter, Label, NodeId, ReplicateOptions, TagMatch, TrainingDag,
+    MAX_NAME_BYTES,
 };
 use piper::model::ModelConfig;
 use proptest::prelude::*;
@@ -156,6 +157,7 @@ fn name() -> impl Strategy<Value = String> {
         1 => Just(" ".to_string()),
         1 => Just("é\u{0}ü".to_string()),
         1 => Just("x".repeat(5000)),
+        1 => (60..70usize).prop_map(|n| "n".repeat(n)),
         4 => prop::sample::select(vec!["MB", "PP", "EP", "PASS", "pp", "dp", "mb2", "compute"])
             .prop_map(str::to_string),
     ]
@@ -290,6 +292,11 @@ proptest! {
             }
             outcomes.push(ok);
         }
+        // Every name the calls left in the DAG is a short label.
+        let names = dag.tag_names().into_iter().chain(dag.stream_names().iter().cloned());
+        for n in names {
+            prop_assert!(n.len() <= MAX_NAME_BYTES, "a name of {} bytes was kept", n.len());
+        }
         let compiled = catch_unwind(AssertUnwindSafe(|| {
             let mut d = dag.clone();
             d.set_budget(None);
@@ -382,4 +389,32 @@ fn extreme_priorities_compile_in_order() {
     let first = &compute.ops[0];
     assert_eq!(first.op.to_string(), "F");
     assert_eq!(first.tags.get("MB"), Some(&1), "{:?}", first.tags);
+}
+
+#[test]
+fn a_name_past_its_cap_is_refused_in_a_short_message() {
+    let mut dag = fresh(2);
+    let at_cap = "d".repeat(MAX_NAME_BYTES);
+    dag.split(&Filter::all(), &at_cap, 2).unwrap();
+    for long in ["e".repeat(MAX_NAME_BYTES + 1), "f".repeat(4 << 20)] {
+        let before = dag.clone();
+        let errs = [
+            dag.split(&Filter::all(), &long, 2).unwrap_err().to_string(),
+            dag.place(&Filter::all(), &[0], &long)
+                .unwrap_err()
+                .to_string(),
+            dag.set_stream(&Filter::all(), &long)
+                .unwrap_err()
+                .to_string(),
+        ];
+        for e in errs {
+            assert!(
+                e.contains(&format!("a name of {} bytes", long.len())) && e.contains("name length"),
+                "{e}"
+            );
+            // The name is clipped where the message quotes the call.
+            assert!(e.len() < 1024, "a {}-byte error", e.len());
+        }
+        assert!(dag.same_state(&before));
+    }
 }

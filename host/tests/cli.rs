@@ -103,6 +103,7 @@ fn bad_input_gets_a_clear_error_not_a_panic() {
             "{args:?}: `{err}` should contain `{expect}`"
         );
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+        err
     };
     check(
         &["plan", "--strategy", "1f1b:microbatches=eight"],
@@ -146,6 +147,18 @@ fn bad_input_gets_a_clear_error_not_a_panic() {
         &["plan", "--config", cfg.to_str().unwrap()],
         "the model is too large to describe",
     );
+    // A count is bounded before anything is sized from it: one line.
+    let cfg = h.join("layers.toml");
+    std::fs::write(
+        &cfg,
+        "[model]\nname = \"deep\"\nlayers = 4000000000\nd_model = 64\nheads = 4\nseq_len = 64\nvocab = 256\nbatch_size = 8\n",
+    )
+    .unwrap();
+    let err = check(
+        &["plan", "--config", cfg.to_str().unwrap()],
+        "layers must be at most 16384, got 4000000000",
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
     let cfg = h.join("sandbox.toml");
     std::fs::write(&cfg, "[sandbox]\nmemory_mib = 18446744073709551615\n").unwrap();
     check(
@@ -833,12 +846,29 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    // Wait until the step-4 checkpoint's first temporary file is on disk.
-    let tmp = ck
-        .join(".step-00000004.partial")
-        .join(".model.safetensors.tmp");
+    // Wait until the step-4 checkpoint's first temporary file is on disk
+    // (`.step-00000004.PID.N.partial/.model.safetensors.PID.N.tmp`).
+    let names = |dir: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir)
+            .map(|d| d.filter_map(|e| e.ok()).map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let named = |p: &std::path::Path, start: &str, end: &str| {
+        let n = p.file_name().unwrap().to_string_lossy().into_owned();
+        n.starts_with(start) && n.ends_with(end)
+    };
+    let writing = || {
+        names(&ck)
+            .iter()
+            .filter(|d| named(d, ".step-00000004.", ".partial"))
+            .any(|d| {
+                names(d)
+                    .iter()
+                    .any(|f| named(f, ".model.safetensors.", ".tmp"))
+            })
+    };
     let t = std::time::Instant::now();
-    while !tmp.exists() {
+    while !writing() {
         assert!(
             t.elapsed() < std::time::Duration::from_secs(120),
             "no step-4 checkpoint write began"
@@ -871,7 +901,7 @@ fn a_run_killed_mid_checkpoint_resumes_from_the_previous_one() {
     );
     assert_eq!(lines("resumed.jsonl"), lines("full.jsonl")[2..].to_vec());
     // The killed write's leftovers are gone; steps 4 and 6 are whole.
-    assert!(!ck.join(".step-00000004.partial").exists());
+    assert!(!names(&ck).iter().any(|d| named(d, ".step-", ".partial")));
     assert!(ck.join("step-00000004/state.json").exists());
     assert_eq!(
         std::fs::read_to_string(ck.join("latest")).unwrap().trim(),

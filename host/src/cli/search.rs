@@ -115,6 +115,12 @@ pub fn run(
             candidates,
             plugins,
             budget,
+            // The report draws the top candidates' timelines.
+            keep: if sim_args.report.is_some() {
+                a.top as usize
+            } else {
+                0
+            },
         },
     );
     let ranked = result.ranked();
@@ -170,14 +176,16 @@ pub fn run(
         }
     }
     if let Some(p) = &sim_args.report {
-        let sections: Vec<report::Section> = top
-            .iter()
-            .enumerate()
-            .map(|(rank, (i, s))| report::Section {
-                title: format!("#{} {}", rank + 1, result.candidates[*i].label()),
-                sim: &s.sim,
-                capacity: Some(cap as f64),
-                source: format!("simulated on {}", cluster.name),
+        // Every top candidate kept its timeline (the search keeps the
+        // fastest `top`'s for a report).
+        let sections: Vec<report::Section> = (top.iter().enumerate())
+            .filter_map(|(rank, (i, s))| {
+                Some(report::Section {
+                    title: format!("#{} {}", rank + 1, result.candidates[*i].label()),
+                    sim: s.sim.as_ref()?,
+                    capacity: Some(cap as f64),
+                    source: format!("simulated on {}", cluster.name),
+                })
             })
             .collect();
         let html = report::html(&format!("Piper strategy search: {where_}"), &sections);

@@ -30,6 +30,9 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 /// Interned names (tag keys, streams) per kind can never exceed their `u16` ids.
 pub const MAX_NAMES_HARD: u64 = u16::MAX as u64;
 
+/// The longest name (split dimension, stream) a strategy may give, in bytes.
+pub const MAX_NAME_BYTES: usize = 64;
+
 /// Bounds on the DAG and on the host's work, set per plugin call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DagBudget {
@@ -330,6 +333,20 @@ impl TrainingDag {
         tags: &[&str],
         streams: &[&str],
     ) -> Result<(), DagError> {
+        // A name is a label, not a payload: a plan print or an error
+        // carrying it stays small.
+        if let Some(n) = tags
+            .iter()
+            .chain(streams)
+            .find(|n| n.len() > MAX_NAME_BYTES)
+        {
+            return Err(limit(
+                call,
+                "name length",
+                MAX_NAME_BYTES as u64,
+                format!("a name of {} bytes", n.len()),
+            ));
+        }
         let new = |list: &[&str], have: &dyn Fn(&str) -> bool| -> u64 {
             let mut seen: Vec<&str> = Vec::new();
             for n in list {

@@ -45,7 +45,7 @@ mod recompute;
 mod tests;
 mod topo;
 
-pub use budget::{DagBudget, MAX_NAMES_HARD};
+pub use budget::{DagBudget, MAX_NAMES_HARD, MAX_NAME_BYTES};
 pub use directives::ReplicateOptions;
 pub use error::{DagError, DagErrorKind};
 pub use filter::{Filter, Label, TagMatch, PASS_VALUES};
@@ -223,6 +223,10 @@ impl TrainingDag {
     }
     pub fn stream_name(&self, s: StreamId) -> &str {
         &self.streams[s.0 as usize]
+    }
+    /// Every stream name the DAG has interned.
+    pub fn stream_names(&self) -> &[String] {
+        &self.streams
     }
     pub(crate) fn stream_name_opt(&self, s: StreamId) -> Option<&str> {
         self.streams.get(s.0 as usize).map(|x| x.as_str())

@@ -239,6 +239,10 @@ fn one() -> u32 {
 /// Names of the built-in presets.
 pub const PRESETS: [&str; 3] = ["tiny", "gpt2-small", "llama-tiny"];
 
+/// The most layers a model may have (the largest published, Llama 3.1
+/// 405B, has 126).
+pub const MAX_LAYERS: u32 = 1 << 14;
+
 impl ModelConfig {
     /// `tiny`: trains in seconds on a CPU. 8 layers, each its own `PP` region, so
     /// pipelines of 2, 4 or 8 stages fit; global batch 32 so DP × microbatches up
@@ -405,7 +409,8 @@ impl ModelConfig {
         }
     }
 
-    /// Check that the numbers describe a model that can be built.
+    /// Check that the numbers describe a model that can be built: every
+    /// count at least 1 and at most its cap, products that fit.
     pub fn validate(&self) -> Result<(), ModelError> {
         for (field, v) in [
             ("layers", self.layers),
@@ -418,6 +423,20 @@ impl ModelConfig {
         ] {
             if v == 0 {
                 return Err(self.invalid(format!("{field} must be at least 1, got 0")));
+            }
+        }
+        // Counts are bounded before anything is sized from them (a model
+        // of 4·10⁹ layers would be refused, not built layer by layer).
+        for (field, v, max) in [
+            ("layers", self.layers, MAX_LAYERS),
+            ("heads", self.heads, 1 << 16),
+            ("d_model", self.d_model, 1 << 24),
+            ("seq_len", self.seq_len, 1 << 24),
+            ("vocab", self.vocab, 1 << 24),
+            ("batch_size", self.batch_size, 1 << 24),
+        ] {
+            if v > max {
+                return Err(self.invalid(format!("{field} must be at most {max}, got {v}")));
             }
         }
         self.validate_family()?;

@@ -82,7 +82,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", writer_tag()));
     let mut f = std::fs::File::create(&tmp).map_err(io_error(&tmp))?;
     f.write_all(bytes).map_err(io_error(&tmp))?;
     f.sync_all().map_err(io_error(&tmp))?;
@@ -94,6 +94,26 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), CheckpointError> {
         std::thread::sleep(std::time::Duration::from_millis(ms.min(60_000)));
     }
     std::fs::rename(&tmp, path).map_err(io_error(path))
+}
+
+/// `PID.N`: this process and a count, so two writers (two processes, two
+/// threads) never share a temporary name.
+fn writer_tag() -> String {
+    writer_tag_of(std::process::id())
+}
+
+fn writer_tag_of(pid: u32) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{pid}.{n}")
+}
+
+/// Has the process `pid` that left a leftover ended? This process's own
+/// are live (another thread may be writing them); without `/proc` every
+/// other process's are taken as ended.
+fn writer_gone(pid: u32) -> bool {
+    let proc = Path::new("/proc");
+    pid != std::process::id() && (!proc.is_dir() || !proc.join(pid.to_string()).exists())
 }
 
 /// fsync a directory, so the renames inside it survive a crash.
@@ -291,6 +311,12 @@ impl Checkpoint {
             })?;
         let state = file.state;
         let cfg = &state.model;
+        // The model comes from a file like any model TOML: its counts are
+        // checked before anything is sized from them.
+        cfg.validate().map_err(|e| CheckpointError::Format {
+            path: state_path.display().to_string(),
+            message: e.to_string(),
+        })?;
         // Every file is checked against its digest before any is parsed.
         let read_checked = |name: &str| -> Result<(PathBuf, Vec<u8>), CheckpointError> {
             let path = dir.join(name);
@@ -399,52 +425,162 @@ pub struct Saved {
     pub removed: Vec<PathBuf>,
 }
 
-/// Save `ck` as `root/step-NNNNNNNN/` and point `root/latest` at it: the
-/// directory is written whole under a temporary name and renamed, and only
-/// then is `latest` replaced (atomically). With `keep > 0`, the oldest
-/// complete checkpoints beyond the newest `keep` are removed afterwards.
-pub fn save_step(root: &Path, ck: &Checkpoint, keep: u32) -> Result<Saved, CheckpointError> {
-    std::fs::create_dir_all(root).map_err(io_error(root))?;
-    let name = step_dir_name(ck.state.step);
-    let dir = root.join(&name);
-    // Leftovers of writes a killed process never finished (never loaded:
-    // they have no `step-` name).
+/// The kinds of leftover a killed save leaves in a root: a step directory
+/// being written (`.step-N.PID.K.partial`) and a complete one moved aside
+/// while the same step is written again (`.step-N.PID.K.old`).
+fn leftover(name: &str) -> Option<(u32, u32, bool)> {
+    let rest = name.strip_prefix('.')?;
+    let (rest, old) = match (rest.strip_suffix(".partial"), rest.strip_suffix(".old")) {
+        (Some(r), _) => (r, false),
+        (_, Some(r)) => (r, true),
+        _ => return None,
+    };
+    let mut parts = rest.split('.');
+    let step = step_of(parts.next()?)?;
+    let pid = parts.next()?.parse().ok()?;
+    Some((step, pid, old))
+}
+
+/// Put a root's leftovers right before a save: a complete step moved aside
+/// by a re-save that was killed before its replacement was in place goes
+/// back under its name (it is the only complete copy); other leftovers of
+/// writers that are gone are removed.
+fn recover(root: &Path) -> Result<(), CheckpointError> {
     for entry in std::fs::read_dir(root).map_err(io_error(root))? {
         let entry = entry.map_err(io_error(root))?;
-        let n = entry.file_name().to_string_lossy().into_owned();
-        if n.starts_with(".step-") && (n.ends_with(".partial") || n.ends_with(".old")) {
-            let p = entry.path();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some((step, pid, old)) = leftover(&name) else {
+            continue;
+        };
+        let p = entry.path();
+        let home = root.join(step_dir_name(step));
+        if old && p.join("state.json").is_file() && !home.join("state.json").is_file() {
+            if home.exists() {
+                std::fs::remove_dir_all(&home).map_err(io_error(&home))?;
+            }
+            std::fs::rename(&p, &home).map_err(io_error(&p))?;
+        } else if writer_gone(pid) {
             std::fs::remove_dir_all(&p).map_err(io_error(&p))?;
         }
     }
-    let partial = root.join(format!(".{name}.partial"));
-    ck.save(&partial)?;
-    if dir.exists() {
-        // The same step written before (a run resumed from an older one):
-        // moved aside, replaced, then removed.
-        let old = root.join(format!(".{name}.old"));
-        if old.exists() {
-            std::fs::remove_dir_all(&old).map_err(io_error(&old))?;
+    sync_dir(root)
+}
+
+/// Save `ck` as `root/step-NNNNNNNN/` and point `root/latest` at it: the
+/// directory is written whole under a temporary name and renamed, and only
+/// then is `latest` replaced (atomically). A step written before (a run
+/// resumed from an older checkpoint) is moved aside until its replacement
+/// is in place; killed in between, the next save or [`resolve`] finds the
+/// moved copy. With `keep > 0`, the checkpoints written longest ago beyond
+/// the newest `keep` are removed afterwards (by the time each was written,
+/// not by step: after a resume from step 100, step 110 is newer than an
+/// older run's step 200).
+pub fn save_step(root: &Path, ck: &Checkpoint, keep: u32) -> Result<Saved, CheckpointError> {
+    save_step_stopping(root, ck, keep, &mut Stop::never())
+}
+
+/// Where a save may be stopped, for the tests that kill it at each point.
+#[doc(hidden)]
+pub struct Stop {
+    after: Option<u32>,
+    done: u32,
+    /// The writer's process id in its leftovers' names.
+    pid: u32,
+}
+
+impl Stop {
+    pub fn never() -> Self {
+        Stop {
+            after: None,
+            done: 0,
+            pid: std::process::id(),
         }
+    }
+    /// Stop (as a kill would: nothing after it runs) once `n` steps are
+    /// done; the leftovers are named as a process that has ended would
+    /// name them.
+    pub fn after(n: u32) -> Self {
+        Stop {
+            after: Some(n),
+            done: 0,
+            pid: u32::MAX,
+        }
+    }
+    /// One step of the save done: an error if the save stops here.
+    fn step(&mut self, what: &str) -> Result<(), CheckpointError> {
+        self.done += 1;
+        match self.after {
+            Some(n) if self.done >= n => Err(CheckpointError::Format {
+                path: what.to_string(),
+                message: format!("stopped after step {n} of the save (a test's kill)"),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// [`save_step`], stopped where `stop` says.
+#[doc(hidden)]
+pub fn save_step_stopping(
+    root: &Path,
+    ck: &Checkpoint,
+    keep: u32,
+    stop: &mut Stop,
+) -> Result<Saved, CheckpointError> {
+    std::fs::create_dir_all(root).map_err(io_error(root))?;
+    recover(root)?;
+    let name = step_dir_name(ck.state.step);
+    let dir = root.join(&name);
+    let partial = root.join(format!(".{name}.{}.partial", writer_tag_of(stop.pid)));
+    if let Err(e) = ck.save(&partial) {
+        // Failed, not killed: nothing of it is left behind.
+        let _ = std::fs::remove_dir_all(&partial);
+        return Err(e);
+    }
+    stop.step("the step written under a temporary name")?;
+    if dir.exists() {
+        let old = root.join(format!(".{name}.{}.old", writer_tag_of(stop.pid)));
         std::fs::rename(&dir, &old).map_err(io_error(&dir))?;
+        stop.step("the old copy moved aside")?;
         std::fs::rename(&partial, &dir).map_err(io_error(&dir))?;
+        sync_dir(root)?;
+        stop.step("the new copy in place")?;
         std::fs::remove_dir_all(&old).map_err(io_error(&old))?;
+        stop.step("the old copy removed")?;
     } else {
         std::fs::rename(&partial, &dir).map_err(io_error(&dir))?;
+        stop.step("the step in place")?;
     }
     sync_dir(root)?;
     write_atomic(&root.join("latest"), format!("{name}\n").as_bytes())?;
     sync_dir(root)?;
+    stop.step("latest written")?;
     let mut removed = Vec::new();
     if keep > 0 {
-        let all = steps_in(root)?;
+        let mut all = by_time_written(root)?;
         let excess = all.len().saturating_sub(keep as usize);
-        for (_, old) in all.into_iter().take(excess).filter(|(_, d)| *d != dir) {
+        all.truncate(excess);
+        for old in all.into_iter().filter(|d| *d != dir) {
             std::fs::remove_dir_all(&old).map_err(io_error(&old))?;
+            stop.step("an old checkpoint removed")?;
             removed.push(old);
         }
     }
     Ok(Saved { dir, removed })
+}
+
+/// A root's complete checkpoints, oldest written first (by their
+/// `state.json`'s time, then step).
+fn by_time_written(root: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let mut all: Vec<(std::time::SystemTime, u32, PathBuf)> = Vec::new();
+    for (step, dir) in steps_in(root)? {
+        let state = dir.join("state.json");
+        let meta = std::fs::metadata(&state).map_err(io_error(&state))?;
+        let when = meta.modified().map_err(io_error(&state))?;
+        all.push((when, step, dir));
+    }
+    all.sort();
+    Ok(all.into_iter().map(|(_, _, d)| d).collect())
 }
 
 /// How [`resolve`] found the checkpoint it names.
@@ -459,9 +595,27 @@ pub enum Found {
     Newest,
 }
 
+/// A complete copy of step directory `name` a re-save moved aside in
+/// `root` (`.NAME.PID.K.old`), if there is one.
+fn moved_aside(root: &Path, name: &str) -> Result<Option<PathBuf>, CheckpointError> {
+    for entry in std::fs::read_dir(root).map_err(io_error(root))? {
+        let entry = entry.map_err(io_error(root))?;
+        let n = entry.file_name().to_string_lossy().into_owned();
+        let is_copy = n
+            .strip_prefix('.')
+            .is_some_and(|r| r.starts_with(&format!("{name}.")))
+            && leftover(&n).is_some_and(|(_, _, old)| old);
+        if is_copy && entry.path().join("state.json").is_file() {
+            return Ok(Some(entry.path()));
+        }
+    }
+    Ok(None)
+}
+
 /// The checkpoint directory `path` stands for: `path` itself when it holds
-/// a `state.json`, else the one its `latest` names, else the newest
-/// complete `step-*` directory in it.
+/// a `state.json`, else the one its `latest` names (or that step's copy an
+/// interrupted re-save moved aside), else the complete `step-*` directory
+/// written last.
 pub fn resolve(path: &Path) -> Result<(PathBuf, Found), CheckpointError> {
     let format = |message: String| CheckpointError::Format {
         path: path.display().to_string(),
@@ -488,6 +642,11 @@ pub fn resolve(path: &Path) -> Result<(PathBuf, Found), CheckpointError> {
         }
         let dir = path.join(name);
         if !dir.join("state.json").is_file() {
+            // A re-save of this step killed between moving the complete
+            // copy aside and putting the new one in place.
+            if let Some(moved) = moved_aside(path, name)? {
+                return Ok((moved, Found::Latest));
+            }
             return Err(CheckpointError::Format {
                 path: latest.display().to_string(),
                 message: format!(
@@ -497,8 +656,8 @@ pub fn resolve(path: &Path) -> Result<(PathBuf, Found), CheckpointError> {
         }
         return Ok((dir, Found::Latest));
     }
-    match steps_in(path)?.pop() {
-        Some((_, dir)) => Ok((dir, Found::Newest)),
+    match by_time_written(path)?.pop() {
+        Some(dir) => Ok((dir, Found::Newest)),
         None => Err(format(
             "holds no checkpoint: no state.json, no `latest`, no complete step-NNNNNNNN directory"
                 .into(),
@@ -631,6 +790,118 @@ mod tests {
         std::fs::write(&state, v.to_string()).unwrap();
         let e = Checkpoint::load(&dir).unwrap_err().to_string();
         assert!(e.contains("state.json") && e.contains("sha256"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_save_stopped_at_every_point_leaves_a_resumable_latest() {
+        // A run resumed from step 3 writes step 3 again with other values:
+        // killed at any point of that save, the root resumes to one of the
+        // two complete copies, and the next save finds it whole.
+        let (a, mut b) = (tiny(), tiny());
+        for t in b.params.values_mut() {
+            t.iter_mut().for_each(|x| *x += 1.0);
+        }
+        let mut stopped = 0;
+        for k in 1.. {
+            let root = scratch(&format!("stop-{k}"));
+            let mut older = a.clone();
+            older.state.step = 2;
+            save_step(&root, &older, 0).unwrap();
+            save_step(&root, &a, 0).unwrap();
+            let r = save_step_stopping(&root, &b, 1, &mut Stop::after(k));
+            let (dir, _) = resolve(&root).unwrap();
+            let got = Checkpoint::load(&dir).unwrap();
+            assert!(got == a || got == b, "stopped after step {k}: neither copy");
+            if r.is_ok() {
+                assert_eq!(got, b);
+                let _ = std::fs::remove_dir_all(&root);
+                break;
+            }
+            stopped += 1;
+            // The next save puts the root right and points at itself.
+            let mut next = b.clone();
+            next.state.step = 4;
+            save_step(&root, &next, 0).unwrap();
+            let (dir, found) = resolve(&root).unwrap();
+            assert_eq!((dir, found), (root.join("step-00000004"), Found::Latest));
+            let three = Checkpoint::load(&root.join("step-00000003")).unwrap();
+            assert!(
+                three == a || three == b,
+                "stopped after step {k}: step 3 lost"
+            );
+            let left: Vec<String> = std::fs::read_dir(&root)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".step-"))
+                .collect();
+            assert!(left.is_empty(), "stopped after step {k}: {left:?} left");
+            let _ = std::fs::remove_dir_all(&root);
+        }
+        assert!(stopped >= 4, "the save has {stopped} stopping points");
+    }
+
+    #[test]
+    fn keep_holds_the_checkpoints_written_last_not_the_highest_steps() {
+        let root = scratch("keep-time");
+        let mut ck = tiny();
+        // An earlier run reached step 200; this one resumed from 100.
+        for step in [200, 100, 110, 120] {
+            ck.state.step = step;
+            save_step(&root, &ck, 2).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let steps: Vec<u32> = steps_in(&root).unwrap().iter().map(|s| s.0).collect();
+        assert_eq!(steps, vec![110, 120]);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn writers_on_one_root_at_once_never_share_a_temporary_name() {
+        let root = scratch("two-writers");
+        std::thread::scope(|s| {
+            for step in [5, 6] {
+                let root = &root;
+                s.spawn(move || {
+                    let mut ck = tiny();
+                    ck.state.step = step;
+                    save_step(root, &ck, 0).unwrap();
+                });
+            }
+        });
+        for step in [5, 6] {
+            let mut want = tiny();
+            want.state.step = step;
+            let got = Checkpoint::load(&root.join(step_dir_name(step))).unwrap();
+            assert_eq!(got, want);
+        }
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_state_json_with_impossible_model_numbers_is_refused() {
+        let dir = scratch("bad-state");
+        tiny().save(&dir).unwrap();
+        let state = dir.join("state.json");
+        let text = std::fs::read_to_string(&state).unwrap();
+        for (field, value, want) in [
+            (
+                "layers_per_region",
+                "0",
+                "layers_per_region must be at least 1, got 0",
+            ),
+            (
+                "layers",
+                "4000000000",
+                "layers must be at most 16384, got 4000000000",
+            ),
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            v["model"][field] = serde_json::from_str(value).unwrap();
+            std::fs::write(&state, v.to_string()).unwrap();
+            let e = Checkpoint::load(&dir).unwrap_err().to_string();
+            assert!(e.contains("state.json") && e.contains(want), "{e}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -61,8 +61,9 @@ pub struct Scored {
     pub busy: f64,
     /// Predicted peak bytes per device.
     pub peaks: Vec<u64>,
-    pub sim: Simulation,
-    pub plan: Plan,
+    /// The timeline, kept for the fastest [`Query::keep`] candidates only
+    /// (a search holds figures, not every plan and timeline it made).
+    pub sim: Option<Simulation>,
 }
 
 impl Scored {
@@ -83,6 +84,8 @@ pub struct Query<'a> {
     pub plugins: Plugins,
     /// Stop trying new candidates after this long.
     pub budget: Option<Duration>,
+    /// Timelines to keep: the fastest this many candidates' (a report's).
+    pub keep: usize,
 }
 
 /// Plugins by the name candidates give them.
@@ -253,10 +256,51 @@ pub fn search(host: &PluginHost, q: Query) -> Search {
     }
 }
 
-/// The outcomes of `candidates` (numbered from `base` in the search):
-/// estimate, plan, duplicates (against `first`, every plan hash seen so
-/// far), cap, simulation.
+/// The outcomes of `candidates` (numbered from `base` in the search), a
+/// chunk at a time.
 fn evaluate(
+    host: &PluginHost,
+    q: &Query,
+    candidates: &[Candidate],
+    base: usize,
+    start: Instant,
+    first: &mut HashMap<String, usize>,
+) -> Vec<Outcome> {
+    // A few candidates per core at a time: their plans live only until
+    // they are simulated, so memory follows the chunk, not the space.
+    let chunk = 4 * rayon::current_num_threads().max(1);
+    let mut outcomes = Vec::with_capacity(candidates.len());
+    for (k, part) in candidates.chunks(chunk).enumerate() {
+        let at = base + k * chunk;
+        outcomes.extend(evaluate_chunk(host, q, part, at, start, first));
+        keep_fastest_timelines(&mut outcomes, q.keep);
+    }
+    outcomes
+}
+
+/// Drop the timelines of all but the fastest `keep` simulated outcomes
+/// (ties: enumeration order, as [`Search::ranked`] orders them).
+fn keep_fastest_timelines(outcomes: &mut [Outcome], keep: usize) {
+    let mut with: Vec<(f64, usize)> = (outcomes.iter().enumerate())
+        .filter_map(|(i, o)| match o {
+            Outcome::Simulated(s) if s.sim.is_some() => Some((s.step_time, i)),
+            _ => None,
+        })
+        .collect();
+    if with.len() <= keep {
+        return;
+    }
+    with.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    for &(_, i) in &with[keep..] {
+        if let Outcome::Simulated(s) = &mut outcomes[i] {
+            s.sim = None;
+        }
+    }
+}
+
+/// [`evaluate`] of one chunk: estimate, plan, duplicates (against
+/// `first`, every plan hash seen so far), cap, simulation.
+fn evaluate_chunk(
     host: &PluginHost,
     q: &Query,
     candidates: &[Candidate],
@@ -334,8 +378,7 @@ fn evaluate(
                     exposed_comm: exposed,
                     busy,
                     peaks: plan.devices.iter().map(|d| d.peak_bytes).collect(),
-                    sim: s,
-                    plan,
+                    sim: Some(s),
                 }))
             }
         };
