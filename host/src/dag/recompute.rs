@@ -185,6 +185,10 @@ impl TrainingDag {
                 for (src, w) in inputs {
                     self.graph.add_edge(src, r, w);
                 }
+                // The forward no longer feeds its backward: this edge keeps
+                // it first, so no order can move a forward (a head's, whose
+                // loss the run reports) after its own backward or update.
+                self.graph.add_edge(f.ix(), r, EdgeKind::Temporal);
             }
             RecomputePolicy::Selective => {
                 let w = EdgeKind::Data {

@@ -767,6 +767,29 @@ fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
     assert_eq!(ops, 4);
 }
 
+/// After a full recompute the head's forward feeds nothing (its backward
+/// reads the recompute), yet it must stay before its own backward and the
+/// update: an edge that would run it later, reporting the loss of
+/// updated weights, is refused as a cycle, the DAG unchanged.
+#[test]
+fn a_forward_cannot_be_ordered_after_its_backward_or_update() {
+    let mut dag = tiny(1);
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.recompute(&Filter::all(), RecomputePolicy::Full)
+        .unwrap();
+    dag.snapshot();
+    let one = |dag: &mut TrainingDag, s: &str| dag.query(&s.parse().unwrap()).unwrap()[0].id;
+    let head_f = one(&mut dag, "{PP:7,PASS:F}");
+    for later in ["{PP:7,PASS:B}", "{PP:3,PASS:B}", "{PASS:update}"] {
+        let from = one(&mut dag, later);
+        let e = fails_unchanged(&mut dag, "cycle", |d| d.add_temporal_edge(from, head_f));
+        assert!(e.to_string().contains("R{PP:7}"), "{later}: {e}");
+    }
+    // A forward before them still orders freely.
+    let other_f = one(&mut dag, "{PP:3,PASS:F}");
+    dag.add_temporal_edge(other_f, head_f).unwrap();
+}
+
 /// An `R` a strategy ordered keeps that order (compile adds its own
 /// placement only to unordered ones): here right after its forward.
 #[test]
