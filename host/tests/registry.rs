@@ -696,3 +696,106 @@ fn basic_auth_refuses_anonymous_pushes_with_how_to_log_in_and_takes_credentials(
         .arg("--insecure"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What a pull trusts, in order: the bytes stop at the size their manifest
+/// gives; a torn or altered store blob is fetched again online (offline it
+/// is named); an untrusted component is refused before it is compiled, its
+/// `info()` run or a local tag moved.
+#[test]
+fn pulls_are_bounded_by_their_descriptor_and_trusted_before_anything_runs() {
+    if !have_registry() {
+        return;
+    }
+    let dir = scratch("bounded");
+    let reg = Registry::start(&dir, None);
+    let home = dir.join("home");
+    let file = component(&dir, "1f1b");
+    let bytes = std::fs::read(&file).unwrap();
+    let r = reg.reference("team/big:1.0.0");
+    ok(piper(&home)
+        .args(["plugin", "publish"])
+        .arg(&file)
+        .arg(&r)
+        .arg("--insecure"));
+
+    // The registry's copy grows by 64 MiB: the download stops at the first
+    // byte past the manifest's size, before any digest could be checked.
+    let blob = reg.blob_file(&digest(&bytes));
+    let mut grown = bytes.clone();
+    grown.resize(bytes.len() + (64 << 20), 7);
+    std::fs::write(&blob, &grown).unwrap();
+    let fresh = dir.join("fresh");
+    let e = fails(
+        piper(&fresh)
+            .args(["plan", "--insecure", "--strategy"])
+            .arg(&r),
+    );
+    assert!(
+        e.contains(&format!(
+            "more than the {} bytes its manifest gives",
+            bytes.len()
+        )),
+        "{e}"
+    );
+    std::fs::write(&blob, &bytes).unwrap();
+
+    // A store blob torn on disk: online it is fetched again and runs;
+    // offline it is refused naming both digests.
+    ok(piper(&home)
+        .args(["plan", "--insecure", "--strategy"])
+        .arg(&r));
+    let stored = home
+        .join("store/blobs/sha256")
+        .join(digest(&bytes).trim_start_matches("sha256:"));
+    std::fs::write(&stored, &bytes[..bytes.len() / 2]).unwrap();
+    let e = fails(
+        piper(&home)
+            .args(["plan", "--offline", "--strategy"])
+            .arg(&r),
+    );
+    assert!(e.contains("was altered"), "{e}");
+    ok(piper(&home)
+        .args(["plan", "--insecure", "--strategy"])
+        .arg(&r));
+    assert_eq!(std::fs::read(&stored).unwrap(), bytes);
+
+    // Unsigned under a run that requires a signature: refused, and the
+    // store holds no record or tag of it (it was never loaded).
+    let key = dir.join("k.key");
+    ok(piper(&home).args(["plugin", "keygen"]).arg(&key));
+    let public = std::fs::read_to_string(dir.join("k.pub")).unwrap();
+    let u = reg.reference("team/unsigned:2.0.0");
+    ok(piper(&home)
+        .args(["plugin", "publish"])
+        .arg(component(&dir, "gpipe"))
+        .arg(&u)
+        .arg("--insecure"));
+    let cfg = dir.join("trust.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "model = \"tiny\"\n[[strategy]]\nname = \"{u}\"\n[registry]\ntrusted_keys = [\"{}\"]\n",
+            public.trim()
+        ),
+    )
+    .unwrap();
+    let clean = dir.join("clean");
+    let e = fails(
+        piper(&clean)
+            .args(["plan", "--insecure", "--config"])
+            .arg(&cfg),
+    );
+    assert!(e.contains("is unsigned"), "{e}");
+    let held = |sub: &str| {
+        std::fs::read_dir(clean.join("store").join(sub))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        held("manifests/sha256"),
+        0,
+        "a record of an untrusted plugin"
+    );
+    assert_eq!(held("tags"), 0, "a tag moved to an untrusted plugin");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -81,6 +81,12 @@ pub enum RegistryError {
     Registry { reference: String, message: String },
     #[error("{reference} is not a Piper plugin artifact: {why}")]
     NotAPlugin { reference: String, why: String },
+    #[error("{reference}: the registry sent more than the {size} bytes its manifest gives blob {digest}; refusing it (stopped reading there)")]
+    Oversized {
+        reference: String,
+        digest: String,
+        size: u64,
+    },
     #[error("{0}")]
     Signature(String),
     #[error("--insecure (plain HTTP) is only for registries on this machine (localhost, 127.0.0.1, ::1), not {0}")]
@@ -286,20 +292,26 @@ pub fn resolve_for_run(
         }
     }
     let pinned = reference.at_digest(&manifest_digest);
-    let record = match store.record(&manifest_digest)? {
-        Some(r) if store.has_blob(&r.component_digest) => r,
+    let (record, pulled) = match store.record(&manifest_digest)? {
+        // Verified before it is trusted: a torn or altered blob is fetched
+        // again online (offline, reading it below names both digests).
+        Some(r) if store.intact(&r.component_digest) => (r, false),
+        Some(r) if access.offline && store.has_blob(&r.component_digest) => (r, false),
         _ if access.offline => {
             return Err(RegistryError::NotInStore {
                 reference: pinned.to_string(),
             })
         }
-        _ => pull(&pinned, store, access, host)?,
+        _ => (pull_trusted(&pinned, store, access, host, trust)?, true),
     };
+    let bytes = store.blob(&record.component_digest)?;
+    if !pulled {
+        trust.check(&reference, &record, store, access)?;
+    }
+    // The local tag moves only to what was verified and trusted.
     if reference.tag.is_some() && !access.offline {
         store.set_tag(&reference, &manifest_digest)?;
     }
-    let bytes = store.blob(&record.component_digest)?;
-    trust.check(&reference, &record, store, access)?;
     Ok(Resolved {
         bytes,
         origin: format!("{reference}@{manifest_digest}"),
@@ -317,6 +329,20 @@ pub fn pull(
     access: &Access,
     host: &PluginHost,
 ) -> Result<Record, RegistryError> {
+    pull_trusted(reference, store, access, host, &Trust::new(&[])?)
+}
+
+/// [`pull`], with the signatures `trust` requires checked once the bytes
+/// are verified and before anything else happens to them: the component is
+/// compiled, its `info()` run and the local tag moved only when a trusted
+/// key signed it.
+pub fn pull_trusted(
+    reference: &Reference,
+    store: &Store,
+    access: &Access,
+    host: &PluginHost,
+    trust: &Trust,
+) -> Result<Record, RegistryError> {
     if access.offline {
         return Err(RegistryError::NotInStore {
             reference: reference.to_string(),
@@ -327,14 +353,16 @@ pub fn pull(
     let component_digest = manifest.layer_digest.clone();
     {
         let _guard = store.lock(&component_digest)?;
-        if !store.has_blob(&component_digest) {
-            let bytes = remote.blob(reference, &component_digest)?;
+        if !store.intact(&component_digest) {
+            let bytes = remote.blob(reference, &component_digest, manifest.layer_size)?;
             store.put_blob(&bytes, &component_digest)?;
         }
     }
     let bytes = store.blob(&component_digest)?;
+    let signatures = trust.verify(reference, &manifest.digest, &component_digest, &[], access)?;
     let plugin = host.load_bytes(&bytes, &reference.to_string())?;
-    let record = Record::of(&plugin, reference, &manifest.digest, &component_digest);
+    let mut record = Record::of(&plugin, reference, &manifest.digest, &component_digest);
+    record.signatures = signatures;
     store.put_record(&record)?;
     if reference.tag.is_some() {
         store.set_tag(reference, &manifest.digest)?;

@@ -19,6 +19,48 @@ use std::collections::BTreeMap;
 const MAX_MANIFEST_BYTES: usize = 1 << 20;
 /// Largest component accepted, bytes (a Python plugin is about 19 MiB).
 pub const MAX_COMPONENT_BYTES: u64 = 256 << 20;
+/// Referrer manifests read for one subject (signatures), and the largest
+/// referrer body read.
+const MAX_REFERRERS: usize = 16;
+const MAX_REFERRER_BYTES: u64 = 64 << 10;
+
+/// A blob's bytes as they arrive, refused past `limit` (the size its
+/// descriptor gives): the stream stops at the first byte over.
+struct Capped {
+    buf: Vec<u8>,
+    limit: u64,
+    over: bool,
+}
+
+impl tokio::io::AsyncWrite for Capped {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+        data: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        let me = self.get_mut();
+        if me.buf.len() as u64 + data.len() as u64 > me.limit {
+            me.over = true;
+            return std::task::Poll::Ready(Err(std::io::Error::other(
+                "past the size its descriptor gives",
+            )));
+        }
+        me.buf.extend_from_slice(data);
+        std::task::Poll::Ready(Ok(data.len()))
+    }
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+}
 
 pub struct Remote {
     client: Client,
@@ -217,18 +259,34 @@ impl Remote {
         })
     }
 
-    /// A blob of `r`'s repository, verified against `digest`.
-    pub fn blob(&self, r: &Reference, digest: &str) -> Result<Vec<u8>, RegistryError> {
+    /// A blob of `r`'s repository, verified against `digest`, streamed
+    /// against the `size` its descriptor gives: the download stops at the
+    /// first byte past it, before the digest could be checked.
+    pub fn blob(&self, r: &Reference, digest: &str, size: u64) -> Result<Vec<u8>, RegistryError> {
         let oref = oci_ref(r);
         let desc = OciDescriptor {
             media_type: LAYER_MEDIA_TYPE.into(),
             digest: digest.into(),
+            size: i64::try_from(size).unwrap_or(i64::MAX),
             ..Default::default()
         };
-        let mut out: Vec<u8> = Vec::new();
-        self.rt
-            .block_on(self.client.pull_blob(&oref, &desc, &mut out))
-            .map_err(|e| self.error(r, e))?;
+        let mut sink = Capped {
+            buf: Vec::with_capacity(size.min(64 << 20) as usize),
+            limit: size,
+            over: false,
+        };
+        let pulled = self
+            .rt
+            .block_on(self.client.pull_blob(&oref, &desc, &mut sink));
+        if sink.over {
+            return Err(RegistryError::Oversized {
+                reference: r.to_string(),
+                digest: digest.into(),
+                size,
+            });
+        }
+        pulled.map_err(|e| self.error(r, e))?;
+        let out = sink.buf;
         let found = super::digest_of(&out);
         if found != digest {
             return Err(RegistryError::TamperedDownload {
@@ -377,6 +435,9 @@ impl Remote {
         if manifests.is_empty() {
             manifests.push(r.at_tag(fallback_tag));
         }
+        // A bounded look: a registry listing thousands of referrers gets
+        // the first few read.
+        manifests.truncate(MAX_REFERRERS);
         let mut bodies = Vec::new();
         for m in manifests {
             let oref = oci_ref(&m);
@@ -401,10 +462,11 @@ impl Remote {
                 continue;
             }
             for l in man.layers.iter().filter(|l| l.media_type == artifact_type) {
-                if l.size > 64 << 10 {
+                let size = u64::try_from(l.size).unwrap_or(u64::MAX);
+                if size > MAX_REFERRER_BYTES {
                     continue;
                 }
-                bodies.push(self.blob(&m, &l.digest)?);
+                bodies.push(self.blob(&m, &l.digest, size)?);
             }
         }
         Ok(bodies)

@@ -137,13 +137,27 @@ impl Store {
                 .map(|n| n.to_string_lossy())
                 .unwrap_or_default()
         ));
-        std::fs::write(&tmp, bytes).map_err(io("cannot write", &tmp))?;
-        std::fs::rename(&tmp, path).map_err(io("cannot move into place", path))
+        // Written and flushed to disk before it takes its name, and the
+        // rename made durable: a crash never leaves a torn file named.
+        let mut f = File::create(&tmp).map_err(io("cannot write", &tmp))?;
+        std::io::Write::write_all(&mut f, bytes).map_err(io("cannot write", &tmp))?;
+        f.sync_all().map_err(io("cannot write", &tmp))?;
+        drop(f);
+        std::fs::rename(&tmp, path).map_err(io("cannot move into place", path))?;
+        File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("cannot write", dir))
     }
 
     /// Whether a blob file exists under this digest (not yet verified).
     pub fn has_blob(&self, digest: &str) -> bool {
         self.blob_path(digest).is_ok_and(|p| p.is_file())
+    }
+
+    /// Whether the blob under `digest` is there and hashes to it (a torn
+    /// or altered file is not: it is fetched again where that is allowed).
+    pub fn intact(&self, digest: &str) -> bool {
+        self.has_blob(digest) && self.blob(digest).is_ok()
     }
 
     /// The bytes stored under `digest`, verified.
