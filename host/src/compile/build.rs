@@ -594,6 +594,11 @@ struct ChunkBuild<'c, 'a> {
     /// one's slot base and whether it runs on the node's device group.
     preds: Vec<(NodeId, EdgeKind)>,
     stack: Vec<(NodeId, EdgeKind)>,
+    /// Per node index, the last [`ChunkBuild::effective_preds`] call that
+    /// passed through it (a marker), so a lattice of markers is walked
+    /// once per node, not once per path.
+    marker_seen: Vec<u32>,
+    walk: u32,
     pred_at: Vec<(u32, bool)>,
     /// The node's devices in this chunk: (index in the node, device); each
     /// device's place among them (`u32::MAX` for others); per place the
@@ -636,6 +641,8 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             in_flight: BinaryHeap::new(),
             preds: Vec::new(),
             stack: Vec::new(),
+            marker_seen: Vec::new(),
+            walk: 0,
             pred_at: Vec::new(),
             here_ix: Vec::new(),
             slot_of: vec![u32::MAX; cx.rank.len()],
@@ -798,10 +805,22 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         self.preds.clear();
         self.stack.clear();
         let flat = |p: usize| cx.flat.preds(p).iter().map(|&(q, k)| (NodeId(q), k));
+        self.walk = self.walk.wrapping_add(1);
+        if self.walk == 0 {
+            self.marker_seen.iter_mut().for_each(|s| *s = 0);
+            self.walk = 1;
+        }
         self.stack.extend(flat(id.ix().index()));
         while let Some((p, ek)) = self.stack.pop() {
-            if cx.groups.is_marker(p.ix().index()) {
-                self.stack.extend(flat(p.ix().index()));
+            let pi = p.ix().index();
+            if cx.groups.is_marker(pi) {
+                if self.marker_seen.len() <= pi {
+                    self.marker_seen.resize(pi + 1, 0);
+                }
+                if self.marker_seen[pi] != self.walk {
+                    self.marker_seen[pi] = self.walk;
+                    self.stack.extend(flat(pi));
+                }
             } else {
                 self.preds.push((p, ek));
             }

@@ -158,3 +158,72 @@ fn the_built_deadlock_steps_are_the_plans_own() {
         .max();
     assert!(most > Some(2 * build::BURST), "{most:?} ops");
 }
+
+/// Order markers chained by temporal edges into a lattice (two markers a
+/// level, each level's two joined to both of the next) have 2^levels paths
+/// from the last back to the first. The compiler passes through each
+/// marker once per node it plans, so 30 levels compile at once (every
+/// path walked: 2^30 steps for each node after the last level).
+#[test]
+fn a_lattice_of_order_markers_compiles_in_time_linear_in_its_markers() {
+    let model = ModelConfig {
+        batch_size: 192,
+        ..ModelConfig::tiny()
+    };
+    let mut dag = TrainingDag::build(&model, Cluster::new(1)).unwrap();
+    dag.split(&Filter::all(), "MB", 192).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    let levels = 30u32;
+    // Two chains of `order` groups of three independent forwards (region 0
+    // and region 7 of three microbatches each): one marker between groups.
+    let group = |region: u32, g: u32| -> Vec<Filter> {
+        (0..3)
+            .map(|k| {
+                format!("{{PP:{region},MB:{},PASS:F}}", 3 * g + k)
+                    .parse()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let mut chains: Vec<Vec<NodeId>> = Vec::new();
+    for region in [0, 7] {
+        let mut markers = Vec::new();
+        for g in 0..=levels {
+            let markers_now = |dag: &mut TrainingDag| {
+                dag.query_ids(&"{PASS:marker}".parse().unwrap())
+                    .unwrap_or_default()
+            };
+            let before = markers_now(&mut dag);
+            dag.order(&[group(region, g), group(region, g + 1)])
+                .unwrap();
+            let after = markers_now(&mut dag);
+            markers.extend(after.into_iter().filter(|m| !before.contains(m)));
+        }
+        chains.push(markers);
+    }
+    let (a, b) = (&chains[0], &chains[1]);
+    assert_eq!(
+        (a.len(), b.len()),
+        (levels as usize + 1, levels as usize + 1)
+    );
+    for i in 1..a.len() {
+        for (from, to) in [
+            (a[i - 1], b[i]),
+            (b[i - 1], a[i]),
+            (a[i - 1], a[i]),
+            (b[i - 1], b[i]),
+        ] {
+            dag.add_temporal_edge(from, to).unwrap();
+        }
+    }
+    let t = std::time::Instant::now();
+    let plan = compile(&dag).unwrap();
+    assert_eq!(plan.devices.len(), 1);
+    // Seconds at most in a debug build; the walk of every path is 2^30
+    // steps for each of hundreds of nodes.
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(30),
+        "{:?}",
+        t.elapsed()
+    );
+}
