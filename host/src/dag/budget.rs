@@ -107,7 +107,7 @@ mod cost {
 pub(crate) const PAIR_KEYS: u16 = 8;
 
 /// Temporaries of a derived-node rebuild per node and edge of the DAG.
-const REBUILD_BYTES: u64 = 32;
+pub(crate) const REBUILD_BYTES: u64 = 32;
 
 /// `12.3 MiB`-style sizes for budget messages.
 fn mib(b: u64) -> String {

@@ -114,8 +114,27 @@ impl TrainingDag {
                     + 2
             })
             .sum();
-        self.check_growth(&call, forwards.len() as u64, degree)?;
+        // A recompute reads its segment's weights: under ZeRO-3 that
+        // resharded after each use, the rebuild gives it a gather of its own.
+        let gathers = forwards
+            .iter()
+            .filter(|id| {
+                let n = &self.graph[id.ix()];
+                n.replica.is_some_and(|r| {
+                    let s = &self.specs[r as usize];
+                    s.zero == 3 && s.reshard_after_forward && n.replicas() > 1
+                })
+            })
+            .count() as u64;
+        let (nodes, edges) = (forwards.len() as u64 + gathers, degree + 2 * gathers);
+        self.check_growth(&call, nodes, edges)?;
         self.charge(&call, degree.saturating_mul(2))?;
+        // The derived nodes are rebuilt inside this call, against its
+        // budget, not later by the compiler outside every budget.
+        let rebuild =
+            (self.node_count() as u64 + nodes).saturating_add(self.edge_count() as u64 + edges);
+        self.charge(&call, rebuild)?;
+        self.charge_bytes(&call, rebuild.saturating_mul(super::budget::REBUILD_BYTES))?;
         let mut made = 0u32;
         for id in forwards {
             if !phased(self, &id) && self.add_recompute(id, policy) {
@@ -125,6 +144,7 @@ impl TrainingDag {
         if made > 0 {
             self.recomputes = self.recomputes.saturating_add(made);
             self.touch();
+            self.sync();
         }
         Ok(made)
     }

@@ -790,6 +790,45 @@ fn a_forward_cannot_be_ordered_after_its_backward_or_update() {
     dag.add_temporal_edge(other_f, head_f).unwrap();
 }
 
+/// Under ZeRO-3 that reshards after each use, every recompute gets a
+/// gather of its own when the derived nodes are rebuilt: `recompute`
+/// predicts them against the node budget and rebuilds inside the call, so
+/// the compiler never grows the DAG past what the plugin was charged for.
+#[test]
+fn recompute_under_zero3_is_charged_for_the_gathers_it_brings() {
+    let model = ModelConfig {
+        batch_size: 256,
+        ..ModelConfig::tiny()
+    };
+    let mut dag = TrainingDag::build(&model, Cluster::new(2)).unwrap();
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(3))
+        .unwrap();
+    dag.split(&Filter::all(), "MB", 64).unwrap();
+    dag.snapshot();
+    let (start, forwards) = (dag.node_count() as u64, 8 * 64);
+    // Room for the recompute nodes, not for their gathers as well.
+    dag.set_budget(Some(DagBudget {
+        max_nodes: start + forwards + forwards / 2,
+        max_edges: u64::MAX / 4,
+        max_names: 64,
+        max_work: u64::MAX / 4,
+        max_bytes: u64::MAX / 4,
+    }));
+    fails_unchanged(&mut dag, "sandbox.max_nodes", |d| {
+        d.recompute(&Filter::all(), RecomputePolicy::Full)
+            .map(|_| ())
+    });
+    // With room: the rebuilt DAG is what the call left, charged.
+    dag.set_budget(None);
+    assert_eq!(
+        dag.recompute(&Filter::all(), RecomputePolicy::Full)
+            .unwrap(),
+        512
+    );
+    assert!(!dag.dirty, "derived nodes left for the compiler to rebuild");
+    assert_eq!(dag.node_count() as u64, start + 2 * forwards);
+}
+
 /// An `R` a strategy ordered keeps that order (compile adds its own
 /// placement only to unordered ones): here right after its forward.
 #[test]
