@@ -4,8 +4,8 @@
 //! written as a run config that `piper train --config` runs and `piper plan
 //! --config` reproduces.
 
+use super::config::parse_size;
 use super::sim::{cluster_for, SimArgs};
-use super::train::parse_size;
 use super::{Loader, RunArgs, RunConfig};
 use crate::compile::human_bytes;
 use crate::model::ModelConfig;

@@ -3,6 +3,7 @@
 //! plan devices on GPUs with `--backend cuda`), with a progress bar, a
 //! summary, and per-step metrics as JSON lines.
 
+use super::config::parse_size;
 use super::RunArgs;
 use crate::compile::human_bytes;
 use crate::model::ModelConfig;
@@ -155,32 +156,6 @@ pub struct TrainArgs {
     /// are dealt to them in contiguous blocks (several may share one GPU).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     gpus: u32,
-}
-
-/// `512MiB`, `2GiB`, `1000000`.
-pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let (num, mult) = [
-        ("KiB", 1u64 << 10),
-        ("MiB", 1 << 20),
-        ("GiB", 1 << 30),
-        ("TiB", 1 << 40),
-        ("KB", 1000),
-        ("MB", 1_000_000),
-        ("GB", 1_000_000_000),
-        ("B", 1),
-    ]
-    .iter()
-    .find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m)))
-    .unwrap_or((t, 1));
-    let v: f64 = num
-        .parse()
-        .with_context(|| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)"))?;
-    let bytes = v * mult as f64;
-    if !(bytes >= 1.0 && bytes <= (1u64 << 60) as f64) {
-        bail!("memory size `{s}` must be between 1 byte and 1 EiB");
-    }
-    Ok(bytes as u64)
 }
 
 /// Numbers and output paths checked before any work, so a typo costs
@@ -848,26 +823,4 @@ fn dump_step1(
     write_safetensors(path, entries, None)?;
     println!("step-1 dump: {}", path.display());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn sizes_parse_with_units() {
-        assert_eq!(super::parse_size("512MiB").unwrap(), 512 << 20);
-        assert_eq!(super::parse_size("2GiB").unwrap(), 2 << 30);
-        assert_eq!(super::parse_size("1000").unwrap(), 1000);
-        assert!(super::parse_size("lots")
-            .unwrap_err()
-            .to_string()
-            .contains("not a size"));
-        // Extremes: never a silent 0 or a saturated cap.
-        for bad in ["NaN", "inf", "-1GiB", "0", "99999999999TiB", "0.1B"] {
-            let e = super::parse_size(bad).unwrap_err().to_string();
-            assert!(
-                e.contains("between 1 byte and 1 EiB") || e.contains("not a size"),
-                "{bad}: {e}"
-            );
-        }
-    }
 }

@@ -111,7 +111,7 @@ pub(crate) const REBUILD_BYTES: u64 = 32;
 
 /// `12.3 MiB`-style sizes for budget messages.
 fn mib(b: u64) -> String {
-    crate::compile::human_bytes(b)
+    super::human_bytes(b)
 }
 
 fn limit(call: &str, budget: &'static str, limit: u64, request: String) -> DagError {

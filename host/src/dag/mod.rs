@@ -47,7 +47,7 @@ mod topo;
 
 pub use budget::{DagBudget, MAX_NAMES_HARD, MAX_NAME_BYTES};
 pub use directives::ReplicateOptions;
-pub use error::{DagError, DagErrorKind};
+pub use error::{human_bytes, DagError, DagErrorKind};
 pub use filter::{Filter, Label, TagMatch, PASS_VALUES};
 pub use kinds::*;
 pub use primitives::{Neighbour, NodeInfo};
