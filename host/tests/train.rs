@@ -5,7 +5,7 @@ use piper::compile::plan::OpKind;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
-use common::{assert_same_training, one_device, plan_with, small, train, Strategy};
+use common::{assert_same_training, one_device, plan_with, small, small_moe, train, Strategy};
 
 mod common;
 
@@ -44,20 +44,6 @@ fn every_strategy_trains_to_the_same_losses_as_one_device() {
     for (name, devices, strategy) in cases {
         let run = train(&host, &small(), devices, strategy, steps);
         assert_same_training(name, &run, &base);
-    }
-}
-
-/// The small model with a MoE MLP in every layer: 4 experts, top-2,
-/// dropless (no capacity), so every strategy routes every token the same way.
-fn small_moe() -> piper::model::ModelConfig {
-    let mut moe = piper::model::MoeConfig::new(4, 2);
-    moe.hidden = Some(48);
-    moe.aux_loss_coef = 0.05;
-    piper::model::ModelConfig {
-        name: "small-moe".into(),
-        layers: 4,
-        moe: Some(moe),
-        ..small()
     }
 }
 

@@ -46,11 +46,8 @@ pub fn contiguous_group(
     degree: u32,
     devices: u32,
 ) -> Result<Vec<u32>, Error> {
-    if degree == 0 || degree > devices || !devices.is_multiple_of(degree) {
-        return Err(Error::msg(format!(
-            "{strategy} needs a degree that divides the device count: got {option} {degree} for {devices} devices"
-        )));
-    }
+    // The same degree check as a strided group's; laid out contiguously.
+    crate::strided_group(strategy, option, degree, devices)?;
     Ok((0..degree).collect())
 }
 

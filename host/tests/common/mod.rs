@@ -157,6 +157,20 @@ pub fn small() -> ModelConfig {
     }
 }
 
+/// `small` with a MoE MLP in every layer: 4 experts, top-2, dropless (no
+/// capacity), so every strategy routes every token the same way.
+pub fn small_moe() -> ModelConfig {
+    let mut moe = piper::model::MoeConfig::new(4, 2);
+    moe.hidden = Some(48);
+    moe.aux_loss_coef = 0.05;
+    ModelConfig {
+        name: "small-moe".into(),
+        layers: 4,
+        moe: Some(moe),
+        ..small()
+    }
+}
+
 pub type Strategy<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
 
 /// Apply a list of bundled strategies, with their options, to `cfg` on
