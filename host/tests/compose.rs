@@ -162,35 +162,55 @@ fn the_llama_family_trains_on_a_3d_mesh_at_one_devices_losses() {
 #[test]
 fn step1_gradients_of_zero_over_tensor_parallel_groups_match_one_device() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
-    let cfg = four_heads();
+    let zero1_tp_1f1b: Strategy = &[
+        ("zero", &[("stage", "1"), ("dp", "2")]),
+        ("tp", &[("tp", "2")]),
+        ("1f1b", &[("microbatches", "4")]),
+    ];
+    let zero3_tp: Strategy = &[("tp", &[("tp", "2")]), ("zero", &[("stage", "3")])];
+    step1_grads_match_one_device(
+        &host,
+        &four_heads(),
+        &[
+            ("zero1×tp×1f1b", 8, zero1_tp_1f1b),
+            ("zero3×tp", 4, zero3_tp),
+        ],
+    );
+    // Tensor × expert parallelism: experts spread over the mesh, the
+    // router's and layernorm's gradients summed over both axes.
+    let zero1_tp_ep: Strategy = &[
+        ("zero", &[("stage", "1"), ("dp", "2")]),
+        ("tp", &[("tp", "2")]),
+        ("ep", &[]),
+    ];
+    let tp_ep: Strategy = &[("tp", &[("tp", "2")]), ("ep", &[])];
+    step1_grads_match_one_device(
+        &host,
+        &small_moe(),
+        &[("zero1×tp×ep", 4, zero1_tp_ep), ("tp×ep", 2, tp_ep)],
+    );
+}
+
+/// Each case's step-1 gradients and stepped parameters, put back together
+/// from every device, against one device's.
+fn step1_grads_match_one_device(
+    host: &PluginHost,
+    cfg: &piper::model::ModelConfig,
+    cases: &[(&str, u32, Strategy)],
+) {
     let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
     let grads = |devices: u32, strategy: Strategy| {
         let opts = TrainOptions {
             capture_grads: true,
             ..Default::default()
         };
-        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
-        let mut t = Trainer::new(&cfg, plan, opts).unwrap();
+        let plan = plan_with(host, cfg, devices, strategy).unwrap();
+        let mut t = Trainer::new(cfg, plan, opts).unwrap();
         t.step(&batch).unwrap();
         (t.last_grads().unwrap(), t.params().unwrap())
     };
     let (base, params) = grads(1, &[("1f1b", &[("stages", "1"), ("microbatches", "1")])]);
-    for (name, devices, strategy) in [
-        (
-            "zero1×tp×1f1b",
-            8u32,
-            &[
-                ("zero", &[("stage", "1"), ("dp", "2")][..]),
-                ("tp", &[("tp", "2")][..]),
-                ("1f1b", &[("microbatches", "4")][..]),
-            ][..],
-        ),
-        (
-            "zero3×tp",
-            4,
-            &[("tp", &[("tp", "2")][..]), ("zero", &[("stage", "3")][..])][..],
-        ),
-    ] {
+    for &(name, devices, strategy) in cases {
         let (g, p) = grads(devices, strategy);
         assert_eq!(
             g.keys().collect::<Vec<_>>(),
@@ -400,4 +420,81 @@ fn experts_compose_with_zero_2_and_3_at_one_devices_losses() {
         let run = train(&host, &cfg, devices, strategy, 10);
         assert_same_training(name, &run, &base);
     }
+}
+
+/// Tensor parallelism × expert parallelism (Megatron with expert-tensor-
+/// parallel size 1): attention tensor-parallel, each MoE layer's experts
+/// spread over the whole dp × tp mesh, every tensor-parallel rank routing
+/// its share of its replica's sequences. At one device's losses, every
+/// device at work; `tp` on a MoE model without `ep` is refused by name.
+#[test]
+fn tensor_and_expert_parallelism_compose_at_one_devices_losses() {
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = small_moe();
+    let base = one_device(&host, &cfg, 10);
+    let cases: [(&str, u32, usize, Strategy); 5] = [
+        ("tp×ep", 2, 2, &[("tp", &[("tp", "2")]), ("ep", &[])]),
+        (
+            "zero3×tp×ep",
+            4,
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("ep", &[]),
+            ],
+        ),
+        (
+            "zero1×tp×ep×dualpipev",
+            8,
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("ep", &[]),
+                ("dualpipev", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "dp×tp×ep",
+            4,
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("ep", &[]),
+            ],
+        ),
+        (
+            "zero1×tp×ep×1f1b",
+            8,
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("tp", &[("tp", "2")]),
+                ("ep", &[]),
+                ("1f1b", &[("stages", "2"), ("microbatches", "4")]),
+            ],
+        ),
+    ];
+    for (name, devices, ep, strategy) in cases {
+        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+        let experts: Vec<_> = (plan.devices.iter())
+            .flat_map(|d| d.streams.iter().flat_map(|s| &s.ops))
+            .filter(|o| o.spread == Some(Spread::Experts))
+            .collect();
+        assert!(!experts.is_empty(), "{name}: no expert-parallel pass");
+        for o in experts {
+            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(ep), "{name}");
+            assert_eq!(o.tp, 2, "{name}");
+        }
+        let run = train(&host, &cfg, devices, strategy, 10);
+        assert!(run.peak_bytes.iter().all(|b| *b > 0), "{name}: idle device");
+        assert_same_training(name, &run, &base);
+    }
+    let err = plan_with(&host, &cfg, 2, &[("tp", &[("tp", "2")])]).unwrap_err();
+    assert!(
+        err.contains("need `shard` over the whole mesh (`tp`, then `ep`)"),
+        "{err}"
+    );
 }

@@ -258,6 +258,7 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             tensor: None,
             zero: 0,
             param_bytes: 0,
+            tp: 1,
         }),
         peer: Some(peer),
         pair: Some(node),

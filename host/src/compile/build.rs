@@ -375,6 +375,10 @@ fn describe<'a>(
             },
             zero,
             param_bytes: cost.param_bytes,
+            tp: match n.kind {
+                NodeKind::Compute { .. } => n.tp_degree(),
+                _ => 1,
+            },
         }),
         inputs,
         spread_groups: match spread {
@@ -444,15 +448,16 @@ fn zero_stage(cx: &Ctx<'_>, n: &Node) -> u8 {
 /// Expert- or tensor-parallel compute: its group exchanges inside the op,
 /// so the op meets its group like a collective (a phase of a split expert
 /// pass carries it too; its exchanges are ops).
+/// Experts spread over a tensor-parallel mesh exchange over all of it.
 fn spread_of(dag: &TrainingDag, n: &Node) -> Option<Spread> {
     match (&n.kind, n.replica) {
-        (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
-            Some(Spread::Tensor)
-        }
         (NodeKind::Compute { .. }, Some(r))
             if n.devices.len() > 1 && dag.specs[r as usize].expert_parallel.is_some() =>
         {
             Some(Spread::Experts)
+        }
+        (NodeKind::Compute { .. }, _) if n.devices.len() > 1 && n.tensor_parallel.is_some() => {
+            Some(Spread::Tensor)
         }
         _ => None,
     }
@@ -947,10 +952,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             waits: waits_list,
             inputs,
             // A tensor-parallel group runs one batch share: its replica's.
-            replica: match desc.spread {
-                Some(Spread::Tensor) => i as u32 / desc.spread_size.max(1),
-                _ => i as u32,
-            },
+            replica: i as u32 / desc.common.tp.max(1),
             out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
                 desc.readers.out_bytes
             } else {

@@ -99,6 +99,14 @@ pub enum CompileError {
         busy: u32,
         cluster: u32,
     },
+    #[error("{node} is an expert segment on tensor-parallel groups of {tp} but its experts are not spread: tensor-parallel experts split their sequences over the group and need `shard` over the whole mesh (`tp`, then `ep`)")]
+    ExpertsNotSpread { node: String, tp: u32 },
+    #[error("{node} splits its {sequences} sequences per microbatch and replica over its tensor-parallel group of {tp}: give a batch whose share divides by tp (or fewer microbatches)")]
+    ExpertSequences {
+        node: String,
+        sequences: u64,
+        tp: u32,
+    },
     #[error(transparent)]
     Deadlock(#[from] DeadlockError),
 }
@@ -218,6 +226,9 @@ fn validate(
                     div,
                 });
             }
+            if let Some(e) = tensor_parallel_experts(dag, id, n, batch / div) {
+                return Some(e);
+            }
         }
         if let NodeKind::Comm(c) = &n.kind {
             if c.op.is_p2p() {
@@ -237,6 +248,37 @@ fn validate(
     }
     validate_edges(dag, flat, groups, &segs.placement)?;
     check_busy(dag, groups)
+}
+
+/// An expert segment on a tensor-parallel mesh runs `1/tp` of its
+/// replica's `sequences` on each rank, its experts spread over the mesh.
+fn tensor_parallel_experts(
+    dag: &TrainingDag,
+    id: NodeId,
+    n: &crate::dag::Node,
+    sequences: u64,
+) -> Option<CompileError> {
+    let NodeKind::Compute { segment, .. } = n.kind else {
+        return None;
+    };
+    let tp = n.tp_degree();
+    if tp <= 1 || dag.segments()[segment as usize].expert_block.is_none() {
+        return None;
+    }
+    let spread = n
+        .replica
+        .is_some_and(|r| dag.specs[r as usize].expert_parallel.is_some());
+    if !spread {
+        return Some(CompileError::ExpertsNotSpread {
+            node: dag.label(id),
+            tp,
+        });
+    }
+    (!sequences.is_multiple_of(u64::from(tp))).then(|| CompileError::ExpertSequences {
+        node: dag.label(id),
+        sequences,
+        tp,
+    })
 }
 
 /// A segment's compute nodes of one microbatch share one group; different

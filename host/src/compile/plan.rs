@@ -106,6 +106,11 @@ pub struct OpCommon {
     /// Compute and update ops: parameter bytes of their segments (the
     /// simulator costs an optimizer step from it). Derived: not hashed.
     pub param_bytes: u64,
+    /// Compute ops: the node's tensor-parallel degree (1: none). A `Tensor`
+    /// spread's group size; under an `Experts` spread over a mesh, each
+    /// tensor-parallel group (`tp` consecutive members of `group`) splits
+    /// its replica's sequences, rank `j` taking the `j`-th share.
+    pub tp: u32,
 }
 
 impl std::ops::Deref for Op {
@@ -294,6 +299,8 @@ struct FlatOp<'a> {
     param_bytes: u64,
     #[serde(default, skip_serializing_if = "is_zero")]
     out_bytes: u64,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    tp: u32,
 }
 
 /// A wait in JSON: the stream by its name.
@@ -337,6 +344,7 @@ impl<'a> FlatOp<'a> {
             zero: c.zero,
             param_bytes: c.param_bytes,
             out_bytes: o.out_bytes,
+            tp: c.tp,
         }
     }
 
@@ -367,6 +375,7 @@ impl<'a> FlatOp<'a> {
                 tensor: self.tensor,
                 zero: self.zero,
                 param_bytes: self.param_bytes,
+                tp: self.tp,
             }),
             peer: self.peer,
             pair: self.pair,
@@ -385,6 +394,10 @@ fn is_zero(v: &u64) -> bool {
 
 fn one() -> u32 {
     1
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
 }
 
 fn no_inputs(v: &Arc<[Input]>) -> bool {
@@ -579,6 +592,9 @@ impl StableHasher {
             self.word(o.batch_div);
             self.word(o.flops.to_bits());
             self.word(o.bytes);
+            if o.tp > 1 {
+                self.word(u64::from(o.tp));
+            }
         }
         self.words(o.group.as_deref().unwrap_or(&[]));
         self.word(waits.len() as u64);
@@ -636,6 +652,13 @@ impl Plan {
                     // A tensor-parallel pass sums over its group inside the op.
                     OpKind::F | OpKind::R | OpKind::B | OpKind::BI
                         if op.spread == Some(Spread::Tensor) =>
+                    {
+                        2.0 * part(op)
+                    }
+                    // An expert pass exchanging inside its op: its two
+                    // all-to-alls (and a sequence split's gather).
+                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI
+                        if op.spread == Some(Spread::Experts) && op.phase.is_none() =>
                     {
                         2.0 * part(op)
                     }

@@ -686,6 +686,11 @@ impl TrainingDag {
     /// dispatch, 1 experts, 2 combine) with an `all-to-all` node on `stream`
     /// between consecutive phases, so that `order` can interleave another
     /// microbatch's compute with the exchange (DualPipe's overlap).
+    ///
+    /// Segments `shard-tensor` put on a tensor-parallel mesh (`devices` =
+    /// the whole mesh): experts spread over every device of it (EP = DP ×
+    /// TP), each tensor-parallel rank routing its share of its replica's
+    /// sequences; the exchanges run inside the compute op on any stream.
     pub fn shard(&mut self, f: &Filter, devices: &[u32], stream: &str) -> Result<(), DagError> {
         let call = format!(
             "shard({f}, devices {}, stream {})",
@@ -727,8 +732,10 @@ impl TrainingDag {
             let node = &self.graph[id.ix()];
             // ZeRO shards what stays replicated (router, norms, attention)
             // over the group; each expert lives on one device, its states
-            // whole there (its expert-data-parallel group is itself).
-            if node.replica.is_none() || node.devices != devs {
+            // whole there (its expert-data-parallel group is itself). A
+            // tensor-parallel mesh counts as its replicas × its groups.
+            let spread = node.replica.is_some() || node.tensor_parallel.is_some();
+            if !spread || node.devices != devs {
                 return invalid(format!(
                     "{} is on devices {}{}; shard its experts over the devices it is data-parallel over (EP degree = DP degree: `dp` or `replicate` over {} first)",
                     self.label(id),
@@ -738,7 +745,12 @@ impl TrainingDag {
                 ));
             }
         }
-        let split = stream != self.stream_name(super::COMPUTE);
+        // On a tensor-parallel mesh the exchanges run inside the compute op
+        // (as the group's sums do), whatever the stream.
+        let tensor_parallel = compute
+            .iter()
+            .any(|id| self.graph[id.ix()].tensor_parallel.is_some());
+        let split = stream != self.stream_name(super::COMPUTE) && !tensor_parallel;
         if split {
             if let Some(id) = compute.iter().find(|id| {
                 matches!(
@@ -759,10 +771,15 @@ impl TrainingDag {
         }
         let s = self.stream_id(stream);
         for &id in &compute {
-            let r = self.graph[id.ix()].replica.expect("checked above");
+            // A tensor-parallel node not replicated yet gets a spec of one
+            // replica (no data-parallel sync).
+            let base = match self.graph[id.ix()].replica {
+                Some(r) => self.specs[r as usize].clone(),
+                None => ReplicaSpec::alone(),
+            };
             let spec = ReplicaSpec {
                 expert_parallel: Some(s),
-                ..self.specs[r as usize].clone()
+                ..base
             };
             let rep = match self.specs.iter().position(|x| *x == spec) {
                 Some(i) => i as u32,
@@ -942,6 +959,13 @@ impl TrainingDag {
     /// and [1, 5]). `stream` names where the reductions belong (today they
     /// run inside the compute op; see docs/design-notes.md). A pipeline
     /// applied after moves the groups as `place` does.
+    ///
+    /// Expert segments (a MoE layer's expert half) on a tensor-parallel
+    /// mesh split each replica's sequences over the group instead (Megatron
+    /// with expert-tensor-parallel size 1): `shard` must then spread their
+    /// experts over the whole mesh (EP = DP × TP), and the group all-gathers
+    /// the outputs (forward) and input gradients (backward) and sums the
+    /// router's and layernorm's gradients.
     pub fn shard_tensor(
         &mut self,
         f: &Filter,
@@ -965,14 +989,13 @@ impl TrainingDag {
         if let Err(m) = self.model.tensor_split(n) {
             return invalid(m);
         }
-        if let Some(id) = compute.iter().find(|id| match self.graph[id.ix()].kind {
-            NodeKind::Compute { segment, .. } => {
-                self.segments()[segment as usize].expert_block.is_some()
-            }
-            _ => false,
+        if let Some(id) = compute.iter().find(|id| {
+            self.graph[id.ix()]
+                .replica
+                .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some())
         }) {
             return invalid(format!(
-                "{} is an expert segment: tensor parallelism splits attention and dense MLPs (spread experts with `shard`)",
+                "{} is already sharded by expert parallelism: shard-tensor before shard (`tp` first, then `ep`, which spreads the experts over the dp × tp mesh)",
                 self.label(*id)
             ));
         }

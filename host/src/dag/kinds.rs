@@ -448,3 +448,18 @@ pub(crate) struct ReplicaSpec {
     /// where the exchange belongs.
     pub expert_parallel: Option<StreamId>,
 }
+
+impl ReplicaSpec {
+    /// The spec of a node that is not data-parallel (one replica, no
+    /// gradient sync), for `shard` on a tensor-parallel mesh alone.
+    pub(crate) fn alone() -> Self {
+        ReplicaSpec {
+            zero: 0,
+            bucket_bytes: 0,
+            reduce_stream: super::COMPUTE,
+            gather_stream: super::COMPUTE,
+            reshard_after_forward: false,
+            expert_parallel: None,
+        }
+    }
+}

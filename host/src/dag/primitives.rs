@@ -567,6 +567,7 @@ impl TrainingDag {
                 // Tensor parallelism splits a segment's FLOPs over its group
                 // (layernorms and the embedding, replicated, are small).
                 let tp = n.tp_degree() as f64;
+                let experts_split = seg.expert_block.is_some() && tp > 1.0;
                 NodeCost {
                     flops: flops / div as f64 / tp,
                     param_bytes: (seg.param_elems + seg.tied_elems) * DTYPE_BYTES,
@@ -576,14 +577,29 @@ impl TrainingDag {
                     // inputs, layernorm outputs, residual) stay whole under
                     // tensor parallelism; the rest is split (as compile
                     // counts its buffers).
-                    saved_bytes: (c.saved_bytes as f64 / div as f64 * (0.25 + 0.75 / tp)) as u64,
+                    // (Experts on a tensor-parallel mesh split the
+                    // sequences instead: all of it.)
+                    saved_bytes: (c.saved_bytes as f64 / div as f64
+                        * if experts_split {
+                            1.0 / tp
+                        } else {
+                            0.25 + 0.75 / tp
+                        }) as u64,
                     // An expert pass that exchanges inside its op (`shard`
                     // on `compute`): the rows of each of its two all-to-alls.
                     // A tensor-parallel pass: what its sums move (one
                     // activation per sum: two per dense block, one per MoE
                     // attention half, in forward and in backward).
+                    // Experts on a tensor-parallel mesh: their share of
+                    // the rows, and half an activation per exchange for
+                    // the all-gather of the shares.
                     comm_bytes: match (phase, self.expert_phases, n.replica) {
                         _ if *pass == super::Pass::BW => 0,
+                        (_, Some(x), _) if experts_split => {
+                            let m = &self.model;
+                            let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
+                            (x.routed_bytes / tp as u64 + act * DTYPE_BYTES / 2) / div
+                        }
                         _ if n.tensor_parallel.is_some() => {
                             let sums: u64 = seg
                                 .parts

@@ -400,8 +400,13 @@ fn shard_tensor_splits_the_group_and_names_bad_degrees() {
     fails_unchanged(&mut dag, "gives device 2 twice", |d| {
         d.shard_tensor(&Filter::all(), &[0, 1, 2, 3], "tp")
     });
+    // Experts already spread over the replicas: tp must come first.
     let mut dag = tiny_moe(2, 4);
-    fails_unchanged(&mut dag, "is an expert segment", |d| {
+    dag.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::default())
+        .unwrap();
+    dag.shard(&"{EP:*}".parse().unwrap(), &[0, 1], "compute")
+        .unwrap();
+    fails_unchanged(&mut dag, "shard-tensor before shard (`tp` first", |d| {
         d.shard_tensor(&Filter::all(), &[0, 1], "tp")
     });
 }

@@ -113,11 +113,31 @@ pub(super) type ExpertGroups = BTreeMap<u32, ExpertGroup>;
 /// Segments `shard-tensor` split, with (group size, this device's rank).
 pub(super) type TensorGroups = BTreeMap<u32, (usize, usize)>;
 
+/// Expert segments on a tensor-parallel mesh: each rank of a
+/// tensor-parallel group runs the `rank`-th of `tp` shares of its replica's
+/// sequences, the group gathering outputs and summing replicated gradients.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct SequenceSplit {
+    pub(super) tp: usize,
+    pub(super) rank: usize,
+    /// The tensor-parallel group, in rank order.
+    pub(super) members: Arc<[u32]>,
+}
+
+impl SequenceSplit {
+    /// This rank's rows of `n` rows (whole sequences, as `n` divides).
+    pub(super) fn share(&self, n: usize) -> std::ops::Range<usize> {
+        let per = n / self.tp.max(1);
+        self.rank * per..(self.rank + 1) * per
+    }
+}
+
 /// How a segment's parameters are spread over this device's groups.
 #[derive(Default)]
 pub(super) struct Spreads {
     pub(super) experts: ExpertGroups,
     pub(super) tensor: TensorGroups,
+    pub(super) sequences: BTreeMap<u32, SequenceSplit>,
 }
 
 /// This device's part of a tensor split by tensor parallelism: the ranges
@@ -232,7 +252,32 @@ fn held_and_spreads(plan: &DevicePlan) -> Result<Held, RuntimeError> {
                     label(op)
                 )));
             };
+            let tp = op.tp.max(1) as usize;
+            if kind == Spread::Experts && !size.is_multiple_of(tp) {
+                return Err(RuntimeError::Plan(format!(
+                    "device {}: {}: its group {g:?} is not made of tensor-parallel groups of {tp}",
+                    plan.device,
+                    label(op)
+                )));
+            }
             let clash = match kind {
+                Spread::Experts if tp > 1 => {
+                    let group = ExpertGroup { size, rank };
+                    let at = rank / tp * tp;
+                    let split = SequenceSplit {
+                        tp,
+                        rank: rank % tp,
+                        members: g.get(at..at + tp).unwrap_or_default().into(),
+                    };
+                    spreads
+                        .experts
+                        .insert(*s, group)
+                        .is_some_and(|o| o != group)
+                        || spreads
+                            .sequences
+                            .insert(*s, split.clone())
+                            .is_some_and(|o| o != split)
+                }
                 Spread::Experts => {
                     let group = ExpertGroup { size, rank };
                     spreads
@@ -307,7 +352,11 @@ impl<B: Backend> Device<B> {
                 // replica (of a tensor-parallel mesh, rank 0 of the first
                 // replica's group); spread experts and tensor-parallel
                 // slices on every device holding them (of the first replica).
-                let first_replica = replica.get(&s) == Some(&0);
+                // (Of a sequence split, rank 0 of the first replica's group
+                // too, for what every rank holds whole.)
+                let seq_rank = spreads.sequences.get(&s).map_or(0, |q| q.rank);
+                let first_replica =
+                    replica.get(&s) == Some(&0) && (seq_rank == 0 || table.expert_of(id).is_some());
                 let first = match tp_rank {
                     Some(r) => first_replica && (r == 0 || p.piece.is_some()),
                     None => first_replica || (spread && table.expert_of(id).is_some()),

@@ -357,8 +357,12 @@ pub(super) fn norm_sq<B: Backend>(
         let flat = cut.as_ref().unwrap_or(&b.grad);
         // Of a tensor-parallel mesh, a tensor every rank holds whole is
         // counted by rank 0's data-parallel group only.
-        let tp_rank = b.segments.iter().find_map(|s| dev.spreads.tensor.get(s));
-        let whole_elsewhere = tp_rank.is_some_and(|(_, r)| *r != 0);
+        // (So is what the ranks of a sequence split hold whole.)
+        let tp_rank = b.segments.iter().find_map(|s| {
+            (dev.spreads.tensor.get(s).map(|(_, r)| *r))
+                .or_else(|| dev.spreads.sequences.get(s).map(|q| q.rank))
+        });
+        let whole_elsewhere = tp_rank.is_some_and(|r| r != 0);
         for (n, _, in_shard) in b.pieces() {
             if n == dev.table.wte && !dev.has_embedding {
                 continue;

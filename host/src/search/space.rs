@@ -364,9 +364,9 @@ pub fn enumerate(
         let dp = rep_shape.map(|s| s.0);
         let rest = dp.map(|d| devices / d);
         // Tensor parallelism inside a node and inside each data-parallel
-        // replica's devices (the mesh: tp × pp × dp); not on expert segments.
+        // replica's devices (the mesh: tp × pp × dp).
         let mut tensor: Vec<(Option<Step>, Option<u32>)> = vec![(None, Some(1))];
-        if bundled && !moe {
+        if bundled {
             for t in divisors(rest.unwrap_or(devices)) {
                 let fits = t > 1 && t <= per_node && model.tensor_split(t).is_ok();
                 if fits {
@@ -382,11 +382,17 @@ pub fn enumerate(
                 _ => None,
             };
             // Expert parallelism over the data-parallel group (or every
-            // device), MoE models only.
-            let mut experts: Vec<(Option<Step>, u32)> = vec![(None, 1)];
+            // device; with tensor parallelism, the dp × tp mesh, which
+            // tensor-parallel experts need), MoE models only.
+            let t = tp.unwrap_or(0);
+            let mut experts: Vec<(Option<Step>, u32)> = match tp_step {
+                Some(_) if moe => Vec::new(),
+                _ => vec![(None, 1)],
+            };
             if moe {
                 if bundled {
                     let e = match dp {
+                        Some(d) if tp_step.is_some() => d * t,
                         Some(1) => devices,
                         Some(d) => d,
                         None => 1,
@@ -666,6 +672,33 @@ mod tests {
                 microbatches: 4,
                 chunks: 1,
             })
+        );
+    }
+
+    /// On a MoE model, tensor parallelism comes with `ep` over the dp × tp
+    /// mesh (tensor-parallel experts need it), never without.
+    #[test]
+    fn moe_models_get_tensor_parallelism_with_experts_over_the_mesh() {
+        let mut moe = ModelConfig::tiny();
+        moe.moe = Some(crate::model::MoeConfig::new(8, 2));
+        let all = enumerate(&moe, 8, 8, None);
+        let labels: Vec<String> = all.iter().map(Candidate::label).collect();
+        for want in [
+            "dp:degree=2+tp:tp=2+ep+1f1b:microbatches=4",
+            "zero:stage=1,dp=4+tp:tp=2+ep",
+        ] {
+            assert!(labels.contains(&want.to_string()), "{want} missing");
+        }
+        let c = all
+            .iter()
+            .find(|c| c.label() == "zero:stage=1,dp=4+tp:tp=2+ep")
+            .unwrap();
+        assert_eq!(c.shape.map(|s| (s.dp, s.tp, s.ep)), Some((4, 2, 8)));
+        assert!(
+            !labels
+                .iter()
+                .any(|l| l.contains("tp:tp=") && !l.contains("+ep")),
+            "tp without ep on a MoE model"
         );
     }
 

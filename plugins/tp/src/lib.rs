@@ -5,8 +5,9 @@
 //! the group. Composes with `dp` and `zero` in either order (each replica
 //! gets its own group, gradients are reduced over each rank's replicas)
 //! and with a pipeline applied after it (stage s on the groups shifted by
-//! s·tp): the device mesh of `piper_sdk::mesh`. Dense segments only
-//! (experts: `ep`).
+//! s·tp): the device mesh of `piper_sdk::mesh`. On a MoE model the expert
+//! halves join the mesh and split each replica's sequences over the group:
+//! apply `ep` next to spread their experts over the whole mesh.
 
 use piper_sdk::{
     export_strategy, mesh, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,

@@ -10,7 +10,7 @@ use crate::runtime::backend::segment::{Dims, Model, Peers, SegmentCache, Segment
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::Buf;
 use crate::runtime::comm::in_op_key;
-use crate::runtime::device::{params_here, Device};
+use crate::runtime::device::{params_here, Device, SequenceSplit};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
@@ -42,14 +42,7 @@ pub(super) fn with_peers<B: Backend, R>(
     let seg = op.segments[0];
     let fail = |e: BackendError| dev.backend_error(op, e);
     let members = op.group.as_deref().unwrap_or(&[]);
-    let key = |phase: u32| {
-        in_op_key(op.node, phase).ok_or_else(|| {
-            BackendError::Exchange(format!(
-                "node {} or exchange {phase} past what in-op keys hold (nodes < 2^20, 1024 exchanges an op)",
-                op.node
-            ))
-        })
-    };
+    let key = |phase: u32| in_op(op, phase);
     let b = &dev.b;
     if let Some(group) = dev.spreads.experts.get(&seg).copied() {
         let mut exchange = |phase: u32, chunks: Vec<B::Tensor>| {
@@ -121,7 +114,13 @@ pub(super) fn forward<B: Backend>(
     ctx: &StepCtx<B>,
 ) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
-    let rows = rows_of(op, ctx.batch.b);
+    let split = dev.spreads.sequences.get(&op.segments[0]);
+    let mut rows = rows_of(op, ctx.batch.b);
+    if let Some(q) = split {
+        check_split(dev, op, q, rows.len())?;
+        let mine = q.share(rows.len());
+        rows = rows.start + mine.start..rows.start + mine.end;
+    }
     let b = rows.len();
     let (tokens, targets) = ctx.batch.rows(rows.start, b).ok_or_else(|| {
         missing(
@@ -130,7 +129,10 @@ pub(super) fn forward<B: Backend>(
             &format!("batch rows {rows:?} (not read by this process)"),
         )
     })?;
-    let input = dev.tensor_of(op, dev.take(op, TensorKind::Activation)?)?;
+    let mut input = dev.tensor_of(op, dev.take(op, TensorKind::Activation)?)?;
+    if let Some(q) = split {
+        input = input.map(|x| share_of(dev, op, q, x)).transpose()?;
+    }
     // A tensor-parallel member holds 1/tp of the heads and MLP units; the
     // cache keeps the shapes for backward.
     let dims = Dims {
@@ -169,7 +171,10 @@ pub(super) fn forward<B: Backend>(
         s.moe_routed += routed;
         s.moe_dropped += dropped;
     }
-    if let Some(out) = out {
+    if let Some(mut out) = out {
+        if let Some(q) = split {
+            out = gather_shares(dev, op, ctx, q, out, GATHER)?;
+        }
         dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
     }
     // A forward with a selective recompute hands it only what it keeps.
@@ -237,7 +242,11 @@ pub(super) fn backward_input<B: Backend>(
     let Buf::Saved(cache) = &*saved else {
         return Err(missing(dev, op, "the forward's saved tensors"));
     };
-    let dout = dev.tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?;
+    let mut dout = dev.tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?;
+    let split = dev.spreads.sequences.get(&op.segments[0]);
+    if let Some(q) = split {
+        dout = dout.map(|d| share_of(dev, op, q, d)).transpose()?;
+    }
     let model = Model::new(&dev.b, &dev.table);
     let run = |params: &ParamMap<B::Tensor>| {
         with_peers(dev, op, ctx, |peers| {
@@ -257,10 +266,78 @@ pub(super) fn backward_input<B: Backend>(
         stash.keep_for_weights(cache);
         dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
     }
-    if let Some(d) = dinp {
+    if let Some(mut d) = dinp {
+        if let Some(q) = split {
+            d = gather_shares(dev, op, ctx, q, d, GATHER)?;
+        }
         dev.put(op, TensorKind::ActGrad, Buf::Tensor(d))?;
     }
     Ok(())
+}
+
+/// In-op exchanges of a sequence split (after the experts' four).
+const GATHER: u32 = 8;
+const GRAD_SUM: u32 = 9;
+
+/// A sequence split needs whole sequences on every rank.
+fn check_split<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    q: &SequenceSplit,
+    rows: usize,
+) -> Result<(), RuntimeError> {
+    if rows.is_multiple_of(q.tp) && rows > 0 {
+        return Ok(());
+    }
+    Err(dev.backend_error(
+        op,
+        BackendError::Device(format!(
+            "its {rows} sequences do not split over its tensor-parallel group {:?}",
+            q.members
+        )),
+    ))
+}
+
+/// This rank's share of a tensor of whole sequences (`x` holds every
+/// sequence of the replica's microbatch, one after the other).
+fn share_of<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    q: &SequenceSplit,
+    x: B::Tensor,
+) -> Result<B::Tensor, RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
+    let all = dev.b.download_owned(x).map_err(fail)?;
+    let mine = q.share(all.len());
+    dev.b.upload(all[mine].to_vec()).map_err(fail)
+}
+
+/// Every rank's share, in rank order: the whole tensor again.
+fn gather_shares<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+    q: &SequenceSplit,
+    x: B::Tensor,
+    phase: u32,
+) -> Result<B::Tensor, RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
+    let key = in_op(op, phase).map_err(fail)?;
+    let mine = dev.b.download_owned(x).map_err(fail)?;
+    let all = ctx
+        .comm
+        .all_gather("sequence-split all-gather", key, &q.members, dev.id, mine)
+        .map_err(|e| fail(BackendError::Exchange(e.to_string())))?;
+    dev.b.upload(Arc::unwrap_or_clone(all)).map_err(fail)
+}
+
+fn in_op(op: &Op, phase: u32) -> Result<u32, BackendError> {
+    in_op_key(op.node, phase).ok_or_else(|| {
+        BackendError::Exchange(format!(
+            "node {} or exchange {phase} past what in-op keys hold (nodes < 2^20, 1024 exchanges an op)",
+            op.node
+        ))
+    })
 }
 
 /// `BW`: the weight gradients from `BI`'s stash.
@@ -297,6 +374,9 @@ fn weight_grads<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let model = Model::new(&dev.b, &dev.table);
     let fail = |e| dev.backend_error(op, e);
+    if let Some(q) = dev.spreads.sequences.get(&seg.index) {
+        return split_weight_grads(dev, op, ctx, seg, q, (cache, stash));
+    }
     if op.zero >= 2 {
         let mut t: ParamMap<B::Tensor> = ParamMap::new();
         for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
@@ -310,6 +390,64 @@ fn weight_grads<B: Backend>(
             .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
             .map_err(fail)
     }
+}
+
+/// A sequence split's weight gradients: the experts' stay here (each
+/// lives on one device of the mesh); what every rank holds whole (router,
+/// layernorm) is summed over the tensor-parallel group first, as the
+/// data-parallel sync then sums it over the replicas.
+fn split_weight_grads<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+    seg: &Segment,
+    q: &SequenceSplit,
+    (cache, stash): (&SegmentCache<B>, &SegmentStash<B>),
+) -> Result<(), RuntimeError> {
+    let model = Model::new(&dev.b, &dev.table);
+    let fail = |e| dev.backend_error(op, e);
+    let mut t: ParamMap<B::Tensor> = ParamMap::new();
+    for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
+        t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
+    }
+    model.backward_weight(&mut t, cache, stash).map_err(fail)?;
+    keep_expert_grads(dev, seg, &mut t);
+    let mut flat = Vec::new();
+    let mut lens = Vec::new();
+    for (id, g) in t.iter() {
+        let v = dev.b.download(g).map_err(fail)?;
+        lens.push((id, v.len()));
+        flat.extend(v);
+    }
+    let key = in_op(op, GRAD_SUM).map_err(fail)?;
+    let sum = ctx
+        .comm
+        .all_reduce("sequence-split gradient sum", key, &q.members, dev.id, flat)
+        .map_err(|e| fail(BackendError::Exchange(e.to_string())))?;
+    let mut at = 0;
+    let mut summed: ParamMap<B::Tensor> = ParamMap::new();
+    for (id, n) in lens {
+        let part = sum.get(at..at + n).ok_or_else(|| {
+            fail(BackendError::Exchange(format!(
+                "the gradient sum over {:?} came back with {} values, not {}",
+                q.members,
+                sum.len(),
+                at + n
+            )))
+        })?;
+        summed.insert(id, dev.b.upload(part.to_vec()).map_err(fail)?);
+        at += n;
+    }
+    if op.zero >= 2 {
+        return dev.put(op, TensorKind::MicroGrad, Buf::Params(summed));
+    }
+    let mut grads = dev.grads.lock().unwrap();
+    for (id, g) in summed.iter() {
+        if let Some(mine) = grads.get_mut(id) {
+            dev.b.add(mine, g);
+        }
+    }
+    Ok(())
 }
 
 /// Experts spread by `shard` live on this device alone: under ZeRO-2/3
