@@ -418,3 +418,62 @@ fn a_name_past_its_cap_is_refused_in_a_short_message() {
         assert!(dag.same_state(&before));
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 48,
+        failure_persistence: Some(Box::new(
+            proptest::test_runner::FileFailurePersistence::WithSource("proptest-regressions"),
+        )),
+        ..ProptestConfig::default()
+    })]
+
+    /// The edge rule: random temporal edges between any two nodes of a
+    /// recomputed, split model on one device are each accepted or refused
+    /// with the DAG unchanged, and whatever was accepted never orders a
+    /// forward after its own backward or after the update.
+    #[test]
+    fn temporal_edges_never_put_a_forward_after_its_backward_or_update(
+        edges in prop::collection::vec((0..4096u32, 0..4096u32), 1..24),
+        full in any::<bool>(),
+    ) {
+        let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(1)).unwrap();
+        dag.place(&Filter::all(), &[0], "pp").unwrap();
+        dag.split(&Filter::all(), "MB", 2).unwrap();
+        let policy = if full {
+            piper::dag::RecomputePolicy::Full
+        } else {
+            piper::dag::RecomputePolicy::Selective
+        };
+        dag.recompute(&Filter::tag("PP", 7), policy).unwrap();
+        dag.snapshot();
+        let ids: Vec<NodeId> = dag.query_ids(&Filter::all()).unwrap();
+        for (a, b) in edges {
+            let (from, to) = (ids[a as usize % ids.len()], ids[b as usize % ids.len()]);
+            let before = dag.clone();
+            if dag.add_temporal_edge(from, to).is_err() {
+                prop_assert!(
+                    state_after_sync(&dag).same_state(&state_after_sync(&before)),
+                    "a refused edge {from:?} -> {to:?} changed the DAG"
+                );
+            }
+        }
+        // No forward is reachable from its own backward or from the update.
+        let update = dag.query_ids(&Filter::all().pass(Label::Update)).unwrap();
+        for f in dag.query(&Filter::all().pass(Label::F)).unwrap() {
+            let (pp, mb) = (f.tags["PP"], f.tags["MB"]);
+            let mine = Filter::tag("PP", pp).and("MB", mb);
+            // (No edge splits a backward here: a BI is not expected.)
+            let mut later = dag.query_ids(&mine.clone().pass(Label::B)).unwrap();
+            later.extend(update.iter().copied());
+            let mut seen = std::collections::HashSet::new();
+            let mut stack = later.clone();
+            while let Some(n) = stack.pop() {
+                prop_assert!(n != f.id, "F{{PP:{pp},MB:{mb}}} runs after its backward or the update");
+                if seen.insert(n) {
+                    stack.extend(dag.neighbours(n).unwrap().1.into_iter().map(|x| x.node));
+                }
+            }
+        }
+    }
+}

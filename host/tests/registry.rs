@@ -799,3 +799,62 @@ fn pulls_are_bounded_by_their_descriptor_and_trusted_before_anything_runs() {
     assert_eq!(held("tags"), 0, "a tag moved to an untrusted plugin");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A registry that answers a manifest with endless bytes (a hostile or
+/// broken server): the pull reads 1 MiB of it and stops, naming the cap.
+#[test]
+fn a_manifest_is_read_against_its_cap_as_it_arrives() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let count = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut s) = stream else { return };
+            let count = count.clone();
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && s.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let line = String::from_utf8_lossy(&head).into_owned();
+                let digest = format!("sha256:{}", "a".repeat(64));
+                let kind = "application/vnd.oci.image.manifest.v1+json";
+                if line.starts_with("HEAD") || line.starts_with("GET /v2/ ") {
+                    let _ = write!(
+                        s,
+                        "HTTP/1.1 200 OK\r\nDocker-Content-Digest: {digest}\r\nContent-Type: {kind}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    );
+                    return;
+                }
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 200 OK\r\nDocker-Content-Digest: {digest}\r\nContent-Type: {kind}\r\nConnection: close\r\n\r\n{{"
+                );
+                let chunk = vec![b' '; 64 << 10];
+                // Up to 1 GiB: a reader without a cap holds all of it.
+                for _ in 0..(1 << 14) {
+                    if s.write_all(&chunk).is_err() {
+                        return;
+                    }
+                    count.fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    let dir = scratch("endless");
+    let e = fails(
+        piper(&dir.join("home"))
+            .args(["plan", "--insecure", "--strategy"])
+            .arg(format!("oci://127.0.0.1:{port}/team/endless:1.0.0")),
+    );
+    assert!(
+        e.contains("its manifest is over the 1048576-byte cap (stopped reading there)"),
+        "{e}"
+    );
+    // The server got no further than socket buffers past the cap.
+    let sent = served.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(sent < 64 << 20, "the client read {sent} bytes");
+    let _ = std::fs::remove_dir_all(&dir);
+}

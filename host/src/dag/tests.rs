@@ -855,3 +855,33 @@ fn a_recompute_the_strategy_orders_keeps_its_order() {
     assert!(at("R0/0") < at("F1/0"), "{ops:?}");
     assert!(at("F0/0") < at("R0/0"), "{ops:?}");
 }
+
+/// `order` over groups of ~10⁵ nodes (every forward, then every backward, of
+/// 64 layers × 1024 microbatches on one device), under the budget a plugin
+/// gets by default: one host call that fits it (the membership look-ups
+/// were quadratic, minutes of one call; now a bisection per node).
+#[test]
+fn order_over_groups_of_a_hundred_thousand_nodes_fits_a_plugins_budget() {
+    let cfg = ModelConfig {
+        layers: 64,
+        batch_size: 1024,
+        ..ModelConfig::tiny()
+    };
+    let mut dag = TrainingDag::build(&cfg, Cluster::new(1)).unwrap();
+    dag.split(&Filter::all(), "MB", 1024).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.snapshot();
+    let forwards = dag.query(&"{PASS:F}".parse().unwrap()).unwrap().len();
+    assert_eq!(forwards, 64 * 1024);
+    dag.set_budget(Some(crate::plugin::SandboxLimits::default().dag_budget()));
+    let edges = dag.edge_count();
+    dag.order(&[
+        vec!["{PASS:F}".parse().unwrap()],
+        vec!["{PASS:B}".parse().unwrap()],
+    ])
+    .unwrap();
+    // The forwards' sinks (each microbatch's last layer) before the
+    // backwards' sources (each microbatch's head backward).
+    assert!(dag.edge_count() > edges);
+    assert!(dag.work_used() > 0);
+}

@@ -10,7 +10,7 @@ use super::{
 use crate::plugin::Plugin;
 use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
 use oci_client::errors::OciDistributionError;
-use oci_client::manifest::{OciDescriptor, OciImageManifest};
+use oci_client::manifest::{OciDescriptor, OciImageIndex, OciImageManifest};
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, RegistryOperation};
 use std::collections::BTreeMap;
@@ -64,6 +64,9 @@ impl tokio::io::AsyncWrite for Capped {
 
 pub struct Remote {
     client: Client,
+    /// Plain requests (capped manifest reads), with the client's protocol.
+    http: reqwest::Client,
+    scheme: &'static str,
     rt: tokio::runtime::Runtime,
     auth: RegistryAuth,
     registry: String,
@@ -122,8 +125,13 @@ impl Remote {
                 RegistryError::Invalid(format!("cannot start the registry client: {e}"))
             })?;
         let (auth, _from) = auth::credentials(&r.registry)?;
+        let http = reqwest::Client::builder().build().map_err(|e| {
+            RegistryError::Invalid(format!("cannot start the registry client: {e}"))
+        })?;
         Ok(Remote {
             client,
+            http,
+            scheme: if access.insecure { "http" } else { "https" },
             rt,
             auth,
             registry: r.registry.clone(),
@@ -198,26 +206,106 @@ impl Remote {
             .map_err(|e| self.error(r, e))
     }
 
-    /// The manifest at `r`, verified against its digest and checked to be a
-    /// plugin (the CNCF Wasm layout: one `application/wasm` layer).
-    pub fn manifest(&self, r: &Reference) -> Result<Manifest, RegistryError> {
+    /// `GET /v2/<repository>/<what>/<reference>` (a manifest, or a
+    /// referrers index), authenticated as the client is, read against
+    /// [`MAX_MANIFEST_BYTES`] as it arrives: the body and the digest the
+    /// registry gives in `Docker-Content-Digest`.
+    fn capped_get(
+        &self,
+        r: &Reference,
+        path: &str,
+        accept: &str,
+    ) -> Result<(Vec<u8>, Option<String>), RegistryError> {
         let oref = oci_ref(r);
-        let (raw, digest) = self
-            .rt
-            .block_on(
-                self.client
-                    .pull_manifest_raw(&oref, &self.auth, &[MANIFEST_MEDIA_TYPE]),
-            )
-            .map_err(|e| self.error(r, e))?;
+        let url = format!(
+            "{}://{}/v2/{}/{path}",
+            self.scheme,
+            oref.resolve_registry(),
+            oref.repository()
+        );
+        let unreachable = |e: reqwest::Error| RegistryError::Unreachable {
+            registry: self.registry.clone(),
+            cause: error_chain(&e),
+        };
+        self.rt.block_on(async {
+            let token = self
+                .client
+                .auth(&oref, &self.auth, RegistryOperation::Pull)
+                .await
+                .map_err(|e| self.error(r, e))?;
+            let mut req = self.http.get(&url).header(reqwest::header::ACCEPT, accept);
+            req = match (token, &self.auth) {
+                (Some(t), _) => req.bearer_auth(t),
+                (None, RegistryAuth::Basic(u, p)) => req.basic_auth(u, Some(p)),
+                (None, _) => req,
+            };
+            let mut res = req.send().await.map_err(unreachable)?;
+            match res.status().as_u16() {
+                200..=299 => {}
+                401 | 403 => {
+                    return Err(RegistryError::Unauthorized {
+                        registry: self.registry.clone(),
+                    })
+                }
+                404 => {
+                    return Err(RegistryError::NotFound {
+                        reference: r.to_string(),
+                    })
+                }
+                code => {
+                    return Err(RegistryError::Registry {
+                        reference: r.to_string(),
+                        message: format!("GET {url} answered {code}"),
+                    })
+                }
+            }
+            let digest = (res.headers().get("docker-content-digest"))
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let over = || RegistryError::NotAPlugin {
+                reference: r.to_string(),
+                why: format!(
+                    "its {} is over the {MAX_MANIFEST_BYTES}-byte cap (stopped reading there)",
+                    path.split('/')
+                        .next()
+                        .unwrap_or("manifest")
+                        .trim_end_matches('s')
+                ),
+            };
+            if res
+                .content_length()
+                .is_some_and(|n| n > MAX_MANIFEST_BYTES as u64)
+            {
+                return Err(over());
+            }
+            let mut body = Vec::new();
+            while let Some(chunk) = res.chunk().await.map_err(unreachable)? {
+                if body.len() + chunk.len() > MAX_MANIFEST_BYTES {
+                    return Err(over());
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok((body, digest))
+        })
+    }
+
+    /// The manifest at `r`, read against its cap as it arrives, verified
+    /// against its digest and checked to be a plugin (the CNCF Wasm layout:
+    /// one `application/wasm` layer).
+    pub fn manifest(&self, r: &Reference) -> Result<Manifest, RegistryError> {
+        let name = match (&r.digest, &r.tag) {
+            (Some(d), _) => d.clone(),
+            (None, Some(t)) => t.clone(),
+            (None, None) => "latest".into(),
+        };
+        let (raw, digest) =
+            self.capped_get(r, &format!("manifests/{name}"), MANIFEST_MEDIA_TYPE)?;
         let not_plugin = |why: String| RegistryError::NotAPlugin {
             reference: r.to_string(),
             why,
         };
-        if raw.len() > MAX_MANIFEST_BYTES {
-            return Err(not_plugin(format!("its manifest has {} bytes", raw.len())));
-        }
         let found = super::digest_of(&raw);
-        let wanted = r.digest.clone().unwrap_or(digest);
+        let wanted = r.digest.clone().or(digest).unwrap_or_else(|| found.clone());
         if found != wanted {
             return Err(RegistryError::TamperedDownload {
                 reference: r.to_string(),
@@ -415,14 +503,17 @@ impl Remote {
         artifact_type: &str,
         fallback_tag: &str,
     ) -> Result<Vec<Vec<u8>>, RegistryError> {
-        let subject_ref = r.at_digest(subject);
         let index = self
-            .rt
-            .block_on(
-                self.client
-                    .pull_referrers(&oci_ref(&subject_ref), Some(artifact_type)),
+            .capped_get(
+                r,
+                &format!(
+                    "referrers/{subject}?artifactType={}",
+                    query_value(artifact_type)
+                ),
+                OCI_INDEX_MEDIA_TYPE,
             )
-            .ok();
+            .ok()
+            .and_then(|(raw, _)| serde_json::from_slice::<OciImageIndex>(&raw).ok());
         let mut manifests: Vec<Reference> = index
             .map(|i| {
                 i.manifests
@@ -440,21 +531,11 @@ impl Remote {
         manifests.truncate(MAX_REFERRERS);
         let mut bodies = Vec::new();
         for m in manifests {
-            let oref = oci_ref(&m);
-            let raw = match self.rt.block_on(self.client.pull_manifest_raw(
-                &oref,
-                &self.auth,
-                &[MANIFEST_MEDIA_TYPE],
-            )) {
-                Ok((raw, _)) => raw,
-                Err(e) => match self.error(&m, e) {
-                    RegistryError::NotFound { .. } => continue,
-                    other => return Err(other),
-                },
+            let raw = match self.manifest_bytes(&m) {
+                Ok(raw) => raw,
+                Err(RegistryError::NotFound { .. } | RegistryError::NotAPlugin { .. }) => continue,
+                Err(other) => return Err(other),
             };
-            if raw.len() > MAX_MANIFEST_BYTES {
-                continue;
-            }
             let Ok(man) = serde_json::from_slice::<OciImageManifest>(&raw) else {
                 continue;
             };
@@ -472,6 +553,48 @@ impl Remote {
         Ok(bodies)
     }
 }
+
+impl Remote {
+    /// A manifest's bytes, capped, checked against the digest `m` names or
+    /// the registry gives.
+    fn manifest_bytes(&self, m: &Reference) -> Result<Vec<u8>, RegistryError> {
+        let name = m
+            .digest
+            .clone()
+            .or_else(|| m.tag.clone())
+            .unwrap_or_default();
+        let (raw, digest) =
+            self.capped_get(m, &format!("manifests/{name}"), MANIFEST_MEDIA_TYPE)?;
+        let found = super::digest_of(&raw);
+        match m.digest.clone().or(digest) {
+            Some(want) if want != found => Err(RegistryError::TamperedDownload {
+                reference: m.to_string(),
+                expected: want,
+                found,
+            }),
+            _ => Ok(raw),
+        }
+    }
+}
+
+/// A query value with the characters a media type holds that a query
+/// would read otherwise (`+` as a space, `/`, `&`, `=`) percent-encoded.
+fn query_value(v: &str) -> String {
+    v.chars()
+        .map(|c| match c {
+            'A'..='Z' | 'a'..='z' | '0'..='9' | '-' | '.' | '_' | '~' => c.to_string(),
+            other => {
+                let mut b = [0u8; 4];
+                (other.encode_utf8(&mut b).bytes())
+                    .map(|x| format!("%{x:02X}"))
+                    .collect()
+            }
+        })
+        .collect()
+}
+
+/// The media type of a referrers index.
+const OCI_INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
 
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
