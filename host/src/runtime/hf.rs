@@ -13,7 +13,7 @@
 //! dtype and shape are checked before its bytes are converted, and
 //! `config.json`'s sizes must be the run's model's.
 
-use super::checkpoint::{hf_name, transpose, CheckpointError, NamedTensors};
+use super::files::{hf_name, transpose, write_atomic, CheckpointError, NamedTensors};
 use crate::model::params::{ParamTable, Role};
 use crate::model::{Family, ModelConfig};
 use safetensors::tensor::Dtype;
@@ -125,9 +125,9 @@ pub fn write_configs(dir: &Path, cfg: &ModelConfig) -> Result<(), CheckpointErro
         return Ok(());
     };
     let text = serde_json::to_string_pretty(&config).expect("json serializes");
-    super::checkpoint::write_atomic(&dir.join("config.json"), text.as_bytes())?;
+    write_atomic(&dir.join("config.json"), text.as_bytes())?;
     let text = serde_json::to_string_pretty(&generation_config_json(cfg)).expect("json serializes");
-    super::checkpoint::write_atomic(&dir.join("generation_config.json"), text.as_bytes())
+    write_atomic(&dir.join("generation_config.json"), text.as_bytes())
 }
 
 fn read_json(path: &Path) -> Result<Value, CheckpointError> {
@@ -445,7 +445,7 @@ pub fn load_weights(dir: &Path, cfg: &ModelConfig) -> Result<NamedTensors, Check
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::checkpoint::{gpt2_entries, write_safetensors};
+    use crate::runtime::files::{gpt2_entries, write_safetensors};
 
     fn scratch(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("piper-hf-{name}-{}", std::process::id()));

@@ -35,6 +35,7 @@ pub mod comm;
 pub mod data;
 mod device;
 mod error;
+mod files;
 #[cfg(feature = "fingerprint")]
 mod fingerprint;
 pub mod hf;
