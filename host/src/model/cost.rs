@@ -192,7 +192,7 @@ fn finish(
 }
 
 /// A Llama-family part's cost: the tensors its composition
-/// (`runtime/backend/llama.rs`) keeps, counted the same way.
+/// (`runtime/model/llama.rs`) keeps, counted the same way.
 fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let a = cfg.arch();
     let d = cfg.d_model as f64;

@@ -49,7 +49,7 @@ pub enum ModelError {
 
 /// Mixture-of-experts MLP: every layer's MLP is replaced by a router and
 /// `experts` GELU MLPs of which `top_k` run per token (see
-/// `runtime/backend/moe.rs` for the exact arithmetic).
+/// `runtime/model/moe.rs` for the exact arithmetic).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeConfig {

@@ -5,11 +5,11 @@
 //! collective staging) against the device's cap, with sizes read from the
 //! backend.
 
-use super::backend::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
-use super::backend::segment::{SegmentCache, SegmentStash};
 use super::backend::{Backend, BackendError, ParamMap};
 use super::device::Device;
 use super::error::{label, RuntimeError};
+use super::model::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
+use super::model::{SegmentCache, SegmentStash};
 use crate::compile::human_bytes;
 use crate::compile::plan::{Op, TensorKind};
 use std::collections::HashMap;

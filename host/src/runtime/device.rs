@@ -16,7 +16,7 @@ use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex, RwLock};
 
-pub(super) use crate::runtime::backend::moe::ExpertGroup;
+pub(super) use crate::runtime::model::moe::ExpertGroup;
 
 /// What one step leaves on a device.
 pub(super) struct StepState<B: Backend> {

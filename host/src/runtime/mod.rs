@@ -39,6 +39,7 @@ mod files;
 #[cfg(feature = "fingerprint")]
 mod fingerprint;
 pub mod hf;
+pub mod model;
 mod ops;
 pub mod schedule;
 mod step;

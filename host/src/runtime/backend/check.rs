@@ -10,7 +10,7 @@
 //! zero after cancellation does not count as a large error), the worst over
 //! its outputs.
 
-use super::moe::{route, MoeDims};
+use super::routing::{route, MoeDims};
 use super::{AdamW, Backend, BackendError, Routing};
 use crate::model::MoeConfig;
 

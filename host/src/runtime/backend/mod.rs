@@ -7,11 +7,12 @@
 //! [`Backend::Tensor`], f32 on the device) and *kernels*, one method per op
 //! family, each as forward / backward-for-input / backward-for-weights with
 //! its shapes as arguments (llm.c style). What a model does with them — a
-//! GPT-2 segment's forward and backward, the phases of a mixture-of-experts
-//! layer, initialisation — is written once over the trait
-//! ([`segment`], [`moe`], [`init`]), so every backend computes the same
-//! arithmetic in the same order, and a new op family (RMSNorm, RoPE) is a
-//! kernel per backend plus one composition.
+//! GPT-2 or Llama segment's forward and backward, the phases of a
+//! mixture-of-experts layer — is written once over the trait in its own
+//! room (`runtime/model/`), and initialisation in [`init`], so every backend
+//! computes the same arithmetic in the same order, and a new op family
+//! (RMSNorm, RoPE) is a kernel per backend plus one composition. This room
+//! keeps the kernels, and the routing arrays they read ([`routing`]).
 //!
 //! # What the trait promises a device backend (CUDA)
 //! - **Storage lives on the device.** Activations, saved tensors (the
@@ -47,9 +48,8 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod init;
-pub mod llama;
-pub mod moe;
-pub mod segment;
+
+pub mod routing;
 
 pub use crate::model::params::ParamId;
 use std::ops::Range;
@@ -202,8 +202,8 @@ pub struct KernelSpan {
 pub type Trace<'a> = Option<(Instant, &'a mut Vec<KernelSpan>)>;
 
 /// How a token's top-k choices were routed (MoE): host arrays the routing
-/// kernels read. See [`moe`].
-pub use moe::Routing;
+/// kernels read. See [`routing`].
+pub use routing::Routing;
 
 /// A backend: one plan device's storage, streams and kernels. One value per
 /// device (a CPU device's thread pool, a GPU's context share); `Sync`, as
@@ -574,7 +574,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         scale: f32,
     );
 
-    // Mixture of experts (the arithmetic is documented in [`moe`]).
+    // Mixture of experts (the arithmetic is documented in `runtime/model/moe.rs`).
 
     /// Softmax of each row of `logits[·,e]` (the router).
     fn softmax_rows(&self, probs: &mut Self::Tensor, logits: &Self::Tensor, e: usize);

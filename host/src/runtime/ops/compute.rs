@@ -6,12 +6,12 @@
 use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::model::Segment;
-use crate::runtime::backend::segment::{Dims, Model, Peers, SegmentCache, SegmentStash};
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::Buf;
 use crate::runtime::comm::in_op_key;
 use crate::runtime::device::{params_here, Device, SequenceSplit};
 use crate::runtime::error::RuntimeError;
+use crate::runtime::model::{Dims, Model, Peers, SegmentCache, SegmentStash};
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 

@@ -9,14 +9,13 @@ use super::compute::with_params;
 use super::{comm_error, missing};
 use crate::compile::plan::{ExpertPhase, Op, OpKind, TensorKind};
 use crate::model::Part;
-use crate::runtime::backend::moe::{ExpertGroup, MoeCache, MoeDims};
-use crate::runtime::backend::segment::{
-    Dims, Model, PartCache, PartStash, SegmentCache, SegmentStash,
-};
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::{Buf, MoePart};
 use crate::runtime::device::{params_here, Device};
 use crate::runtime::error::{label, RuntimeError};
+use crate::runtime::model::moe::{ExpertGroup, MoeCache, MoeDims};
+use crate::runtime::model::segment::{PartCache, PartStash};
+use crate::runtime::model::{Dims, Model, SegmentCache, SegmentStash};
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 

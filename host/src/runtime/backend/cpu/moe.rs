@@ -1,12 +1,12 @@
 //! The mixture-of-experts kernels: the router's softmax, moving token rows
 //! to and from the experts' batches, the weighted combine and its backward,
-//! and the router's gradient (the arithmetic: `backend/moe.rs`). Token by
+//! and the router's gradient (the arithmetic: `runtime/model/moe.rs`). Token by
 //! token on the calling thread, each sum in a fixed order.
 
 use crate::runtime::backend::Routing;
 
 /// Marks an assignment dropped for capacity.
-use crate::runtime::backend::moe::DROPPED;
+use crate::runtime::backend::routing::DROPPED;
 
 /// Softmax of each row of `logits[·, e]`.
 pub fn softmax_rows(probs: &mut [f32], logits: &[f32], e: usize) {

@@ -12,8 +12,8 @@ use super::matmul::*;
 use super::Cpu;
 use crate::model::params::ParamTable;
 use crate::model::ModelConfig;
-use crate::runtime::backend::segment::{Dims, Model};
 use crate::runtime::backend::{init, ParamMap};
+use crate::runtime::model::{Dims, Model};
 use std::collections::BTreeMap;
 
 /// Host tensors by GPT-2 name: the tests pick parameters to probe by name.
@@ -579,7 +579,7 @@ fn moe_layer(
     (moe, d, params, cfg)
 }
 
-use crate::runtime::backend::moe::{alone, ExpertGroup, MoeCache, MoeDims};
+use crate::runtime::model::moe::{alone, ExpertGroup, MoeCache, MoeDims};
 
 /// `Σ out · R + aux` of the MoE half, and its routing.
 fn moe_loss(

@@ -1,5 +1,5 @@
 // The mixture-of-experts kernels (the CPU backend's moe.rs; the arithmetic
-// is documented in backend/moe.rs). Routing arrays come from the host: the
+// is documented in runtime/model/moe.rs). Routing arrays come from the host: the
 // routing is a host decision.
 
 // Softmax of each row of logits[n,e] (the router), a thread per row.

@@ -5,7 +5,7 @@
 //! before the rotation; then `out = x2 + down(silu(gate(h)) · up(h))` of
 //! `h = rmsnorm(x2)`. No biases. Each half is a forward (with the caches
 //! backward needs), a backward-for-input and a backward-for-weights, as
-//! GPT-2's halves in [`super::segment`], and splits the same way under
+//! GPT-2's halves in [`super::gpt2`], and splits the same way under
 //! tensor parallelism: this device's query and kv heads, its hidden units.
 //!
 //! The q/k norms' weights are whole on every tensor-parallel member, but
@@ -16,9 +16,9 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
-use super::segment::{bytes_of, Dims, Model, Reduce};
-use super::{grad_mut, param, Backend, BackendError, ParamMap};
+use super::common::{bytes_of, Dims, Model, Reduce};
 use crate::model::params::{FamilyIds, LlamaAttnIds, ParamId, SwiGluIds};
+use crate::runtime::backend::{grad_mut, param, Backend, BackendError, ParamMap};
 
 /// Local shapes of one member: query heads, kv heads, channels per head,
 /// MLP hidden units.

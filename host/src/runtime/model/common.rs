@@ -1,0 +1,326 @@
+//! What every model family composes with: a segment's shapes ([`Dims`]),
+//! the [`Model`] over a backend and its parameter table, the group a
+//! spread segment meets ([`Peers`]: a tensor-parallel sum or an expert
+//! exchange), and the layers the families share (linear, layernorm, the
+//! row-parallel projection onto the residual, their weight gradients).
+//! Parameters are read by id ([`ParamTable`]); linear weights are `[out,
+//! in]` (llm.c's layout).
+
+// Compositions carry their shapes as arguments, as the kernels do.
+#![allow(clippy::too_many_arguments)]
+
+use crate::model::params::{Norm, ParamId, ParamTable};
+use crate::model::{Arch, ModelConfig, MoeConfig};
+use crate::runtime::backend::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
+
+/// The dimensions of one piece of work: `b` sequences of `t` tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub c: usize,
+    pub nh: usize,
+    pub v: usize,
+    /// The MoE configuration, for expert halves.
+    pub moe: Option<MoeConfig>,
+    /// Tensor-parallel degree: attention and the MLP hold `1/tp` of their
+    /// heads and hidden units (1: whole).
+    pub tp: usize,
+    /// The architecture (the Llama family's shapes and constants).
+    pub arch: Arch,
+}
+
+impl Dims {
+    pub fn new(cfg: &ModelConfig, b: usize) -> Self {
+        Dims {
+            b,
+            t: cfg.seq_len as usize,
+            c: cfg.d_model as usize,
+            nh: cfg.heads as usize,
+            v: cfg.vocab as usize,
+            moe: cfg.moe,
+            tp: 1,
+            arch: cfg.arch(),
+        }
+    }
+    pub fn n(&self) -> usize {
+        self.b * self.t
+    }
+}
+
+/// The model's computation on one device: its backend and the parameter
+/// table its states are indexed by.
+pub struct Model<'a, B: Backend> {
+    pub b: &'a B,
+    pub table: &'a ParamTable,
+}
+
+impl<B: Backend> Clone for Model<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend> Copy for Model<'_, B> {}
+
+/// A tensor-parallel group's sum (Megatron's `g` in forward, `f`'s
+/// backward): every member's partial result added in group order.
+pub type Reduce<'a, B> =
+    dyn FnMut(<B as Backend>::Tensor) -> Result<<B as Backend>::Tensor, BackendError> + 'a;
+
+/// A segment spread over a group of devices.
+pub enum Peers<'a, 'b, B: Backend> {
+    /// Expert parallelism (`shard`): this device's place in the EP group and
+    /// the all-to-all that reaches its members.
+    Experts {
+        group: ExpertGroup,
+        exchange: &'a mut Exchange<'b, B>,
+    },
+    /// Tensor parallelism (`shard-tensor`): the group's sum; the shapes are
+    /// in [`Dims::tp`].
+    Tensor { reduce: &'a mut Reduce<'b, B> },
+}
+
+impl<B: Backend> Peers<'_, '_, B> {
+    pub(super) fn reduce(&mut self) -> Option<&mut Reduce<'_, B>> {
+        match self {
+            Peers::Tensor { reduce } => Some(&mut **reduce),
+            Peers::Experts { .. } => None,
+        }
+    }
+}
+
+/// Device bytes of the given tensors.
+pub(super) fn bytes_of<B: Backend>(ts: &[&B::Tensor]) -> u64 {
+    ts.iter().map(|t| B::bytes(t)).sum()
+}
+
+/// A layernorm's output, mean and rstd.
+type Normed<B> = (
+    <B as Backend>::Tensor,
+    <B as Backend>::Tensor,
+    <B as Backend>::Tensor,
+);
+
+/// This device's place in its expert-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertGroup {
+    pub size: usize,
+    pub rank: usize,
+}
+
+impl ExpertGroup {
+    /// One device holding every expert.
+    pub const ALONE: ExpertGroup = ExpertGroup { size: 1, rank: 0 };
+
+    /// The experts member `rank` holds (`E` divisible by the size: checked
+    /// by `shard`).
+    pub fn experts_of(&self, e: usize, rank: usize) -> std::ops::Range<usize> {
+        let per = e / self.size.max(1);
+        rank * per..(rank + 1) * per
+    }
+    pub fn local(&self, e: usize) -> std::ops::Range<usize> {
+        self.experts_of(e, self.rank)
+    }
+}
+
+/// An all-to-all over the EP group: one chunk per member in, one chunk from
+/// each member out. `phase` tells the four exchanges of a layer apart.
+pub type Exchange<'a, B> = dyn FnMut(u32, Vec<<B as Backend>::Tensor>) -> Result<Vec<<B as Backend>::Tensor>, BackendError>
+    + 'a;
+
+/// The exchange of one device alone: its chunk comes back.
+pub fn alone<B: Backend>(_: u32, chunks: Vec<B::Tensor>) -> Result<Vec<B::Tensor>, BackendError> {
+    Ok(chunks)
+}
+
+impl<'a, B: Backend> Model<'a, B> {
+    pub fn new(b: &'a B, table: &'a ParamTable) -> Self {
+        Model { b, table }
+    }
+
+    /// The linear layer `(W, b)` on `inp[n, ic]`: `inp · Wᵀ (+ b)`, `[n, oc]`.
+    pub(super) fn linear(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        (w, bias): (ParamId, Option<ParamId>),
+        inp: &B::Tensor,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Result<B::Tensor, BackendError> {
+        let bias = match bias {
+            Some(b) => Some(param(params, b)?),
+            None => None,
+        };
+        let mut out = self.b.zeros(n * oc)?;
+        self.b
+            .matmul_forward(&mut out, inp, param(params, w)?, bias, n, ic, oc);
+        Ok(out)
+    }
+
+    /// The layernorm `norm` on `inp[n, c]`: (output, mean, rstd).
+    pub(super) fn layernorm(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        norm: Norm,
+        inp: &B::Tensor,
+        n: usize,
+        c: usize,
+    ) -> Result<Normed<B>, BackendError> {
+        let (mut out, mut mean, mut rstd) =
+            (self.b.zeros(n * c)?, self.b.zeros(n)?, self.b.zeros(n)?);
+        self.b.layernorm_forward(
+            &mut out,
+            &mut mean,
+            &mut rstd,
+            inp,
+            param(params, norm.weight)?,
+            param(params, norm.bias)?,
+            n,
+            c,
+        );
+        Ok((out, mean, rstd))
+    }
+
+    /// The row-parallel end of a tensor-parallel layer: `inp[n, ic] · Wᵀ`
+    /// summed over the group, then `+ bias`; one device: the layer itself.
+    pub(super) fn row_parallel(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        (w, bias): (ParamId, Option<ParamId>),
+        inp: &B::Tensor,
+        (n, ic, oc): (usize, usize, usize),
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<B::Tensor, BackendError> {
+        let bias = match bias {
+            Some(b) => Some(param(params, b)?),
+            None => None,
+        };
+        let mut part = self.b.zeros(n * oc)?;
+        let Some(reduce) = reduce else {
+            self.b
+                .matmul_forward(&mut part, inp, param(params, w)?, bias, n, ic, oc);
+            return Ok(part);
+        };
+        self.b
+            .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
+        let mut out = reduce(part)?;
+        if let Some(bias) = bias {
+            self.b.add_bias(&mut out, bias, oc);
+        }
+        Ok(out)
+    }
+
+    /// A block's projection back onto the residual stream: `res + inp · Wᵀ
+    /// (+ bias)`, the residual fused into the GEMM; under tensor
+    /// parallelism the row-parallel product is summed over the group first,
+    /// then the residual added.
+    pub(super) fn onto_residual(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        (w, bias): (ParamId, Option<ParamId>),
+        inp: &B::Tensor,
+        res: &B::Tensor,
+        shape: (usize, usize, usize),
+        reduce: Option<&mut Reduce<'_, B>>,
+    ) -> Result<B::Tensor, BackendError> {
+        let (n, ic, oc) = shape;
+        let mut out = self.b.zeros(n * oc)?;
+        match reduce {
+            None => {
+                let bias = match bias {
+                    Some(b) => Some(param(params, b)?),
+                    None => None,
+                };
+                self.b.matmul_forward_residual(
+                    &mut out,
+                    res,
+                    inp,
+                    param(params, w)?,
+                    bias,
+                    n,
+                    ic,
+                    oc,
+                )
+            }
+            reduce => {
+                let proj = self.row_parallel(params, (w, bias), inp, shape, reduce)?;
+                self.b.residual_forward(&mut out, res, &proj);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The end of a half's backward: the gradient of its layernorm's output
+    /// `dln` (summed over a tensor-parallel group first), through the
+    /// layernorm (its input, mean and rstd), added to the residual's `dout`:
+    /// the half's input gradient, and `dln` for the weight pass.
+    pub(super) fn back_to_residual(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        norm: Norm,
+        mut dln: B::Tensor,
+        reduce: Option<&mut Reduce<'_, B>>,
+        dout: &B::Tensor,
+        (x, mean, rstd): (&B::Tensor, &B::Tensor, &B::Tensor),
+        (n, c): (usize, usize),
+    ) -> Result<(B::Tensor, B::Tensor), BackendError> {
+        if let Some(reduce) = reduce {
+            dln = reduce(dln)?;
+        }
+        let mut dx = self.b.duplicate(dout)?;
+        self.b.layernorm_backward_input(
+            &mut dx,
+            &dln,
+            x,
+            param(params, norm.weight)?,
+            mean,
+            rstd,
+            n,
+            c,
+        );
+        Ok((dx, dln))
+    }
+
+    /// Accumulate linear layer `lin`'s gradients from `dout[n, oc]` and `inp[n, ic]`.
+    pub(super) fn linear_weight(
+        &self,
+        grads: &mut ParamMap<B::Tensor>,
+        (w, bias): (ParamId, Option<ParamId>),
+        dout: &B::Tensor,
+        inp: &B::Tensor,
+        n: usize,
+        ic: usize,
+        oc: usize,
+    ) -> Result<(), BackendError> {
+        match bias {
+            Some(b) => {
+                let (dw, db) = grad_pair(grads, w, b)?;
+                self.b
+                    .matmul_backward_weight(dw, Some(db), dout, inp, n, ic, oc);
+            }
+            None => self
+                .b
+                .matmul_backward_weight(grad_mut(grads, w)?, None, dout, inp, n, ic, oc),
+        }
+        Ok(())
+    }
+
+    /// Accumulate layernorm `norm`'s gradients.
+    pub(super) fn layernorm_weight(
+        &self,
+        grads: &mut ParamMap<B::Tensor>,
+        norm: Norm,
+        dout: &B::Tensor,
+        inp: &B::Tensor,
+        mean: &B::Tensor,
+        rstd: &B::Tensor,
+        n: usize,
+        c: usize,
+    ) -> Result<(), BackendError> {
+        let (dw, db) = grad_pair(grads, norm.weight, norm.bias)?;
+        self.b
+            .layernorm_backward_weight(dw, db, dout, inp, mean, rstd, n, c);
+        Ok(())
+    }
+}

@@ -1,0 +1,13 @@
+//! Model families over the backend's kernels: a segment's parts (embedding,
+//! blocks, MoE halves, head) forward and backward, each family in a file of
+//! its own (`gpt2`, `llama`, `moe`) on what they share (`common`), run part
+//! by part by `segment`. The backend (`runtime/backend/`) keeps the kernels.
+
+pub mod common;
+pub mod gpt2;
+pub mod llama;
+pub mod moe;
+pub mod segment;
+
+pub use common::{Dims, Model, Peers, Reduce};
+pub use segment::{Forward, SegmentCache, SegmentStash};
