@@ -205,8 +205,8 @@ fn dualpipev_on_2_and_4_ranks() {
 
 /// Expert and tensor parallelism across ranks: the all-to-all of each MoE
 /// layer and the tensor-parallel sums go through MPI (2 ranks, 2 devices; 4
-/// devices as EP 2 × 1F1B on 2 ranks: each EP group spans both ranks) and
-/// train as in one process.
+/// devices as EP 2 × 1F1B on 2 ranks: each EP group spans both ranks; dp ×
+/// tp × ep on 4) and train as in one process.
 #[test]
 fn spread_segments_exchange_through_mpi() {
     same_as_one_process("tp2", 2, &["--devices", "2", "--strategy", "tp"]);
@@ -261,6 +261,24 @@ fn spread_segments_exchange_through_mpi() {
             "ep",
             "--strategy",
             "dualpipev:microbatches=4",
+        ],
+    );
+    // Tensor × expert parallelism: the sequence split's all-gathers and
+    // gradient sums and the exchange over the dp × tp mesh span the ranks.
+    same_as_one_process(
+        "dp-tp-ep",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "4",
+            "--strategy",
+            "dp:degree=2",
+            "--strategy",
+            "tp:tp=2",
+            "--strategy",
+            "ep",
         ],
     );
 }
