@@ -5,6 +5,14 @@
 #   cargo build --release -p piper --features cuda        # here, before
 #   scripts/gpu-check.sh OUT_DIR                          # there
 #
+# Through the device tool: carry the binary, one call under the 600 s limit (the script
+# keeps to 540 s), then give the machine back:
+#   run(command="scripts/gpu-check.sh $OUT/gpu", carry=["target/release/piper"], timeout_s=580)
+#
+# A stage that fails is recorded in check.json and the next one runs; after a failure the
+# checks run again (1 step) with CUDA_LAUNCH_BLOCKING=1, under compute-sanitizer when the
+# image has it, into OUT_DIR/blocking.
+#
 # 1. `piper backend check --backend cuda --bench`: every CUDA kernel against the CPU
 #    backend on the same inputs (fp32, 1e-5 of each output's scale); `tiny` for 20 steps on
 #    one GPU against the CPU's losses (1e-4 relative); 1f1b, zero:stage=3,dp=2 + 1f1b,
@@ -40,11 +48,23 @@ export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:-}"
 echo "== GPU"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv || true
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+# One deadline for the whole script (a device call may run 600 s): each stage gets
+# what its budget says or what is left, whichever is less, and is skipped under 20 s.
+deadline=$((SECONDS + 540))
+left() { local l=$((deadline - SECONDS)); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
 status=0
-echo "== piper backend check --backend cuda --bench"
+echo "== piper backend check --backend cuda --bench (stages: kernels, one_device, strategies, bench)"
 start=$SECONDS
-timeout 300 "$bin" backend check --backend cuda --bench --out "$out" || status=$?
-echo "piper's checks took $((SECONDS - start)) s (exit $status)"
+timeout "$(left 300)" "$bin" backend check --backend cuda --bench --out "$out" || status=$?
+echo "piper's checks took $((SECONDS - start)) s (exit $status; check.json holds every stage that ended)"
+if [ $status -ne 0 ] && [ "$(left 120)" -ge 20 ]; then
+  # Again with every launch synchronous, so a fault names the kernel that made it.
+  echo "== again with CUDA_LAUNCH_BLOCKING=1 (1 step), into $out/blocking"
+  runner=()
+  command -v compute-sanitizer >/dev/null && runner=(compute-sanitizer --print-limit 20)
+  CUDA_LAUNCH_BLOCKING=1 timeout "$(left 120)" "${runner[@]}" "$bin" backend check \
+      --backend cuda --steps 1 --out "$out/blocking" || true
+fi
 echo "== PyTorch on gpt2-small, batch 8 x 1024"
 : >"$out/torch.jsonl"
 for precision in fp32 bf16; do
@@ -52,7 +72,12 @@ for precision in fp32 bf16; do
     flag=""
     [ $mode = compile ] && flag=--compile
     start=$SECONDS
-    if timeout 100 "$py" benches/reference/torch_gpt.py --layers 12 --d-model 768 --heads 12 \
+    budget=$(left 100)
+    if [ "$budget" -lt 20 ]; then
+      echo "torch $precision $mode: skipped (${budget} s left of the deadline)"
+      continue
+    fi
+    if timeout "$budget" "$py" benches/reference/torch_gpt.py --layers 12 --d-model 768 --heads 12 \
         --seq 1024 --batch 8 --vocab 50257 --steps 8 --device cuda --precision $precision $flag \
         >>"$out/torch.jsonl"; then
       echo "torch $precision $mode: $(tail -1 "$out/torch.jsonl") ($((SECONDS - start)) s)"

@@ -635,6 +635,48 @@ fn backend_check_holds_the_cpu_to_itself_and_writes_its_report() {
     );
 }
 
+/// A stage that fails is recorded and the next one runs: on this machine
+/// (no GPU, or a build without CUDA) every CUDA stage errs, each named in
+/// `check.json`, which is there after every stage.
+#[test]
+fn backend_check_records_a_failing_stage_and_runs_the_next() {
+    let h = home("backend-check-stages");
+    let out = h.join("out");
+    let (ok, stdout, err) = piper(
+        &h,
+        &[
+            "backend",
+            "check",
+            "--backend",
+            "cuda",
+            "--steps",
+            "1",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    assert!(!ok, "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
+    for stage in ["kernels", "one_device", "strategies"] {
+        assert!(
+            report["errors"][stage]
+                .as_str()
+                .is_some_and(|e| e.contains("cuda")),
+            "{stage}: {report}"
+        );
+        assert!(
+            stdout.contains(&format!("stage {stage}: ERROR")),
+            "{stdout}"
+        );
+    }
+    assert!(
+        err.contains("3 check(s) failed: stage kernels, stage one_device, stage strategies"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}
+
 /// A piper built without the CUDA backend says how to get one.
 #[cfg(not(feature = "cuda"))]
 #[test]

@@ -2,7 +2,10 @@
 //! machine — every kernel on the same inputs, `tiny` trained on one device
 //! against the CPU's losses, multi-device strategies on the backend against
 //! its own one-device losses, and (with `--bench`) `gpt2-small`'s speed.
-//! Writes `check.json` into `--out` and fails when any check does.
+//! Runs in stages (kernels, one device, strategies, bench): a stage that
+//! errs or panics is recorded under `errors` and the next one runs;
+//! `check.json` in `--out` is written again after every stage. Fails when
+//! any check or stage does.
 //! `scripts/gpu-check.sh` runs it on a GPU machine; on the CPU backend it
 //! checks the CPU against itself on another thread count.
 
@@ -161,6 +164,56 @@ impl WithBackend for Kernels {
     }
 }
 
+/// One stage's figures for `check.json`, and the checks in it that failed.
+type Stage = (serde_json::Value, Vec<String>);
+
+/// The report as it grows: written again after every stage, so a stage
+/// that kills the process (a GPU fault) leaves the ones before it on disk.
+struct Report {
+    map: serde_json::Map<String, serde_json::Value>,
+    failed: Vec<String>,
+    errors: serde_json::Map<String, serde_json::Value>,
+    path: PathBuf,
+}
+
+impl Report {
+    /// Run `stage`: its figures go under `name`; an error or a panic is
+    /// recorded under `errors` and the next stage runs all the same.
+    fn stage(&mut self, name: &str, stage: impl FnOnce() -> Result<Stage>) -> Result<()> {
+        let t = Instant::now();
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(stage));
+        let error = match outcome {
+            Ok(Ok((value, failed))) => {
+                self.map.insert(name.into(), value);
+                self.failed.extend(failed);
+                None
+            }
+            Ok(Err(e)) => Some(format!("{e:#}")),
+            Err(panic) => Some(format!(
+                "panicked: {}",
+                (panic.downcast_ref::<String>().map(String::as_str))
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)")
+            )),
+        };
+        if let Some(e) = error {
+            println!("stage {name}: ERROR {e}");
+            self.failed.push(format!("stage {name}"));
+            self.errors.insert(name.into(), json!(e));
+        }
+        println!("stage {name}: {:.1} s", t.elapsed().as_secs_f64());
+        self.write()
+    }
+
+    fn write(&self) -> Result<()> {
+        let mut out = self.map.clone();
+        out.insert("errors".into(), json!(self.errors));
+        out.insert("failed".into(), json!(self.failed));
+        std::fs::write(&self.path, serde_json::to_string_pretty(&out)?)
+            .with_context(|| format!("writing {}", self.path.display()))
+    }
+}
+
 pub fn check(a: CheckArgs) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let kind = BackendKind::parse(&a.backend, a.gpus).map_err(anyhow::Error::msg)?;
@@ -170,9 +223,36 @@ pub fn check(a: CheckArgs) -> Result<()> {
         BackendKind::Cpu => (1, cores.max(2)),
         _ => (cores, 1),
     };
-    let mut failed = Vec::new();
-    let mut report = serde_json::Map::new();
+    let mut report = Report {
+        map: serde_json::Map::new(),
+        failed: Vec::new(),
+        errors: serde_json::Map::new(),
+        path: a.out.join("check.json"),
+    };
+    let host = PluginHost::new(SandboxLimits::default(), None)?;
+    report.stage("kernels", || kernels(kind, reference, other_threads))?;
+    report.stage("one_device", || one_device(&host, kind, a.steps))?;
+    report.stage("strategies", || strategies(&host, kind, a.steps))?;
+    if a.bench {
+        let peak = a.peak_flops.or(match kind {
+            BackendKind::Cuda { .. } => Some(67e12),
+            BackendKind::Cpu => None,
+        });
+        report.stage("bench", || Ok((bench(&host, kind, peak)?, Vec::new())))?;
+    }
+    println!("report: {}", report.path.display());
+    if !report.failed.is_empty() {
+        bail!(
+            "{} check(s) failed: {}",
+            report.failed.len(),
+            report.failed.join(", ")
+        );
+    }
+    Ok(())
+}
 
+/// Every kernel of `kind` against the CPU's on the same inputs.
+fn kernels(kind: BackendKind, reference: usize, other_threads: usize) -> Result<Stage> {
     let t = Instant::now();
     let place = Placement {
         devices: &[0],
@@ -188,6 +268,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
     )
     .map_err(|e| anyhow::anyhow!("{} backend: {e}", kind.name()))?
     .map_err(|e| anyhow::anyhow!("checking the kernels: {e}"))?;
+    let mut failed = Vec::new();
     for k in &kernels {
         let verdict = if k.passed() { "ok" } else { "FAILED" };
         println!(
@@ -203,23 +284,26 @@ pub fn check(a: CheckArgs) -> Result<()> {
         kernels.len(),
         t.elapsed().as_secs_f64()
     );
-    report.insert("kernels".into(), serde_json::to_value(&kernels)?);
+    Ok((serde_json::to_value(&kernels)?, failed))
+}
 
-    let host = PluginHost::new(SandboxLimits::default(), None)?;
-    let one: Strategy = &[("1f1b", &[("stages", "1"), ("microbatches", "1")])];
+/// One step of every strategy check: a single device under `1f1b`.
+const ONE: Strategy = &[("1f1b", &[("stages", "1"), ("microbatches", "1")])];
+
+/// `tiny` on one device of `kind` against the CPU's losses.
+fn one_device(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage> {
     let tiny = ModelConfig::tiny();
-    let cpu = train(&host, &tiny, 1, one, BackendKind::Cpu, a.steps)?.losses;
+    let cpu = train(host, &tiny, 1, ONE, BackendKind::Cpu, steps)?.losses;
     let Run {
         losses: mine,
         peaks,
         planned,
         ..
-    } = train(&host, &tiny, 1, one, kind, a.steps)?;
+    } = train(host, &tiny, 1, ONE, kind, steps)?;
     let w = worst(&mine, &cpu);
     let ok = w <= TRAIN_VS_CPU;
     println!(
-        "tiny, {} steps on one {} device: losses {:.4} -> {:.4}, worst relative difference to the CPU's {w:.2e} (tolerance {TRAIN_VS_CPU:.0e}) {}; peak {} measured, {} planned",
-        a.steps,
+        "tiny, {steps} steps on one {} device: losses {:.4} -> {:.4}, worst relative difference to the CPU's {w:.2e} (tolerance {TRAIN_VS_CPU:.0e}) {}; peak {} measured, {} planned",
         kind.name(),
         mine[0],
         mine[mine.len() - 1],
@@ -227,23 +311,29 @@ pub fn check(a: CheckArgs) -> Result<()> {
         human_bytes(peaks[0]),
         human_bytes(planned[0])
     );
-    if !ok {
-        failed.push("tiny on one device".into());
-    }
-    report.insert(
-        "one_device".into(),
+    let failed = if ok {
+        Vec::new()
+    } else {
+        vec!["tiny on one device".into()]
+    };
+    Ok((
         json!({"losses": mine, "cpu_losses": cpu, "worst": w, "tolerance": TRAIN_VS_CPU, "peak_bytes": peaks[0], "planned_bytes": planned[0]}),
-    );
+        failed,
+    ))
+}
 
-    let mut strategies = Vec::new();
+/// Each multi-device strategy on `kind` against its one-device losses.
+fn strategies(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage> {
+    let mut failed = Vec::new();
+    let mut out = Vec::new();
     for (name, cfg, devices, strategy) in strategy_checks() {
-        let base = train(&host, &cfg, 1, one, kind, a.steps)?.losses;
+        let base = train(host, &cfg, 1, ONE, kind, steps)?.losses;
         let Run {
             losses,
             peaks,
             planned,
             ..
-        } = train(&host, &cfg, devices, strategy, kind, a.steps)
+        } = train(host, &cfg, devices, strategy, kind, steps)
             .with_context(|| format!("{name} on {devices} devices"))?;
         let w = worst(&losses, &base);
         let ok = w <= STRATEGY_VS_ONE;
@@ -256,26 +346,9 @@ pub fn check(a: CheckArgs) -> Result<()> {
         if !ok {
             failed.push(format!("{name} on {devices} devices"));
         }
-        strategies.push(json!({"strategy": name, "model": cfg.name, "devices": devices, "worst": w, "tolerance": STRATEGY_VS_ONE, "losses": losses, "one_device": base, "peak_bytes": peaks, "planned_bytes": planned}));
+        out.push(json!({"strategy": name, "model": cfg.name, "devices": devices, "worst": w, "tolerance": STRATEGY_VS_ONE, "losses": losses, "one_device": base, "peak_bytes": peaks, "planned_bytes": planned}));
     }
-    report.insert("strategies".into(), json!(strategies));
-
-    if a.bench {
-        let peak = a.peak_flops.or(match kind {
-            BackendKind::Cuda { .. } => Some(67e12),
-            BackendKind::Cpu => None,
-        });
-        report.insert("bench".into(), bench(&host, kind, peak)?);
-    }
-    report.insert("failed".into(), json!(failed));
-    let path = a.out.join("check.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&report)?)
-        .with_context(|| format!("writing {}", path.display()))?;
-    println!("report: {}", path.display());
-    if !failed.is_empty() {
-        bail!("{} check(s) failed: {}", failed.len(), failed.join(", "));
-    }
-    Ok(())
+    Ok((json!(out), failed))
 }
 
 /// `gpt2-small` at batch 8 × 1024: tokens/s (median of the steps after the
