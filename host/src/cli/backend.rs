@@ -272,11 +272,11 @@ fn kernels(kind: BackendKind, reference: usize, other_threads: usize) -> Result<
     for k in &kernels {
         let verdict = if k.passed() { "ok" } else { "FAILED" };
         println!(
-            "kernel {:<28} error {:.2e} (tolerance {:.0e}) {verdict}",
-            k.kernel, k.error, k.tolerance
+            "kernel {:<28} {:<10} error {:.2e} (tolerance {:.0e}) {verdict}",
+            k.kernel, k.shape, k.error, k.tolerance
         );
         if !k.passed() {
-            failed.push(format!("kernel {}", k.kernel));
+            failed.push(format!("kernel {} ({})", k.kernel, k.shape));
         }
     }
     println!(

@@ -18,6 +18,8 @@ use crate::model::MoeConfig;
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct KernelCheck {
     pub kernel: &'static str,
+    /// The shapes it ran at (`small`, `gpt2-small`).
+    pub shape: &'static str,
     /// The worst relative error over its outputs.
     pub error: f64,
     pub tolerance: f64,
@@ -77,6 +79,8 @@ struct Bench<'a, R: Backend, B: Backend> {
     rs: R::Stream,
     bs: B::Stream,
     out: Vec<KernelCheck>,
+    /// The shapes being checked, recorded with each kernel.
+    shape: &'static str,
 }
 
 impl<'a, R: Backend, B: Backend> Bench<'a, R, B> {
@@ -115,6 +119,7 @@ impl<'a, R: Backend, B: Backend> Bench<'a, R, B> {
         }
         self.out.push(KernelCheck {
             kernel,
+            shape: self.shape,
             error,
             tolerance,
         });
@@ -128,6 +133,7 @@ impl<'a, R: Backend, B: Backend> Bench<'a, R, B> {
         };
         self.out.push(KernelCheck {
             kernel,
+            shape: self.shape,
             error: if error.is_finite() {
                 error
             } else {
@@ -154,11 +160,111 @@ pub fn kernels<R: Backend, B: Backend>(
         rs: reference.stream()?,
         bs: b.stream()?,
         out: Vec::new(),
+        shape: "small",
     };
     let mut rng = Rng(0x5eed);
     // Shapes: 2 sequences of 70 tokens, d_model 96 (4 heads of 24), a
-    // vocabulary of 300, a linear layer of 96 -> 288.
-    let (bb, t, c, nh, v, oc) = (2usize, 70usize, 96usize, 4usize, 300usize, 288usize);
+    // vocabulary of 300, a linear layer of 96 -> 288 (partial blocks, rows
+    // longer than a block); then gpt2-small's widths (one sequence of 1024,
+    // d_model 768 in 12 heads, the MLP's 3072; a 4096-token vocabulary),
+    // whose reductions loop where the small shapes do not.
+    let (bb, t, c, v) = (2usize, 70usize, 96usize, 300usize);
+    let n = bb * t;
+    dense_kernels(&mut k, &mut rng, (bb, t, c, 4, v, 288))?;
+    k.shape = "gpt2-small";
+    dense_kernels(&mut k, &mut rng, (1, 1024, 768, 12, 4096, 3072))?;
+    k.shape = "small";
+
+    moe_kernels(&mut k, &mut rng, n, t, c)?;
+
+    // Optimizer and the norm.
+    let len = 5000;
+    let (mut p, mut m, mut vv) = (
+        k.pair(&rng.vec(len, 1.0))?,
+        k.pair(&rng.vec(len, 0.01))?,
+        k.pair(
+            &rng.vec(len, 0.01)
+                .iter()
+                .map(|x| x.abs())
+                .collect::<Vec<_>>(),
+        )?,
+    );
+    let grad = k.pair(&rng.vec(len, 1.0))?;
+    let h = AdamW::default();
+    k.run(
+        |r| {
+            r.adamw(
+                &mut p.r,
+                &grad.r,
+                &mut m.r,
+                &mut vv.r,
+                100..4100,
+                &h,
+                3,
+                0.7,
+                true,
+            )
+        },
+        |g| {
+            g.adamw(
+                &mut p.b,
+                &grad.b,
+                &mut m.b,
+                &mut vv.b,
+                100..4100,
+                &h,
+                3,
+                0.7,
+                true,
+            )
+        },
+    )?;
+    k.record("adamw", FP32, &[&p, &m, &vv])?;
+    let want = reference.sum_squares(&[(&grad.r, 0..len), (&p.r, 7..4007)])?;
+    let got = b.sum_squares(&[(&grad.b, 0..len), (&p.b, 7..4007)])?;
+    k.record_value("sum_squares", 1e-12, got, want);
+
+    // Storage.
+    let mut dst = k.pair(&rng.vec(len, 1.0))?;
+    let host = rng.vec(300, 1.0);
+    k.run(
+        |r| {
+            r.copy(&mut dst.r, 10, &grad.r, 500..900);
+            r.write(&mut dst.r, 1000, &host);
+            r.add_host(&mut dst.r, 2000, &host);
+            r.add(&mut dst.r, &p.r);
+        },
+        |g| {
+            g.copy(&mut dst.b, 10, &grad.b, 500..900);
+            g.write(&mut dst.b, 1000, &host);
+            g.add_host(&mut dst.b, 2000, &host);
+            g.add(&mut dst.b, &p.b);
+        },
+    )?;
+    k.record("copy, write, add_host, add", FP32, &[&dst])?;
+    let part_r = reference.download_range(&dst.r, 990..1400)?;
+    let part_b = b.download_range(&dst.b, 990..1400)?;
+    k.record_value("download_range", 0.0, relative_error(&part_b, &part_r), 0.0);
+    let dup = Pair::<R, B> {
+        r: reference.duplicate(&dst.r)?,
+        b: b.duplicate(&dst.b)?,
+    };
+    k.run(|r| r.fill_zero(&mut dst.r), |g| g.fill_zero(&mut dst.b))?;
+    k.record("duplicate", 0.0, &[&dup])?;
+    k.record("fill_zero", 0.0, &[&dst])?;
+    llama_kernels(&mut k, &mut rng, (bb, t, c, v))?;
+    Ok(k.out)
+}
+
+/// The dense kernels (embedding, layernorm, linear layers, attention, GELU,
+/// residual, cross-entropy) at `(sequences, tokens, d_model, heads,
+/// vocabulary, linear width)`.
+fn dense_kernels<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+    shape: (usize, usize, usize, usize, usize, usize),
+) -> Result<(), BackendError> {
+    let (bb, t, c, nh, v, oc) = shape;
     let n = bb * t;
 
     // Embedding.
@@ -325,8 +431,8 @@ pub fn kernels<R: Backend, B: Backend>(
         |g| lb_ = Some(g.crossentropy_forward(&mut probs.b, &logits.b, &gb, n, v)),
     )?;
     k.record("crossentropy_forward", FP32, &[&probs])?;
-    let want = reference.read_scalar(lr_.expect("ran"))?;
-    let got = b.read_scalar(lb_.expect("ran"))?;
+    let want = k.r.read_scalar(lr_.expect("ran"))?;
+    let got = k.b.read_scalar(lb_.expect("ran"))?;
     k.record_value("crossentropy_forward loss", FP32, got, want);
     let mut dlogits = k.pair(&vec![0.0; n * v])?;
     let scale = 1.0 / n as f32;
@@ -336,85 +442,7 @@ pub fn kernels<R: Backend, B: Backend>(
     )?;
     k.record("crossentropy_backward", FP32, &[&dlogits])?;
 
-    moe_kernels(&mut k, &mut rng, n, t, c)?;
-
-    // Optimizer and the norm.
-    let len = 5000;
-    let (mut p, mut m, mut vv) = (
-        k.pair(&rng.vec(len, 1.0))?,
-        k.pair(&rng.vec(len, 0.01))?,
-        k.pair(
-            &rng.vec(len, 0.01)
-                .iter()
-                .map(|x| x.abs())
-                .collect::<Vec<_>>(),
-        )?,
-    );
-    let grad = k.pair(&rng.vec(len, 1.0))?;
-    let h = AdamW::default();
-    k.run(
-        |r| {
-            r.adamw(
-                &mut p.r,
-                &grad.r,
-                &mut m.r,
-                &mut vv.r,
-                100..4100,
-                &h,
-                3,
-                0.7,
-                true,
-            )
-        },
-        |g| {
-            g.adamw(
-                &mut p.b,
-                &grad.b,
-                &mut m.b,
-                &mut vv.b,
-                100..4100,
-                &h,
-                3,
-                0.7,
-                true,
-            )
-        },
-    )?;
-    k.record("adamw", FP32, &[&p, &m, &vv])?;
-    let want = reference.sum_squares(&[(&grad.r, 0..len), (&p.r, 7..4007)])?;
-    let got = b.sum_squares(&[(&grad.b, 0..len), (&p.b, 7..4007)])?;
-    k.record_value("sum_squares", 1e-12, got, want);
-
-    // Storage.
-    let mut dst = k.pair(&rng.vec(len, 1.0))?;
-    let host = rng.vec(300, 1.0);
-    k.run(
-        |r| {
-            r.copy(&mut dst.r, 10, &grad.r, 500..900);
-            r.write(&mut dst.r, 1000, &host);
-            r.add_host(&mut dst.r, 2000, &host);
-            r.add(&mut dst.r, &p.r);
-        },
-        |g| {
-            g.copy(&mut dst.b, 10, &grad.b, 500..900);
-            g.write(&mut dst.b, 1000, &host);
-            g.add_host(&mut dst.b, 2000, &host);
-            g.add(&mut dst.b, &p.b);
-        },
-    )?;
-    k.record("copy, write, add_host, add", FP32, &[&dst])?;
-    let part_r = reference.download_range(&dst.r, 990..1400)?;
-    let part_b = b.download_range(&dst.b, 990..1400)?;
-    k.record_value("download_range", 0.0, relative_error(&part_b, &part_r), 0.0);
-    let dup = Pair::<R, B> {
-        r: reference.duplicate(&dst.r)?,
-        b: b.duplicate(&dst.b)?,
-    };
-    k.run(|r| r.fill_zero(&mut dst.r), |g| g.fill_zero(&mut dst.b))?;
-    k.record("duplicate", 0.0, &[&dup])?;
-    k.record("fill_zero", 0.0, &[&dst])?;
-    llama_kernels(&mut k, &mut rng, (bb, t, c, v))?;
-    Ok(k.out)
+    Ok(())
 }
 
 /// The Llama family's kernels: RMSNorm, the embedding without positions,
