@@ -633,6 +633,8 @@ fn backend_check_holds_the_cpu_to_itself_and_writes_its_report() {
         stdout.contains("tiny, 2 steps on one cpu device"),
         "{stdout}"
     );
+    assert_eq!(report["one_device"]["bitwise_repeat"], true);
+    assert!(kernels.iter().any(|k| k["shape"] == "gpt2-small"));
 }
 
 /// A stage that fails is recorded and the next one runs: on this machine

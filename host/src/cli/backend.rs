@@ -1,6 +1,7 @@
 //! `piper backend check`: a backend held to the CPU backend on this
-//! machine — every kernel on the same inputs, `tiny` trained on one device
-//! against the CPU's losses, multi-device strategies on the backend against
+//! machine — every kernel on the same inputs (at small shapes and at
+//! gpt2-small's widths), `tiny` trained on one device against the CPU's
+//! losses and again against its own bits, multi-device strategies on the backend against
 //! its own one-device losses, and (with `--bench`) `gpt2-small`'s speed.
 //! Runs in stages (kernels, one device, strategies, bench): a stage that
 //! errs or panics is recorded under `errors` and the next one runs;
@@ -311,13 +312,31 @@ fn one_device(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage>
         human_bytes(peaks[0]),
         human_bytes(planned[0])
     );
-    let failed = if ok {
-        Vec::new()
-    } else {
-        vec!["tiny on one device".into()]
-    };
+    let mut failed = Vec::new();
+    if !ok {
+        failed.push("tiny on one device".into());
+    }
+    // The same run again gives the same bits (no atomics in a sum, no
+    // nondeterministic library path).
+    let again = train(host, &tiny, 1, ONE, kind, steps)?.losses;
+    let bitwise = again
+        .iter()
+        .map(|l| l.to_bits())
+        .eq(mine.iter().map(|l| l.to_bits()));
+    println!(
+        "tiny again on one {} device: {}",
+        kind.name(),
+        if bitwise {
+            "the same bits ok"
+        } else {
+            "other bits FAILED"
+        }
+    );
+    if !bitwise {
+        failed.push("tiny repeated bit for bit".into());
+    }
     Ok((
-        json!({"losses": mine, "cpu_losses": cpu, "worst": w, "tolerance": TRAIN_VS_CPU, "peak_bytes": peaks[0], "planned_bytes": planned[0]}),
+        json!({"losses": mine, "cpu_losses": cpu, "worst": w, "tolerance": TRAIN_VS_CPU, "repeat_losses": again, "bitwise_repeat": bitwise, "peak_bytes": peaks[0], "planned_bytes": planned[0]}),
         failed,
     ))
 }
