@@ -52,6 +52,8 @@ echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 # what its budget says or what is left, whichever is less, and is skipped under 20 s.
 deadline=$((SECONDS + 540))
 left() { local l=$((deadline - SECONDS)); [ "$l" -lt "$1" ] && echo "$l" || echo "$1"; }
+echo "== piper backend info --backend cuda (versions, libraries loaded, GPUs, a kernel and an SGEMM)"
+timeout "$(left 60)" "$bin" backend info --backend cuda || true
 status=0
 echo "== piper backend check --backend cuda --bench (stages: kernels, one_device, strategies, bench)"
 start=$SECONDS

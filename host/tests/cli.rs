@@ -679,6 +679,28 @@ fn backend_check_records_a_failing_stage_and_runs_the_next() {
     assert!(!err.contains("panicked"), "{err}");
 }
 
+/// `piper backend info` runs a kernel and a matrix product against known
+/// results (here on the CPU backend); on CUDA without a GPU or a CUDA
+/// build it says what is missing in one line.
+#[test]
+fn backend_info_checks_known_results_and_names_what_is_missing() {
+    let h = home("backend-info");
+    let (ok, out, err) = piper(&h, &["backend", "info", "--backend", "cpu"]);
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("matrix product [2x3]·[3x2] + bias: [4.5, 1.0, 10.5, 4.0] ok"),
+        "{out}"
+    );
+    assert!(out.contains("residual kernel x + x: [2.0, 4.0, 6.0, 8.0, 10.0, 12.0] ok"));
+    let (ok, _, err) = piper(&h, &["backend", "info", "--backend", "cuda"]);
+    assert!(!ok);
+    assert!(
+        err.contains("built without CUDA") || err.contains("no CUDA driver"),
+        "{err}"
+    );
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
 /// A piper built without the CUDA backend says how to get one.
 #[cfg(not(feature = "cuda"))]
 #[test]

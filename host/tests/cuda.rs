@@ -26,6 +26,7 @@ fn backend_cuda_without_a_gpu_is_one_clear_line() {
             "--out",
             "/tmp/piper-cuda-check",
         ][..],
+        &["backend", "info", "--backend", "cuda"][..],
     ] {
         let (ok, out, err) = piper(&h, args);
         assert!(!ok, "{args:?} ran without a GPU: {out}");

@@ -1,4 +1,5 @@
-//! `piper backend check`: a backend held to the CPU backend on this
+//! `piper backend info`: what a backend runs on, and a kernel and a matrix
+//! product against known results. `piper backend check`: a backend held to the CPU backend on this
 //! machine — every kernel on the same inputs (at small shapes and at
 //! gpt2-small's widths), `tiny` trained on one device against the CPU's
 //! losses and again against its own bits, multi-device strategies on the backend against
@@ -47,6 +48,90 @@ pub struct CheckArgs {
     /// Where `check.json` goes.
     #[arg(long, default_value = ".")]
     out: PathBuf,
+}
+
+#[derive(Args)]
+pub struct InfoArgs {
+    /// The backend to describe: `cuda` or `cpu`.
+    #[arg(long, default_value = "cuda", value_parser = ["cpu", "cuda"])]
+    backend: String,
+}
+
+/// `piper backend info`: what the backend runs on, then a kernel and a
+/// cuBLAS (or gemm) product on one device against results known exactly.
+pub fn info(a: InfoArgs) -> Result<()> {
+    let kind = BackendKind::parse(&a.backend, 1).map_err(anyhow::Error::msg)?;
+    match kind {
+        BackendKind::Cpu => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            println!("cpu: {cores} cores");
+        }
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda { .. } => {
+            for (k, v) in backend::cuda::setup::info().map_err(anyhow::Error::msg)? {
+                println!("{k}: {v}");
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda { .. } => bail!(
+            "this piper was built without CUDA: build it with `cargo build --release -p piper --features cuda`"
+        ),
+    }
+    let place = Placement {
+        devices: &[0],
+        peaks: &[0],
+        threads: 1,
+    };
+    let lines = backend::with_backend(kind, &place, Smoke)
+        .map_err(|e| anyhow::anyhow!("{} backend: {e}", kind.name()))?
+        .map_err(|e| anyhow::anyhow!("{} backend, device 0: {e}", kind.name()))?;
+    for l in &lines {
+        println!("{l}");
+    }
+    Ok(())
+}
+
+/// A kernel (the residual sum) and a matrix product with a bias, on small
+/// integers whose results fp32 holds exactly.
+struct Smoke;
+
+impl WithBackend for Smoke {
+    type Output = Result<Vec<String>, BackendError>;
+    fn run<B: Backend>(
+        self,
+        make: &(dyn Fn(usize) -> Result<B, BackendError> + Sync),
+    ) -> Self::Output {
+        let b = make(0)?;
+        let s = b.stream()?;
+        let x = b.upload(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])?; // [2, 3]
+        let w = b.upload(vec![1.0, 0.0, 1.0, 0.0, 1.0, 0.0])?; // [2, 3]: out, in
+        let bias = b.upload(vec![0.5, -1.0])?;
+        let (mut prod, mut sum) = (b.zeros(4)?, b.zeros(6)?);
+        b.enter(&s, None, || {
+            b.matmul_forward(&mut prod, &x, &w, Some(&bias), 2, 3, 2);
+            b.residual_forward(&mut sum, &x, &x);
+        });
+        b.check()?;
+        let want_prod = [4.5, 1.0, 10.5, 4.0];
+        let want_sum = [2.0, 4.0, 6.0, 8.0, 10.0, 12.0];
+        let mut lines = Vec::new();
+        for (what, got, want) in [
+            (
+                "matrix product [2x3]·[3x2] + bias",
+                b.download(&prod)?,
+                &want_prod[..],
+            ),
+            ("residual kernel x + x", b.download(&sum)?, &want_sum[..]),
+        ] {
+            if got != want {
+                return Err(BackendError::Device(format!(
+                    "{what}: got {got:?}, want {want:?}"
+                )));
+            }
+            lines.push(format!("{what}: {got:?} ok"));
+        }
+        Ok(lines)
+    }
 }
 
 /// Loss tolerances: a backend against the CPU's arithmetic (other sum
@@ -243,8 +328,11 @@ pub fn check(a: CheckArgs) -> Result<()> {
     }
     println!("report: {}", report.path.display());
     if !report.failed.is_empty() {
+        let first = (report.errors.values().next())
+            .and_then(|e| e.as_str())
+            .map_or(String::new(), |e| format!("; the first stage error: {e}"));
         bail!(
-            "{} check(s) failed: {}",
+            "{} check(s) failed: {}{first}",
             report.failed.len(),
             report.failed.join(", ")
         );

@@ -155,6 +155,10 @@ enum BackendCommand {
     /// the CPU's losses, strategies against one device, and with `--bench`
     /// gpt2-small's speed; `check.json` in `--out`.
     Check(backend::CheckArgs),
+    /// What the backend runs on (on CUDA: the driver's, NVRTC's and
+    /// cuBLAS's versions, the library files loaded, each GPU), then one
+    /// kernel and one matrix product with known results.
+    Info(backend::InfoArgs),
 }
 
 #[derive(Subcommand)]
@@ -276,6 +280,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Plan(a) => plan(*a),
         Command::Train(a) => train::train(*a),
         Command::Backend(BackendCommand::Check(a)) => backend::check(a),
+        Command::Backend(BackendCommand::Info(a)) => backend::info(a),
         Command::Calibrate(a) => calibrate::calibrate(a),
         Command::Comm(CommCommand::Check(a)) => comm::check(a),
         Command::Data(DataCommand::Tokenize {

@@ -41,6 +41,79 @@ pub fn libraries() -> Result<(), String> {
     Ok(())
 }
 
+/// What this machine's CUDA stack is, as `name: value` lines: the driver's,
+/// NVRTC's and cuBLAS's versions, the library files this process loaded
+/// (from `/proc/self/maps`: a system library paired with a wheel's shows
+/// here), and each GPU's name, compute capability, memory and SMs.
+pub fn info() -> Result<Vec<(String, String)>, String> {
+    use cudarc::driver::{sys as drv, CudaContext};
+    libraries()?;
+    let mut out = Vec::new();
+    let (mut driver, mut major, mut minor) = (0, 0, 0);
+    // SAFETY: out-pointers to live integers; the libraries are loaded.
+    unsafe {
+        drv::cuDriverGetVersion(&mut driver)
+            .result()
+            .map_err(|e| format!("the driver's version: {e}"))?;
+        cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    out.push((
+        "driver (CUDA version it supports)".into(),
+        format!("{}.{}", driver / 1000, driver % 1000 / 10),
+    ));
+    out.push(("NVRTC".into(), format!("{major}.{minor}")));
+    let mut v = [0i32; 3];
+    for (i, t) in [
+        cudarc::cublas::sys::libraryPropertyType::MAJOR_VERSION,
+        cudarc::cublas::sys::libraryPropertyType::MINOR_VERSION,
+        cudarc::cublas::sys::libraryPropertyType::PATCH_LEVEL,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // SAFETY: an out-pointer to a live integer.
+        unsafe { cudarc::cublas::sys::cublasGetProperty(t, &mut v[i]) };
+    }
+    out.push(("cuBLAS".into(), format!("{}.{}.{}", v[0], v[1], v[2])));
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+    let mut files: Vec<&str> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|f| {
+            ["libcuda", "libnvrtc", "libcublas"]
+                .iter()
+                .any(|n| f.contains(n))
+        })
+        .collect();
+    files.sort();
+    files.dedup();
+    for f in files {
+        out.push(("loaded".into(), f.to_string()));
+    }
+    let count = CudaContext::device_count().map_err(|e| format!("counting GPUs: {e}"))?;
+    out.push(("GPUs".into(), count.to_string()));
+    for g in 0..count.max(0) as usize {
+        let ctx = CudaContext::new(g).map_err(|e| format!("GPU {g}: {e}"))?;
+        let (cc_major, cc_minor) = ctx
+            .compute_capability()
+            .map_err(|e| format!("GPU {g}: {e}"))?;
+        let sms = ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| format!("GPU {g}: {e}"))?;
+        let total = ctx.total_mem().map_err(|e| format!("GPU {g}: {e}"))?;
+        out.push((
+            format!("GPU {g}"),
+            format!(
+                "{}, sm_{cc_major}{cc_minor}, {} SMs, {}",
+                ctx.name().unwrap_or_else(|_| "unknown".into()),
+                sms,
+                human_bytes(total as u64)
+            ),
+        ));
+    }
+    Ok(out)
+}
+
 /// The GPU (of `gpus`) each of `n` devices goes to: contiguous blocks of
 /// `ceil(n / gpus)`.
 pub fn deal(n: usize, gpus: usize) -> Vec<usize> {
