@@ -10,7 +10,8 @@
 #   run(command="scripts/gpu-check.sh $OUT/gpu", carry=["target/release/piper"], timeout_s=580)
 #
 # A stage that fails is recorded in check.json and the next one runs; after a failure the
-# checks run again (1 step) with CUDA_LAUNCH_BLOCKING=1, under compute-sanitizer when the
+# checks run again (1 step) with CUDA_LAUNCH_BLOCKING=1 and PIPER_CUDA_SYNC=1 (a
+# synchronisation after every op), under compute-sanitizer when the
 # image has it, into OUT_DIR/blocking.
 #
 # 1. `piper backend check --backend cuda --bench`: every CUDA kernel against the CPU
@@ -64,7 +65,7 @@ if [ $status -ne 0 ] && [ "$(left 120)" -ge 20 ]; then
   echo "== again with CUDA_LAUNCH_BLOCKING=1 (1 step), into $out/blocking"
   runner=()
   command -v compute-sanitizer >/dev/null && runner=(compute-sanitizer --print-limit 20)
-  CUDA_LAUNCH_BLOCKING=1 timeout "$(left 120)" "${runner[@]}" "$bin" backend check \
+  CUDA_LAUNCH_BLOCKING=1 PIPER_CUDA_SYNC=1 timeout "$(left 120)" "${runner[@]}" "$bin" backend check \
       --backend cuda --steps 1 --out "$out/blocking" || true
 fi
 echo "== PyTorch on gpt2-small, batch 8 x 1024"

@@ -459,8 +459,9 @@ fn strategies(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage>
 }
 
 /// `gpt2-small` at batch 8 × 1024: tokens/s (median of the steps after the
-/// first two), MFU against `peak` FLOP/s a device, measured peak memory; on
-/// one device, and under 1F1B on 4 virtual devices.
+/// first two), MFU against `peak` FLOP/s of each physical device (virtual
+/// devices on one GPU share its peak), measured peak memory; on one device,
+/// and under 1F1B on 4 virtual devices.
 fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serde_json::Value> {
     let mut cfg = ModelConfig::preset("gpt2-small")?;
     cfg.batch_size = 8;
@@ -495,7 +496,12 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serd
         timed.sort_by(|a, b| a.total_cmp(b));
         let step = timed[timed.len() / 2];
         let tps = tokens / step;
-        let mfu = peak.map(|p| flops / step / (p * devices as f64));
+        // Virtual devices share the physical GPUs: the peak is theirs.
+        let physical = match kind {
+            BackendKind::Cuda { gpus } => gpus.min(devices).max(1),
+            BackendKind::Cpu => 1,
+        };
+        let mfu = peak.map(|p| flops / step / (p * f64::from(physical)));
         println!(
             "gpt2-small 8x1024 fp32, {name} ({}): {tps:.0} tokens/s, step {:.1} ms{}, peak {}",
             kind.name(),

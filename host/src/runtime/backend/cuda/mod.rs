@@ -32,6 +32,12 @@ use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
+/// Whether `PIPER_CUDA_SYNC=1` asks to synchronise after every op.
+fn sync_every_op() -> bool {
+    static SYNC: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SYNC.get_or_init(|| std::env::var("PIPER_CUDA_SYNC").is_ok_and(|v| v == "1"))
+}
+
 /// Threads per block (the kernels' reductions assume it).
 const BLOCK: u32 = 256;
 
@@ -274,7 +280,15 @@ impl Backend for Cuda {
         _trace: Trace<'_>,
         f: impl FnOnce() -> R + Send,
     ) -> R {
-        self.with_stream(stream, f)
+        let out = self.with_stream(stream, f);
+        // `PIPER_CUDA_SYNC=1`: wait for each op's kernels, so a fault is
+        // reported at the op that made it.
+        if sync_every_op() {
+            if let Err(e) = stream.stream.synchronize() {
+                self.fail("synchronising after the op (PIPER_CUDA_SYNC=1)", e);
+            }
+        }
+        out
     }
     fn with_stream<R>(&self, stream: &Arc<Queue>, f: impl FnOnce() -> R) -> R {
         struct Restore(Option<Arc<Queue>>);
