@@ -1,7 +1,8 @@
 //! The CUDA backend's kernels: CUDA C sources, one file per op family
 //! (`kernels/*.cu`, mirroring `backend/cpu/`), compiled with NVRTC when a
-//! device starts, for its compute capability, and kept for the process (the
-//! same PTX for every virtual device of a GPU). NVRTC needs no GPU, so the
+//! device starts straight to a device binary for its compute capability
+//! (PTX through the driver's JIT as the fallback), and kept for the process
+//! (the same images for every virtual device of a GPU). NVRTC needs no GPU, so the
 //! sources' compilation is tested on machines without one.
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
@@ -61,6 +62,64 @@ pub fn compile(name: &str, src: &str, arch: &'static str) -> Result<Ptx, String>
     })
 }
 
+/// Compile one source straight to a device binary for `sm` (`sm_90`): no
+/// driver JIT between NVRTC and the GPU, so an NVRTC newer than the driver
+/// cannot fail at load with `UNSUPPORTED_PTX_VERSION`. The same options as
+/// [`compile`]; the compiler's log on failure.
+pub fn compile_cubin(name: &str, src: &str, sm: &str) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    // SAFETY: loading NVRTC runs its initialisers, as compiling would.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(format!(
+            "{name}.cu: NVRTC (libnvrtc.so.13) cannot be loaded: put its directory on LD_LIBRARY_PATH"
+        ));
+    }
+    let full = std::ffi::CString::new(format!("{PRELUDE}\n{src}"))
+        .map_err(|_| format!("{name}.cu holds a NUL byte"))?;
+    let file = std::ffi::CString::new(format!("{name}.cu")).expect("no NUL in a source name");
+    let opts = [
+        "--prec-sqrt=true".to_string(),
+        "--prec-div=true".to_string(),
+        "--fmad=false".to_string(),
+        format!("--gpu-architecture={sm}"),
+    ];
+    let prog = result::create_program(&full, Some(&file)).map_err(|e| format!("{name}.cu: {e}"))?;
+    // SAFETY: `prog` is a live program until destroyed below; the buffers
+    // are sized by NVRTC's own size calls.
+    let out = unsafe {
+        match result::compile_program(prog, &opts) {
+            Err(e) => {
+                let log = result::get_program_log(prog).unwrap_or_default();
+                let log: Vec<u8> = log
+                    .iter()
+                    .map(|c| *c as u8)
+                    .take_while(|c| *c != 0)
+                    .collect();
+                Err(format!(
+                    "{name}.cu for {sm}: {e}: {}",
+                    String::from_utf8_lossy(&log)
+                ))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| format!("{name}.cu for {sm}: its binary's size: {e}"))
+                    .and_then(|()| {
+                        let mut bin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                            .result()
+                            .map_err(|e| format!("{name}.cu for {sm}: its binary: {e}"))
+                            .map(|()| bin)
+                    })
+            }
+        }
+    };
+    // SAFETY: destroyed once, after its last use.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
+
 /// `compute_90` for a device of compute capability 9.0.
 pub fn arch_of(major: i32, minor: i32) -> Result<&'static str, String> {
     const KNOWN: [(i32, i32, &str); 8] = [
@@ -80,23 +139,56 @@ pub fn arch_of(major: i32, minor: i32) -> Result<&'static str, String> {
         .ok_or_else(|| format!("compute capability {major}.{minor} has no kernel target here"))
 }
 
-/// Every source's PTX for one architecture, by source name.
+/// Every source's image for one architecture (a device binary, or PTX for
+/// the driver to JIT), by source name.
 type Compiled = Arc<Vec<(&'static str, Ptx)>>;
 
-/// The PTX of every source for one architecture, compiled once a process.
-fn ptx_for(arch: &'static str) -> Result<Compiled, String> {
-    static CACHE: OnceLock<Mutex<HashMap<&'static str, Compiled>>> = OnceLock::new();
+/// Every source for one architecture, compiled once a process: device
+/// binaries (`cubin`), or PTX (`!cubin`, the fallback).
+fn images_for(arch: &'static str, cubin: bool) -> Result<Compiled, String> {
+    static CACHE: OnceLock<Mutex<HashMap<(&'static str, bool), Compiled>>> = OnceLock::new();
     let cache = CACHE.get_or_init(|| Mutex::new(HashMap::new()));
-    if let Some(p) = cache.lock().unwrap().get(arch) {
+    if let Some(p) = cache.lock().unwrap().get(&(arch, cubin)) {
         return Ok(p.clone());
     }
+    let sm = arch.replace("compute_", "sm_");
     let compiled = SOURCES
         .iter()
-        .map(|(name, src)| Ok((*name, compile(name, src, arch)?)))
+        .map(|(name, src)| {
+            let image = match cubin {
+                true => Ptx::from_binary(compile_cubin(name, src, &sm)?),
+                false => compile(name, src, arch)?,
+            };
+            Ok((*name, image))
+        })
         .collect::<Result<Vec<_>, String>>()?;
     let compiled = Arc::new(compiled);
-    cache.lock().unwrap().insert(arch, compiled.clone());
+    cache
+        .lock()
+        .unwrap()
+        .insert((arch, cubin), compiled.clone());
     Ok(compiled)
+}
+
+/// Every source loaded on `ctx`: device binaries first; PTX through the
+/// driver's JIT when those fail, both errors named when that fails too.
+fn load_modules(
+    ctx: &Arc<CudaContext>,
+    arch: &'static str,
+) -> Result<HashMap<&'static str, Arc<CudaModule>>, String> {
+    let load = |cubin: bool| -> Result<HashMap<&'static str, Arc<CudaModule>>, String> {
+        let what = if cubin { "device binary" } else { "PTX" };
+        images_for(arch, cubin)?
+            .iter()
+            .map(|(name, image)| {
+                let m = ctx
+                    .load_module(image.clone())
+                    .map_err(|e| format!("loading {name}.cu's {what} for {arch}: {e}"))?;
+                Ok((*name, m))
+            })
+            .collect()
+    };
+    load(true).or_else(|binary| load(false).map_err(|ptx| format!("{binary}; then as PTX: {ptx}")))
 }
 
 /// Every kernel of the backend, loaded on one GPU.
@@ -150,13 +242,7 @@ impl Kernels {
             .compute_capability()
             .map_err(|e| format!("reading the compute capability: {e}"))?;
         let arch = arch_of(major, minor)?;
-        let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
-        for (name, ptx) in ptx_for(arch)?.iter() {
-            let m = ctx
-                .load_module(ptx.clone())
-                .map_err(|e| format!("loading {name}.cu's PTX for {arch}: {e}"))?;
-            modules.insert(name, m);
-        }
+        let modules = load_modules(ctx, arch)?;
         let f = |module: &str, name: &str| -> Result<CudaFunction, String> {
             modules[module]
                 .load_function(name)
@@ -259,6 +345,47 @@ mod tests {
         }
         // Every kernel `Kernels` loads, for both architectures.
         assert_eq!(kernels, 2 * 40);
+    }
+
+    /// Straight to device binaries, as a GPU loads them: ELF images for
+    /// sm_80 and sm_90 holding every kernel `Kernels` loads.
+    #[test]
+    fn every_kernel_source_compiles_to_a_device_binary_for_ampere_and_hopper() {
+        // SAFETY: as above.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            println!("NOT RUN: NVRTC is not on LD_LIBRARY_PATH");
+            return;
+        }
+        let mut kernels = 0;
+        for sm in ["sm_80", "sm_90"] {
+            for (name, src) in SOURCES {
+                let bin = compile_cubin(name, src, sm).unwrap_or_else(|e| panic!("{e}"));
+                assert_eq!(
+                    &bin[..4],
+                    b"\x7fELF",
+                    "{name}.cu for {sm}: not an ELF image"
+                );
+                for k in kernel_names(src) {
+                    assert!(
+                        bin.windows(k.len() + 1)
+                            .any(|w| w[..k.len()] == *k.as_bytes() && w[k.len()] == 0),
+                        "{name}.cu for {sm}: no symbol `{k}`"
+                    );
+                    kernels += 1;
+                }
+            }
+        }
+        assert_eq!(kernels, 2 * 40);
+        let e = compile_cubin(
+            "broken",
+            "extern \"C\" __global__ void f(float* x) { x[0] = y; }",
+            "sm_90",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("broken.cu for sm_90") && e.contains("identifier \"y\" is undefined"),
+            "{e}"
+        );
     }
 
     #[test]
