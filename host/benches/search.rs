@@ -5,8 +5,8 @@
 //! the answer (goal: ≥ 500 candidates, under 120 s on 2 cores), and the best
 //! found against a hand baseline simulated on the same cluster — Megatron's
 //! usual recipe, TP 8 inside a node and 1F1B across nodes with 4 × PP
-//! microbatches (for the MoE model, whose experts TP cannot split: experts
-//! spread over 8 inside a node by `ep`, 1F1B across nodes) — goal ≥ 1.2× its
+//! microbatches (for the MoE model, its experts spread over 8 inside a
+//! node by `ep`, 1F1B across nodes) — goal ≥ 1.2× its
 //! tokens/s, both fitting in 80 GB. Then for Llama-3-8B- and 70B-shaped
 //! models (the Llama family, 2 048-token sequences; 8B on 64 H100s, 70B on
 //! 256) the best candidate
