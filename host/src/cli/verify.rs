@@ -4,8 +4,9 @@
 //! plan is compiled (so checked for deadlocks, with its predicted peaks) and
 //! trained for `--steps` steps beside the same model on one device, and the
 //! largest loss and step-1 gradient differences are held to 1e-5. A model the
-//! plugin refuses to plan (expert parallelism on a dense model) is reported
-//! and skipped; a plan that does not compile, a missing gradient or a
+//! plugin refuses to plan (expert parallelism on a dense model), or plans
+//! only with another strategy after it (tensor parallelism on a MoE model,
+//! whose experts need `ep`), is reported and skipped; a plan that does not compile, a missing gradient or a
 //! difference past the tolerance fails the verdict, naming the worst tensor.
 
 use super::{RegistryArgs, RunArgs, RunConfig, Strategies};
@@ -145,6 +146,12 @@ fn verify_model(
     }
     let plan = match compile(&dag) {
         Ok(plan) => plan,
+        // A plan that needs another strategy to finish it (tp on a MoE
+        // model: `ep` spreads its experts) is not this plugin's alone.
+        Err(e @ crate::compile::CompileError::ExpertsNotSpread { .. }) => {
+            report.not_planned = Some(format!("it needs another strategy after it: {e}"));
+            return Ok(report);
+        }
         Err(e) => {
             report.compile_error = Some(e.to_string());
             return Ok(report);
