@@ -8,6 +8,7 @@
 //! bf16 (the precision column says so), which is part of what the ratios
 //! show until mixed precision lands.
 
+use piper::cli::StrategySpec;
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::search::space::{Candidate, Step};
@@ -61,17 +62,12 @@ fn model(root: &str, r: &Run) -> ModelConfig {
     m
 }
 
-/// `zero:stage=3,dp=8` as a candidate step.
+/// `zero:stage=3,dp=8` as a candidate step (the command line's parser).
 fn step(text: &str) -> Step {
-    let (plugin, opts) = text.split_once(':').unwrap_or((text, ""));
+    let spec = StrategySpec::parse(text).unwrap();
     Step {
-        plugin: plugin.into(),
-        options: (opts.split(',').filter(|o| !o.is_empty()))
-            .map(|o| {
-                let (k, v) = o.split_once('=').unwrap();
-                (k.to_string(), v.to_string())
-            })
-            .collect(),
+        plugin: spec.name,
+        options: spec.options,
     }
 }
 

@@ -293,26 +293,12 @@ impl Remote {
     /// against its digest and checked to be a plugin (the CNCF Wasm layout:
     /// one `application/wasm` layer).
     pub fn manifest(&self, r: &Reference) -> Result<Manifest, RegistryError> {
-        let name = match (&r.digest, &r.tag) {
-            (Some(d), _) => d.clone(),
-            (None, Some(t)) => t.clone(),
-            (None, None) => "latest".into(),
-        };
-        let (raw, digest) =
-            self.capped_get(r, &format!("manifests/{name}"), MANIFEST_MEDIA_TYPE)?;
+        let raw = self.manifest_bytes(r)?;
         let not_plugin = |why: String| RegistryError::NotAPlugin {
             reference: r.to_string(),
             why,
         };
         let found = super::digest_of(&raw);
-        let wanted = r.digest.clone().or(digest).unwrap_or_else(|| found.clone());
-        if found != wanted {
-            return Err(RegistryError::TamperedDownload {
-                reference: r.to_string(),
-                expected: wanted,
-                found,
-            });
-        }
         let m: OciImageManifest = serde_json::from_slice(&raw)
             .map_err(|e| not_plugin(format!("its manifest is not an OCI image manifest ({e})")))?;
         if m.config.media_type != CONFIG_MEDIA_TYPE {
@@ -555,14 +541,12 @@ impl Remote {
 }
 
 impl Remote {
-    /// A manifest's bytes, capped, checked against the digest `m` names or
-    /// the registry gives.
+    /// A manifest's bytes, capped while they arrive, checked against the
+    /// digest `m` names or the registry gives.
     fn manifest_bytes(&self, m: &Reference) -> Result<Vec<u8>, RegistryError> {
-        let name = m
-            .digest
-            .clone()
-            .or_else(|| m.tag.clone())
-            .unwrap_or_default();
+        // What the client asks for: the digest, else the tag (`latest`).
+        let oref = oci_ref(m);
+        let name = oref.digest().or(oref.tag()).unwrap_or("latest");
         let (raw, digest) =
             self.capped_get(m, &format!("manifests/{name}"), MANIFEST_MEDIA_TYPE)?;
         let found = super::digest_of(&raw);

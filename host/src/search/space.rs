@@ -384,18 +384,17 @@ pub fn enumerate(
             // Expert parallelism over the data-parallel group (or every
             // device; with tensor parallelism, the dp × tp mesh, which
             // tensor-parallel experts need), MoE models only.
-            let t = tp.unwrap_or(0);
             let mut experts: Vec<(Option<Step>, u32)> = match tp_step {
                 Some(_) if moe => Vec::new(),
                 _ => vec![(None, 1)],
             };
             if moe {
                 if bundled {
-                    let e = match dp {
-                        Some(d) if tp_step.is_some() => d * t,
-                        Some(1) => devices,
-                        Some(d) => d,
-                        None => 1,
+                    let e = match (dp, tp) {
+                        (Some(d), Some(t)) if *t > 1 => d * t,
+                        (Some(1), Some(1)) => devices,
+                        (Some(d), Some(1)) => d,
+                        _ => 1,
                     };
                     if e > 1 && model.moe.as_ref().is_some_and(|m| m.experts % e == 0) {
                         experts.push((Some(Step::new("ep", &[])), e));

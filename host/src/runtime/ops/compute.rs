@@ -374,44 +374,47 @@ fn weight_grads<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let model = Model::new(&dev.b, &dev.table);
     let fail = |e| dev.backend_error(op, e);
-    if let Some(q) = dev.spreads.sequences.get(&seg.index) {
-        return split_weight_grads(dev, op, ctx, seg, q, (cache, stash));
-    }
-    if op.zero >= 2 {
-        let mut t: ParamMap<B::Tensor> = ParamMap::new();
-        for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
-            t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
-        }
-        model.backward_weight(&mut t, cache, stash).map_err(fail)?;
-        keep_expert_grads(dev, seg, &mut t);
-        dev.put(op, TensorKind::MicroGrad, Buf::Params(t))
-    } else {
-        model
+    let split = dev.spreads.sequences.get(&seg.index);
+    if op.zero < 2 && split.is_none() {
+        return model
             .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
-            .map_err(fail)
+            .map_err(fail);
     }
-}
-
-/// A sequence split's weight gradients: the experts' stay here (each
-/// lives on one device of the mesh); what every rank holds whole (router,
-/// layernorm) is summed over the tensor-parallel group first, as the
-/// data-parallel sync then sums it over the replicas.
-fn split_weight_grads<B: Backend>(
-    dev: &Device<B>,
-    op: &Op,
-    ctx: &StepCtx<B>,
-    seg: &Segment,
-    q: &SequenceSplit,
-    (cache, stash): (&SegmentCache<B>, &SegmentStash<B>),
-) -> Result<(), RuntimeError> {
-    let model = Model::new(&dev.b, &dev.table);
-    let fail = |e| dev.backend_error(op, e);
+    // This microbatch's gradients on their own: ZeRO-2/3 reduce-scatters
+    // them, a sequence split sums them over its group first.
     let mut t: ParamMap<B::Tensor> = ParamMap::new();
     for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
         t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
     }
     model.backward_weight(&mut t, cache, stash).map_err(fail)?;
     keep_expert_grads(dev, seg, &mut t);
+    if let Some(q) = split {
+        t = sum_over_group(dev, op, ctx, q, &t)?;
+    }
+    if op.zero >= 2 {
+        return dev.put(op, TensorKind::MicroGrad, Buf::Params(t));
+    }
+    let mut grads = dev.grads.lock().unwrap();
+    for (id, g) in t.iter() {
+        if let Some(mine) = grads.get_mut(id) {
+            dev.b.add(mine, g);
+        }
+    }
+    Ok(())
+}
+
+/// A sequence split's gradients of what every rank holds whole (router,
+/// layernorm; the experts' stay where they live, each on one device of the
+/// mesh), summed over the tensor-parallel group, as the data-parallel sync
+/// then sums them over the replicas: one all-reduce of them all.
+fn sum_over_group<B: Backend>(
+    dev: &Device<B>,
+    op: &Op,
+    ctx: &StepCtx<B>,
+    q: &SequenceSplit,
+    t: &ParamMap<B::Tensor>,
+) -> Result<ParamMap<B::Tensor>, RuntimeError> {
+    let fail = |e| dev.backend_error(op, e);
     let mut flat = Vec::new();
     let mut lens = Vec::new();
     for (id, g) in t.iter() {
@@ -438,16 +441,7 @@ fn split_weight_grads<B: Backend>(
         summed.insert(id, dev.b.upload(part.to_vec()).map_err(fail)?);
         at += n;
     }
-    if op.zero >= 2 {
-        return dev.put(op, TensorKind::MicroGrad, Buf::Params(summed));
-    }
-    let mut grads = dev.grads.lock().unwrap();
-    for (id, g) in summed.iter() {
-        if let Some(mine) = grads.get_mut(id) {
-            dev.b.add(mine, g);
-        }
-    }
-    Ok(())
+    Ok(summed)
 }
 
 /// Experts spread by `shard` live on this device alone: under ZeRO-2/3

@@ -36,13 +36,14 @@ pub const CHECKED_ARCHS: [&str; 2] = ["compute_80", "compute_90"];
 fn options(name: &str, arch: &'static str) -> CompileOptions {
     CompileOptions {
         arch: Some(arch),
-        fmad: Some(false),
-        prec_div: Some(true),
-        prec_sqrt: Some(true),
+        options: FP32_FLAGS.iter().map(|f| f.to_string()).collect(),
         name: Some(format!("{name}.cu")),
         ..Default::default()
     }
 }
+
+/// NVRTC's flags for fp32 as written, for PTX and device binaries alike.
+const FP32_FLAGS: [&str; 3] = ["--fmad=false", "--prec-div=true", "--prec-sqrt=true"];
 
 /// Compile one source (`name` from [`SOURCES`]) for `arch` (`compute_90`);
 /// the compiler's log on failure.
@@ -77,12 +78,8 @@ pub fn compile_cubin(name: &str, src: &str, sm: &str) -> Result<Vec<u8>, String>
     let full = std::ffi::CString::new(format!("{PRELUDE}\n{src}"))
         .map_err(|_| format!("{name}.cu holds a NUL byte"))?;
     let file = std::ffi::CString::new(format!("{name}.cu")).expect("no NUL in a source name");
-    let opts = [
-        "--prec-sqrt=true".to_string(),
-        "--prec-div=true".to_string(),
-        "--fmad=false".to_string(),
-        format!("--gpu-architecture={sm}"),
-    ];
+    let mut opts: Vec<String> = FP32_FLAGS.iter().map(|f| f.to_string()).collect();
+    opts.push(format!("--gpu-architecture={sm}"));
     let prog = result::create_program(&full, Some(&file)).map_err(|e| format!("{name}.cu: {e}"))?;
     // SAFETY: `prog` is a live program until destroyed below; the buffers
     // are sized by NVRTC's own size calls.
