@@ -48,6 +48,7 @@ const TESTING: &[&str] = &[
     "piper-testing-wrong-version",
     "piper-testing-extra-import",
     "piper-testing-wit-0-1",
+    "piper-testing-wit-0-2",
 ];
 
 fn main() -> ExitCode {

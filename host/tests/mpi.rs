@@ -204,12 +204,19 @@ fn dualpipev_on_2_and_4_ranks() {
 }
 
 /// Expert and tensor parallelism across ranks: the all-to-all of each MoE
-/// layer and the tensor-parallel sums go through MPI (2 ranks, 2 devices; 4
+/// layer and the tensor-parallel sums (and sequence parallelism's gathers
+/// and reduce-scatters) go through MPI (2 ranks, 2 devices; 4
 /// devices as EP 2 × 1F1B on 2 ranks: each EP group spans both ranks; dp ×
 /// tp × ep on 4) and train as in one process.
 #[test]
 fn spread_segments_exchange_through_mpi() {
     same_as_one_process("tp2", 2, &["--devices", "2", "--strategy", "tp"]);
+    // Sequence parallelism: the all-gathers and reduce-scatters too.
+    same_as_one_process(
+        "tp2-sp",
+        2,
+        &["--devices", "2", "--strategy", "tp:sequence-parallel=true"],
+    );
     let model = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../examples/models/tiny-moe.toml"

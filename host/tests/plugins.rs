@@ -294,7 +294,7 @@ fn bundled_1f1b_plugin_produces_the_textbook_orders() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let plugin = host.load("1f1b").unwrap();
     assert_eq!(plugin.info.name, "1f1b");
-    assert_eq!(plugin.wit_version, "0.2.0");
+    assert_eq!(plugin.wit_version, "0.3.0");
     let mut dag = tiny(4);
     let report = host
         .apply(&plugin, &mut dag, &opts(&[("microbatches", "8")]))
@@ -483,7 +483,7 @@ fn a_plugin_built_against_another_major_wit_version_is_refused() {
         .to_string();
     assert!(
         err.contains(
-            "built against piper:strategy@1.0.0, but this host accepts piper:strategy@0.1.x or 0.2.x"
+            "built against piper:strategy@1.0.0, but this host accepts piper:strategy@0.1.x, 0.2.x or 0.3.x"
         ),
         "{err}"
     );
@@ -524,6 +524,48 @@ fn a_plugin_built_against_wit_0_1_loads_and_plans_like_its_directives_called_nat
         .to_string();
     assert!(
         err.contains("device-out-of-range: directive `place({PP:0}, devices [4], stream \"pp\")`: device 4 does not exist, the cluster has 4"),
+        "{err}"
+    );
+}
+
+/// A component built from source against `piper:strategy@0.2.0` (before
+/// `sequence-parallel`) loads through the 0.2 bindings and plans exactly as
+/// its directives called natively, `recompute`'s policy crossing intact;
+/// a directive's error comes back as the 0.2 case with the host's message.
+#[test]
+fn a_plugin_built_against_wit_0_2_loads_and_plans_like_its_directives_called_natively() {
+    use piper::dag::{Filter, Label, RecomputePolicy};
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let old = host.load_file(&wasm("piper_testing_wit_0_2")).unwrap();
+    assert_eq!(old.wit_version, "0.2.0");
+    assert_eq!(old.info.name, "wit-0-2");
+    for (policy, native_policy) in [
+        ("full", RecomputePolicy::Full),
+        ("selective", RecomputePolicy::Selective),
+    ] {
+        let mut dag = tiny(4);
+        let args = opts(&[("microbatches", "4"), ("policy", policy)]);
+        host.apply(&old, &mut dag, &args).unwrap();
+        let mut native = tiny(4);
+        let regions = native.tag_extents()["PP"];
+        native.split(&Filter::all(), "MB", 4).unwrap();
+        for r in 0..regions {
+            native
+                .place(&Filter::tag("PP", r), &[r * 4 / regions], "pp")
+                .unwrap();
+        }
+        native
+            .recompute(&Filter::all().pass(Label::F), native_policy)
+            .unwrap();
+        let (a, b) = (compile(&dag).unwrap(), compile(&native).unwrap());
+        assert_eq!(a.hash, b.hash, "{policy}");
+    }
+    let err = host
+        .apply(&old, &mut tiny(4), &opts(&[("fail", "true")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("device-out-of-range: directive `place({PP:0}, devices [4], stream \"pp\")`"),
         "{err}"
     );
 }

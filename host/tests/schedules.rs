@@ -259,6 +259,7 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             zero: 0,
             param_bytes: 0,
             tp: 1,
+            sp: false,
         }),
         peer: Some(peer),
         pair: Some(node),

@@ -5,7 +5,9 @@ use piper::compile::plan::OpKind;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::runtime::{Corpus, TrainOptions, Trainer};
 
-use common::{assert_same_training, one_device, plan_with, small, small_moe, train, Strategy};
+use common::{
+    assert_same_training, one_device, plan_with, small, small_llama, small_moe, train, Strategy,
+};
 
 mod common;
 
@@ -223,21 +225,6 @@ fn tensor_parallel_training_matches_one_device() {
         err.contains("heads (4) and the MLP width 4·d_model (128) to divide by 3"),
         "{err}"
     );
-}
-
-/// The small model in the Llama family: RMSNorm, rotary positions, SwiGLU,
-/// 4 query heads over 2 key/value heads, Qwen3's q/k norms, an untied head.
-fn small_llama() -> piper::model::ModelConfig {
-    piper::model::ModelConfig {
-        name: "small-llama".into(),
-        heads: 4,
-        family: piper::model::Family::Llama,
-        kv_heads: Some(2),
-        intermediate: Some(88),
-        qk_norm: true,
-        norm_eps: Some(1e-6),
-        ..small()
-    }
 }
 
 #[test]

@@ -11,7 +11,7 @@
 // any bug) reaches the user as the plugin's error: its name, message and
 // stack, with the plugin's name added by the host.
 
-import { log as hostLog } from 'piper:strategy/log@0.2.0';
+import { log as hostLog } from 'piper:strategy/log@0.3.0';
 
 export const Pass = Object.freeze({
   F: 'F', B: 'B', BI: 'BI', BW: 'BW', UPDATE: 'update', SEND: 'send', RECV: 'recv',
@@ -95,6 +95,11 @@ export class Dag {
   shardTensor(filter, devices, stream = 'tp') {
     call(() => this.d.shardTensor(filter.toWit(), [...devices], stream));
   }
+  /**
+   * Sequence parallelism (Megatron-SP, WIT 0.3.0) inside the segments of the matched
+   * tensor-parallel nodes; apply it after shardTensor. Returns how many segments it covers.
+   */
+  sequenceParallel(filter) { return call(() => this.d.sequenceParallel(filter.toWit())); }
   /** Run group i before group i+1 on one device; each group is an array of filters. */
   order(groups) { call(() => this.d.order(groups.map((g) => g.map((f) => f.toWit())))); }
   query(filter) { return call(() => this.d.query(filter.toWit())); }

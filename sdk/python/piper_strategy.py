@@ -161,6 +161,12 @@ class Dag:
     def shard_tensor(self, filter, devices, stream="tp"):
         _call(self._d.shard_tensor, filter.to_wit(), list(devices), stream)
 
+    def sequence_parallel(self, filter):
+        """Sequence parallelism (Megatron-SP, WIT 0.3.0) inside the segments of
+        the matched tensor-parallel nodes; apply it after shard_tensor. Returns
+        how many segments it covers."""
+        return _call(self._d.sequence_parallel, filter.to_wit())
+
     def order(self, groups):
         """Run group i before group i+1 on one device; each group is a list of filters."""
         _call(self._d.order, [[f.to_wit() for f in g] for g in groups])

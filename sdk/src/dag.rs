@@ -163,6 +163,12 @@ pub trait Dag {
         devices: &[u32],
         stream: &str,
     ) -> Result<(), DagError>;
+    /// Sequence parallelism (Megatron-SP, WIT 0.3.0) inside the segments
+    /// of the matched tensor-parallel nodes: norms and the residual stream
+    /// split along the tokens over the group, all-gather before and
+    /// reduce-scatter after the tensor-parallel layers. Apply it after
+    /// `shard_tensor`. Returns how many segments it covers.
+    fn sequence_parallel(&mut self, filter: &Filter) -> Result<u32, DagError>;
     /// On one device: group i runs before group i+1.
     fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError>;
     fn query(&mut self, filter: &Filter) -> Result<Vec<NodeInfo>, DagError>;
@@ -296,6 +302,9 @@ impl Dag for WitDag<'_> {
         self.0
             .shard_tensor(&filter.to_wit(), devices, stream)
             .map_err(err)
+    }
+    fn sequence_parallel(&mut self, filter: &Filter) -> Result<u32, DagError> {
+        self.0.sequence_parallel(&filter.to_wit()).map_err(err)
     }
     fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
         let groups: Vec<Vec<wit::Filter>> = groups
@@ -485,6 +494,9 @@ mod native {
             stream: &str,
         ) -> Result<(), DagError> {
             host::TrainingDag::shard_tensor(self, &filter(f), devices, stream).map_err(err)
+        }
+        fn sequence_parallel(&mut self, f: &Filter) -> Result<u32, DagError> {
+            host::TrainingDag::sequence_parallel(self, &filter(f)).map_err(err)
         }
         fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
             let groups: Vec<Vec<host::Filter>> = groups

@@ -379,6 +379,8 @@ fn describe<'a>(
                 NodeKind::Compute { .. } => n.tp_degree(),
                 _ => 1,
             },
+            sp: matches!(n.kind, NodeKind::Compute { .. })
+                && n.tensor_parallel.is_some_and(|t| t.sequence),
         }),
         inputs,
         spread_groups: match spread {
@@ -485,15 +487,23 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
             bytes
         };
         // Tensor parallelism splits about three quarters of what a
-        // segment saves and stashes (heads, MLP units).
-        if n.tensor_parallel.is_some()
-            && matches!(
+        // segment saves and stashes (heads, MLP units); sequence
+        // parallelism half of the rest (the residual stream and the norm
+        // statistics; the norm outputs are kept gathered).
+        if let Some(tp) = n.tensor_parallel.filter(|_| {
+            matches!(
                 tensor,
                 TensorKind::Saved | TensorKind::Stash | TensorKind::Kept
             )
-        {
+        }) {
             let t = n.tp_degree() as u64;
-            b = b / 4 + (b - b / 4) / t;
+            let whole = b / 4;
+            let whole = if tp.sequence {
+                whole / 2 + (whole - whole / 2) / t
+            } else {
+                whole
+            };
+            b = whole + (b - b / 4) / t;
         }
         let slot = &mut by_kind[tensor as usize];
         *slot = (*slot).max(b);

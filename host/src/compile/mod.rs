@@ -107,6 +107,8 @@ pub enum CompileError {
         sequences: u64,
         tp: u32,
     },
+    #[error("{node} is sequence-parallel over tensor-parallel groups of {tp}, but a microbatch replica holds {tokens} tokens, which do not divide by {tp}: give a batch or sequence length whose tokens per replica divide by tp")]
+    SequenceTokens { node: String, tokens: u64, tp: u32 },
     #[error(transparent)]
     Deadlock(#[from] DeadlockError),
 }
@@ -228,6 +230,17 @@ fn validate(
             }
             if let Some(e) = tensor_parallel_experts(dag, id, n, batch / div) {
                 return Some(e);
+            }
+            let tokens = batch / div * u64::from(dag.model().seq_len);
+            let tp = n.tp_degree();
+            if n.tensor_parallel.is_some_and(|t| t.sequence)
+                && !tokens.is_multiple_of(u64::from(tp))
+            {
+                return Some(CompileError::SequenceTokens {
+                    node: dag.label(id),
+                    tokens,
+                    tp,
+                });
             }
         }
         if let NodeKind::Comm(c) = &n.kind {

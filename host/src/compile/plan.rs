@@ -111,6 +111,9 @@ pub struct OpCommon {
     /// tensor-parallel group (`tp` consecutive members of `group`) splits
     /// its replica's sequences, rank `j` taking the `j`-th share.
     pub tp: u32,
+    /// Compute ops of a `Tensor` spread: sequence parallelism (the residual
+    /// stream and norms split along the tokens over the group).
+    pub sp: bool,
 }
 
 impl std::ops::Deref for Op {
@@ -301,6 +304,8 @@ struct FlatOp<'a> {
     out_bytes: u64,
     #[serde(default = "one", skip_serializing_if = "is_one")]
     tp: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    sp: bool,
 }
 
 /// A wait in JSON: the stream by its name.
@@ -345,6 +350,7 @@ impl<'a> FlatOp<'a> {
             param_bytes: c.param_bytes,
             out_bytes: o.out_bytes,
             tp: c.tp,
+            sp: c.sp,
         }
     }
 
@@ -376,6 +382,7 @@ impl<'a> FlatOp<'a> {
                 zero: self.zero,
                 param_bytes: self.param_bytes,
                 tp: self.tp,
+                sp: self.sp,
             }),
             peer: self.peer,
             pair: self.pair,
@@ -593,7 +600,7 @@ impl StableHasher {
             self.word(o.flops.to_bits());
             self.word(o.bytes);
             if o.tp > 1 {
-                self.word(u64::from(o.tp));
+                self.word(u64::from(o.tp) | u64::from(o.sp) << 32);
             }
         }
         self.words(o.group.as_deref().unwrap_or(&[]));

@@ -1030,6 +1030,7 @@ impl TrainingDag {
             node.tensor_parallel = (n > 1).then_some(TensorParallel {
                 stream: s,
                 degree: n,
+                sequence: false,
             });
         }
         for &id in &compute {
@@ -1037,6 +1038,83 @@ impl TrainingDag {
         }
         self.touch();
         Ok(())
+    }
+
+    /// **sequence-parallel** (Megatron-SP): inside the segments of the
+    /// matched compute nodes, every tensor-parallel rank keeps `1/tp` of
+    /// the residual stream's rows (contiguous rows of the batch's tokens)
+    /// and runs the layernorms on them; the group all-gathers a norm's
+    /// output before the column-parallel layers and reduce-scatters the
+    /// row-parallel outputs onto the residual shard, in place of
+    /// `shard-tensor`'s all-reduce (backward mirrors it). A segment's input
+    /// and output stay whole, as the embedding and the head run whole, so
+    /// pipeline messages are unchanged. It covers every node of those
+    /// segments (each pass and microbatch, and later copies); expert
+    /// segments, which split sequences on their own, are left as they are.
+    /// Returns how many segments it turned on. Apply it after
+    /// `shard-tensor`; the tokens of a microbatch replica must divide by
+    /// the degree (checked when the plan is compiled).
+    pub fn sequence_parallel(&mut self, f: &Filter) -> Result<u32, DagError> {
+        let call = format!("sequence-parallel({f})");
+        self.check_not_recomputed(&call)?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        // Every node is visited once more to cover the matched segments.
+        self.charge(&call, self.node_count() as u64)?;
+        let is_experts = |dag: &Self, s: u32| {
+            dag.segments
+                .get(s as usize)
+                .is_some_and(|seg| seg.expert_block.is_some())
+        };
+        let mut segs: Vec<u32> = compute
+            .iter()
+            .filter_map(|id| match self.graph[id.ix()].kind {
+                NodeKind::Compute { segment, .. } => Some(segment),
+                _ => None,
+            })
+            .filter(|s| !is_experts(self, *s))
+            .collect();
+        segs.sort_unstable();
+        segs.dedup();
+        if segs.is_empty() {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "{} holds only expert halves, which split sequences over a tensor-parallel group on their own",
+                    self.label(compute[0])
+                )),
+            ));
+        }
+        let members: Vec<NodeId> = self
+            .node_ids()
+            .filter(|id| {
+                matches!(self.graph[id.ix()].kind,
+                    NodeKind::Compute { segment, .. } if segs.binary_search(&segment).is_ok())
+            })
+            .collect();
+        if let Some(id) = members
+            .iter()
+            .find(|id| self.graph[id.ix()].tp_degree() < 2)
+        {
+            return Err(DagError::new(
+                call,
+                DagErrorKind::InvalidArgument(format!(
+                    "{} is not tensor-parallel: shard-tensor its segment first (sequence parallelism splits a tensor-parallel group's norms and residual)",
+                    self.label(*id)
+                )),
+            ));
+        }
+        let mut changed = 0u32;
+        for id in members {
+            if let Some(t) = self.graph[id.ix()].tensor_parallel.as_mut() {
+                changed += u32::from(!t.sequence);
+                t.sequence = true;
+            }
+        }
+        if changed > 0 {
+            self.touch();
+        }
+        Ok(segs.len() as u32)
     }
 
     /// **order**: on one device (group), run the nodes of `groups[i]` before

@@ -347,6 +347,9 @@ pub struct TensorParallel {
     pub stream: StreamId,
     /// Devices per tensor-parallel group.
     pub degree: u32,
+    /// `sequence-parallel`: norms and the residual stream inside the
+    /// segment are split along the sequence over the group (Megatron-SP).
+    pub sequence: bool,
 }
 
 impl Node {

@@ -885,3 +885,38 @@ fn order_over_groups_of_a_hundred_thousand_nodes_fits_a_plugins_budget() {
     assert!(dag.edge_count() > edges);
     assert!(dag.work_used() > 0);
 }
+
+#[test]
+fn sequence_parallelism_needs_tensor_parallel_segments_and_covers_each_of_their_nodes() {
+    let mut dag = tiny(2);
+    let err = dag
+        .sequence_parallel(&Filter::all())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("is not tensor-parallel: shard-tensor its segment first"),
+        "{err}"
+    );
+    dag.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
+    // One forward matched covers its segment's every node.
+    let first = Filter::tag("PP", 0).pass(Label::F);
+    assert_eq!(dag.sequence_parallel(&first).unwrap(), 1);
+    let covered = |dag: &mut TrainingDag, pass: Label| {
+        let nodes = dag.query(&Filter::tag("PP", 0).pass(pass)).unwrap();
+        nodes.iter().all(|n| {
+            dag.node_ref(n.id)
+                .unwrap()
+                .tensor_parallel
+                .unwrap()
+                .sequence
+        })
+    };
+    assert!(covered(&mut dag, Label::F) && covered(&mut dag, Label::B));
+    let other = dag.query(&Filter::tag("PP", 1).pass(Label::F)).unwrap();
+    assert!(other.iter().all(|n| !dag
+        .node_ref(n.id)
+        .unwrap()
+        .tensor_parallel
+        .unwrap()
+        .sequence));
+}

@@ -81,6 +81,23 @@ pub enum Role {
     LmHead,
 }
 
+impl Role {
+    /// A transformer block's own norm (before attention or the MLP; not
+    /// the final norm, not q/k norms): what sequence parallelism runs on
+    /// each member's rows of the residual stream.
+    pub fn is_block_norm(self) -> bool {
+        matches!(
+            self,
+            Role::Ln1Weight
+                | Role::Ln1Bias
+                | Role::Ln2Weight
+                | Role::Ln2Bias
+                | Role::AttnNorm
+                | Role::MlpNorm
+        )
+    }
+}
+
 /// How a parameter starts (GPT-2's initialisation).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Init {

@@ -430,6 +430,12 @@ impl wdag::HostTrainingDag for PluginState {
         let r = self.dag().recompute(&f, policy);
         self.done(r)
     }
+    fn sequence_parallel(&mut self, h: Resource<DagHandle>, f: wit::Filter) -> R<u32> {
+        check!(self.enter(&h, Args::default().filter(&f)));
+        let f = check!(self.done(filter(f, "sequence-parallel")));
+        let r = self.dag().sequence_parallel(&f);
+        self.done(r)
+    }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f)));
         let f = check!(self.done(filter(f, "set-priority")));

@@ -30,7 +30,76 @@ mod host_impl;
 mod limits;
 mod no_sleep;
 mod options;
+/// What an older contract's module shares with every other: its `log`
+/// forwarded to the current one (`$old` and `$new` name the two `log`
+/// modules), and its world's records converted (`plugin_info`, `options`;
+/// the world's types cannot be mapped by `bindgen`'s `with`).
+macro_rules! older_world {
+    ($old:ident, $new:ident) => {
+        impl $old::Host for PluginState {
+            fn log(&mut self, level: $old::Level, message: String) -> wasmtime::Result<()> {
+                let level = match level {
+                    $old::Level::Trace => $new::Level::Trace,
+                    $old::Level::Debug => $new::Level::Debug,
+                    $old::Level::Info => $new::Level::Info,
+                    $old::Level::Warn => $new::Level::Warn,
+                    $old::Level::Error => $new::Level::Error,
+                };
+                $new::Host::log(self, level, message)
+            }
+        }
+
+        /// The component's `info()` as the current record.
+        pub(super) fn plugin_info(i: bindings::PluginInfo) -> super::bindings::PluginInfo {
+            use super::bindings::OptionType as N;
+            use bindings::OptionType as O;
+            super::bindings::PluginInfo {
+                name: i.name,
+                version: i.version,
+                description: i.description,
+                options: i
+                    .options
+                    .into_iter()
+                    .map(|o| super::bindings::OptionSpec {
+                        name: o.name,
+                        type_: match o.type_ {
+                            O::Int => N::Int,
+                            O::Float => N::Float,
+                            O::Bool => N::Bool,
+                            O::Str => N::Str,
+                        },
+                        default: o.default,
+                        help: o.help,
+                    })
+                    .collect(),
+            }
+        }
+
+        /// Checked options as the component's `apply` takes them.
+        pub(super) fn options(
+            entries: &[super::bindings::OptionEntry],
+        ) -> Vec<bindings::OptionEntry> {
+            use super::bindings::OptionValue as N;
+            use bindings::OptionValue as O;
+            entries
+                .iter()
+                .map(|e| bindings::OptionEntry {
+                    name: e.name.clone(),
+                    value: match &e.value {
+                        N::Int(v) => O::Int(*v),
+                        N::Float(v) => O::Float(*v),
+                        N::Bool(v) => O::Bool(*v),
+                        N::Str(v) => O::Str(v.clone()),
+                    },
+                })
+                .collect()
+        }
+    };
+}
+use older_world;
+
 mod v01;
+mod v02;
 
 pub use cache::CompileCache;
 pub use limits::{LimitsError, SandboxLimits};
@@ -62,27 +131,30 @@ pub(crate) mod bindings {
 }
 
 /// The `piper:strategy` version the SDKs and `piper plugin new` target.
-pub const WIT_VERSION: &str = "0.2.0";
+pub const WIT_VERSION: &str = "0.3.0";
 /// The versions this host links, each with its own bindings: the current
-/// ones above, 0.1.x through `v01.rs`.
-const WIT_ACCEPTS: &str = "0.1.x or 0.2.x";
+/// ones above, 0.1.x through `v01.rs`, 0.2.x through `v02.rs`.
+const WIT_ACCEPTS: &str = "0.1.x, 0.2.x or 0.3.x";
 
 /// Which bindings a component's `piper:strategy` version instantiates with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Contract {
     V01,
     V02,
+    V03,
 }
 
 impl Contract {
-    /// The contract of a version string (`0.2.0`), if this host links it.
+    /// The contract of a version string (`0.3.0`), if this host links it.
     fn of(version: &str) -> Option<Contract> {
         let patch = |minor: &str| {
             version
                 .strip_prefix(minor)
                 .is_some_and(|p| p.parse::<u32>().is_ok())
         };
-        if patch("0.2.") {
+        if patch("0.3.") {
+            Some(Contract::V03)
+        } else if patch("0.2.") {
             Some(Contract::V02)
         } else if patch("0.1.") {
             Some(Contract::V01)
@@ -95,7 +167,8 @@ impl Contract {
 /// An instantiated component, through the bindings of its version.
 enum Instance {
     V01(v01::bindings::Strategy),
-    V02(bindings::Strategy),
+    V02(v02::bindings::Strategy),
+    V03(bindings::Strategy),
 }
 
 /// Strategy components bundled into the binary at build time: (name, wasm).
@@ -307,6 +380,8 @@ impl PluginHost {
         let mut linker: Linker<PluginState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(|e| fail(format!("{e:#}")))?;
         v01::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
+            .map_err(|e| fail(format!("{e:#}")))?;
+        v02::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
         bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
@@ -651,7 +726,11 @@ impl PluginHost {
                 v01::bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
                     .map_err(load)?,
             ),
-            _ => Instance::V02(
+            Some(Contract::V02) => Instance::V02(
+                v02::bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
+                    .map_err(load)?,
+            ),
+            _ => Instance::V03(
                 bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
                     .map_err(load)?,
             ),
@@ -662,7 +741,8 @@ impl PluginHost {
         let (mut store, stderr) = self.new_store(None, &plugin.origin);
         let info = match self.instantiate(&mut store, plugin)? {
             Instance::V01(i) => i.call_info(&mut store).map(v01::plugin_info),
-            Instance::V02(i) => i.call_info(&mut store),
+            Instance::V02(i) => i.call_info(&mut store).map(v02::plugin_info),
+            Instance::V03(i) => i.call_info(&mut store),
         }
         .map_err(|e| self.cause(&mut store, &stderr, e))?;
         Ok(PluginInfo {
@@ -715,7 +795,8 @@ impl PluginHost {
             .map_err(|e| fail(Cause::Load(e.to_string())))?;
         let result = match inst {
             Instance::V01(i) => i.call_apply(&mut store, handle, &v01::options(&entries)),
-            Instance::V02(i) => i.call_apply(&mut store, handle, &entries),
+            Instance::V02(i) => i.call_apply(&mut store, handle, &v02::options(&entries)),
+            Instance::V03(i) => i.call_apply(&mut store, handle, &entries),
         };
         let fuel_used = self.limits.fuel - store.get_fuel().unwrap_or(0);
         let max_err = self.limits.max_error_bytes;

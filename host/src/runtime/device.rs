@@ -138,6 +138,8 @@ pub(super) struct Spreads {
     pub(super) experts: ExpertGroups,
     pub(super) tensor: TensorGroups,
     pub(super) sequences: BTreeMap<u32, SequenceSplit>,
+    /// Segments of `tensor` under sequence parallelism (`sequence-parallel`).
+    pub(super) sequence_parallel: BTreeSet<u32>,
 }
 
 /// This device's part of a tensor split by tensor parallelism: the ranges
@@ -285,10 +287,20 @@ fn held_and_spreads(plan: &DevicePlan) -> Result<Held, RuntimeError> {
                         .insert(*s, group)
                         .is_some_and(|o| o != group)
                 }
-                Spread::Tensor => spreads
-                    .tensor
-                    .insert(*s, (size, rank))
-                    .is_some_and(|o| o != (size, rank)),
+                Spread::Tensor => {
+                    let sp_differs = match spreads.tensor.contains_key(s) {
+                        true => spreads.sequence_parallel.contains(s) != op.sp,
+                        false => false,
+                    };
+                    if op.sp {
+                        spreads.sequence_parallel.insert(*s);
+                    }
+                    sp_differs
+                        || spreads
+                            .tensor
+                            .insert(*s, (size, rank))
+                            .is_some_and(|o| o != (size, rank))
+                }
             };
             if clash {
                 return Err(RuntimeError::Plan(format!(

@@ -157,6 +157,21 @@ pub fn small() -> ModelConfig {
     }
 }
 
+/// The small model in the Llama family: RMSNorm, rotary positions, SwiGLU,
+/// 4 query heads over 2 key/value heads, Qwen3's q/k norms, an untied head.
+pub fn small_llama() -> ModelConfig {
+    ModelConfig {
+        name: "small-llama".into(),
+        heads: 4,
+        family: piper::model::Family::Llama,
+        kv_heads: Some(2),
+        intermediate: Some(88),
+        qk_norm: true,
+        norm_eps: Some(1e-6),
+        ..small()
+    }
+}
+
 /// `small` with a MoE MLP in every layer: 4 experts, top-2, dropless (no
 /// capacity), so every strategy routes every token the same way.
 pub fn small_moe() -> ModelConfig {

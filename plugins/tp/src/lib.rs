@@ -7,7 +7,10 @@
 //! and with a pipeline applied after it (stage s on the groups shifted by
 //! s·tp): the device mesh of `piper_sdk::mesh`. On a MoE model the expert
 //! halves join the mesh and split each replica's sequences over the group:
-//! apply `ep` next to spread their experts over the whole mesh.
+//! apply `ep` next to spread their experts over the whole mesh. With
+//! `sequence-parallel=true` (Megatron-SP) the norms and the residual stream
+//! inside each segment split along the tokens over the group too, the
+//! all-reduces becoming all-gathers and reduce-scatters.
 
 use piper_sdk::{
     export_strategy, mesh, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,
@@ -32,6 +35,11 @@ impl Strategy for TensorParallel {
             Some("tp"),
             "stream of the tensor-parallel all-reduces",
         ))
+        .option(OptionSpec::bool(
+            "sequence-parallel",
+            Some("false"),
+            "Megatron-SP: norms and the residual stream split along the tokens over the group (all-gather / reduce-scatter instead of all-reduce)",
+        ))
     }
 
     fn apply(dag: &mut dyn Dag, options: &Options) -> Result<(), Error> {
@@ -44,6 +52,9 @@ impl Strategy for TensorParallel {
         let group = mesh::contiguous_group("tp", "tp", degree, devices)?;
         let stream = options.str("stream")?.unwrap_or("tp");
         dag.shard_tensor(&Filter::all(), &group, stream)?;
+        if options.bool("sequence-parallel")?.unwrap_or(false) && degree > 1 {
+            dag.sequence_parallel(&Filter::all())?;
+        }
         Ok(())
     }
 }

@@ -26,6 +26,9 @@ pub struct Dims {
     /// Tensor-parallel degree: attention and the MLP hold `1/tp` of their
     /// heads and hidden units (1: whole).
     pub tp: usize,
+    /// Sequence parallelism over the tensor-parallel group: inside blocks
+    /// the residual stream and the norms hold [`Dims::rows`] rows.
+    pub sp: bool,
     /// The architecture (the Llama family's shapes and constants).
     pub arch: Arch,
 }
@@ -40,11 +43,21 @@ impl Dims {
             v: cfg.vocab as usize,
             moe: cfg.moe,
             tp: 1,
+            sp: false,
             arch: cfg.arch(),
         }
     }
     pub fn n(&self) -> usize {
         self.b * self.t
+    }
+    /// Rows of the residual stream inside a block on this device: `1/tp`
+    /// of the tokens under sequence parallelism, all of them otherwise.
+    pub fn rows(&self) -> usize {
+        if self.sp {
+            self.n() / self.tp.max(1)
+        } else {
+            self.n()
+        }
     }
 }
 
@@ -62,10 +75,26 @@ impl<B: Backend> Clone for Model<'_, B> {
 }
 impl<B: Backend> Copy for Model<'_, B> {}
 
-/// A tensor-parallel group's sum (Megatron's `g` in forward, `f`'s
-/// backward): every member's partial result added in group order.
+/// What a tensor-parallel group does with one member's tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Coll {
+    /// Every member's partial result added in group order (Megatron's `g`
+    /// in forward, `f`'s backward).
+    Sum,
+    /// Sequence parallelism: every member's rows, in rank order (the
+    /// whole tensor from each member's `1/tp` of its rows).
+    Gather,
+    /// Sequence parallelism: the sum's rows of this member (`1/tp` of
+    /// them, contiguous, in rank order).
+    Scatter,
+    /// Sequence parallelism: this member's rows of a whole tensor every
+    /// member holds (no exchange).
+    Shard,
+}
+
+/// A tensor-parallel group's collectives ([`Coll`]) on this member's tensor.
 pub type Reduce<'a, B> =
-    dyn FnMut(<B as Backend>::Tensor) -> Result<<B as Backend>::Tensor, BackendError> + 'a;
+    dyn FnMut(Coll, <B as Backend>::Tensor) -> Result<<B as Backend>::Tensor, BackendError> + 'a;
 
 /// A segment spread over a group of devices.
 pub enum Peers<'a, 'b, B: Backend> {
@@ -182,29 +211,60 @@ impl<'a, B: Backend> Model<'a, B> {
         Ok((out, mean, rstd))
     }
 
+    /// A norm's output on the residual's rows made whole for the
+    /// column-parallel layers: gathered over the group under sequence
+    /// parallelism, as it is otherwise.
+    pub(super) fn gathered_norm(
+        &self,
+        t: B::Tensor,
+        sp: bool,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<B::Tensor, BackendError> {
+        match group {
+            Some(g) if sp => g(Coll::Gather, t),
+            _ => Ok(t),
+        }
+    }
+
+    /// Under sequence parallelism, the whole of a half's output gradient
+    /// `dout` (this member holds its rows): what the row-parallel layer's
+    /// backward reads. `None` otherwise (`dout` is whole already).
+    pub(super) fn grad_full(
+        &self,
+        dout: &B::Tensor,
+        dims: Dims,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<Option<B::Tensor>, BackendError> {
+        match group {
+            Some(g) if dims.sp => Ok(Some(g(Coll::Gather, self.b.duplicate(dout)?)?)),
+            _ => Ok(None),
+        }
+    }
+
     /// The row-parallel end of a tensor-parallel layer: `inp[n, ic] · Wᵀ`
-    /// summed over the group, then `+ bias`; one device: the layer itself.
+    /// summed over the group (its rows of the sum under sequence
+    /// parallelism), then `+ bias`; one device: the layer itself.
     pub(super) fn row_parallel(
         &self,
         params: &ParamMap<B::Tensor>,
         (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         (n, ic, oc): (usize, usize, usize),
-        reduce: Option<&mut Reduce<'_, B>>,
+        group: Option<(&mut Reduce<'_, B>, Coll)>,
     ) -> Result<B::Tensor, BackendError> {
         let bias = match bias {
             Some(b) => Some(param(params, b)?),
             None => None,
         };
         let mut part = self.b.zeros(n * oc)?;
-        let Some(reduce) = reduce else {
+        let Some((reduce, how)) = group else {
             self.b
                 .matmul_forward(&mut part, inp, param(params, w)?, bias, n, ic, oc);
             return Ok(part);
         };
         self.b
             .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
-        let mut out = reduce(part)?;
+        let mut out = reduce(how, part)?;
         if let Some(bias) = bias {
             self.b.add_bias(&mut out, bias, oc);
         }
@@ -213,8 +273,9 @@ impl<'a, B: Backend> Model<'a, B> {
 
     /// A block's projection back onto the residual stream: `res + inp · Wᵀ
     /// (+ bias)`, the residual fused into the GEMM; under tensor
-    /// parallelism the row-parallel product is summed over the group first,
-    /// then the residual added.
+    /// parallelism the row-parallel product is summed over the group first
+    /// (reduce-scattered onto the residual's rows under sequence
+    /// parallelism), then the residual added.
     pub(super) fn onto_residual(
         &self,
         params: &ParamMap<B::Tensor>,
@@ -222,12 +283,13 @@ impl<'a, B: Backend> Model<'a, B> {
         inp: &B::Tensor,
         res: &B::Tensor,
         shape: (usize, usize, usize),
+        sp: bool,
         reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<B::Tensor, BackendError> {
         let (n, ic, oc) = shape;
-        let mut out = self.b.zeros(n * oc)?;
         match reduce {
             None => {
+                let mut out = self.b.zeros(n * oc)?;
                 let bias = match bias {
                     Some(b) => Some(param(params, b)?),
                     None => None,
@@ -241,32 +303,37 @@ impl<'a, B: Backend> Model<'a, B> {
                     n,
                     ic,
                     oc,
-                )
+                );
+                Ok(out)
             }
-            reduce => {
-                let proj = self.row_parallel(params, (w, bias), inp, shape, reduce)?;
+            Some(reduce) => {
+                let how = if sp { Coll::Scatter } else { Coll::Sum };
+                let proj = self.row_parallel(params, (w, bias), inp, shape, Some((reduce, how)))?;
+                let mut out = self.b.zeros(B::len(&proj))?;
                 self.b.residual_forward(&mut out, res, &proj);
+                Ok(out)
             }
         }
-        Ok(out)
     }
 
     /// The end of a half's backward: the gradient of its layernorm's output
-    /// `dln` (summed over a tensor-parallel group first), through the
-    /// layernorm (its input, mean and rstd), added to the residual's `dout`:
-    /// the half's input gradient, and `dln` for the weight pass.
+    /// `dln` (summed over a tensor-parallel group first, onto the
+    /// residual's rows under sequence parallelism), through the layernorm
+    /// (its input, mean and rstd on `rows` rows), added to the residual's
+    /// `dout`: the half's input gradient, and `dln` for the weight pass.
     pub(super) fn back_to_residual(
         &self,
         params: &ParamMap<B::Tensor>,
         norm: Norm,
         mut dln: B::Tensor,
+        sp: bool,
         reduce: Option<&mut Reduce<'_, B>>,
         dout: &B::Tensor,
         (x, mean, rstd): (&B::Tensor, &B::Tensor, &B::Tensor),
-        (n, c): (usize, usize),
+        (rows, c): (usize, usize),
     ) -> Result<(B::Tensor, B::Tensor), BackendError> {
         if let Some(reduce) = reduce {
-            dln = reduce(dln)?;
+            dln = reduce(if sp { Coll::Scatter } else { Coll::Sum }, dln)?;
         }
         let mut dx = self.b.duplicate(dout)?;
         self.b.layernorm_backward_input(
@@ -276,7 +343,7 @@ impl<'a, B: Backend> Model<'a, B> {
             param(params, norm.weight)?,
             mean,
             rstd,
-            n,
+            rows,
             c,
         );
         Ok((dx, dln))

@@ -112,8 +112,11 @@ impl<B: Backend> Model<'_, B> {
             b, t, c, nh, tp, ..
         } = dims;
         let (cl, nhl, n) = (c / tp, nh / tp, dims.n());
-        let ln1 = self.table.layer(a.layer).attn.ln1;
-        (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
+        // Under sequence parallelism the gathered norm output is kept.
+        if !dims.sp {
+            let ln1 = self.table.layer(a.layer).attn.ln1;
+            (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
+        }
         let mut att = self.b.zeros(b * nhl * t * t)?;
         let mut atty = self.b.zeros(n * cl)?;
         self.b
@@ -131,8 +134,10 @@ impl<B: Backend> Model<'_, B> {
     ) -> Result<(), BackendError> {
         let (c, n) = (dims.c, dims.n());
         let hl = 4 * c / dims.tp;
-        let (ln2, _) = self.dense(m.layer)?;
-        (m.ln2, _, _) = self.layernorm(params, ln2, &m.x2, n, c)?;
+        if !dims.sp {
+            let (ln2, _) = self.dense(m.layer)?;
+            (m.ln2, _, _) = self.layernorm(params, ln2, &m.x2, n, c)?;
+        }
         // The kept pre-activation already has fc's bias; `gelu_forward` is
         // `bias_gelu_forward` without it (the same operations).
         let mut gelu = self.b.zeros(n * hl)?;
@@ -149,7 +154,7 @@ impl<B: Backend> Model<'_, B> {
         l: u32,
         x: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, AttnCache<B>), BackendError> {
         let Dims {
             b, t, c, nh, tp, ..
@@ -157,7 +162,8 @@ impl<B: Backend> Model<'_, B> {
         let (cl, nhl) = (c / tp, nh / tp);
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(l).attn;
-        let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, n, c)?;
+        let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, dims.rows(), c)?;
+        let ln1_out = self.gathered_norm(ln1_out, dims.sp, reduce.as_deref_mut())?;
         let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
         let mut att = self.b.zeros(b * nhl * t * t)?;
         let mut atty = self.b.zeros(n * cl)?;
@@ -169,6 +175,7 @@ impl<B: Backend> Model<'_, B> {
             &atty,
             &x,
             (n, cl, c),
+            dims.sp,
             reduce,
         )?;
         let cache = AttnCache {
@@ -203,13 +210,14 @@ impl<B: Backend> Model<'_, B> {
         l: u32,
         x2: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, MlpCache<B>), BackendError> {
         let c = dims.c;
         let hl = 4 * c / dims.tp;
         let n = dims.n();
         let (ln2, MlpIds { fc, proj }) = self.dense(l)?;
-        let (ln2_out, ln2_mean, ln2_rstd) = self.layernorm(params, ln2, &x2, n, c)?;
+        let (ln2_out, ln2_mean, ln2_rstd) = self.layernorm(params, ln2, &x2, dims.rows(), c)?;
+        let ln2_out = self.gathered_norm(ln2_out, dims.sp, reduce.as_deref_mut())?;
         let mut fch = self.b.zeros(n * hl)?;
         self.b.matmul_forward(
             &mut fch,
@@ -229,6 +237,7 @@ impl<B: Backend> Model<'_, B> {
             &fch_gelu,
             &x2,
             (n, hl, c),
+            dims.sp,
             reduce,
         )?;
         let cache = MlpCache {
@@ -252,7 +261,7 @@ impl<B: Backend> Model<'_, B> {
         k: &AttnCache<B>,
         dout: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, AttnStash<B>), BackendError> {
         let Dims {
             b, t, c, nh, tp, ..
@@ -260,10 +269,11 @@ impl<B: Backend> Model<'_, B> {
         let (cl, nhl) = (c / tp, nh / tp);
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(k.layer).attn;
+        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
         let mut datty = self.b.zeros(n * cl)?;
         self.b.matmul_backward_input(
             &mut datty,
-            &dout,
+            full.as_ref().unwrap_or(&dout),
             param(params, proj.weight)?,
             n,
             cl,
@@ -287,11 +297,13 @@ impl<B: Backend> Model<'_, B> {
             params,
             ln1,
             dln1,
+            dims.sp,
             reduce,
             &dout,
             (&k.x, &k.ln1_mean, &k.ln1_rstd),
-            (n, c),
+            (dims.rows(), c),
         )?;
+        let dout = full.unwrap_or(dout);
         Ok((dx, AttnStash { dout, dqkv, dln1 }))
     }
 
@@ -302,16 +314,17 @@ impl<B: Backend> Model<'_, B> {
         k: &MlpCache<B>,
         dout: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, MlpStash<B>), BackendError> {
         let c = dims.c;
         let hl = 4 * c / dims.tp;
         let n = dims.n();
         let (ln2, MlpIds { fc, proj }) = self.dense(k.layer)?;
+        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
         let mut dgelu = self.b.zeros(n * hl)?;
         self.b.matmul_backward_input(
             &mut dgelu,
-            &dout,
+            full.as_ref().unwrap_or(&dout),
             param(params, proj.weight)?,
             n,
             hl,
@@ -327,11 +340,13 @@ impl<B: Backend> Model<'_, B> {
             params,
             ln2,
             dln2,
+            dims.sp,
             reduce,
             &dout,
             (&k.x2, &k.ln2_mean, &k.ln2_rstd),
-            (n, c),
+            (dims.rows(), c),
         )?;
+        let dout = full.unwrap_or(dout);
         Ok((dx2, MlpStash { dout, dfch, dln2 }))
     }
 
@@ -346,7 +361,17 @@ impl<B: Backend> Model<'_, B> {
         let AttnIds { ln1, qkv, proj } = self.table.layer(k.layer).attn;
         self.linear_weight(grads, proj.parts(), &st.dout, &k.atty, n, cl, c)?;
         self.linear_weight(grads, qkv.parts(), &st.dqkv, &k.ln1, n, c, 3 * cl)?;
-        self.layernorm_weight(grads, ln1, &st.dln1, &k.x, &k.ln1_mean, &k.ln1_rstd, n, c)
+        let rows = dims.rows();
+        self.layernorm_weight(
+            grads,
+            ln1,
+            &st.dln1,
+            &k.x,
+            &k.ln1_mean,
+            &k.ln1_rstd,
+            rows,
+            c,
+        )
     }
 
     pub(super) fn mlp_backward_weight(
@@ -360,6 +385,16 @@ impl<B: Backend> Model<'_, B> {
         let (ln2, MlpIds { fc, proj }) = self.dense(k.layer)?;
         self.linear_weight(grads, proj.parts(), &st.dout, &k.fch_gelu, n, hl, c)?;
         self.linear_weight(grads, fc.parts(), &st.dfch, &k.ln2, n, c, hl)?;
-        self.layernorm_weight(grads, ln2, &st.dln2, &k.x2, &k.ln2_mean, &k.ln2_rstd, n, c)
+        let rows = dims.rows();
+        self.layernorm_weight(
+            grads,
+            ln2,
+            &st.dln2,
+            &k.x2,
+            &k.ln2_mean,
+            &k.ln2_rstd,
+            rows,
+            c,
+        )
     }
 }

@@ -16,7 +16,7 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
-use super::common::{bytes_of, Dims, Model, Reduce};
+use super::common::{bytes_of, Coll, Dims, Model, Reduce};
 use crate::model::params::{FamilyIds, LlamaAttnIds, ParamId, SwiGluIds};
 use crate::runtime::backend::{grad_mut, param, Backend, BackendError, ParamMap};
 
@@ -232,19 +232,21 @@ impl<B: Backend> Model<'_, B> {
     }
 
     /// The end of a half's backward: `dln` (summed over a tensor-parallel
-    /// group first) through the RMSNorm, added to the residual's `dout`.
+    /// group first, onto the residual's `n` rows under sequence
+    /// parallelism) through the RMSNorm, added to the residual's `dout`.
     fn rms_back_to_residual(
         &self,
         params: &ParamMap<B::Tensor>,
         w: ParamId,
         mut dln: B::Tensor,
+        sp: bool,
         reduce: Option<&mut Reduce<'_, B>>,
         dout: &B::Tensor,
         (x, rstd): (&B::Tensor, &B::Tensor),
         (n, c): (usize, usize),
     ) -> Result<(B::Tensor, B::Tensor), BackendError> {
         if let Some(reduce) = reduce {
-            dln = reduce(dln)?;
+            dln = reduce(if sp { Coll::Scatter } else { Coll::Sum }, dln)?;
         }
         let mut dx = self.b.duplicate(dout)?;
         self.b
@@ -259,7 +261,7 @@ impl<B: Backend> Model<'_, B> {
         l: u32,
         x: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, LlamaAttnCache<B>), BackendError> {
         let ids = self.llama_attn_ids(l)?;
         let Dims { b, t, c, .. } = dims;
@@ -267,7 +269,8 @@ impl<B: Backend> Model<'_, B> {
         let a = dims.arch;
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
-        let (ln1, rstd1) = self.rmsnorm(params, ids.norm, &x, n, c, a.norm_eps)?;
+        let (ln1, rstd1) = self.rmsnorm(params, ids.norm, &x, dims.rows(), c, a.norm_eps)?;
+        let ln1 = self.gathered_norm(ln1, dims.sp, reduce.as_deref_mut())?;
         let mut q = self.linear(params, (ids.q, None), &ln1, n, c, qw)?;
         let mut k = self.linear(params, (ids.k, None), &ln1, n, c, kvw)?;
         let v = self.linear(params, (ids.v, None), &ln1, n, c, kvw)?;
@@ -288,7 +291,8 @@ impl<B: Backend> Model<'_, B> {
         let mut atty = self.b.zeros(n * qw)?;
         self.b
             .attention_forward(&mut atty, &mut att, &qkv, b, t, qw, lc.nh);
-        let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, (n, qw, c), reduce)?;
+        let shape = (n, qw, c);
+        let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, shape, dims.sp, reduce)?;
         Ok((
             x2,
             LlamaAttnCache {
@@ -320,7 +324,10 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let lc = Local::of(&dims);
         let qw = lc.qw();
-        (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
+        // Under sequence parallelism the gathered norm output is kept.
+        if !dims.sp {
+            (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
+        }
         let mut att = self.b.zeros(b * lc.nh * t * t)?;
         let mut atty = self.b.zeros(n * qw)?;
         self.b
@@ -340,7 +347,9 @@ impl<B: Backend> Model<'_, B> {
         let (norm, _) = self.swiglu_ids(m.layer)?;
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
-        (m.ln2, _) = self.rmsnorm(params, norm, &m.x2, n, c, dims.arch.norm_eps)?;
+        if !dims.sp {
+            (m.ln2, _) = self.rmsnorm(params, norm, &m.x2, n, c, dims.arch.norm_eps)?;
+        }
         let mut act = self.b.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &m.gate, &m.up);
         m.act = act;
@@ -354,17 +363,20 @@ impl<B: Backend> Model<'_, B> {
         l: u32,
         x2: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, SwiGluCache<B>), BackendError> {
         let (norm, ids) = self.swiglu_ids(l)?;
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
-        let (ln2, rstd2) = self.rmsnorm(params, norm, &x2, n, c, dims.arch.norm_eps)?;
+        let (ln2, rstd2) = self.rmsnorm(params, norm, &x2, dims.rows(), c, dims.arch.norm_eps)?;
+        let ln2 = self.gathered_norm(ln2, dims.sp, reduce.as_deref_mut())?;
         let gate = self.linear(params, (ids.gate, None), &ln2, n, c, hl)?;
         let up = self.linear(params, (ids.up, None), &ln2, n, c, hl)?;
         let mut act = self.b.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &gate, &up);
-        let out = self.onto_residual(params, (ids.down, None), &act, &x2, (n, hl, c), reduce)?;
+        let shape = (n, hl, c);
+        let out =
+            self.onto_residual(params, (ids.down, None), &act, &x2, shape, dims.sp, reduce)?;
         Ok((
             out,
             SwiGluCache {
@@ -394,9 +406,11 @@ impl<B: Backend> Model<'_, B> {
         let a = dims.arch;
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
+        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
         let mut datty = self.b.zeros(n * qw)?;
+        let dsrc = full.as_ref().unwrap_or(&dout);
         self.b
-            .matmul_backward_input(&mut datty, &dout, param(params, ids.o)?, n, qw, c, false);
+            .matmul_backward_input(&mut datty, dsrc, param(params, ids.o)?, n, qw, c, false);
         let mut dqkv = self.b.zeros(n * 3 * qw)?;
         self.b
             .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, qw, lc.nh);
@@ -441,7 +455,7 @@ impl<B: Backend> Model<'_, B> {
                     .rmsnorm_backward_weight(&mut gq, &dq, &k.q_raw, &k.q_rstd, n * lc.nh, hd);
                 self.b
                     .rmsnorm_backward_weight(&mut gk, &dk, &k.k_raw, &k.k_rstd, n * lc.kvh, hd);
-                qk_grads = Some((reduce(gq)?, reduce(gk)?));
+                qk_grads = Some((reduce(Coll::Sum, gq)?, reduce(Coll::Sum, gk)?));
             } else {
                 (dqn, dkn) = (dq, dk);
             }
@@ -458,11 +472,13 @@ impl<B: Backend> Model<'_, B> {
             params,
             ids.norm,
             dln1,
+            dims.sp,
             reduce,
             &dout,
             (&k.x, &k.rstd1),
-            (n, c),
+            (dims.rows(), c),
         )?;
+        let dout = full.unwrap_or(dout);
         Ok((
             dx,
             LlamaAttnStash {
@@ -485,14 +501,16 @@ impl<B: Backend> Model<'_, B> {
         k: &SwiGluCache<B>,
         dout: B::Tensor,
         dims: Dims,
-        reduce: Option<&mut Reduce<'_, B>>,
+        mut reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(B::Tensor, SwiGluStash<B>), BackendError> {
         let (norm, ids) = self.swiglu_ids(k.layer)?;
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
+        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
         let mut dact = self.b.zeros(n * hl)?;
+        let dsrc = full.as_ref().unwrap_or(&dout);
         self.b
-            .matmul_backward_input(&mut dact, &dout, param(params, ids.down)?, n, hl, c, false);
+            .matmul_backward_input(&mut dact, dsrc, param(params, ids.down)?, n, hl, c, false);
         let (mut dgate, mut dup) = (self.b.zeros(n * hl)?, self.b.zeros(n * hl)?);
         self.b
             .swiglu_backward(&mut dgate, &mut dup, &k.gate, &k.up, &dact);
@@ -506,11 +524,13 @@ impl<B: Backend> Model<'_, B> {
             params,
             norm,
             dln2,
+            dims.sp,
             reduce,
             &dout,
             (&k.x2, &k.rstd2),
-            (n, c),
+            (dims.rows(), c),
         )?;
+        let dout = full.unwrap_or(dout);
         Ok((
             dx2,
             SwiGluStash {
@@ -563,8 +583,14 @@ impl<B: Backend> Model<'_, B> {
                 }
             }
         }
-        self.b
-            .rmsnorm_backward_weight(grad_mut(grads, ids.norm)?, &st.dln1, &k.x, &k.rstd1, n, c);
+        self.b.rmsnorm_backward_weight(
+            grad_mut(grads, ids.norm)?,
+            &st.dln1,
+            &k.x,
+            &k.rstd1,
+            dims.rows(),
+            c,
+        );
         Ok(())
     }
 
@@ -581,8 +607,14 @@ impl<B: Backend> Model<'_, B> {
         self.linear_weight(grads, (ids.down, None), &st.dout, &k.act, n, hl, c)?;
         self.linear_weight(grads, (ids.gate, None), &st.dgate, &k.ln2, n, c, hl)?;
         self.linear_weight(grads, (ids.up, None), &st.dup, &k.ln2, n, c, hl)?;
-        self.b
-            .rmsnorm_backward_weight(grad_mut(grads, norm)?, &st.dln2, &k.x2, &k.rstd2, n, c);
+        self.b.rmsnorm_backward_weight(
+            grad_mut(grads, norm)?,
+            &st.dln2,
+            &k.x2,
+            &k.rstd2,
+            dims.rows(),
+            c,
+        );
         Ok(())
     }
 }

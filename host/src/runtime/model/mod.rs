@@ -9,5 +9,5 @@ pub mod llama;
 pub mod moe;
 pub mod segment;
 
-pub use common::{Dims, Model, Peers, Reduce};
+pub use common::{Coll, Dims, Model, Peers, Reduce};
 pub use segment::{Forward, SegmentCache, SegmentStash};

@@ -7,7 +7,7 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
-use super::common::{bytes_of, Dims, Model, Peers};
+use super::common::{bytes_of, Coll, Dims, Model, Peers, Reduce};
 use super::gpt2::{AttnCache, AttnStash, MlpCache, MlpStash};
 use super::llama::{LlamaAttnCache, LlamaAttnStash, SwiGluCache, SwiGluStash};
 use super::moe::{ExpertGroup, MoeCache, MoeDims, MoeStash};
@@ -82,19 +82,35 @@ impl<B: Backend> SegmentCache<B> {
     /// the attention probabilities and the activations are dropped
     /// ([`Model::rebuild`] computes them again); expert parts, the head and
     /// the embedding keep everything.
+    /// Under sequence parallelism the norm outputs, gathered over the
+    /// group, are kept too (the recompute runs without the group).
     pub fn thin(mut self) -> Self {
+        let sp = self.dims.sp;
+        let drop_norm = |t: &mut B::Tensor| {
+            if !sp {
+                *t = Default::default();
+            }
+        };
         for p in &mut self.parts {
             match p {
                 PartCache::Block(a, m) => {
-                    (a.ln1, a.att) = Default::default();
-                    (m.ln2, m.fch_gelu) = Default::default();
+                    drop_norm(&mut a.ln1);
+                    drop_norm(&mut m.ln2);
+                    (a.att, m.fch_gelu) = Default::default();
                 }
-                PartCache::Attention(a) => (a.ln1, a.att) = Default::default(),
+                PartCache::Attention(a) => {
+                    drop_norm(&mut a.ln1);
+                    a.att = Default::default();
+                }
                 PartCache::LlamaBlock(a, m) => {
-                    (a.ln1, a.att) = Default::default();
-                    (m.ln2, m.act) = Default::default();
+                    drop_norm(&mut a.ln1);
+                    drop_norm(&mut m.ln2);
+                    (a.att, m.act) = Default::default();
                 }
-                PartCache::LlamaAttention(a) => (a.ln1, a.att) = Default::default(),
+                PartCache::LlamaAttention(a) => {
+                    drop_norm(&mut a.ln1);
+                    a.att = Default::default();
+                }
                 PartCache::Embedding { .. } | PartCache::Experts(_) | PartCache::Head { .. } => {}
             }
         }
@@ -268,6 +284,25 @@ impl<B: Backend> Model<'_, B> {
         Ok(cache)
     }
 
+    /// Under sequence parallelism, the residual stream (or its gradient)
+    /// as the next part reads it: this member's rows inside the blocks
+    /// (`inside`), whole elsewhere (the embedding, experts, the head, and
+    /// between segments). `sharded` says what `x` is now.
+    fn residual_as(
+        &self,
+        x: B::Tensor,
+        sharded: &mut bool,
+        inside: bool,
+        dims: Dims,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<B::Tensor, BackendError> {
+        let Some(group) = group.filter(|_| dims.sp && *sharded != inside) else {
+            return Ok(x);
+        };
+        *sharded = inside;
+        group(if inside { Coll::Shard } else { Coll::Gather }, x)
+    }
+
     /// The head's weight (the tied embedding, or `lm_head`) and its final
     /// norm's gain.
     pub(super) fn head_ids(
@@ -303,7 +338,13 @@ impl<B: Backend> Model<'_, B> {
         let mut caches = Vec::with_capacity(seg.parts.len());
         let mut loss: Vec<B::Scalar> = Vec::new();
         let mut out_present = true;
+        let mut sharded = false;
         for part in &seg.parts {
+            if *part != Part::Embedding {
+                let inside = matches!(part, Part::Block(_) | Part::Attention(_));
+                let group = peers.as_mut().and_then(|s| s.reduce());
+                x = self.residual_as(x, &mut sharded, inside, dims, group)?;
+            }
             match *part {
                 Part::Embedding => {
                     let tokens = tokens.ok_or_else(|| missing("tokens"))?;
@@ -442,6 +483,8 @@ impl<B: Backend> Model<'_, B> {
                 }
             }
         }
+        let group = peers.as_mut().and_then(|s| s.reduce());
+        x = self.residual_as(x, &mut sharded, false, dims, group)?;
         let out = out_present.then_some(x);
         Ok((
             out,
@@ -471,7 +514,19 @@ impl<B: Backend> Model<'_, B> {
         let mut d: B::Tensor = dout.unwrap_or_default();
         let mut stash = Vec::with_capacity(cache.parts.len());
         let mut has_input = true;
+        let mut sharded = false;
         for pc in cache.parts.iter().rev() {
+            if !matches!(pc, PartCache::Head { .. }) {
+                let inside = matches!(
+                    pc,
+                    PartCache::Block(..)
+                        | PartCache::LlamaBlock(..)
+                        | PartCache::Attention(_)
+                        | PartCache::LlamaAttention(_)
+                );
+                let group = peers.as_mut().and_then(|s| s.reduce());
+                d = self.residual_as(d, &mut sharded, inside, dims, group)?;
+            }
             match pc {
                 PartCache::Head {
                     x,
@@ -608,6 +663,10 @@ impl<B: Backend> Model<'_, B> {
             }
         }
         stash.reverse();
+        if has_input {
+            let group = peers.as_mut().and_then(|s| s.reduce());
+            d = self.residual_as(d, &mut sharded, false, dims, group)?;
+        }
         Ok((
             has_input.then_some(d),
             SegmentStash {

@@ -11,7 +11,7 @@ use crate::runtime::buffers::Buf;
 use crate::runtime::comm::in_op_key;
 use crate::runtime::device::{params_here, Device, SequenceSplit};
 use crate::runtime::error::RuntimeError;
-use crate::runtime::model::{Dims, Model, Peers, SegmentCache, SegmentStash};
+use crate::runtime::model::{Coll, Dims, Model, Peers, SegmentCache, SegmentStash};
 use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 
@@ -70,22 +70,46 @@ pub(super) fn with_peers<B: Backend, R>(
         };
         return f(Some(peers)).map_err(fail);
     }
-    if dev.spreads.tensor.contains_key(&seg) {
+    if let Some(&(_, rank)) = dev.spreads.tensor.get(&seg) {
         let mut phase = 0u32;
-        let mut reduce = |part: B::Tensor| {
+        let mut reduce = |how: Coll, part: B::Tensor| {
+            let exchange =
+                |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
+            let mine = b.download_owned(part)?;
+            if how == Coll::Shard {
+                let rows = rows_of_member(mine.len(), members.len(), rank)?;
+                return b.upload(mine[rows].to_vec());
+            }
             let k = key(phase)?;
             phase += 1;
-            let sum = ctx
-                .comm
-                .all_reduce(
-                    "tensor-parallel all-reduce",
-                    k,
-                    members,
-                    dev.id,
-                    b.download_owned(part)?,
-                )
-                .map_err(|e| BackendError::Exchange(e.to_string()))?;
-            b.upload(Arc::unwrap_or_clone(sum))
+            let whole = match how {
+                Coll::Sum => {
+                    ctx.comm
+                        .all_reduce("tensor-parallel all-reduce", k, members, dev.id, mine)
+                }
+                Coll::Gather => {
+                    ctx.comm
+                        .all_gather("sequence-parallel all-gather", k, members, dev.id, mine)
+                }
+                Coll::Scatter | Coll::Shard => {
+                    rows_of_member(mine.len(), members.len(), rank)?;
+                    let lens = vec![mine.len() / members.len(); members.len()];
+                    let part = ctx
+                        .comm
+                        .reduce_scatter(
+                            "sequence-parallel reduce-scatter",
+                            k,
+                            members,
+                            dev.id,
+                            mine,
+                            &lens,
+                        )
+                        .map_err(exchange)?;
+                    return b.upload(part);
+                }
+            }
+            .map_err(exchange)?;
+            b.upload(Arc::unwrap_or_clone(whole))
         };
         let peers = Peers::Tensor {
             reduce: &mut reduce,
@@ -93,6 +117,22 @@ pub(super) fn with_peers<B: Backend, R>(
         return f(Some(peers)).map_err(fail);
     }
     f(None).map_err(fail)
+}
+
+/// Member `rank`'s contiguous `1/size` of `len` values (sequence
+/// parallelism's rows: the plan checked that the tokens divide).
+fn rows_of_member(
+    len: usize,
+    size: usize,
+    rank: usize,
+) -> Result<std::ops::Range<usize>, BackendError> {
+    if size == 0 || !len.is_multiple_of(size) {
+        return Err(BackendError::Exchange(format!(
+            "{len} values do not split over a sequence-parallel group of {size}"
+        )));
+    }
+    let per = len / size;
+    Ok(rank * per..(rank + 1) * per)
 }
 
 /// The rows of a global batch of `b` a forward op trains on: piece
@@ -141,6 +181,7 @@ pub(super) fn forward<B: Backend>(
             .tensor
             .get(&op.segments[0])
             .map_or(1, |(t, _)| *t),
+        sp: dev.spreads.sequence_parallel.contains(&op.segments[0]),
         ..Dims::new(ctx.cfg, b)
     };
     let model = Model::new(&dev.b, &dev.table);
@@ -278,6 +319,9 @@ pub(super) fn backward_input<B: Backend>(
 /// In-op exchanges of a sequence split (after the experts' four).
 const GATHER: u32 = 8;
 const GRAD_SUM: u32 = 9;
+/// Sequence parallelism's sum of the norms' gradients: the last in-op key,
+/// past the group's exchanges inside the segment (which count from 0).
+const SP_GRAD_SUM: u32 = 1023;
 
 /// A sequence split needs whole sequences on every rank.
 fn check_split<B: Backend>(
@@ -375,7 +419,8 @@ fn weight_grads<B: Backend>(
     let model = Model::new(&dev.b, &dev.table);
     let fail = |e| dev.backend_error(op, e);
     let split = dev.spreads.sequences.get(&seg.index);
-    if op.zero < 2 && split.is_none() {
+    let sp = dev.spreads.sequence_parallel.contains(&seg.index);
+    if op.zero < 2 && split.is_none() && !sp {
         return model
             .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
             .map_err(fail);
@@ -389,7 +434,24 @@ fn weight_grads<B: Backend>(
     model.backward_weight(&mut t, cache, stash).map_err(fail)?;
     keep_expert_grads(dev, seg, &mut t);
     if let Some(q) = split {
-        t = sum_over_group(dev, op, ctx, q, &t)?;
+        t = sum_over_group(dev, op, ctx, &q.members, GRAD_SUM, &t)?;
+    }
+    if sp {
+        // Each member's norms saw its rows only: their gradients are
+        // summed over the group (the rest is its own slice, or whole).
+        let norms: Vec<_> = (t.ids())
+            .filter(|id| dev.table.entry(*id).role.is_block_norm())
+            .collect();
+        let mut mine = ParamMap::new();
+        for id in norms {
+            if let Some(g) = t.remove(id) {
+                mine.insert(id, g);
+            }
+        }
+        let members = op.group.as_deref().unwrap_or(&[]);
+        for (id, g) in sum_over_group(dev, op, ctx, members, SP_GRAD_SUM, &mine)? {
+            t.insert(id, g);
+        }
     }
     if op.zero >= 2 {
         return dev.put(op, TensorKind::MicroGrad, Buf::Params(t));
@@ -411,7 +473,8 @@ fn sum_over_group<B: Backend>(
     dev: &Device<B>,
     op: &Op,
     ctx: &StepCtx<B>,
-    q: &SequenceSplit,
+    members: &[u32],
+    phase: u32,
     t: &ParamMap<B::Tensor>,
 ) -> Result<ParamMap<B::Tensor>, RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
@@ -422,10 +485,10 @@ fn sum_over_group<B: Backend>(
         lens.push((id, v.len()));
         flat.extend(v);
     }
-    let key = in_op(op, GRAD_SUM).map_err(fail)?;
+    let key = in_op(op, phase).map_err(fail)?;
     let sum = ctx
         .comm
-        .all_reduce("sequence-split gradient sum", key, &q.members, dev.id, flat)
+        .all_reduce("tensor-parallel gradient sum", key, members, dev.id, flat)
         .map_err(|e| fail(BackendError::Exchange(e.to_string())))?;
     let mut at = 0;
     let mut summed: ParamMap<B::Tensor> = ParamMap::new();
@@ -433,7 +496,7 @@ fn sum_over_group<B: Backend>(
         let part = sum.get(at..at + n).ok_or_else(|| {
             fail(BackendError::Exchange(format!(
                 "the gradient sum over {:?} came back with {} values, not {}",
-                q.members,
+                members,
                 sum.len(),
                 at + n
             )))
