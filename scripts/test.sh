@@ -5,8 +5,8 @@
 # the registry tests Debian's docker-registry and htpasswd (apache2-utils).
 # PyTorch and transformers for the Hugging Face interop test go into
 # target/hf-venv (scripts/hf-python.sh, pinned; about 4 GB, 2 minutes here).
-# Then the CUDA backend's tests (no GPU needed; NVRTC from PyPI,
-# scripts/nvrtc.sh) and, with Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), the
+# Then the CUDA backend's tests (no GPU needed; NVRTC and ptxas from PyPI,
+# scripts/nvrtc.sh and scripts/ptxas.sh) and, with Open MPI installed (openmpi-bin libopenmpi-dev libclang-dev), the
 # multi-process tests: real `mpirun` jobs of `piper train --features mpi`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,10 @@ cargo test --workspace
 # randomized boundary tests must behave the same there.
 nvrtc=$(./scripts/nvrtc.sh)
 export LD_LIBRARY_PATH="${nvrtc:+$nvrtc:}${LD_LIBRARY_PATH:-}"
+# ptxas (PyPI's nvidia-cuda-nvcc, only its ptxas kept) assembles every kernel
+# for sm_80 and sm_90: no register spills, each kernel's registers printed.
+PIPER_PTXAS=$(./scripts/ptxas.sh)
+export PIPER_PTXAS
 release_checks=(--config 'profile.dev.package.piper.overflow-checks=false'
   --config 'profile.dev.package.piper.debug-assertions=false')
 boundary=(--test plugins --test boundary)

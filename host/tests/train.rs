@@ -1349,3 +1349,102 @@ fn recompute_saves_the_memory_the_plan_predicts() {
         }
     }
 }
+
+/// What the loop showed: each step's loss and the lines it said.
+#[derive(Default)]
+struct Seen {
+    losses: Vec<f64>,
+    lines: Vec<String>,
+}
+
+impl piper::runtime::Observer for Seen {
+    fn step(&mut self, s: &piper::runtime::StepStats, _: f64) {
+        self.losses.push(s.loss);
+    }
+    fn say(&mut self, line: String) {
+        self.lines.push(line);
+    }
+}
+
+/// The training loop is a library call: steps, evaluation every n steps and
+/// at the last, checkpoints every n steps (the last one handed back), metrics
+/// as JSON lines; a trainer restored from the step-2 checkpoint and run by
+/// the same loop to step 4 ends on the uninterrupted run's loss, bit for bit.
+#[test]
+fn the_training_loop_evaluates_checkpoints_writes_metrics_and_resumes_as_a_library_call() {
+    use piper::runtime::{checkpoint::Checkpoint, train_loop, LoopConfig};
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = small();
+    let strategy: Strategy = &[("1f1b", &[("microbatches", "2")])];
+    let dir = std::env::temp_dir().join(format!("piper-loop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (data, held) = Corpus::builtin().hold_out(0.1);
+    let config = LoopConfig {
+        steps: 4,
+        eval_every: Some(2),
+        eval_batches: 1,
+        checkpoint: Some(dir.join("ck")),
+        checkpoint_every: Some(2),
+        metrics: Some(dir.join("metrics.jsonl")),
+        leader: true,
+        ..LoopConfig::default()
+    };
+    let trainer = || {
+        let plan = plan_with(&host, &cfg, 2, strategy).unwrap();
+        Trainer::new(&cfg, plan, TrainOptions::default()).unwrap()
+    };
+    let mut t = trainer();
+    let mut seen = Seen::default();
+    let sum = train_loop(&mut t, &cfg, &data, Some(&held), &config, &mut seen).unwrap();
+    assert_eq!((sum.ran, seen.losses.len()), (4, 4));
+    assert_eq!(sum.last_loss, seen.losses[3]);
+    assert_eq!(sum.last_eval.map(|e| e.0), Some(4));
+    let evals: Vec<_> = seen
+        .lines
+        .iter()
+        .filter(|l| l.contains("eval loss"))
+        .collect();
+    assert_eq!(evals.len(), 2, "{:?}", seen.lines);
+    assert!(seen
+        .lines
+        .iter()
+        .any(|l| l.starts_with("checkpoint: ") && l.contains("(step 2)")));
+    assert!(sum
+        .last_checkpoint
+        .as_deref()
+        .is_some_and(|l| l.contains("(step 4)")));
+    let metrics = std::fs::read_to_string(dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4);
+    assert!(lines[1]["eval_loss"].is_number() && lines[0].get("eval_loss").is_none());
+    assert_eq!(lines[3]["loss"].as_f64(), Some(sum.last_loss));
+    // Resumed from step 2 by the same loop.
+    let step2 = std::fs::read_dir(dir.join("ck"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().ends_with("2"))
+        .unwrap();
+    let mut resumed = trainer();
+    resumed.restore(&Checkpoint::load(&step2).unwrap()).unwrap();
+    let quiet = LoopConfig {
+        checkpoint: None,
+        metrics: None,
+        ..config.clone()
+    };
+    let again = train_loop(
+        &mut resumed,
+        &cfg,
+        &data,
+        Some(&held),
+        &quiet,
+        &mut Seen::default(),
+    )
+    .unwrap();
+    assert_eq!(again.ran, 2);
+    assert_eq!(again.last_loss.to_bits(), sum.last_loss.to_bits());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -7,18 +7,15 @@ use super::config::parse_size;
 use super::RunArgs;
 use crate::compile::human_bytes;
 use crate::model::ModelConfig;
-use crate::runtime::checkpoint::{self, gpt2_entries, write_safetensors, Checkpoint};
+use crate::runtime::checkpoint::{self, Checkpoint};
 use crate::runtime::data::file::Width;
-use crate::runtime::{
-    AdamW, Batch, Corpus, Decay, NamedTensors, Schedule, Tokenizer, TrainOptions, Trainer,
-};
+use crate::runtime::train_loop::{train_loop, LoopConfig, Observer};
+use crate::runtime::{AdamW, Corpus, Decay, Schedule, StepStats, Tokenizer, TrainOptions, Trainer};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use safetensors::tensor::Dtype;
-use std::io::Write;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 #[derive(Args)]
 pub struct TrainArgs {
@@ -290,61 +287,8 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         )?),
         false => None,
     };
-    let tokenizer = Tokenizer::parse(&a.tokenizer)?;
-    let width = a.token_type.as_deref().map(Width::parse).transpose()?;
-    let corpus = match &a.data {
-        Some(path) => Corpus::open(path, tokenizer.clone(), width)?,
-        None if width.is_some() => bail!("--token-type is for a `--data FILE.bin` token file"),
-        None => Corpus::builtin_with(tokenizer.clone())?,
-    };
-    let (corpus, held) = match (a.eval_every, &a.eval_data) {
-        (None, _) => (corpus, None),
-        (Some(_), Some(path)) => (corpus, Some(Corpus::open(path, tokenizer, width)?)),
-        (Some(_), None) => {
-            let (train, held) = corpus.hold_out(0.1);
-            (train, Some(held))
-        }
-    };
-    corpus.check(cfg.vocab, cfg.seq_len as usize)?;
-    if let Some(h) = &held {
-        h.check(cfg.vocab, cfg.seq_len as usize)
-            .context("the evaluation data")?;
-    }
-    let mut optimizer = p.config.optimizer;
-    if let Some(wd) = a.weight_decay {
-        optimizer.weight_decay = wd;
-    }
-    optimizer.check()?;
-    // Test builds' options have a fault-injection field more.
-    #[allow(clippy::needless_update)]
-    let opts = TrainOptions {
-        seed: a.seed,
-        adamw: AdamW {
-            lr: a.lr,
-            beta1: optimizer.beta1,
-            beta2: optimizer.beta2,
-            eps: optimizer.eps,
-            weight_decay: optimizer.weight_decay,
-        },
-        schedule: Some(schedule_of(&a)?),
-        clip: a.clip,
-        device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
-        comm_timeout: match a.comm_timeout {
-            None => None,
-            Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
-                Some(Duration::from_secs_f64(s))
-            }
-            Some(s) => {
-                bail!("--comm-timeout must be more than 0 and at most 604800 seconds, got {s}")
-            }
-        },
-        capture_grads: a.dump_step1.is_some(),
-        trace: a.trace.is_some() || a.report.is_some(),
-        threads: a.threads.map(|t| t as usize),
-        backend: crate::runtime::BackendKind::parse(&a.backend, a.gpus)
-            .map_err(anyhow::Error::msg)?,
-        ..TrainOptions::default()
-    };
+    let (corpus, held) = data_of(&a, &cfg)?;
+    let opts = options_of(&a, p.config.optimizer)?;
     // Read (and every file checked) before the devices start, so a damaged
     // checkpoint costs no setup.
     let init = match &a.init_from {
@@ -365,8 +309,6 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     };
     let predicted: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let predicted_sent = plan.predicted_sent_bytes();
-    let devices = plan.devices.len();
-    let hash = plan.hash.clone();
     #[cfg(feature = "mpi")]
     let mut trainer = match &job.ranks {
         Some(mpi) => {
@@ -397,18 +339,7 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     if let Some((dir, found, ck)) = &resumed {
         trainer.restore(ck)?;
         if job.leader {
-            let how = match found {
-                checkpoint::Found::Directory => String::new(),
-                checkpoint::Found::Latest => " (the latest)".into(),
-                checkpoint::Found::Newest => {
-                    " (no `latest` pointer: the newest complete one)".into()
-                }
-            };
-            eprintln!(
-                "resumed from {}{how} at step {}",
-                dir.display(),
-                ck.state.step
-            );
+            eprintln!("{}", resumed_line(dir, *found, ck.state.step));
         }
     }
     let first_step = trainer.step_count() + 1;
@@ -420,172 +351,36 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
         );
         return Ok(());
     }
-    // Collective in an MPI job: every rank takes part, the first gets them.
-    let initial = match &a.dump_step1 {
-        Some(_) => trainer.gather_params()?,
-        None => None,
-    };
     if job.leader {
-        eprintln!(
-            "training {} ({} parameters) on {devices} {}{}, plan {hash}, data: {}",
-            cfg.name,
-            cfg.param_count(),
-            match trainer.options().backend {
-                crate::runtime::BackendKind::Cpu =>
-                    format!("CPU device(s) × {} thread(s)", trainer.threads()),
-                crate::runtime::BackendKind::Cuda { gpus } => format!("device(s) on {gpus} GPU(s)"),
-            },
-            job_ranks(job),
-            corpus.name
+        print_header(
+            &a,
+            &cfg,
+            &trainer,
+            &p.applied,
+            (&corpus, held.as_ref()),
+            job,
         );
-        for line in &p.applied {
-            eprintln!("  strategy {line}");
-        }
-        if let (Some(h), Some(n)) = (&held, a.eval_every) {
-            eprintln!(
-                "  evaluation every {n} steps: {} batches of {}",
-                a.eval_batches, h.name
-            );
-        }
     }
-    let mut metrics = match a.metrics.as_ref().filter(|_| job.leader) {
-        Some(path) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .with_context(|| format!("opening metrics file {}", path.display()))?,
-        ),
-        None => None,
+    let bar = progress_bar(job.leader, first_step, a.steps);
+    let config = LoopConfig {
+        steps: a.steps,
+        eval_every: a.eval_every,
+        eval_batches: a.eval_batches,
+        checkpoint: a.checkpoint.clone(),
+        checkpoint_every: a.checkpoint_every,
+        keep: a.keep.unwrap_or(0),
+        metrics: a.metrics.clone(),
+        dump_step1: a.dump_step1.clone(),
+        leader: job.leader,
     };
-    let bar = if job.leader {
-        ProgressBar::new(a.steps as u64)
-    } else {
-        ProgressBar::hidden()
-    };
-    bar.set_position(first_step as u64 - 1);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
-        )
-        .expect("valid template"),
-    );
-    let tokens_per_step = (cfg.batch_size * cfg.seq_len) as f64;
-    let start = Instant::now();
-    let (mut first, mut last) = (None, 0.0);
-    let mut peaks = vec![0u64; devices];
-    let mut sent = vec![0u64; devices];
-    let (mut routed, mut dropped) = (0u64, 0u64);
-    let mut last_saved = None;
-    let mut last_eval = None;
-    let (b, t) = (cfg.batch_size as usize, cfg.seq_len as usize);
-    // Each process reads its own devices' rows (`--dump-step1` writes all).
-    let read = match a.dump_step1 {
-        Some(_) => vec![true; b],
-        None => trainer.rows_read(),
-    };
-    for step in first_step..=a.steps {
-        let batch = corpus
-            .batch_rows(step, b, t, cfg.vocab, &read)
-            .with_context(|| format!("reading step {step}'s batch"))?;
-        let s = match trainer.step(&batch) {
-            Ok(s) => s,
-            // Names its step already.
-            Err(e @ crate::runtime::RuntimeError::NonFinite { .. }) => {
-                bar.abandon();
-                return Err(e.into());
-            }
-            Err(e) => return Err(anyhow::Error::new(e).context(format!("step {step}"))),
-        };
-        if let (Some(path), 1) = (&a.dump_step1, step) {
-            // Every rank gathers; the first (holding `initial`) writes.
-            if let (Some(init), Some(grads)) = (&initial, trainer.gather_grads()?) {
-                dump_step1(path, &cfg, init, &batch, s.loss, &grads)?;
-            }
-        }
-        let tps = tokens_per_step / s.elapsed.as_secs_f64();
-        first.get_or_insert(s.loss);
-        last = s.loss;
-        sent.clone_from(&s.comm_bytes);
-        for (p, m) in peaks.iter_mut().zip(&s.peak_bytes) {
-            *p = (*p).max(*m);
-        }
-        routed += s.moe_routed;
-        dropped += s.moe_dropped;
-        bar.set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tps));
-        bar.inc(1);
-        let eval_loss = match (&held, a.eval_every) {
-            (Some(h), Some(n)) if step % n == 0 || step == a.steps => {
-                let mut sum = 0.0;
-                for k in 1..=a.eval_batches {
-                    let batch = h
-                        .batch_rows(k, b, t, cfg.vocab, &read)
-                        .with_context(|| format!("reading evaluation batch {k}"))?;
-                    sum += match trainer.eval(&batch) {
-                        Ok(l) => l,
-                        Err(e @ crate::runtime::RuntimeError::NonFinite { .. }) => {
-                            bar.abandon();
-                            return Err(e.into());
-                        }
-                        Err(e) => {
-                            return Err(anyhow::Error::new(e)
-                                .context(format!("step {step}: evaluation batch {k}")))
-                        }
-                    };
-                }
-                let l = sum / a.eval_batches as f64;
-                if job.leader {
-                    say(
-                        &bar,
-                        format!("step {step}: eval loss {l:.4} (train loss {:.4})", s.loss),
-                    );
-                }
-                last_eval = Some((step, l));
-                Some(l)
-            }
-            _ => None,
-        };
-        if let Some(f) = metrics.as_mut() {
-            let mut line = serde_json::json!({
-                "step": step,
-                "loss": s.loss,
-                "lr": s.lr,
-                "grad_norm": s.grad_norm,
-                "tokens_per_s": tps,
-                "peak_bytes": s.peak_bytes,
-                "comm_bytes": s.comm_bytes,
-            });
-            if let Some(l) = eval_loss {
-                line["eval_loss"] = l.into();
-            }
-            if cfg.moe.is_some() {
-                line["moe_routed"] = s.moe_routed.into();
-                line["moe_dropped"] = s.moe_dropped.into();
-            }
-            writeln!(f, "{line}").context("writing metrics")?;
-        }
-        if let Some(root) = &a.checkpoint {
-            let every = a.checkpoint_every.is_some_and(|n| step % n == 0);
-            if every || step == a.steps {
-                // Collective in an MPI job: every rank gathers at this
-                // step, the first writes.
-                if let Some(mut ck) = trainer.gather_checkpoint()? {
-                    ck.state.data = Some(corpus.position(step, b, t));
-                    let saved = checkpoint::save_step(root, &ck, a.keep.unwrap_or(0))?;
-                    let removed = match saved.removed.len() {
-                        0 => String::new(),
-                        n => format!(", {n} older removed (--keep)"),
-                    };
-                    let line =
-                        format!("checkpoint: {} (step {step}{removed})", saved.dir.display());
-                    match step == a.steps {
-                        true => last_saved = Some(line),
-                        false => say(&bar, line),
-                    }
-                }
-            }
-        }
-    }
+    let sum = train_loop(
+        &mut trainer,
+        &cfg,
+        &corpus,
+        held.as_ref(),
+        &config,
+        &mut Bar(&bar),
+    )?;
     bar.finish_and_clear();
     let trace = match a.trace.is_some() || a.report.is_some() {
         true => trainer.gather_trace()?,
@@ -594,19 +389,181 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     if !job.leader {
         return Ok(());
     }
-    let secs = start.elapsed().as_secs_f64();
-    let ran = a.steps.saturating_sub(first_step - 1);
+    print_summary(&a, &cfg, &sum);
+    if let (Some(path), Some(trace)) = (&a.trace, &trace) {
+        write_trace(path, trace)?;
+    }
+    if let (Some(path), Some(trace)) = (&a.report, &trace) {
+        write_report(path, sim_cluster.as_ref(), trainer.plan(), trace, &cfg.name)?;
+    }
+    print_devices(&sum, &predicted, &predicted_sent);
+    Ok(())
+}
+
+/// `resumed from DIR (how it was found) at step N`.
+fn resumed_line(dir: &std::path::Path, found: checkpoint::Found, step: u32) -> String {
+    let how = match found {
+        checkpoint::Found::Directory => "",
+        checkpoint::Found::Latest => " (the latest)",
+        checkpoint::Found::Newest => " (no `latest` pointer: the newest complete one)",
+    };
+    format!("resumed from {}{how} at step {step}", dir.display())
+}
+
+/// What trains on what: the model, devices, plan, data, strategies and
+/// evaluation.
+fn print_header(
+    a: &TrainArgs,
+    cfg: &ModelConfig,
+    trainer: &Trainer,
+    applied: &[String],
+    (corpus, held): (&Corpus, Option<&Corpus>),
+    job: &Job,
+) {
+    let plan = trainer.plan();
+    eprintln!(
+        "training {} ({} parameters) on {} {}{}, plan {}, data: {}",
+        cfg.name,
+        cfg.param_count(),
+        plan.devices.len(),
+        match trainer.options().backend {
+            crate::runtime::BackendKind::Cpu =>
+                format!("CPU device(s) × {} thread(s)", trainer.threads()),
+            crate::runtime::BackendKind::Cuda { gpus } => format!("device(s) on {gpus} GPU(s)"),
+        },
+        job_ranks(job),
+        plan.hash,
+        corpus.name
+    );
+    for line in applied {
+        eprintln!("  strategy {line}");
+    }
+    if let (Some(h), Some(n)) = (held, a.eval_every) {
+        eprintln!(
+            "  evaluation every {n} steps: {} batches of {}",
+            a.eval_batches, h.name
+        );
+    }
+}
+
+/// The leader's progress bar from `first_step` to `steps` (hidden on the
+/// other ranks).
+fn progress_bar(leader: bool, first_step: u32, steps: u32) -> ProgressBar {
+    let bar = match leader {
+        true => ProgressBar::new(u64::from(steps)),
+        false => ProgressBar::hidden(),
+    };
+    bar.set_position(u64::from(first_step) - 1);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{bar:30} step {pos}/{len} {msg} [{elapsed_precise}<{eta_precise}]",
+        )
+        .expect("valid template"),
+    );
+    bar
+}
+
+/// `--trace`: the run's trace, and where its compute went.
+fn write_trace(path: &std::path::Path, trace: &serde_json::Value) -> Result<()> {
+    std::fs::write(path, trace.to_string())
+        .with_context(|| format!("writing trace {}", path.display()))?;
+    println!("trace: {}", path.display());
+    let (kernels, compute) = crate::sim::measured::kernel_totals(trace);
+    if compute > 0.0 && !kernels.is_empty() {
+        let top: Vec<String> = kernels
+            .iter()
+            .take(6)
+            .map(|(k, t)| format!("{k} {:.0}%", 100.0 * t / compute))
+            .collect();
+        println!(
+            "  where compute went (every device, steps after the first): {}",
+            top.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// The training data, checked against the model, and the held-out data
+/// when the run evaluates (`--eval-data`, or a tenth of the training data).
+fn data_of(a: &TrainArgs, cfg: &ModelConfig) -> Result<(Corpus, Option<Corpus>)> {
+    let tokenizer = Tokenizer::parse(&a.tokenizer)?;
+    let width = a.token_type.as_deref().map(Width::parse).transpose()?;
+    let corpus = match &a.data {
+        Some(path) => Corpus::open(path, tokenizer.clone(), width)?,
+        None if width.is_some() => bail!("--token-type is for a `--data FILE.bin` token file"),
+        None => Corpus::builtin_with(tokenizer.clone())?,
+    };
+    let (corpus, held) = match (a.eval_every, &a.eval_data) {
+        (None, _) => (corpus, None),
+        (Some(_), Some(path)) => (corpus, Some(Corpus::open(path, tokenizer, width)?)),
+        (Some(_), None) => {
+            let (train, held) = corpus.hold_out(0.1);
+            (train, Some(held))
+        }
+    };
+    corpus.check(cfg.vocab, cfg.seq_len as usize)?;
+    if let Some(h) = &held {
+        h.check(cfg.vocab, cfg.seq_len as usize)
+            .context("the evaluation data")?;
+    }
+    Ok((corpus, held))
+}
+
+/// The runtime's options from the flags and the run config's optimizer.
+fn options_of(
+    a: &TrainArgs,
+    mut optimizer: super::config::OptimizerConfig,
+) -> Result<TrainOptions> {
+    if let Some(wd) = a.weight_decay {
+        optimizer.weight_decay = wd;
+    }
+    optimizer.check()?;
+    // Test builds' options have a fault-injection field more.
+    #[allow(clippy::needless_update)]
+    Ok(TrainOptions {
+        seed: a.seed,
+        adamw: AdamW {
+            lr: a.lr,
+            beta1: optimizer.beta1,
+            beta2: optimizer.beta2,
+            eps: optimizer.eps,
+            weight_decay: optimizer.weight_decay,
+        },
+        schedule: Some(schedule_of(a)?),
+        clip: a.clip,
+        device_memory: a.device_memory.as_deref().map(parse_size).transpose()?,
+        comm_timeout: match a.comm_timeout {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
+                Some(Duration::from_secs_f64(s))
+            }
+            Some(s) => {
+                bail!("--comm-timeout must be more than 0 and at most 604800 seconds, got {s}")
+            }
+        },
+        capture_grads: a.dump_step1.is_some(),
+        trace: a.trace.is_some() || a.report.is_some(),
+        threads: a.threads.map(|t| t as usize),
+        backend: crate::runtime::BackendKind::parse(&a.backend, a.gpus)
+            .map_err(anyhow::Error::msg)?,
+        ..TrainOptions::default()
+    })
+}
+
+/// The summary's first lines: losses, evaluation, experts, the last checkpoint.
+fn print_summary(a: &TrainArgs, cfg: &ModelConfig, sum: &crate::runtime::Summary) {
     println!(
         "done: {} steps, loss {:.4} → {:.4}, {:.0} tokens/s",
         a.steps,
-        first.unwrap_or(f64::NAN),
-        last,
-        tokens_per_step * ran as f64 / secs
+        sum.first_loss.unwrap_or(f64::NAN),
+        sum.last_loss,
+        sum.tokens_per_s
     );
-    if let Some((step, l)) = last_eval {
+    if let Some((step, l)) = sum.last_eval {
         println!("  eval loss {l:.4} at step {step}");
     }
     if let Some(moe) = &cfg.moe {
+        let (dropped, routed) = (sum.moe_dropped, sum.moe_routed);
         println!(
             "  experts: {dropped} of {routed} token-expert assignments dropped ({:.2}%; capacity factor {})",
             100.0 * dropped as f64 / routed.max(1) as f64,
@@ -614,31 +571,18 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
                 .map_or("none: dropless".to_string(), |c| c.to_string())
         );
     }
-    if let Some(line) = last_saved {
+    if let Some(line) = &sum.last_checkpoint {
         println!("{line}");
     }
-    if let (Some(path), Some(trace)) = (&a.trace, &trace) {
-        std::fs::write(path, trace.to_string())
-            .with_context(|| format!("writing trace {}", path.display()))?;
-        println!("trace: {}", path.display());
-        let (kernels, compute) = crate::sim::measured::kernel_totals(trace);
-        if compute > 0.0 && !kernels.is_empty() {
-            let top: Vec<String> = kernels
-                .iter()
-                .take(6)
-                .map(|(k, t)| format!("{k} {:.0}%", 100.0 * t / compute))
-                .collect();
-            println!(
-                "  where compute went (every device, steps after the first): {}",
-                top.join(", ")
-            );
-        }
-    }
-    if let (Some(path), Some(trace)) = (&a.report, &trace) {
-        write_report(path, sim_cluster.as_ref(), trainer.plan(), trace, &cfg.name)?;
-    }
-    for (d, (m, p)) in peaks.iter().zip(&predicted).enumerate() {
-        let (s, ps) = (sent.get(d).copied(), predicted_sent.get(d).copied());
+}
+
+/// Each device's measured peak and last step's bytes beside the plan's.
+fn print_devices(sum: &crate::runtime::Summary, predicted: &[u64], predicted_sent: &[u64]) {
+    for (d, (m, p)) in sum.peak_bytes.iter().zip(predicted).enumerate() {
+        let (s, ps) = (
+            sum.sent_bytes.get(d).copied(),
+            predicted_sent.get(d).copied(),
+        );
         let sent = match (s, ps) {
             (Some(s), Some(ps)) if s > 0 || ps > 0 => format!(
                 "; sent {} in the last step, {} planned",
@@ -656,13 +600,25 @@ fn train_in(a: TrainArgs, job: &Job) -> Result<()> {
     if let Some(rss) = peak_resident() {
         println!("  this process: peak resident memory {}", human_bytes(rss));
     }
-    Ok(())
 }
 
-/// A line above the progress bar, also when stderr is not a terminal (a
-/// run's log), where indicatif's `println` prints nothing.
-fn say(bar: &ProgressBar, line: String) {
-    bar.suspend(|| eprintln!("{line}"));
+/// The progress bar as the training loop's observer: lines above it also
+/// when stderr is not a terminal (a run's log), where indicatif's `println`
+/// prints nothing.
+struct Bar<'a>(&'a ProgressBar);
+
+impl Observer for Bar<'_> {
+    fn step(&mut self, s: &StepStats, tokens_per_s: f64) {
+        self.0
+            .set_message(format!("loss {:.4} | {:.0} tok/s", s.loss, tokens_per_s));
+        self.0.inc(1);
+    }
+    fn say(&mut self, line: String) {
+        self.0.suspend(|| eprintln!("{line}"));
+    }
+    fn stopped(&mut self) {
+        self.0.abandon();
+    }
 }
 
 /// The process's peak resident set (Linux's `VmHWM`): weights, buffers,
@@ -783,44 +739,4 @@ fn job_ranks(job: &Job) -> String {
     }
     let _ = job;
     String::new()
-}
-
-/// The step-1 dump: `param.<gpt2 name>` (initial weights), `grad.<gpt2 name>`,
-/// `inputs` and `targets` (I32 `[B, T]`) and `loss` (F32 `[1]`).
-fn dump_step1(
-    path: &std::path::Path,
-    cfg: &ModelConfig,
-    init: &NamedTensors,
-    batch: &Batch,
-    loss: f64,
-    grads: &NamedTensors,
-) -> Result<()> {
-    let mut entries = gpt2_entries(cfg, init, "param.");
-    entries.extend(gpt2_entries(cfg, grads, "grad."));
-    let ints = |v: &[u32]| {
-        v.iter()
-            .flat_map(|x| (*x as i32).to_le_bytes())
-            .collect::<Vec<u8>>()
-    };
-    entries.push((
-        "inputs".into(),
-        vec![batch.b, batch.t],
-        ints(&batch.tokens),
-        Dtype::I32,
-    ));
-    entries.push((
-        "targets".into(),
-        vec![batch.b, batch.t],
-        ints(&batch.targets),
-        Dtype::I32,
-    ));
-    entries.push((
-        "loss".into(),
-        vec![1],
-        (loss as f32).to_le_bytes().to_vec(),
-        Dtype::F32,
-    ));
-    write_safetensors(path, entries, None)?;
-    println!("step-1 dump: {}", path.display());
-    Ok(())
 }

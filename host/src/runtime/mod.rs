@@ -43,6 +43,7 @@ pub mod model;
 mod ops;
 pub mod schedule;
 mod step;
+pub mod train_loop;
 #[cfg(feature = "mpi")]
 mod wire;
 mod zero;
@@ -53,6 +54,7 @@ pub use comm::Comm;
 pub use data::{Batch, Corpus, DataError, DataPosition, Tokenizer};
 pub use error::RuntimeError;
 pub use schedule::{Decay, Schedule};
+pub use train_loop::{train_loop, LoopConfig, LoopError, Observer, Summary};
 
 use crate::compile::plan::DevicePlan;
 use crate::compile::Plan;

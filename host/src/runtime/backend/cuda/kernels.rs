@@ -344,6 +344,124 @@ mod tests {
         assert_eq!(kernels, 2 * 40);
     }
 
+    /// One kernel as ptxas assembled it.
+    #[derive(Debug, Default)]
+    struct Assembled {
+        name: String,
+        registers: u32,
+        spill_stores: u32,
+        spill_loads: u32,
+    }
+
+    /// `ptxas -v`'s report: per entry, its registers (`Used N registers`)
+    /// and spills (`S bytes spill stores, L bytes spill loads`).
+    fn assembled(report: &str) -> Vec<Assembled> {
+        let number = |line: &str, before: &str| -> Option<u32> {
+            let at = line.find(before)?;
+            line[..at].split_whitespace().last()?.parse().ok()
+        };
+        let mut out: Vec<Assembled> = Vec::new();
+        for line in report.lines() {
+            if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+                let name = rest.split('\'').next().unwrap_or_default();
+                out.push(Assembled {
+                    name: name.to_string(),
+                    ..Default::default()
+                });
+            } else if let Some(k) = out.last_mut() {
+                if let Some(n) = number(line, " bytes spill stores") {
+                    k.spill_stores = n;
+                    k.spill_loads = number(line, " bytes spill loads").unwrap_or(u32::MAX);
+                }
+                if let Some(n) = number(line, " registers") {
+                    k.registers = n;
+                }
+            }
+        }
+        out
+    }
+
+    /// Every kernel assembled by ptxas (PyPI's `nvidia-cuda-nvcc`,
+    /// `scripts/ptxas.sh`, named by `PIPER_PTXAS`) for sm_80 and sm_90
+    /// from NVRTC's PTX: none spills registers to local memory; each one's
+    /// registers printed. NOT RUN without ptxas or NVRTC unless
+    /// `PIPER_REQUIRE_PTXAS=1` (CI).
+    #[test]
+    fn every_kernel_assembles_without_spills_for_ampere_and_hopper() {
+        let ptxas = std::env::var_os("PIPER_PTXAS").filter(|p| !p.is_empty());
+        // SAFETY: loading NVRTC runs its initialisers, as compiling would.
+        let nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+        let Some(ptxas) = ptxas.filter(|_| nvrtc) else {
+            let required = std::env::var("PIPER_REQUIRE_PTXAS").is_ok_and(|v| v == "1");
+            assert!(
+                !required,
+                "PIPER_REQUIRE_PTXAS=1 but PIPER_PTXAS names no ptxas or NVRTC cannot be loaded"
+            );
+            println!("NOT RUN: ptxas (scripts/ptxas.sh, PIPER_PTXAS) or NVRTC is missing");
+            return;
+        };
+        let dir = std::env::temp_dir().join(format!("piper-ptxas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut kernels = 0;
+        for arch in CHECKED_ARCHS {
+            let sm = arch.replace("compute_", "sm_");
+            for (name, src) in SOURCES {
+                let ptx = compile(name, src, arch).unwrap_or_else(|e| panic!("{e}"));
+                let file = dir.join(format!("{name}-{sm}.ptx"));
+                std::fs::write(&file, ptx.to_src()).unwrap();
+                let out = std::process::Command::new(&ptxas)
+                    .args(["-v", "--gpu-name", &sm, "-o", "/dev/null"])
+                    .arg(&file)
+                    .output()
+                    .unwrap_or_else(|e| panic!("running {}: {e}", ptxas.to_string_lossy()));
+                let report = String::from_utf8_lossy(&out.stderr);
+                assert!(out.status.success(), "ptxas {name}.cu for {sm}: {report}");
+                let found = assembled(&report);
+                assert_eq!(
+                    found.len(),
+                    kernel_names(src).len(),
+                    "{name}.cu for {sm}: {report}"
+                );
+                for k in found {
+                    println!("{sm} {name}.cu {}: {} registers", k.name, k.registers);
+                    assert!(
+                        k.registers > 0 && k.spill_stores == 0 && k.spill_loads == 0,
+                        "{sm} {name}.cu {}: {} registers, spills {} bytes stored, {} loaded",
+                        k.name,
+                        k.registers,
+                        k.spill_stores,
+                        k.spill_loads
+                    );
+                    kernels += 1;
+                }
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(kernels, 2 * 40);
+    }
+
+    /// The report's parser reads registers and spills per entry.
+    #[test]
+    fn a_ptxas_report_is_read_entry_by_entry() {
+        let report = "ptxas info    : 0 bytes gmem\n\
+ptxas info    : Compiling entry function 'a' for 'sm_90'\n\
+ptxas info    : Function properties for a\n\
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 40 registers, used 0 barriers, 8 bytes cumulative stack size\n\
+ptxas info    : Compiling entry function 'b' for 'sm_90'\n\
+ptxas info    : Function properties for b\n\
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+ptxas info    : Used 18 registers, used 1 barriers\n";
+        let k = assembled(report);
+        assert_eq!(k.len(), 2);
+        assert_eq!((k[0].name.as_str(), k[0].registers), ("a", 40));
+        assert_eq!((k[0].spill_stores, k[0].spill_loads), (4, 12));
+        assert_eq!(
+            (k[1].name.as_str(), k[1].registers, k[1].spill_stores),
+            ("b", 18, 0)
+        );
+    }
+
     /// Straight to device binaries, as a GPU loads them: ELF images for
     /// sm_80 and sm_90 holding every kernel `Kernels` loads.
     #[test]
