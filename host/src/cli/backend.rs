@@ -324,7 +324,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
             BackendKind::Cuda { .. } => Some(67e12),
             BackendKind::Cpu => None,
         });
-        report.stage("bench", || Ok((bench(&host, kind, peak)?, Vec::new())))?;
+        report.stage("bench", || bench(&host, kind, peak))?;
     }
     println!("report: {}", report.path.display());
     if !report.failed.is_empty() {
@@ -458,11 +458,33 @@ fn strategies(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage>
     Ok((json!(out), failed))
 }
 
+/// The step-1 loss on the CPU: the same initial weights (the same seed)
+/// on the same first batch, forward only. What the GPU's step 1 is held to.
+fn cpu_first_loss(host: &PluginHost, cfg: &ModelConfig) -> Result<f64> {
+    let mut dag = TrainingDag::build(cfg, Cluster::new(1))?;
+    for (name, opts) in ONE {
+        let o: Vec<(String, String)> = (opts.iter())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        host.apply(&host.load(name)?, &mut dag, &o)?;
+    }
+    let mut t = Trainer::new(cfg, compile(&dag)?, TrainOptions::default())?;
+    let batch =
+        Corpus::builtin().batch(1, cfg.batch_size as usize, cfg.seq_len as usize, cfg.vocab)?;
+    Ok(t.eval(&batch)?)
+}
+
+/// Relative tolerance of gpt2-small's step-1 loss against the CPU's (fp32
+/// sums in another order over 8 × 1024 tokens).
+const FIRST_LOSS_VS_CPU: f64 = 1e-4;
+
 /// `gpt2-small` at batch 8 × 1024: tokens/s (median of the steps after the
 /// first two), MFU against `peak` FLOP/s of each physical device (virtual
 /// devices on one GPU share its peak), measured peak memory; on one device,
-/// and under 1F1B on 4 virtual devices.
-fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serde_json::Value> {
+/// and under 1F1B on 4 virtual devices. Each run's step-1 loss is checked
+/// against the CPU's ([`cpu_first_loss`]); `ln V` is printed beside it (a
+/// fresh GPT-2 starts above it: gpt2-small 11.02 against 10.82 on the CPU).
+fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stage> {
     let mut cfg = ModelConfig::preset("gpt2-small")?;
     cfg.batch_size = 8;
     cfg.seq_len = 1024;
@@ -472,7 +494,10 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serd
         .map(|s| s.cost.fwd_flops + s.cost.bwd_flops)
         .sum();
     let tokens = (cfg.batch_size * cfg.seq_len) as f64;
+    let expected = cpu_first_loss(host, &cfg).context("gpt2-small's step-1 loss on the CPU")?;
+    let ln_v = f64::from(cfg.vocab).ln();
     let mut out = Vec::new();
+    let mut failed = Vec::new();
     let runs: [(&str, u32, Strategy); 2] = [
         (
             "one device",
@@ -487,11 +512,21 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serd
     ];
     for (name, devices, strategy) in runs {
         let Run {
+            losses,
             peaks,
             mut secs,
             planned,
-            ..
         } = train(host, &cfg, devices, strategy, kind, 6)?;
+        let first = losses.first().copied().unwrap_or(f64::NAN);
+        let off = (first - expected).abs() / expected;
+        let first_ok = off <= FIRST_LOSS_VS_CPU;
+        println!(
+            "gpt2-small {name}: step-1 loss {first:.5}, the CPU's {expected:.5} (relative difference {off:.1e}, tolerance {FIRST_LOSS_VS_CPU:.0e}; ln V {ln_v:.3}) {}",
+            if first_ok { "ok" } else { "FAILED" }
+        );
+        if !first_ok {
+            failed.push(format!("gpt2-small {name}: step-1 loss"));
+        }
         let mut timed = secs.split_off(2);
         timed.sort_by(|a, b| a.total_cmp(b));
         let step = timed[timed.len() / 2];
@@ -513,7 +548,35 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<serd
                 .collect::<Vec<_>>()
                 .join(" / ")
         );
-        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned}));
+        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned, "first_loss": first, "cpu_first_loss": expected}));
     }
-    Ok(json!(out))
+    Ok((json!(out), failed))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The CPU's forward-only step-1 loss is the loss a training run's
+    /// first step reports, and a fresh GPT-2 starts above `ln V` (so `ln V`
+    /// itself is no test of a run).
+    #[test]
+    fn the_cpu_first_loss_is_the_first_steps_loss() {
+        let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+        let cfg = ModelConfig {
+            layers: 1,
+            seq_len: 64,
+            batch_size: 2,
+            ..ModelConfig::gpt2_small()
+        };
+        let first = train(&host, &cfg, 1, ONE, BackendKind::Cpu, 1)
+            .unwrap()
+            .losses[0];
+        let eval = cpu_first_loss(&host, &cfg).unwrap();
+        assert!(
+            ((first - eval) / eval).abs() < 1e-6,
+            "step 1 {first}, forward only {eval}"
+        );
+        assert!(first > f64::from(cfg.vocab).ln() * 1.01, "{first}");
+    }
 }
