@@ -474,6 +474,23 @@ fn cpu_first_loss(host: &PluginHost, cfg: &ModelConfig) -> Result<f64> {
     Ok(t.eval(&batch)?)
 }
 
+/// The GPUs' pool high-water marks (`reset`: start a new one), `None` on
+/// the CPU (its memory account is the runtime's own, `peak_bytes`).
+fn pool_high_water(kind: BackendKind, reset: bool) -> Result<Option<Vec<u64>>> {
+    match kind {
+        BackendKind::Cpu => Ok(None),
+        #[cfg(feature = "cuda")]
+        BackendKind::Cuda { gpus } => backend::cuda::setup::pool_high_water(gpus, reset)
+            .map(Some)
+            .map_err(anyhow::Error::msg),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Cuda { .. } => {
+            let _ = reset;
+            bail!("this piper was built without CUDA")
+        }
+    }
+}
+
 /// Relative tolerance of gpt2-small's step-1 loss against the CPU's (fp32
 /// sums in another order over 8 × 1024 tokens).
 const FIRST_LOSS_VS_CPU: f64 = 1e-4;
@@ -511,12 +528,14 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stag
         ),
     ];
     for (name, devices, strategy) in runs {
+        pool_high_water(kind, true)?;
         let Run {
             losses,
             peaks,
             mut secs,
             planned,
         } = train(host, &cfg, devices, strategy, kind, 6)?;
+        let pool = pool_high_water(kind, false)?;
         let first = losses.first().copied().unwrap_or(f64::NAN);
         let off = (first - expected).abs() / expected;
         let first_ok = off <= FIRST_LOSS_VS_CPU;
@@ -548,7 +567,14 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stag
                 .collect::<Vec<_>>()
                 .join(" / ")
         );
-        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned, "first_loss": first, "cpu_first_loss": expected}));
+        if let Some(pool) = &pool {
+            println!(
+                "gpt2-small {name}: the GPU pool's high-water mark {} (every plan device on it), the plan's peaks {} together",
+                pool.iter().map(|p| human_bytes(*p)).collect::<Vec<_>>().join(" / "),
+                human_bytes(planned.iter().sum())
+            );
+        }
+        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned, "first_loss": first, "cpu_first_loss": expected, "pool_high_water_bytes": pool}));
     }
     Ok((json!(out), failed))
 }

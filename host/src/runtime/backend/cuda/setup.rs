@@ -114,6 +114,45 @@ pub fn info() -> Result<Vec<(String, String)>, String> {
     Ok(out)
 }
 
+/// The high-water mark of memory in use from each of the first `gpus`
+/// GPUs' default pools (where every tensor comes from), bytes; with
+/// `reset`, set back to what is in use now first (so it covers what runs
+/// next). What the GPU held at its busiest, beside the plan's peaks.
+pub fn pool_high_water(gpus: u32, reset: bool) -> Result<Vec<u64>, String> {
+    use cudarc::driver::sys;
+    libraries()?;
+    let mut out = Vec::new();
+    for g in 0..gpus as usize {
+        let ctx = cudarc::driver::CudaContext::new(g).map_err(|e| format!("GPU {g}: {e}"))?;
+        ctx.bind_to_thread().map_err(|e| format!("GPU {g}: {e}"))?;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut high: u64 = 0;
+        // SAFETY: the device handle is the context's; the out-pointers are
+        // valid; the attributes take a u64 (a reset writes zero).
+        unsafe {
+            sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+                .result()
+                .map_err(|e| format!("GPU {g}: its default memory pool: {e}"))?;
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+            if reset {
+                let mut zero: u64 = 0;
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    attr,
+                    &mut zero as *mut u64 as *mut std::ffi::c_void,
+                )
+                .result()
+                .map_err(|e| format!("GPU {g}: resetting its pool's high-water mark: {e}"))?;
+            }
+            sys::cuMemPoolGetAttribute(pool, attr, &mut high as *mut u64 as *mut std::ffi::c_void)
+                .result()
+                .map_err(|e| format!("GPU {g}: its pool's high-water mark: {e}"))?;
+        }
+        out.push(high);
+    }
+    Ok(out)
+}
+
 /// The GPU (of `gpus`) each of `n` devices goes to: contiguous blocks of
 /// `ceil(n / gpus)`.
 pub fn deal(n: usize, gpus: usize) -> Vec<usize> {
