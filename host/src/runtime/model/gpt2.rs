@@ -7,6 +7,7 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
+use super::block::{half, stash_of, Half, HalfBack, HalfStash};
 use super::common::{bytes_of, Dims, Model, Reduce};
 use crate::model::params::{AttnIds, MlpIds, Norm};
 use crate::runtime::backend::{param, Backend, BackendError, ParamMap};
@@ -398,3 +399,22 @@ impl<B: Backend> Model<'_, B> {
         )
     }
 }
+
+impl<B: Backend> AttnStash<B> {
+    fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[&self.dout, &self.dqkv, &self.dln1])
+    }
+}
+
+impl<B: Backend> MlpStash<B> {
+    fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[&self.dout, &self.dfch, &self.dln2])
+    }
+}
+
+half!(AttnCache, AttnStash, "an attention half", norm: ln1, recomputed: att,
+    weights_skip: (qkv, att), rebuild: rebuild_attn, input: attn_backward_input,
+    weight: attn_backward_weight);
+half!(MlpCache, MlpStash, "an MLP half", norm: ln2, recomputed: fch_gelu,
+    weights_skip: (fch), rebuild: rebuild_mlp, input: mlp_backward_input,
+    weight: mlp_backward_weight);

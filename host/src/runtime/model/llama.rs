@@ -16,6 +16,7 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
+use super::block::{half, stash_of, Half, HalfBack, HalfStash};
 use super::common::{bytes_of, Coll, Dims, Model, Reduce};
 use crate::model::params::{FamilyIds, LlamaAttnIds, ParamId, SwiGluIds};
 use crate::runtime::backend::{grad_mut, param, Backend, BackendError, ParamMap};
@@ -129,13 +130,6 @@ impl<B: Backend> LlamaAttnCache<B> {
             atty: b.duplicate(&self.atty)?,
         })
     }
-    /// What the weight pass reads: all but the packed q/k/v and the
-    /// probabilities.
-    pub(super) fn keep_for_weights(mut self) -> Self {
-        self.qkv = Default::default();
-        self.att = Default::default();
-        self
-    }
 }
 
 impl<B: Backend> SwiGluCache<B> {
@@ -159,30 +153,6 @@ impl<B: Backend> SwiGluCache<B> {
             up: b.duplicate(&self.up)?,
             act: b.duplicate(&self.act)?,
         })
-    }
-    /// What the weight pass reads: all but the gate and up projections.
-    pub(super) fn keep_for_weights(mut self) -> Self {
-        self.gate = Default::default();
-        self.up = Default::default();
-        self
-    }
-}
-
-impl<B: Backend> LlamaAttnStash<B> {
-    pub(super) fn bytes(&self) -> u64 {
-        let qk = self
-            .qk_grads
-            .as_ref()
-            .map_or(0, |(q, k)| bytes_of::<B>(&[q, k]));
-        bytes_of::<B>(&[
-            &self.dout, &self.dq, &self.dk, &self.dv, &self.dqn, &self.dkn, &self.dln1,
-        ]) + qk
-    }
-}
-
-impl<B: Backend> SwiGluStash<B> {
-    pub(super) fn bytes(&self) -> u64 {
-        bytes_of::<B>(&[&self.dout, &self.dgate, &self.dup, &self.dln2])
     }
 }
 
@@ -618,3 +588,30 @@ impl<B: Backend> Model<'_, B> {
         Ok(())
     }
 }
+
+impl<B: Backend> LlamaAttnStash<B> {
+    fn bytes(&self) -> u64 {
+        let qk = self
+            .qk_grads
+            .as_ref()
+            .map_or(0, |(q, k)| bytes_of::<B>(&[q, k]));
+        bytes_of::<B>(&[
+            &self.dout, &self.dq, &self.dk, &self.dv, &self.dqn, &self.dkn, &self.dln1,
+        ]) + qk
+    }
+}
+
+impl<B: Backend> SwiGluStash<B> {
+    fn bytes(&self) -> u64 {
+        bytes_of::<B>(&[&self.dout, &self.dgate, &self.dup, &self.dln2])
+    }
+}
+
+// The weight pass reads all but the packed q/k/v and the probabilities;
+// all but the gate and up projections.
+half!(LlamaAttnCache, LlamaAttnStash, "a Llama attention half", norm: ln1, recomputed: att,
+    weights_skip: (qkv, att), rebuild: rebuild_llama_attn, input: llama_attn_backward_input,
+    weight: llama_attn_backward_weight);
+half!(SwiGluCache, SwiGluStash, "a SwiGLU half", norm: ln2, recomputed: act,
+    weights_skip: (gate, up), rebuild: rebuild_swiglu, input: swiglu_backward_input,
+    weight: swiglu_backward_weight);

@@ -7,12 +7,11 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
+use super::block::{Half, HalfKind, HalfStash};
 use super::common::{bytes_of, Coll, Dims, Model, Peers, Reduce};
-use super::gpt2::{AttnCache, AttnStash, MlpCache, MlpStash};
-use super::llama::{LlamaAttnCache, LlamaAttnStash, SwiGluCache, SwiGluStash};
 use super::moe::{ExpertGroup, MoeCache, MoeDims, MoeStash};
 use crate::model::params::FamilyIds;
-use crate::model::{Family, Part, Segment};
+use crate::model::{Part, Segment};
 use crate::runtime::backend::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
 
 /// What each part of a segment keeps from forward.
@@ -20,10 +19,9 @@ pub enum PartCache<B: Backend> {
     Embedding {
         tokens: B::Ids,
     },
-    Block(Box<AttnCache<B>>, Box<MlpCache<B>>),
-    LlamaBlock(Box<LlamaAttnCache<B>>, Box<SwiGluCache<B>>),
-    Attention(Box<AttnCache<B>>),
-    LlamaAttention(Box<LlamaAttnCache<B>>),
+    /// A block's halves in order: attention and the dense MLP, or a MoE
+    /// layer's attention alone.
+    Halves(Vec<Box<dyn Half<B>>>),
     Experts(Box<MoeCache<B>>),
     /// The final norm (`mean` empty for RMSNorm), head and loss.
     Head {
@@ -48,10 +46,7 @@ impl<B: Backend> SegmentCache<B> {
             .iter()
             .map(|p| match p {
                 PartCache::Embedding { tokens } => B::ids_bytes(tokens),
-                PartCache::Block(a, m) => a.bytes() + m.bytes(),
-                PartCache::LlamaBlock(a, m) => a.bytes() + m.bytes(),
-                PartCache::Attention(a) => a.bytes(),
-                PartCache::LlamaAttention(a) => a.bytes(),
+                PartCache::Halves(hs) => hs.iter().map(|h| h.bytes()).sum(),
                 PartCache::Experts(m) => m.bytes(),
                 PartCache::Head {
                     x,
@@ -86,32 +81,9 @@ impl<B: Backend> SegmentCache<B> {
     /// group, are kept too (the recompute runs without the group).
     pub fn thin(mut self) -> Self {
         let sp = self.dims.sp;
-        let drop_norm = |t: &mut B::Tensor| {
-            if !sp {
-                *t = Default::default();
-            }
-        };
         for p in &mut self.parts {
-            match p {
-                PartCache::Block(a, m) => {
-                    drop_norm(&mut a.ln1);
-                    drop_norm(&mut m.ln2);
-                    (a.att, m.fch_gelu) = Default::default();
-                }
-                PartCache::Attention(a) => {
-                    drop_norm(&mut a.ln1);
-                    a.att = Default::default();
-                }
-                PartCache::LlamaBlock(a, m) => {
-                    drop_norm(&mut a.ln1);
-                    drop_norm(&mut m.ln2);
-                    (a.att, m.act) = Default::default();
-                }
-                PartCache::LlamaAttention(a) => {
-                    drop_norm(&mut a.ln1);
-                    a.att = Default::default();
-                }
-                PartCache::Embedding { .. } | PartCache::Experts(_) | PartCache::Head { .. } => {}
+            if let PartCache::Halves(hs) = p {
+                hs.iter_mut().for_each(|h| h.thin(sp));
             }
         }
         self
@@ -126,16 +98,11 @@ impl<B: Backend> SegmentCache<B> {
                     PartCache::Embedding { tokens } => PartCache::Embedding {
                         tokens: b.duplicate_ids(tokens)?,
                     },
-                    PartCache::Block(a, m) => {
-                        PartCache::Block(Box::new(a.duplicate(b)?), Box::new(m.duplicate(b)?))
-                    }
-                    PartCache::LlamaBlock(a, m) => {
-                        PartCache::LlamaBlock(Box::new(a.duplicate(b)?), Box::new(m.duplicate(b)?))
-                    }
-                    PartCache::Attention(a) => PartCache::Attention(Box::new(a.duplicate(b)?)),
-                    PartCache::LlamaAttention(a) => {
-                        PartCache::LlamaAttention(Box::new(a.duplicate(b)?))
-                    }
+                    PartCache::Halves(hs) => PartCache::Halves(
+                        hs.iter()
+                            .map(|h| h.duplicate(b))
+                            .collect::<Result<_, _>>()?,
+                    ),
                     PartCache::Experts(m) => PartCache::Experts(Box::new(m.duplicate(b)?)),
                     PartCache::Head {
                         x,
@@ -164,13 +131,16 @@ impl<B: Backend> SegmentCache<B> {
 
 /// Gradients the weight pass needs, produced by the input pass.
 pub enum PartStash<B: Backend> {
-    Embedding { dout: B::Tensor },
-    Block(AttnStash<B>, MlpStash<B>),
-    LlamaBlock(Box<LlamaAttnStash<B>>, Box<SwiGluStash<B>>),
-    Attention(AttnStash<B>),
-    LlamaAttention(Box<LlamaAttnStash<B>>),
+    Embedding {
+        dout: B::Tensor,
+    },
+    /// One per half of the block, in the halves' order.
+    Halves(Vec<Box<dyn HalfStash<B>>>),
     Experts(Box<MoeStash<B>>),
-    Head { dlogits: B::Tensor, dlnf: B::Tensor },
+    Head {
+        dlogits: B::Tensor,
+        dlnf: B::Tensor,
+    },
 }
 
 /// A segment's input-pass stash.
@@ -185,16 +155,11 @@ pub struct SegmentStash<B: Backend> {
 
 impl<B: Backend> SegmentStash<B> {
     pub fn bytes(&self) -> u64 {
-        let attn = |a: &AttnStash<B>| bytes_of::<B>(&[&a.dout, &a.dqkv, &a.dln1]);
-        let mlp = |m: &MlpStash<B>| bytes_of::<B>(&[&m.dout, &m.dfch, &m.dln2]);
         self.parts
             .iter()
             .map(|p| match p {
                 PartStash::Embedding { dout } => B::bytes(dout),
-                PartStash::Block(a, m) => attn(a) + mlp(m),
-                PartStash::LlamaBlock(a, m) => a.bytes() + m.bytes(),
-                PartStash::LlamaAttention(a) => a.bytes(),
-                PartStash::Attention(a) => attn(a),
+                PartStash::Halves(hs) => hs.iter().map(|h| h.bytes()).sum(),
                 PartStash::Experts(m) => m.bytes(),
                 PartStash::Head { dlogits, dlnf } => bytes_of::<B>(&[dlogits, dlnf]),
             })
@@ -204,26 +169,13 @@ impl<B: Backend> SegmentStash<B> {
 
     /// Keep from `cache` what [`Model::backward_weight`] reads.
     pub fn keep_for_weights(&mut self, cache: SegmentCache<B>) {
-        let attn = |mut a: Box<AttnCache<B>>| {
-            a.qkv = Default::default();
-            a.att = Default::default();
-            a
-        };
         let parts = cache
             .parts
             .into_iter()
             .map(|p| match p {
-                PartCache::Block(a, mut m) => {
-                    m.fch = Default::default();
-                    PartCache::Block(attn(a), m)
-                }
-                PartCache::LlamaBlock(a, m) => PartCache::LlamaBlock(
-                    Box::new(a.keep_for_weights()),
-                    Box::new(m.keep_for_weights()),
-                ),
-                PartCache::Attention(a) => PartCache::Attention(attn(a)),
-                PartCache::LlamaAttention(a) => {
-                    PartCache::LlamaAttention(Box::new(a.keep_for_weights()))
+                PartCache::Halves(mut hs) => {
+                    hs.iter_mut().for_each(|h| h.keep_for_weights());
+                    PartCache::Halves(hs)
                 }
                 PartCache::Experts(m) => PartCache::Experts(Box::new(m.keep_for_weights())),
                 PartCache::Head {
@@ -267,18 +219,10 @@ impl<B: Backend> Model<'_, B> {
     ) -> Result<SegmentCache<B>, BackendError> {
         let dims = cache.dims;
         for p in &mut cache.parts {
-            match p {
-                PartCache::Block(a, m) => {
-                    self.rebuild_attn(params, a, dims)?;
-                    self.rebuild_mlp(params, m, dims)?;
+            if let PartCache::Halves(hs) = p {
+                for h in hs {
+                    h.rebuild(self, params, dims)?;
                 }
-                PartCache::Attention(a) => self.rebuild_attn(params, a, dims)?,
-                PartCache::LlamaBlock(a, m) => {
-                    self.rebuild_llama_attn(params, a, dims)?;
-                    self.rebuild_swiglu(params, m, dims)?;
-                }
-                PartCache::LlamaAttention(a) => self.rebuild_llama_attn(params, a, dims)?,
-                PartCache::Embedding { .. } | PartCache::Experts(_) | PartCache::Head { .. } => {}
             }
         }
         Ok(cache)
@@ -365,67 +309,20 @@ impl<B: Backend> Model<'_, B> {
                     );
                     caches.push(PartCache::Embedding { tokens: ids });
                 }
-                Part::Block(l) if dims.arch.family == Family::Llama => {
-                    let inp = std::mem::take(&mut x);
-                    let (x2, attn) = self.llama_attn_forward(
-                        params,
-                        l,
-                        inp,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    let (out, mlp) = self.swiglu_forward(
-                        params,
-                        l,
-                        x2,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    x = out;
-                    caches.push(PartCache::LlamaBlock(Box::new(attn), Box::new(mlp)));
-                }
-                Part::Attention(l) if dims.arch.family == Family::Llama => {
-                    let inp = std::mem::take(&mut x);
-                    let (x2, attn) = self.llama_attn_forward(
-                        params,
-                        l,
-                        inp,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    x = x2;
-                    caches.push(PartCache::LlamaAttention(Box::new(attn)));
-                }
-                Part::Block(l) => {
-                    let inp = std::mem::take(&mut x);
-                    let (x2, attn) = self.attn_forward(
-                        params,
-                        l,
-                        inp,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    let (out, mlp) = self.mlp_forward(
-                        params,
-                        l,
-                        x2,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    x = out;
-                    caches.push(PartCache::Block(Box::new(attn), Box::new(mlp)));
-                }
-                Part::Attention(l) => {
-                    let inp = std::mem::take(&mut x);
-                    let (x2, attn) = self.attn_forward(
-                        params,
-                        l,
-                        inp,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    x = x2;
-                    caches.push(PartCache::Attention(Box::new(attn)));
+                Part::Block(l) | Part::Attention(l) => {
+                    let kinds: &[HalfKind] = match part {
+                        Part::Block(_) => &[HalfKind::Attention, HalfKind::Mlp],
+                        _ => &[HalfKind::Attention],
+                    };
+                    let mut halves = Vec::with_capacity(kinds.len());
+                    for &kind in kinds {
+                        let inp = std::mem::take(&mut x);
+                        let group = peers.as_mut().and_then(|s| s.reduce());
+                        let (out, half) = self.half_forward(params, kind, l, inp, dims, group)?;
+                        x = out;
+                        halves.push(half);
+                    }
+                    caches.push(PartCache::Halves(halves));
                 }
                 Part::Experts(l) => {
                     let moe = dims.moe.ok_or_else(|| missing("MoE configuration"))?;
@@ -517,13 +414,7 @@ impl<B: Backend> Model<'_, B> {
         let mut sharded = false;
         for pc in cache.parts.iter().rev() {
             if !matches!(pc, PartCache::Head { .. }) {
-                let inside = matches!(
-                    pc,
-                    PartCache::Block(..)
-                        | PartCache::LlamaBlock(..)
-                        | PartCache::Attention(_)
-                        | PartCache::LlamaAttention(_)
-                );
+                let inside = matches!(pc, PartCache::Halves(_));
                 let group = peers.as_mut().and_then(|s| s.reduce());
                 d = self.residual_as(d, &mut sharded, inside, dims, group)?;
             }
@@ -575,67 +466,17 @@ impl<B: Backend> Model<'_, B> {
                     d = dx;
                     stash.push(PartStash::Head { dlogits, dlnf });
                 }
-                PartCache::Block(attn, mlp) => {
-                    let dout = std::mem::take(&mut d);
-                    let (dx2, ms) = self.mlp_backward_input(
-                        params,
-                        mlp,
-                        dout,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    let (dx, at) = self.attn_backward_input(
-                        params,
-                        attn,
-                        dx2,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    d = dx;
-                    stash.push(PartStash::Block(at, ms));
-                }
-                PartCache::LlamaBlock(attn, mlp) => {
-                    let dout = std::mem::take(&mut d);
-                    let (dx2, ms) = self.swiglu_backward_input(
-                        params,
-                        mlp,
-                        dout,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    let (dx, at) = self.llama_attn_backward_input(
-                        params,
-                        attn,
-                        dx2,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    d = dx;
-                    stash.push(PartStash::LlamaBlock(Box::new(at), Box::new(ms)));
-                }
-                PartCache::LlamaAttention(attn) => {
-                    let dout = std::mem::take(&mut d);
-                    let (dx, at) = self.llama_attn_backward_input(
-                        params,
-                        attn,
-                        dout,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    d = dx;
-                    stash.push(PartStash::LlamaAttention(Box::new(at)));
-                }
-                PartCache::Attention(attn) => {
-                    let dout = std::mem::take(&mut d);
-                    let (dx, at) = self.attn_backward_input(
-                        params,
-                        attn,
-                        dout,
-                        dims,
-                        peers.as_mut().and_then(|s| s.reduce()),
-                    )?;
-                    d = dx;
-                    stash.push(PartStash::Attention(at));
+                PartCache::Halves(hs) => {
+                    let mut stashes = Vec::with_capacity(hs.len());
+                    for h in hs.iter().rev() {
+                        let dout = std::mem::take(&mut d);
+                        let group = peers.as_mut().and_then(|s| s.reduce());
+                        let (dx, st) = h.backward_input(self, params, dout, dims, group)?;
+                        d = dx;
+                        stashes.push(st);
+                    }
+                    stashes.reverse();
+                    stash.push(PartStash::Halves(stashes));
                 }
                 PartCache::Experts(m) => {
                     let dout = std::mem::take(&mut d);
@@ -712,19 +553,10 @@ impl<B: Backend> Model<'_, B> {
                         ),
                     }
                 }
-                (PartCache::LlamaBlock(attn, mlp), PartStash::LlamaBlock(at, ms)) => {
-                    self.swiglu_backward_weight(grads, mlp, ms, cache.dims)?;
-                    self.llama_attn_backward_weight(grads, attn, at, cache.dims)?;
-                }
-                (PartCache::LlamaAttention(attn), PartStash::LlamaAttention(at)) => {
-                    self.llama_attn_backward_weight(grads, attn, at, cache.dims)?;
-                }
-                (PartCache::Block(attn, mlp), PartStash::Block(at, ms)) => {
-                    self.mlp_backward_weight(grads, mlp, ms, cache.dims)?;
-                    self.attn_backward_weight(grads, attn, at, cache.dims)?;
-                }
-                (PartCache::Attention(attn), PartStash::Attention(at)) => {
-                    self.attn_backward_weight(grads, attn, at, cache.dims)?;
+                (PartCache::Halves(hs), PartStash::Halves(ss)) if hs.len() == ss.len() => {
+                    for (h, st) in hs.iter().zip(ss).rev() {
+                        h.backward_weight(self, grads, st.as_ref(), cache.dims)?;
+                    }
                 }
                 (PartCache::Experts(m), PartStash::Experts(ms)) => {
                     self.moe_backward_weight(grads, m, ms)?;
