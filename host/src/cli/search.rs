@@ -48,46 +48,15 @@ pub fn run(
     out: Option<&Path>,
     json: bool,
 ) -> Result<()> {
-    if !run.strategies.is_empty() {
-        bail!("--search finds the strategies itself: drop --strategy (name your own plugins in --search-space)");
-    }
-    let config = RunConfig::resolve(run)?;
-    if run.config.is_some() && !config.strategies.is_empty() {
-        bail!("--search finds the strategies itself: the run config names some; remove its [[strategy]] tables");
-    }
-    let mut model = config.model_config()?;
-    if let Some(b) = a.global_batch {
-        model.batch_size = b;
-        model
-            .validate()
-            .with_context(|| format!("--global-batch {b}"))?;
-    }
-    let devices = match (config.devices, &sim_args.cluster) {
-        (Some(d), _) => d,
-        (None, Some(c)) => u32::try_from(crate::sim::Cluster::resolve(c, 8)?.devices())
-            .context("the cluster has more devices than a plan may")?,
-        (None, None) => 8,
-    };
-    let cluster = cluster_for(sim_args.cluster.as_deref(), devices)?;
-    let cap = match &sim_args.device_memory {
-        Some(s) => parse_size(s)?,
-        None => cluster.memory_bytes as u64,
-    };
-    let budget = match a.budget {
-        None => None,
-        Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
-            Some(Duration::from_secs_f64(s))
-        }
-        Some(s) => bail!("--budget must be more than 0 and at most 604800 seconds, got {s}"),
-    };
-    let file = match &a.search_space {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("reading the search space {}", p.display()))?;
-            Some(SpaceFile::parse(&text, &p.display().to_string())?)
-        }
-        None => None,
-    };
+    let Inputs {
+        config,
+        model,
+        devices,
+        cluster,
+        cap,
+        budget,
+        file,
+    } = inputs(run, sim_args, a)?;
     let candidates = space::enumerate(&model, devices, cluster.devices_per_node, file.as_ref());
     if candidates.is_empty() {
         bail!(
@@ -176,25 +145,98 @@ pub fn run(
         }
     }
     if let Some(p) = &sim_args.report {
-        // Every top candidate kept its timeline (the search keeps the
-        // fastest `top`'s for a report).
-        let sections: Vec<report::Section> = (top.iter().enumerate())
-            .filter_map(|(rank, (i, s))| {
-                Some(report::Section {
-                    title: format!("#{} {}", rank + 1, result.candidates[*i].label()),
-                    sim: s.sim.as_ref()?,
-                    capacity: Some(cap as f64),
-                    source: format!("simulated on {}", cluster.name),
-                })
-            })
-            .collect();
-        let html = report::html(&format!("Piper strategy search: {where_}"), &sections);
-        std::fs::write(p, html).with_context(|| format!("writing {}", p.display()))?;
+        write_report(p, &result, top, (&cluster, cap), &where_)?;
         if !json {
             println!("report: {}", p.display());
         }
     }
     Ok(())
+}
+
+/// What a search runs on, from the flags and the run config, checked.
+struct Inputs {
+    config: RunConfig,
+    model: ModelConfig,
+    devices: u32,
+    cluster: crate::sim::Cluster,
+    cap: u64,
+    budget: Option<Duration>,
+    file: Option<SpaceFile>,
+}
+
+fn inputs(run: &RunArgs, sim_args: &SimArgs, a: &SearchArgs) -> Result<Inputs> {
+    if !run.strategies.is_empty() {
+        bail!("--search finds the strategies itself: drop --strategy (name your own plugins in --search-space)");
+    }
+    let config = RunConfig::resolve(run)?;
+    if run.config.is_some() && !config.strategies.is_empty() {
+        bail!("--search finds the strategies itself: the run config names some; remove its [[strategy]] tables");
+    }
+    let mut model = config.model_config()?;
+    if let Some(b) = a.global_batch {
+        model.batch_size = b;
+        model
+            .validate()
+            .with_context(|| format!("--global-batch {b}"))?;
+    }
+    let devices = match (config.devices, &sim_args.cluster) {
+        (Some(d), _) => d,
+        (None, Some(c)) => u32::try_from(crate::sim::Cluster::resolve(c, 8)?.devices())
+            .context("the cluster has more devices than a plan may")?,
+        (None, None) => 8,
+    };
+    let cluster = cluster_for(sim_args.cluster.as_deref(), devices)?;
+    let cap = match &sim_args.device_memory {
+        Some(s) => parse_size(s)?,
+        None => cluster.memory_bytes as u64,
+    };
+    let budget = match a.budget {
+        None => None,
+        Some(s) if s.is_finite() && s > 0.0 && s <= 7.0 * 24.0 * 3600.0 => {
+            Some(Duration::from_secs_f64(s))
+        }
+        Some(s) => bail!("--budget must be more than 0 and at most 604800 seconds, got {s}"),
+    };
+    let file = match &a.search_space {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading the search space {}", p.display()))?;
+            Some(SpaceFile::parse(&text, &p.display().to_string())?)
+        }
+        None => None,
+    };
+    Ok(Inputs {
+        config,
+        model,
+        devices,
+        cluster,
+        cap,
+        budget,
+        file,
+    })
+}
+
+/// `--report`: every top candidate's timeline stacked (the search keeps
+/// the fastest `top`'s for it).
+fn write_report(
+    p: &Path,
+    result: &Search,
+    top: &[(usize, &Scored)],
+    (cluster, cap): (&crate::sim::Cluster, u64),
+    where_: &str,
+) -> Result<()> {
+    let sections: Vec<report::Section> = (top.iter().enumerate())
+        .filter_map(|(rank, (i, s))| {
+            Some(report::Section {
+                title: format!("#{} {}", rank + 1, result.candidates[*i].label()),
+                sim: s.sim.as_ref()?,
+                capacity: Some(cap as f64),
+                source: format!("simulated on {}", cluster.name),
+            })
+        })
+        .collect();
+    let html = report::html(&format!("Piper strategy search: {where_}"), &sections);
+    std::fs::write(p, html).with_context(|| format!("writing {}", p.display()))
 }
 
 /// `812 candidates in 41.3 s (19.7/s): 240 cut by the memory estimate, …`.

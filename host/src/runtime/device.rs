@@ -318,6 +318,78 @@ fn held_and_spreads(plan: &DevicePlan) -> Result<Held, RuntimeError> {
     })
 }
 
+/// A device's parameters at step 0 and what it knows of them.
+struct Initial<T> {
+    params: ParamMap<T>,
+    /// The parameters whose gradients this device counts in the norm.
+    norm_ids: Vec<ParamId>,
+    /// The parameters AdamW decays.
+    decay: ParamMap<()>,
+    /// Of tensor-parallel slices, this device's part of the full tensor.
+    tp_pieces: ParamMap<TpPiece>,
+}
+
+/// The initial values of the `held` segments' parameters as this device
+/// holds them (its slices and experts), seeded by name as on every backend.
+fn initial_params<B: Backend>(
+    cfg: &ModelConfig,
+    table: &ParamTable,
+    segments: &[Segment],
+    (held, replica, spreads): (&BTreeSet<u32>, &HashMap<u32, u32>, &Spreads),
+    seed: u64,
+    b: &B,
+) -> Result<Initial<B::Tensor>, BackendError> {
+    let has_embedding = held.iter().any(|s| segments[*s as usize].has_embedding());
+    let mut params: ParamMap<B::Tensor> = ParamMap::new();
+    let mut norm_ids = Vec::new();
+    let mut decay = ParamMap::new();
+    let mut tp_pieces = ParamMap::new();
+    for &s in held {
+        let spread = spreads.experts.contains_key(&s);
+        let tp_rank = spreads.tensor.get(&s).map(|(_, r)| *r);
+        for p in params_here(cfg, table, &segments[s as usize], spreads) {
+            let id = p.id;
+            if table.entry(id).decays() {
+                decay.insert(id, ());
+            }
+            if !params.contains(id) {
+                let full = init::param_values(table, id, cfg.layers, seed);
+                let mine = match &p.piece {
+                    Some(pc) => pc.take(&full),
+                    None => full,
+                };
+                params.insert(id, b.upload(mine)?);
+            }
+            // Replicated tensors count in the norm on their first
+            // replica (of a tensor-parallel mesh, rank 0 of the first
+            // replica's group); spread experts and tensor-parallel
+            // slices on every device holding them (of the first replica).
+            // (Of a sequence split, rank 0 of the first replica's group
+            // too, for what every rank holds whole.)
+            let seq_rank = spreads.sequences.get(&s).map_or(0, |q| q.rank);
+            let first_replica =
+                replica.get(&s) == Some(&0) && (seq_rank == 0 || table.expert_of(id).is_some());
+            let first = match tp_rank {
+                Some(r) => first_replica && (r == 0 || p.piece.is_some()),
+                None => first_replica || (spread && table.expert_of(id).is_some()),
+            };
+            if let Some(pc) = p.piece {
+                tp_pieces.insert(id, pc);
+            }
+            let counts = first && (id != table.wte || has_embedding);
+            if counts && !norm_ids.contains(&id) {
+                norm_ids.push(id);
+            }
+        }
+    }
+    Ok(Initial {
+        params,
+        norm_ids,
+        decay,
+        tp_pieces,
+    })
+}
+
 impl<B: Backend> Device<B> {
     pub(crate) fn new(
         cfg: &ModelConfig,
@@ -340,48 +412,20 @@ impl<B: Backend> Device<B> {
             spreads,
         } = held_and_spreads(plan)?;
         let has_embedding = held.iter().any(|s| segments[*s as usize].has_embedding());
-        let mut params: ParamMap<B::Tensor> = ParamMap::new();
-        let mut norm_ids = Vec::new();
-        let mut decay = ParamMap::new();
-        let mut tp_pieces = ParamMap::new();
-        for &s in &held {
-            let spread = spreads.experts.contains_key(&s);
-            let tp_rank = spreads.tensor.get(&s).map(|(_, r)| *r);
-            for p in params_here(cfg, &table, &segments[s as usize], &spreads) {
-                let id = p.id;
-                if table.entry(id).decays() {
-                    decay.insert(id, ());
-                }
-                if !params.contains(id) {
-                    let full = init::param_values(&table, id, cfg.layers, opts.seed);
-                    let mine = match &p.piece {
-                        Some(pc) => pc.take(&full),
-                        None => full,
-                    };
-                    params.insert(id, b.upload(mine).map_err(setup)?);
-                }
-                // Replicated tensors count in the norm on their first
-                // replica (of a tensor-parallel mesh, rank 0 of the first
-                // replica's group); spread experts and tensor-parallel
-                // slices on every device holding them (of the first replica).
-                // (Of a sequence split, rank 0 of the first replica's group
-                // too, for what every rank holds whole.)
-                let seq_rank = spreads.sequences.get(&s).map_or(0, |q| q.rank);
-                let first_replica =
-                    replica.get(&s) == Some(&0) && (seq_rank == 0 || table.expert_of(id).is_some());
-                let first = match tp_rank {
-                    Some(r) => first_replica && (r == 0 || p.piece.is_some()),
-                    None => first_replica || (spread && table.expert_of(id).is_some()),
-                };
-                if let Some(pc) = p.piece {
-                    tp_pieces.insert(id, pc);
-                }
-                let counts = first && (id != table.wte || has_embedding);
-                if counts && !norm_ids.contains(&id) {
-                    norm_ids.push(id);
-                }
-            }
-        }
+        let Initial {
+            mut params,
+            mut norm_ids,
+            decay,
+            tp_pieces,
+        } = initial_params(
+            cfg,
+            &table,
+            segments,
+            (&held, &replica, &spreads),
+            opts.seed,
+            &b,
+        )
+        .map_err(setup)?;
         let owned: BTreeMap<u32, Vec<ParamId>> = held
             .iter()
             .map(|&s| {

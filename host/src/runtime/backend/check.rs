@@ -256,15 +256,32 @@ pub fn kernels<R: Backend, B: Backend>(
     Ok(k.out)
 }
 
-/// The dense kernels (embedding, layernorm, linear layers, attention, GELU,
-/// residual, cross-entropy) at `(sequences, tokens, d_model, heads,
+/// Shapes of the dense checks: `(sequences, tokens, d_model, heads,
 /// vocabulary, linear width)`.
+type DenseShape = (usize, usize, usize, usize, usize, usize);
+
+/// The dense kernels (embedding, layernorm, linear layers, attention, GELU,
+/// residual, cross-entropy) at `shape`.
 fn dense_kernels<R: Backend, B: Backend>(
     k: &mut Bench<'_, R, B>,
     rng: &mut Rng,
-    shape: (usize, usize, usize, usize, usize, usize),
+    shape: DenseShape,
 ) -> Result<(), BackendError> {
-    let (bb, t, c, nh, v, oc) = shape;
+    let inputs = embedding_and_norm_kernels(k, rng, shape)?;
+    layer_kernels(k, rng, shape, inputs)
+}
+
+/// An output gradient, an activation and a norm gain the later checks share.
+type Shared<R, B> = (Pair<R, B>, Pair<R, B>, Pair<R, B>);
+
+/// The embedding and layernorm; gives the output gradient, the norm's
+/// input and its gain for the checks after them.
+fn embedding_and_norm_kernels<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+    shape: DenseShape,
+) -> Result<Shared<R, B>, BackendError> {
+    let (bb, t, c, _, v, _) = shape;
     let n = bb * t;
 
     // Embedding.
@@ -339,6 +356,18 @@ fn dense_kernels<R: Backend, B: Backend>(
         },
     )?;
     k.record("layernorm_backward_weight", FP32, &[&dw, &db])?;
+    Ok((dout, x, w))
+}
+
+/// Linear layers, attention, the elementwise kernels and the loss.
+fn layer_kernels<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+    shape: DenseShape,
+    (dout, x, w): Shared<R, B>,
+) -> Result<(), BackendError> {
+    let (bb, t, c, nh, v, oc) = shape;
+    let n = bb * t;
 
     // Linear layers.
     let lw = k.pair(&rng.vec(oc * c, 0.2))?;
