@@ -588,6 +588,39 @@ fn sequence_parallelism_trains_at_one_devices_losses_and_holds_less() {
         err.contains("is sequence-parallel over tensor-parallel groups of 2, but a microbatch replica holds 15 tokens"),
         "{err}"
     );
+    // What it sends is what the plan says: the all-reduces' bytes, plus
+    // the gathers where each segment's blocks end and the norms' gradient
+    // sums; under a split backward (zb-h1) what it sends more than plain
+    // tp is what the plan adds (tp × pipelines sends 3% past its plan on
+    // its own, without sequence parallelism).
+    let sent = |strategy: Strategy| {
+        let plan = plan_with(&host, &four_heads(), 4, strategy).unwrap();
+        let planned = plan.predicted_sent_bytes();
+        let mut trainer = Trainer::new(&four_heads(), plan, TrainOptions::default()).unwrap();
+        let batch = Corpus::builtin().batch(1, 32, 16, 256).unwrap();
+        let st = trainer.step(&batch).unwrap();
+        (st.comm_bytes, planned)
+    };
+    let dp: &[(&str, &str)] = &[("degree", "2")];
+    let (got, want) = sent(&[("tp", sp), ("dp", dp)]);
+    for d in 0..4 {
+        let (got, want) = (got[d] as f64, want[d] as f64);
+        assert!(
+            (got / want - 1.0).abs() < 0.01,
+            "tp+sp×dp: device {d} sent {got}, planned {want}"
+        );
+    }
+    let zb: &[(&str, &str)] = &[("microbatches", "4")];
+    let (got_sp, want_sp) = sent(&[("tp", sp), ("zb-h1", zb)]);
+    let (got_tp, want_tp) = sent(&[("tp", &[("tp", "2")]), ("zb-h1", zb)]);
+    for d in 0..4 {
+        let more = got_sp[d] as f64 - got_tp[d] as f64;
+        let planned_more = want_sp[d] as f64 - want_tp[d] as f64;
+        assert!(
+            more > 0.0 && (more / planned_more - 1.0).abs() < 0.01,
+            "tp+sp×zb-h1: device {d} sent {more} bytes more than tp×zb-h1, planned {planned_more} more"
+        );
+    }
     let (plan_tp, run_tp) = peak(tp);
     let (plan_sp, run_sp) = peak(with_sp);
     println!("peak bytes, tp: planned {plan_tp} measured {run_tp}; tp+sp: planned {plan_sp} measured {run_sp}");

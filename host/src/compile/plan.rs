@@ -656,8 +656,9 @@ impl Plan {
                 };
                 ops.map(|op| match op.op {
                     OpKind::Send => op.bytes as f64,
-                    // A tensor-parallel pass sums over its group inside the op.
-                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI
+                    // A tensor-parallel pass sums over its group inside the op
+                    // (a sequence-parallel weight pass, its norms' gradients).
+                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI | OpKind::BW
                         if op.spread == Some(Spread::Tensor) =>
                     {
                         2.0 * part(op)

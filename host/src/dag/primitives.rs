@@ -538,6 +538,28 @@ impl TrainingDag {
         Ok(ids.len())
     }
 
+    /// Bytes of the block norms' gradients a sequence-parallel weight pass
+    /// sums over its group (0 otherwise).
+    fn sp_norm_bytes(&self, n: &super::Node, seg: &crate::model::Segment) -> u64 {
+        if !n.tensor_parallel.is_some_and(|t| t.sequence) {
+            return 0;
+        }
+        let norms = seg
+            .parts
+            .iter()
+            .map(|p| match p {
+                crate::model::Part::Block(_) => 2,
+                crate::model::Part::Attention(_) => 1,
+                _ => 0,
+            })
+            .sum::<u64>();
+        let per_norm = match self.model.family {
+            crate::model::Family::Gpt2 => 2,
+            crate::model::Family::Llama => 1,
+        };
+        norms * per_norm * u64::from(self.model.d_model) * DTYPE_BYTES
+    }
+
     /// Cost hints of a node as one of its devices runs it.
     pub fn cost(&self, id: NodeId) -> NodeCost {
         let n = &self.graph[id.ix()];
@@ -594,7 +616,9 @@ impl TrainingDag {
                     // the rows, and half an activation per exchange for
                     // the all-gather of the shares.
                     comm_bytes: match (phase, self.expert_phases, n.replica) {
-                        _ if *pass == super::Pass::BW => 0,
+                        // Sequence parallelism sums the block norms'
+                        // gradients in the weight pass (an all-reduce).
+                        _ if *pass == super::Pass::BW => self.sp_norm_bytes(n, seg),
                         (_, Some(x), _) if experts_split => {
                             let m = &self.model;
                             let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
@@ -612,7 +636,17 @@ impl TrainingDag {
                                 .sum();
                             let m = &self.model;
                             let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
-                            sums * act * DTYPE_BYTES / div
+                            // Sequence parallelism: each run of blocks
+                            // all-gathers the residual where it ends (half
+                            // a sum), once each way; a fused backward sums
+                            // the norms' gradients too.
+                            let sp = n.tensor_parallel.is_some_and(|t| t.sequence);
+                            let edges = if sp { block_runs(&seg.parts) } else { 0 };
+                            let norms = match pass {
+                                super::Pass::B => self.sp_norm_bytes(n, seg),
+                                _ => 0,
+                            };
+                            (2 * sums + edges) * act * DTYPE_BYTES / 2 / div + norms
                         }
                         (None, Some(x), Some(r))
                             if self.specs[r as usize].expert_parallel.is_some() =>
@@ -681,6 +715,20 @@ impl TrainingDag {
             cost: self.cost(id),
         }
     }
+}
+
+/// Maximal runs of consecutive blocks (or attention halves) among `parts`:
+/// where sequence parallelism gathers the residual back whole.
+fn block_runs(parts: &[crate::model::Part]) -> u64 {
+    let block = |p: &crate::model::Part| {
+        matches!(
+            p,
+            crate::model::Part::Block(_) | crate::model::Part::Attention(_)
+        )
+    };
+    (0..parts.len())
+        .filter(|&i| block(&parts[i]) && (i + 1 == parts.len() || !block(&parts[i + 1])))
+        .count() as u64
 }
 
 #[cfg(test)]
