@@ -182,6 +182,23 @@ struct Run {
     planned: Vec<u64>,
 }
 
+/// The plan of `cfg` on `devices` devices under the bundled `strategy`.
+fn plan_of(
+    host: &PluginHost,
+    cfg: &ModelConfig,
+    devices: u32,
+    strategy: Strategy,
+) -> Result<crate::compile::plan::Plan> {
+    let mut dag = TrainingDag::build(cfg, Cluster::new(devices))?;
+    for (name, opts) in strategy {
+        let o: Vec<(String, String)> = (opts.iter())
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        host.apply(&host.load(name)?, &mut dag, &o)?;
+    }
+    Ok(compile(&dag)?)
+}
+
 /// Train `steps` steps of `cfg` under `strategy` on `devices` devices of
 /// `kind`.
 fn train(
@@ -192,16 +209,7 @@ fn train(
     kind: BackendKind,
     steps: u32,
 ) -> Result<Run> {
-    let mut dag = TrainingDag::build(cfg, Cluster::new(devices))?;
-    for (name, opts) in strategy {
-        let o: Vec<(String, String)> = opts
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let p = host.load(name)?;
-        host.apply(&p, &mut dag, &o)?;
-    }
-    let plan = compile(&dag)?;
+    let plan = plan_of(host, cfg, devices, strategy)?;
     let planned: Vec<u64> = plan.devices.iter().map(|d| d.peak_bytes).collect();
     let opts = TrainOptions {
         backend: kind,
@@ -461,14 +469,7 @@ fn strategies(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage>
 /// The step-1 loss on the CPU: the same initial weights (the same seed)
 /// on the same first batch, forward only. What the GPU's step 1 is held to.
 fn cpu_first_loss(host: &PluginHost, cfg: &ModelConfig) -> Result<f64> {
-    let mut dag = TrainingDag::build(cfg, Cluster::new(1))?;
-    for (name, opts) in ONE {
-        let o: Vec<(String, String)> = (opts.iter())
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        host.apply(&host.load(name)?, &mut dag, &o)?;
-    }
-    let mut t = Trainer::new(cfg, compile(&dag)?, TrainOptions::default())?;
+    let mut t = Trainer::new(cfg, plan_of(host, cfg, 1, ONE)?, TrainOptions::default())?;
     let batch =
         Corpus::builtin().batch(1, cfg.batch_size as usize, cfg.seq_len as usize, cfg.vocab)?;
     Ok(t.eval(&batch)?)

@@ -544,15 +544,7 @@ impl TrainingDag {
         if !n.tensor_parallel.is_some_and(|t| t.sequence) {
             return 0;
         }
-        let norms = seg
-            .parts
-            .iter()
-            .map(|p| match p {
-                crate::model::Part::Block(_) => 2,
-                crate::model::Part::Attention(_) => 1,
-                _ => 0,
-            })
-            .sum::<u64>();
+        let norms = block_halves(&seg.parts);
         let per_norm = match self.model.family {
             crate::model::Family::Gpt2 => 2,
             crate::model::Family::Llama => 1,
@@ -625,15 +617,7 @@ impl TrainingDag {
                             (x.routed_bytes / tp as u64 + act * DTYPE_BYTES / 2) / div
                         }
                         _ if n.tensor_parallel.is_some() => {
-                            let sums: u64 = seg
-                                .parts
-                                .iter()
-                                .map(|p| match p {
-                                    crate::model::Part::Block(_) => 2,
-                                    crate::model::Part::Attention(_) => 1,
-                                    _ => 0,
-                                })
-                                .sum();
+                            let sums = block_halves(&seg.parts);
                             let m = &self.model;
                             let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
                             // Sequence parallelism: each run of blocks
@@ -715,6 +699,19 @@ impl TrainingDag {
             cost: self.cost(id),
         }
     }
+}
+
+/// Block halves among `parts` (a dense block has two, a MoE layer's
+/// attention half one): each sums once per pass under tensor parallelism,
+/// each has a norm.
+fn block_halves(parts: &[crate::model::Part]) -> u64 {
+    (parts.iter())
+        .map(|p| match p {
+            crate::model::Part::Block(_) => 2,
+            crate::model::Part::Attention(_) => 1,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Maximal runs of consecutive blocks (or attention halves) among `parts`:

@@ -48,10 +48,6 @@ pub trait Observer {
     fn stopped(&mut self) {}
 }
 
-/// An observer that shows nothing.
-pub struct Quiet;
-impl Observer for Quiet {}
-
 /// What the loop did.
 #[derive(Clone, Debug, Default)]
 pub struct Summary {

@@ -243,30 +243,21 @@ impl<'a, B: Backend> Model<'a, B> {
 
     /// The row-parallel end of a tensor-parallel layer: `inp[n, ic] · Wᵀ`
     /// summed over the group (its rows of the sum under sequence
-    /// parallelism), then `+ bias`; one device: the layer itself.
-    pub(super) fn row_parallel(
+    /// parallelism: `how`), then `+ bias`.
+    fn row_parallel(
         &self,
         params: &ParamMap<B::Tensor>,
         (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         (n, ic, oc): (usize, usize, usize),
-        group: Option<(&mut Reduce<'_, B>, Coll)>,
+        (reduce, how): (&mut Reduce<'_, B>, Coll),
     ) -> Result<B::Tensor, BackendError> {
-        let bias = match bias {
-            Some(b) => Some(param(params, b)?),
-            None => None,
-        };
         let mut part = self.b.zeros(n * oc)?;
-        let Some((reduce, how)) = group else {
-            self.b
-                .matmul_forward(&mut part, inp, param(params, w)?, bias, n, ic, oc);
-            return Ok(part);
-        };
         self.b
             .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
         let mut out = reduce(how, part)?;
-        if let Some(bias) = bias {
-            self.b.add_bias(&mut out, bias, oc);
+        if let Some(b) = bias {
+            self.b.add_bias(&mut out, param(params, b)?, oc);
         }
         Ok(out)
     }
@@ -308,7 +299,7 @@ impl<'a, B: Backend> Model<'a, B> {
             }
             Some(reduce) => {
                 let how = if sp { Coll::Scatter } else { Coll::Sum };
-                let proj = self.row_parallel(params, (w, bias), inp, shape, Some((reduce, how)))?;
+                let proj = self.row_parallel(params, (w, bias), inp, shape, (reduce, how))?;
                 let mut out = self.b.zeros(B::len(&proj))?;
                 self.b.residual_forward(&mut out, res, &proj);
                 Ok(out)

@@ -76,40 +76,44 @@ pub(super) fn with_peers<B: Backend, R>(
             let exchange =
                 |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
             let mine = b.download_owned(part)?;
-            if how == Coll::Shard {
-                let rows = rows_of_member(mine.len(), members.len(), rank)?;
-                return b.upload(mine[rows].to_vec());
-            }
-            let k = key(phase)?;
-            phase += 1;
-            let whole = match how {
-                Coll::Sum => {
-                    ctx.comm
-                        .all_reduce("tensor-parallel all-reduce", k, members, dev.id, mine)
-                }
-                Coll::Gather => {
-                    ctx.comm
-                        .all_gather("sequence-parallel all-gather", k, members, dev.id, mine)
-                }
-                Coll::Scatter | Coll::Shard => {
-                    rows_of_member(mine.len(), members.len(), rank)?;
-                    let lens = vec![mine.len() / members.len(); members.len()];
-                    let part = ctx
-                        .comm
-                        .reduce_scatter(
-                            "sequence-parallel reduce-scatter",
-                            k,
+            let mut next_key = || {
+                phase += 1;
+                key(phase - 1)
+            };
+            let out = match how {
+                Coll::Shard => mine[rows_of_member(mine.len(), members.len(), rank)?].to_vec(),
+                Coll::Sum => Arc::unwrap_or_clone(
+                    (ctx.comm)
+                        .all_reduce(
+                            "tensor-parallel all-reduce",
+                            next_key()?,
                             members,
                             dev.id,
                             mine,
-                            &lens,
                         )
-                        .map_err(exchange)?;
-                    return b.upload(part);
+                        .map_err(exchange)?,
+                ),
+                Coll::Gather => Arc::unwrap_or_clone(
+                    (ctx.comm)
+                        .all_gather(
+                            "sequence-parallel all-gather",
+                            next_key()?,
+                            members,
+                            dev.id,
+                            mine,
+                        )
+                        .map_err(exchange)?,
+                ),
+                Coll::Scatter => {
+                    rows_of_member(mine.len(), members.len(), rank)?;
+                    let lens = vec![mine.len() / members.len(); members.len()];
+                    let what = "sequence-parallel reduce-scatter";
+                    (ctx.comm)
+                        .reduce_scatter(what, next_key()?, members, dev.id, mine, &lens)
+                        .map_err(exchange)?
                 }
-            }
-            .map_err(exchange)?;
-            b.upload(Arc::unwrap_or_clone(whole))
+            };
+            b.upload(out)
         };
         let peers = Peers::Tensor {
             reduce: &mut reduce,
