@@ -35,8 +35,12 @@ cases=(
   "moe-dp-ep-dualpipev|--model examples/models/tiny-moe.toml --devices 4 --strategy dp:degree=2 --strategy ep --strategy dualpipev:microbatches=4"
   "moe-ep-inop|--model examples/models/tiny-moe.toml --devices 2 --strategy ep:stream=compute --strategy 1f1b:microbatches=4"
   "gpt2-1f1b|--model gpt2-small --devices 8 --strategy zero:stage=1,dp=2 --strategy interleaved-1f1b:microbatches=8"
+  "zero1-tp-sp|--model tiny --devices 4 --strategy zero:stage=1,dp=2 --strategy tp:tp=2,sequence-parallel=true"
+  "zero3-tp-1f1b|--model llama-tiny --devices 8 --strategy zero:stage=3,dp=2 --strategy tp:tp=2 --strategy 1f1b:microbatches=4"
+  "moe-tp-ep|--model examples/models/tiny-moe.toml --devices 4 --strategy dp:degree=2 --strategy tp:tp=2 --strategy ep"
+  "tp-then-dp|--model tiny --devices 4 --strategy tp:tp=2 --strategy dp:degree=2"
 )
-for c in examples/*.toml; do cases+=("$(basename "$c" .toml)|--config $c"); done
+for c in examples/*.toml examples/layouts/*.toml; do cases+=("$(basename "$c" .toml)|--config $c"); done
 same=0
 differ=0
 for case in "${cases[@]}"; do

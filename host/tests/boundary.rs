@@ -387,7 +387,7 @@ fn extreme_priorities_compile_in_order() {
         .find(|s| s.stream == "compute")
         .unwrap();
     let first = &compute.ops[0];
-    assert_eq!(first.op.to_string(), "F");
+    assert_eq!(first.kind().to_string(), "F");
     assert_eq!(first.tags.get("MB"), Some(&1), "{:?}", first.tags);
 }
 

@@ -28,19 +28,19 @@ fn assert_mesh(name: &str, plan: &piper::compile::Plan, tp: usize, dp: usize) {
     for d in &plan.devices {
         let ops: Vec<_> = d.streams.iter().flat_map(|s| &s.ops).collect();
         assert!(
-            ops.iter().any(|o| o.op.is_compute()),
+            ops.iter().any(|o| o.kind().is_compute()),
             "{name}: device {} runs no compute",
             d.device
         );
         for o in ops.iter().filter(|o| o.spread == Some(Spread::Tensor)) {
-            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(tp), "{name}");
+            assert_eq!(o.group().map(|g| g.len()), Some(tp), "{name}");
         }
         let syncs = ops.iter().filter(|o| {
-            matches!(o.op, OpKind::AllReduce | OpKind::ReduceScatter)
-                && o.purpose == Some(piper::compile::plan::CommPurpose::GradSync)
+            matches!(o.kind(), OpKind::AllReduce | OpKind::ReduceScatter)
+                && o.purpose() == Some(piper::compile::plan::CommPurpose::GradSync)
         });
         for o in syncs {
-            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(dp), "{name}");
+            assert_eq!(o.group().map(|g| g.len()), Some(dp), "{name}");
         }
     }
 }
@@ -327,10 +327,10 @@ fn a_128_device_3d_layout_plans_every_device() {
     assert_mesh("tp8×zero1×1f1b", &plan, 8, 2);
     let dev = &plan.devices[64 + 8 * 3 + 5];
     let f = (dev.streams.iter().flat_map(|s| &s.ops))
-        .find(|o| o.op == OpKind::F)
+        .find(|o| o.kind() == OpKind::F)
         .unwrap();
     assert_eq!(
-        f.group.as_deref(),
+        f.group().map(|g| &g[..]),
         Some(&(88..96).collect::<Vec<u32>>()[..])
     );
     assert_eq!(f.tags.get("PP"), Some(&3));
@@ -478,7 +478,7 @@ fn tensor_and_expert_parallelism_compose_at_one_devices_losses() {
             .collect();
         assert!(!experts.is_empty(), "{name}: no expert-parallel pass");
         for o in experts {
-            assert_eq!(o.group.as_ref().map(|g| g.len()), Some(ep), "{name}");
+            assert_eq!(o.group().map(|g| g.len()), Some(ep), "{name}");
             assert_eq!(o.tp, 2, "{name}");
         }
         let run = train(&host, &cfg, devices, strategy, 10);

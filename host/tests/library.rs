@@ -191,11 +191,11 @@ fn labels(plan: &Plan, device: usize, stage_of: &dyn Fn(u32) -> u32) -> Vec<Stri
         .iter()
         .filter(|s| s.stream == "compute")
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.op.is_compute())
+        .filter(|o| o.kind().is_compute())
         .map(|o| {
             format!(
                 "{}{}s{}",
-                o.op,
+                o.kind(),
                 o.tags.get("MB").copied().unwrap_or(0),
                 stage_of(o.tags["PP"])
             )
@@ -358,10 +358,12 @@ fn dualpipe_feeds_both_ends_with_deepseeks_schedule() {
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.purpose == Some(piper::compile::plan::CommPurpose::CopyGrad))
+        .filter(|o| o.purpose() == Some(piper::compile::plan::CommPurpose::CopyGrad))
         .collect();
     assert_eq!(copy.len(), 8, "one copy-grad all-reduce per region");
-    assert!(copy.iter().all(|o| o.group.as_deref() == Some(&[0, 1][..])));
+    assert!(copy
+        .iter()
+        .all(|o| o.group().map(|g| &g[..]) == Some(&[0, 1][..])));
 }
 
 fn refused(devices: u32, strategy: Strategy) -> String {

@@ -340,7 +340,7 @@ fn dp_then_1f1b_on_8_devices_all_reduces_on_the_dp_stream() {
             .flat_map(|s| s.ops.iter())
             .collect();
         assert!(
-            !dp.is_empty() && dp.iter().all(|o| o.op == OpKind::AllReduce),
+            !dp.is_empty() && dp.iter().all(|o| o.kind() == OpKind::AllReduce),
             "device {d}"
         );
     }

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use piper::compile::{
-    check_deadlock, compile, CompileError, DevicePlan, Op, OpCommon, OpKind, StreamPlan,
+    check_deadlock, compile, Act, CompileError, DevicePlan, Op, OpCommon, OpKind, StreamPlan,
 };
 use piper::dag::{Cluster, Filter, Label, ReplicateOptions, TrainingDag};
 use piper::model::ModelConfig;
@@ -44,11 +44,11 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
             .iter()
             .filter(|s| s.stream.starts_with("pp"))
             .flat_map(|s| s.ops.iter())
-            .filter(|o| o.op == OpKind::Send || o.op == OpKind::Recv)
+            .filter(|o| o.kind() == OpKind::Send || o.kind() == OpKind::Recv)
             .collect();
         let count = |op: OpKind, peer: u32| {
             pp.iter()
-                .filter(|o| o.op == op && o.peer == Some(peer))
+                .filter(|o| o.kind() == op && o.peer() == Some(peer))
                 .count()
         };
         if d + 1 < 4 {
@@ -80,13 +80,13 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
             );
         }
         assert_eq!(pp.len(), if d == 0 || d == 3 { 16 } else { 32 });
-        for o in pp.iter().filter(|o| o.op == OpKind::Recv) {
-            let peer = &plan.devices[o.peer.unwrap() as usize];
+        for o in pp.iter().filter(|o| o.kind() == OpKind::Recv) {
+            let peer = &plan.devices[o.peer().unwrap() as usize];
             let matched = peer
                 .streams
                 .iter()
                 .flat_map(|s| s.ops.iter())
-                .any(|s| s.op == OpKind::Send && Some(s.node) == o.pair && s.peer == Some(d));
+                .any(|s| s.act.sends_to(d) && Some(s.node) == o.pair());
             assert!(matched, "recv {} on device {d} has its send", o.label());
         }
     }
@@ -96,12 +96,12 @@ fn one_f_one_b_4_stages_8_microbatches_gives_textbook_orders() {
         .iter()
         .flat_map(|s| s.ops.iter())
         .filter(|o| {
-            o.op == OpKind::AllReduce
-                && o.purpose == Some(piper::compile::plan::CommPurpose::TiedGrad)
+            o.kind() == OpKind::AllReduce
+                && o.purpose() == Some(piper::compile::plan::CommPurpose::TiedGrad)
         })
         .collect();
     assert_eq!(tied.len(), 1);
-    assert_eq!(tied[0].group.as_deref(), Some(&[0, 3][..]));
+    assert_eq!(tied[0].group().map(|g| &g[..]), Some(&[0, 3][..]));
 }
 
 #[test]
@@ -146,20 +146,22 @@ fn dp_times_pp_puts_all_reduce_on_the_dp_stream() {
             .flat_map(|s| s.ops.iter())
             .collect();
         assert!(
-            !dp.is_empty() && dp.iter().all(|o| o.op == OpKind::AllReduce),
+            !dp.is_empty() && dp.iter().all(|o| o.kind() == OpKind::AllReduce),
             "device {d}"
         );
         let partner = if d < 4 { d + 4 } else { d - 4 };
         let group = [d.min(partner), d.max(partner)];
-        assert!(dp.iter().all(|o| o.group.as_deref() == Some(&group[..])));
+        assert!(dp
+            .iter()
+            .all(|o| o.group().map(|g| &g[..]) == Some(&group[..])));
     }
     // Pipeline sends pair the replicas element-wise: 0→1 and 4→5.
     let sends4: Vec<u32> = plan.devices[4]
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.op == OpKind::Send)
-        .map(|o| o.peer.unwrap())
+        .filter(|o| o.kind() == OpKind::Send)
+        .map(|o| o.peer().unwrap())
         .collect();
     assert!(sends4.iter().all(|p| *p == 5));
 }
@@ -211,7 +213,7 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
                 .streams
                 .iter()
                 .filter(|s| s.stream == "dp")
-                .flat_map(|s| s.ops.iter().map(|o| o.op))
+                .flat_map(|s| s.ops.iter().map(|o| o.kind()))
                 .collect();
             assert_eq!(
                 ops.iter().filter(|o| **o == OpKind::AllGather).count(),
@@ -240,16 +242,26 @@ fn zero_stages_shrink_model_states_in_the_papers_proportions() {
     );
 }
 
+/// A send of node `node` to `peer`, or a recv of it from `peer`.
 fn op(op: OpKind, node: u32, peer: u32) -> Op {
+    let act = match op {
+        OpKind::Send => Act::Send {
+            to: peer,
+            pair: node,
+        },
+        _ => Act::Recv {
+            from: peer,
+            pair: node,
+        },
+    };
     Op {
-        op,
+        act,
         node,
         common: std::sync::Arc::new(OpCommon {
             tags: Default::default(),
             segments: Default::default(),
             spread: None,
             phase: None,
-            purpose: None,
             batch_div: 1,
             flops: 0.0,
             bytes: 0,
@@ -261,9 +273,6 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             tp: 1,
             sp: false,
         }),
-        peer: Some(peer),
-        pair: Some(node),
-        group: None,
         waits: Default::default(),
         inputs: Default::default(),
         replica: 0,
@@ -322,7 +331,7 @@ fn a_reordered_compiled_plan_is_rejected_not_hung() {
     let streams = &mut bad[0].streams;
     let recvs = streams.iter().position(|s| &*s.stream == "pp←1").unwrap();
     let r = streams[recvs].ops.remove(0);
-    assert_eq!(r.op, OpKind::Recv);
+    assert_eq!(r.kind(), OpKind::Recv);
     let sends = streams.iter().position(|s| &*s.stream == "pp→1").unwrap();
     streams[sends].ops.insert(0, r);
     // Re-point the compute stream's waits at the moved ops is unnecessary: the
@@ -367,10 +376,13 @@ fn a_collective_whose_devices_disagree_on_its_group_is_rejected() {
     let op = dp_stream(&mut bad[1])
         .ops
         .iter_mut()
-        .find(|o| o.group.is_some())
+        .find(|o| o.group().is_some())
         .unwrap();
-    assert_eq!(op.group.as_deref(), Some(&[0, 1][..]));
-    op.group = Some(std::sync::Arc::from(vec![1, 2]));
+    assert_eq!(op.group().map(|g| &g[..]), Some(&[0, 1][..]));
+    let Act::Collective { group, .. } = &mut op.act else {
+        panic!("a gradient all-reduce is a collective");
+    };
+    *group = std::sync::Arc::from(vec![1, 2]);
     let err = check_deadlock(&bad).unwrap_err().to_string();
     assert!(err.contains("all-reduce"), "{err}");
     assert!(
@@ -418,7 +430,7 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
     assert!(zero3.devices[0].streams.iter().any(|s| s
         .ops
         .iter()
-        .any(|o| o.group.as_ref().is_some_and(|g| g.len() == 2))));
+        .any(|o| o.group().is_some_and(|g| g.len() == 2))));
     let mut dp = tiny(2);
     dp.replicate(&Filter::all(), &[0, 1], &ReplicateOptions::zero(0))
         .unwrap();
@@ -452,13 +464,48 @@ fn plan_hash_is_stable_and_tracks_directive_arguments() {
         .expect("a ZeRO-3 pipeline plan has cross-stream waits");
     wait["stream"] = "nowhere".into();
     let err = piper::compile::Plan::from_json(&json.to_string()).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains(&format!("device {d}: op ")), "{msg}");
     assert!(
-        err.to_string().contains(&format!(
-            "device {d}: an op of stream `{stream}` waits on stream `nowhere`, \
-             which this device lacks"
+        msg.contains(&format!(
+            "of stream `{stream}`: it waits on stream `nowhere`, which this device lacks"
         )),
-        "{err}"
+        "{msg}"
     );
+    // An op reads back only with what its kind needs: a send without its
+    // peer, a gradient gather no plan runs, a collective without its group.
+    type Edit = fn(&mut serde_json::Value);
+    let edits: [(&str, Edit, &str); 3] = [
+        (
+            "send",
+            |o| drop(o.as_object_mut().unwrap().remove("peer")),
+            "a `send` op without its `peer`",
+        ),
+        (
+            "all-gather",
+            |o| o["purpose"] = "tied-grad".into(),
+            "`all-gather` for `tied-grad` is no op of a plan",
+        ),
+        (
+            "reduce-scatter",
+            |o| drop(o.as_object_mut().unwrap().remove("group")),
+            "a `reduce-scatter` op without its `group`",
+        ),
+    ];
+    for (kind, edit, says) in edits {
+        let mut json: serde_json::Value = serde_json::from_str(&zero3_json).unwrap();
+        let op = json["devices"]
+            .as_array_mut()
+            .unwrap()
+            .iter_mut()
+            .flat_map(|d| d["streams"].as_array_mut().unwrap().iter_mut())
+            .flat_map(|s| s["ops"].as_array_mut().unwrap().iter_mut())
+            .find(|o| o["op"] == kind)
+            .unwrap_or_else(|| panic!("a ZeRO-3 pipeline plan has a {kind}"));
+        edit(op);
+        let err = piper::compile::Plan::from_json(&json.to_string()).unwrap_err();
+        assert!(err.to_string().contains(says), "{kind}: {err}");
+    }
 }
 
 #[test]
@@ -550,7 +597,7 @@ fn microbatches_of_a_segment_on_two_groups_are_parameter_copies_only_when_they_p
         .streams
         .iter()
         .flat_map(|s| s.ops.iter())
-        .filter(|o| o.purpose == Some(piper::compile::plan::CommPurpose::CopyGrad))
+        .filter(|o| o.purpose() == Some(piper::compile::plan::CommPurpose::CopyGrad))
         .count();
     assert_eq!(copies, 8);
     assert_eq!(

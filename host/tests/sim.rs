@@ -580,13 +580,16 @@ fn dualpipev_hides_expert_all_to_alls_behind_the_paired_compute() {
     // backward before its experts phase.
     let dev = &overlapped.devices[0];
     let stream = |name: &str| dev.streams.iter().find(|s| &*s.stream == name).unwrap();
-    assert!(stream("ep").ops.iter().all(|o| o.op == OpKind::AllToAll));
+    assert!(stream("ep")
+        .ops
+        .iter()
+        .all(|o| o.kind() == OpKind::AllToAll));
     let compute = &stream("compute").ops;
     let mb = |o: &piper::compile::plan::Op| o.tags.get("MB").copied();
     let interleaved = compute.windows(2).filter(|w| {
-        w[0].op == OpKind::F
+        w[0].kind() == OpKind::F
             && w[0].phase == Some(ExpertPhase::Dispatch)
-            && w[1].op == OpKind::B
+            && w[1].kind() == OpKind::B
             && mb(&w[1]) != mb(&w[0])
     });
     assert!(

@@ -400,7 +400,7 @@ fn a_collective_whose_members_disagree_fails_fast_with_the_peers_named() {
     let op = dp
         .ops
         .iter_mut()
-        .find(|o| o.op == OpKind::AllReduce)
+        .find(|o| o.kind() == OpKind::AllReduce)
         .unwrap();
     op.segments = std::sync::Arc::from(vec![0u32]);
     let opts = TrainOptions {
@@ -1064,13 +1064,13 @@ fn evaluation_runs_forward_only_and_agrees_across_strategies() {
             .count()
     };
     use piper::compile::OpKind;
-    let is_f = |o: &piper::compile::Op| o.op == OpKind::F;
+    let is_f = |o: &piper::compile::Op| o.kind() == OpKind::F;
     assert_eq!(kinds(&fwd, &is_f), kinds(&plan, &is_f));
-    assert!(kinds(&fwd, &|o| o.op == OpKind::AllGather) > 0);
-    assert!(kinds(&fwd, &|o| o.op == OpKind::Send) > 0);
+    assert!(kinds(&fwd, &|o| o.kind() == OpKind::AllGather) > 0);
+    assert!(kinds(&fwd, &|o| o.kind() == OpKind::Send) > 0);
     let backward = |o: &piper::compile::Op| {
         matches!(
-            o.op,
+            o.kind(),
             OpKind::B
                 | OpKind::BI
                 | OpKind::BW
@@ -1253,18 +1253,18 @@ fn recompute_changes_no_bit_under_every_parallelism() {
         for d in &plan.devices {
             for s in &d.streams {
                 for (i, op) in s.ops.iter().enumerate() {
-                    if op.op != OpKind::R {
+                    if op.kind() != OpKind::R {
                         continue;
                     }
                     recomputes += 1;
                     let next = s.ops.get(i + 1);
                     assert!(
-                        next.is_some_and(|b| matches!(b.op, OpKind::B | OpKind::BI)
+                        next.is_some_and(|b| matches!(b.kind(), OpKind::B | OpKind::BI)
                             && b.segments == op.segments
                             && b.microbatch == op.microbatch),
                         "{name}: device {} runs {:?} after R of segments {:?} mb {}",
                         d.device,
-                        next.map(|b| b.op),
+                        next.map(|b| b.kind()),
                         op.segments,
                         op.microbatch
                     );

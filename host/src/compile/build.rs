@@ -15,7 +15,7 @@
 use super::deadlock::{Kind, Step, StreamSteps, NO_STREAM};
 use super::flat::Flat;
 use super::groups::Groups;
-use super::plan::{self, Input, Op, OpCommon, OpKind, StreamIx, Wait};
+use super::plan::{self, Act, Collective, Input, Op, OpCommon, StreamIx, Wait};
 use crate::dag::{
     CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Spread, TagKey, Tags,
     TensorKind, TrainingDag,
@@ -252,7 +252,6 @@ impl Readers<'_> {
 /// overwritten): every `Arc` an op holds is counted once, and a count is a
 /// locked instruction that waits for the stores before it.
 struct Described<'a> {
-    kind: OpKind,
     common: Arc<OpCommon>,
     /// The inputs every device reads (when `single_device_inputs`).
     inputs: Arc<[Input]>,
@@ -331,11 +330,11 @@ fn describe<'a>(
     let inputs = shared_inputs(sh, preds, single_device_inputs);
     let cost = dag.cost(id);
     let div = dag.batch_share_div(id);
-    let (segments, purpose): (Arc<[u32]>, Option<CommPurpose>) = match &n.kind {
-        NodeKind::Compute { segment, .. } => (sh.segments(std::slice::from_ref(segment)), None),
-        NodeKind::Update { segments } => (sh.segments(segments), None),
-        NodeKind::Comm(c) => (sh.segments(&c.segments), Some(c.purpose)),
-        NodeKind::Marker => (sh.no_segments.clone(), None),
+    let segments = match &n.kind {
+        NodeKind::Compute { segment, .. } => sh.segments(std::slice::from_ref(segment)),
+        NodeKind::Update { segments } => sh.segments(segments),
+        NodeKind::Comm(c) => sh.segments(&c.segments),
+        NodeKind::Marker => sh.no_segments.clone(),
     };
     let groups: Vec<Arc<[u32]>> = match &n.kind {
         NodeKind::Comm(c) if !c.op.is_p2p() => c.groups.iter().map(|grp| id_list(grp)).collect(),
@@ -354,7 +353,6 @@ fn describe<'a>(
         .or_insert_with(|| Arc::new(dag.tag_map(&n.tags)))
         .clone();
     Described {
-        kind: OpKind::of(&n.kind).expect("markers are skipped"),
         common: Arc::new(OpCommon {
             tags,
             segments,
@@ -363,7 +361,6 @@ fn describe<'a>(
                 NodeKind::Compute { phase, .. } => phase,
                 _ => None,
             },
-            purpose,
             batch_div: div,
             flops: cost.flops,
             bytes: cost.comm_bytes,
@@ -953,12 +950,9 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             list
         };
         let op = Op {
-            op: desc.kind,
+            act: link.act,
             node: id.0,
             common: desc.common.clone(),
-            peer: link.peer,
-            pair: link.pair,
-            group: link.group,
             waits: waits_list,
             inputs,
             // A tensor-parallel group runs one batch share: its replica's.
@@ -1125,9 +1119,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
 /// How an op meets other devices: its peer and pair (send/receive), its
 /// group (collectives, spread compute), and the deadlock check's view.
 struct Link {
-    peer: Option<u32>,
-    pair: Option<u32>,
-    group: Option<Arc<[u32]>>,
+    act: Act,
     kind: Kind,
     key: u32,
     need: u32,
@@ -1142,27 +1134,34 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
         Some(_) => (Kind::Collective, gbase + within as u32, desc.spread_size),
         None => (Kind::Local, 0, 0),
     };
-    let mut l = Link {
-        peer: None,
-        pair: None,
-        group: None,
-        kind,
-        key,
-        need,
+    let comm = match &n.kind {
+        NodeKind::Compute { pass, .. } => {
+            let group = desc.spread_groups.get(within).cloned();
+            let act = Act::Compute { pass: *pass, group };
+            return Link {
+                act,
+                kind,
+                key,
+                need,
+            };
+        }
+        NodeKind::Update { .. } | NodeKind::Marker => {
+            return Link {
+                act: Act::Update,
+                kind,
+                key,
+                need,
+            }
+        }
+        NodeKind::Comm(cm) => cm,
     };
-    let NodeKind::Comm(cm) = &n.kind else {
-        l.group = desc.spread_groups.get(within).cloned();
-        return l;
-    };
-    if cm.op.is_p2p() {
-        l.peer = cm.peers.get(i).map(|p| p.0);
-        l.pair = Some(match cm.op {
-            CommOp::Send => id.0,
-            _ => cm.pair.map(|p| p.0).unwrap_or(u32::MAX),
-        });
-        (l.kind, l.key) = match (cm.op, cm.pair, l.peer) {
-            (CommOp::Send, _, _) => (Kind::Send, gbase + i as u32),
-            (_, Some(pair), Some(peer)) if cx.dag.graph.contains_node(pair.ix()) => {
+    // `validate` saw to a peer per device and a known collective; the
+    // fallbacks below only keep a plan the checks refuse from panicking.
+    if comm.op.is_p2p() {
+        let peer = comm.peers.get(i).map_or(u32::MAX, |p| p.0);
+        let (kind, key) = match (comm.op, comm.pair) {
+            (CommOp::Send, _) => (Kind::Send, gbase + i as u32),
+            (_, Some(pair)) if cx.dag.graph.contains_node(pair.ix()) => {
                 let at = cx
                     .devices(pair.ix().index())
                     .iter()
@@ -1174,19 +1173,42 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
             }
             _ => (Kind::Never, 0),
         };
-    } else {
-        let gi = cm.groups.iter().position(|grp| grp.contains(&dev));
-        l.group = gi.map(|gi| desc.groups[gi].clone());
-        (l.kind, l.key, l.need) = match gi {
-            Some(gi) if cm.groups[gi].len() > 1 => (
-                Kind::Collective,
-                gbase + gi as u32,
-                cm.groups[gi].len() as u32,
-            ),
-            _ => (Kind::Local, 0, 0),
+        let act = match comm.op {
+            CommOp::Send => Act::Send {
+                to: peer,
+                pair: id.0,
+            },
+            _ => Act::Recv {
+                from: peer,
+                pair: comm.pair.map_or(u32::MAX, |p| p.0),
+            },
+        };
+        return Link {
+            act,
+            kind,
+            key,
+            need: 0,
         };
     }
-    l
+    let gi = comm.groups.iter().position(|grp| grp.contains(&dev));
+    let (kind, key, need) = match gi {
+        Some(gi) if comm.groups[gi].len() > 1 => (
+            Kind::Collective,
+            gbase + gi as u32,
+            comm.groups[gi].len() as u32,
+        ),
+        _ => (Kind::Local, 0, 0),
+    };
+    let act = Act::Collective {
+        what: Collective::of(comm.op, comm.purpose).unwrap_or(Collective::GradNorm),
+        group: gi.map_or_else(|| Arc::from([dev.0]), |gi| desc.groups[gi].clone()),
+    };
+    Link {
+        act,
+        kind,
+        key,
+        need,
+    }
 }
 
 #[cfg(test)]

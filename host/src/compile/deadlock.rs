@@ -7,7 +7,7 @@
 //! group. If no stream can move and some still have ops, the plan would
 //! deadlock: the error names the devices and ops that wait on each other.
 
-use super::plan::{DevicePlan, Op, OpKind, StreamIx};
+use super::plan::{Act, DevicePlan, Op, StreamIx};
 use foldhash::{HashMap, HashSet, HashSetExt};
 
 /// A plan that cannot finish.
@@ -58,81 +58,71 @@ impl<'a> Machine<'a> {
                 _ => {}
             }
         }
-        match op.op {
-            OpKind::Recv => {
-                let peer = op.peer.unwrap_or(u32::MAX);
-                let pair = op.pair.unwrap_or(u32::MAX);
-                let Some(&pd) = self.dev_ix.get(&peer) else {
-                    return (format!("{at} for device {peer}, which has no plan"), None);
-                };
-                let holder = self.devices[pd].streams.iter().enumerate().find(|(_, st)| {
-                    st.ops
-                        .iter()
-                        .any(|o| o.op == OpKind::Send && o.node == pair && o.peer == Some(dev))
-                });
-                match holder {
-                    Some((ps, _)) => (
-                        format!("{at} for device {peer} to send #{pair}"),
-                        Some((pd, ps)),
-                    ),
-                    None => (
-                        format!("{at}, but device {peer} has no matching send #{pair}"),
-                        None,
-                    ),
-                }
-            }
-            _ if op.group.is_some() => {
-                for g in op.group.as_deref().unwrap() {
-                    let Some(&gd) = self.dev_ix.get(g) else {
-                        return (format!("{at} for device {g}, which has no plan"), None);
-                    };
-                    if gd == d {
-                        continue;
-                    }
-                    // The member's stream of the same name.
-                    let member = &self.devices[gd].streams;
-                    let Some(gs) = member.iter().position(|st| st.stream == *stream) else {
-                        return (format!("{at}, but device {g} has no stream {stream}"), None);
-                    };
-                    match self.head(gd, gs) {
-                        Some(h) if h.node == op.node && h.group != op.group => {
-                            return (
-                                format!(
-                                    "{at} with group {:?}, but device {g} runs it with group {:?}",
-                                    op.group.as_deref().unwrap_or(&[]),
-                                    h.group.as_deref().unwrap_or(&[])
-                                ),
-                                None,
-                            )
-                        }
-                        Some(h) if h.node == op.node && self.waits_done(gd, h) => {}
-                        Some(h) if h.node == op.node => {
-                            return (format!("{at} for device {g} to reach it"), Some((gd, gs)))
-                        }
-                        Some(h) => {
-                            return (
-                                format!(
-                                    "{at} for device {g}, which is at {}#{}",
-                                    h.label(),
-                                    h.node
-                                ),
-                                Some((gd, gs)),
-                            )
-                        }
-                        None => {
-                            return (
-                                format!(
-                                    "{at}, but device {g} has finished stream {stream} without it"
-                                ),
-                                None,
-                            )
-                        }
-                    }
-                }
-                (at, None)
-            }
-            _ => (at, None),
+        if let Act::Recv { from: peer, pair } = op.act {
+            let Some(&pd) = self.dev_ix.get(&peer) else {
+                return (format!("{at} for device {peer}, which has no plan"), None);
+            };
+            let holder = self.devices[pd]
+                .streams
+                .iter()
+                .enumerate()
+                .find(|(_, st)| st.ops.iter().any(|o| o.node == pair && o.act.sends_to(dev)));
+            return match holder {
+                Some((ps, _)) => (
+                    format!("{at} for device {peer} to send #{pair}"),
+                    Some((pd, ps)),
+                ),
+                None => (
+                    format!("{at}, but device {peer} has no matching send #{pair}"),
+                    None,
+                ),
+            };
         }
+        let Some(group) = op.group() else {
+            return (at, None);
+        };
+        for g in group.iter() {
+            let Some(&gd) = self.dev_ix.get(g) else {
+                return (format!("{at} for device {g}, which has no plan"), None);
+            };
+            if gd == d {
+                continue;
+            }
+            // The member's stream of the same name.
+            let member = &self.devices[gd].streams;
+            let Some(gs) = member.iter().position(|st| st.stream == *stream) else {
+                return (format!("{at}, but device {g} has no stream {stream}"), None);
+            };
+            match self.head(gd, gs) {
+                Some(h) if h.node == op.node && h.group() != Some(group) => {
+                    return (
+                        format!(
+                            "{at} with group {:?}, but device {g} runs it with group {:?}",
+                            &group[..],
+                            h.group().map_or(&[][..], |g| &g[..])
+                        ),
+                        None,
+                    )
+                }
+                Some(h) if h.node == op.node && self.waits_done(gd, h) => {}
+                Some(h) if h.node == op.node => {
+                    return (format!("{at} for device {g} to reach it"), Some((gd, gs)))
+                }
+                Some(h) => {
+                    return (
+                        format!("{at} for device {g}, which is at {}#{}", h.label(), h.node),
+                        Some((gd, gs)),
+                    )
+                }
+                None => {
+                    return (
+                        format!("{at}, but device {g} has finished stream {stream} without it"),
+                        None,
+                    )
+                }
+            }
+        }
+        (at, None)
     }
 }
 
@@ -188,7 +178,7 @@ pub(super) fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize)
     let mut sends: HashMap<(u32, u32), u32> = HashMap::default();
     for d in devices {
         for op in d.streams.iter().flat_map(|s| s.ops.iter()) {
-            if op.op == OpKind::Send {
+            if matches!(op.act, Act::Send { .. }) {
                 sends.entry((op.node, d.device)).or_insert_with(&mut next);
             }
         }
@@ -215,16 +205,13 @@ pub(super) fn steps_of(devices: &[DevicePlan]) -> (Vec<Vec<StreamSteps>>, usize)
                         .iter()
                         .map(|w| (index(w.stream), u32::try_from(w.op).unwrap_or(u32::MAX))),
                 );
-                let (kind, key, need) = match op.op {
-                    OpKind::Send => (Kind::Send, sends[&(op.node, me)], 0),
-                    OpKind::Recv => {
-                        let send = (op.pair.unwrap_or(u32::MAX), op.peer.unwrap_or(u32::MAX));
-                        match sends.get(&send) {
-                            Some(&k) => (Kind::Recv, k, 0),
-                            None => (Kind::Never, 0, 0),
-                        }
-                    }
-                    _ => match op.group.as_deref() {
+                let (kind, key, need) = match op.act {
+                    Act::Send { .. } => (Kind::Send, sends[&(op.node, me)], 0),
+                    Act::Recv { from, pair } => match sends.get(&(pair, from)) {
+                        Some(&k) => (Kind::Recv, k, 0),
+                        None => (Kind::Never, 0, 0),
+                    },
+                    _ => match op.group().map(|g| &g[..]) {
                         Some(g) if g.len() > 1 => {
                             let key = *meetings
                                 .entry((op.node, &*st.stream, g))

@@ -43,15 +43,15 @@ fn kept_nodes(plan: &Plan) -> HashSet<u32> {
             .flat_map(|s| &s.ops)
     };
     let mut keep: HashSet<u32> = ops()
-        .filter(|o| o.op == OpKind::F)
+        .filter(|o| o.kind() == OpKind::F)
         .map(|o| o.node)
         .collect();
     loop {
         let mut more = Vec::new();
         for o in ops().filter(|o| keep.contains(&o.node)) {
             more.extend(o.inputs.iter().map(|i| i.node));
-            if o.op == OpKind::Recv {
-                more.extend(o.pair);
+            if o.kind() == OpKind::Recv {
+                more.extend(o.pair());
             }
         }
         let before = keep.len();

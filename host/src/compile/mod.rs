@@ -38,10 +38,11 @@ mod tests;
 pub use deadlock::{check_deadlock, DeadlockError};
 pub use forward::forward_only;
 pub use plan::{
-    human_bytes, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamIx, StreamPlan, Wait,
+    human_bytes, Act, Collective, DevicePlan, Input, Op, OpCommon, OpKind, Plan, StreamIx,
+    StreamPlan, Wait,
 };
 
-use crate::dag::{CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TrainingDag};
+use crate::dag::{CommOp, CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TrainingDag};
 use crate::model::DTYPE_BYTES;
 use foldhash::{HashMap, HashMapExt};
 use petgraph::stable_graph::NodeIndex;
@@ -91,6 +92,8 @@ pub enum CompileError {
     Indivisible { node: String, batch: u32, div: u64 },
     #[error("{node} sends to its own device {device}: the groups it joins overlap")]
     SelfSend { node: String, device: u32 },
+    #[error("{node} cannot run: {why}")]
+    Comm { node: String, why: String },
     #[error("the DAG has a cycle: {}", .0.join(" -> "))]
     Cycle(Vec<String>),
     #[error("{} of the {cluster} devices run no compute: {} (the strategies use {busy}; a composition must place every device, or run with --devices {busy})", .idle.len(), idle_list(.idle))]
@@ -244,6 +247,12 @@ fn validate(
             }
         }
         if let NodeKind::Comm(c) = &n.kind {
+            if let Some(why) = comm_fault(c, n.devices.len()) {
+                return Some(CompileError::Comm {
+                    node: dag.label(id),
+                    why,
+                });
+            }
             if c.op.is_p2p() {
                 if let Some(i) = n.devices.iter().zip(&c.peers).position(|(a, b)| a == b) {
                     return Some(CompileError::SelfSend {
@@ -261,6 +270,30 @@ fn validate(
     }
     validate_edges(dag, flat, groups, &segs.placement)?;
     check_busy(dag, groups)
+}
+
+/// What a communication node lacks to become ops: a peer per device and
+/// its send (point to point), or a collective Piper runs.
+fn comm_fault(c: &crate::dag::Comm, devices: usize) -> Option<String> {
+    let op = c.op.as_str();
+    let purpose = c.purpose.as_str();
+    if !c.op.is_p2p() {
+        return plan::Collective::of(c.op, c.purpose)
+            .is_none()
+            .then(|| format!("`{op}` for `{purpose}` is no collective a plan runs"));
+    }
+    if c.purpose != CommPurpose::Pipeline {
+        return Some(format!(
+            "a {op} for {purpose}: point-to-point ops move pipeline tensors only"
+        ));
+    }
+    if c.peers.len() != devices {
+        return Some(format!(
+            "a {op} on {devices} device(s) names {} peer(s)",
+            c.peers.len()
+        ));
+    }
+    (c.op == CommOp::Recv && c.pair.is_none()).then(|| "a recv without its send".to_string())
 }
 
 /// An expert segment on a tensor-parallel mesh runs `1/tp` of its

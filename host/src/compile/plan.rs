@@ -2,7 +2,7 @@
 //! costs. A plan is plain data (serde), has a stable hash, and renders as a
 //! readable per-device table.
 
-use crate::dag::{Label, NodeKind, PASS_VALUES};
+use crate::dag::{CommOp, Label, NodeKind, Pass, PASS_VALUES};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -51,17 +51,12 @@ pub struct StreamPlan {
 /// an op is one flat object.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Op {
-    pub op: OpKind,
+    /// What the op does, with what that needs on this device.
+    pub act: Act,
     /// The DAG node this op runs.
     pub node: u32,
     /// What the node's op on every device shares.
     pub common: Arc<OpCommon>,
-    /// `send`: destination device; `recv`: source device.
-    pub peer: Option<u32>,
-    /// `send`/`recv`: the send node's id, the same on both sides.
-    pub pair: Option<u32>,
-    /// Collectives: the devices that run it together (this device included).
-    pub group: Option<Arc<[u32]>>,
     /// Ops of other streams on this device that must finish first.
     /// Shared by the devices of an SPMD node whose waits are the same.
     pub waits: Arc<[Wait]>,
@@ -85,8 +80,6 @@ pub struct OpCommon {
     pub spread: Option<Spread>,
     /// A phase of an expert segment's pass split by `shard`.
     pub phase: Option<ExpertPhase>,
-    /// Why a communication op exists (`pipeline`, `grad-sync`, …).
-    pub purpose: Option<CommPurpose>,
     /// Microbatch split factor × data-parallel degree: the op runs
     /// `1/batch_div` of the global batch.
     pub batch_div: u64,
@@ -128,6 +121,168 @@ impl std::ops::Deref for Op {
 impl std::ops::DerefMut for Op {
     fn deref_mut(&mut self) -> &mut OpCommon {
         Arc::make_mut(&mut self.common)
+    }
+}
+
+/// What one op does, each kind holding exactly what it needs on its device.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Act {
+    /// A compute pass of the node's segments. `group`: the devices a pass
+    /// spread by tensor or expert parallelism exchanges with inside the op
+    /// (this one included); `None` for a pass that runs alone.
+    Compute {
+        pass: Pass,
+        group: Option<Arc<[u32]>>,
+    },
+    /// Hand the node's tensor to device `to`; its `recv` names the same
+    /// `pair` (the send node's id).
+    Send { to: u32, pair: u32 },
+    /// Take the tensor device `from` sent under `pair`.
+    Recv { from: u32, pair: u32 },
+    /// Run `what` together with the other members of `group` (this device
+    /// included).
+    Collective { what: Collective, group: Arc<[u32]> },
+    /// The optimizer step of the node's segments.
+    Update,
+}
+
+/// A collective by what it is for; each runs as one kind of NCCL call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    /// All-reduce of the squared gradient norm over every device holding
+    /// parameters (clipping by the global norm).
+    GradNorm,
+    /// The data-parallel replicas' gradients summed: an all-reduce, or a
+    /// reduce-scatter (`scatter`) leaving each member its ZeRO shard.
+    GradSync { scatter: bool },
+    /// All-reduce of the tied embedding's and LM head's gradients across
+    /// stages.
+    TiedGrad,
+    /// All-reduce of a segment's parameter copies' gradients (DualPipe's
+    /// two model copies).
+    CopyGrad,
+    /// ZeRO-1/2: all-gather of the updated parameter shards after the step.
+    ParamRefresh,
+    /// ZeRO-3: all-gather of a segment's parameters before a use.
+    ParamGather,
+    /// Expert parallelism: the all-to-all between two phases of an expert
+    /// segment's pass.
+    Experts,
+}
+
+impl Collective {
+    /// The collective a DAG node of this op and purpose runs (`None`: a
+    /// pairing no directive makes, refused by the compiler).
+    pub fn of(op: CommOp, purpose: CommPurpose) -> Option<Collective> {
+        use CommPurpose as P;
+        Some(match (op, purpose) {
+            (CommOp::AllReduce, P::GradNorm) => Collective::GradNorm,
+            (CommOp::AllReduce, P::GradSync) => Collective::GradSync { scatter: false },
+            (CommOp::ReduceScatter, P::GradSync) => Collective::GradSync { scatter: true },
+            (CommOp::AllReduce, P::TiedGrad) => Collective::TiedGrad,
+            (CommOp::AllReduce, P::CopyGrad) => Collective::CopyGrad,
+            (CommOp::AllGather, P::ParamRefresh) => Collective::ParamRefresh,
+            (CommOp::AllGather, P::ParamGather) => Collective::ParamGather,
+            (CommOp::AllToAll, P::Experts) => Collective::Experts,
+            _ => return None,
+        })
+    }
+    pub fn kind(self) -> OpKind {
+        match self {
+            Collective::GradNorm | Collective::TiedGrad | Collective::CopyGrad => OpKind::AllReduce,
+            Collective::GradSync { scatter: false } => OpKind::AllReduce,
+            Collective::GradSync { scatter: true } => OpKind::ReduceScatter,
+            Collective::ParamRefresh | Collective::ParamGather => OpKind::AllGather,
+            Collective::Experts => OpKind::AllToAll,
+        }
+    }
+    pub fn purpose(self) -> CommPurpose {
+        match self {
+            Collective::GradNorm => CommPurpose::GradNorm,
+            Collective::GradSync { .. } => CommPurpose::GradSync,
+            Collective::TiedGrad => CommPurpose::TiedGrad,
+            Collective::CopyGrad => CommPurpose::CopyGrad,
+            Collective::ParamRefresh => CommPurpose::ParamRefresh,
+            Collective::ParamGather => CommPurpose::ParamGather,
+            Collective::Experts => CommPurpose::Experts,
+        }
+    }
+}
+
+impl Act {
+    /// The op's name in plans (the DAG label of its node).
+    pub fn kind(&self) -> OpKind {
+        match self {
+            Act::Compute { pass, .. } => OpKind::of_pass(*pass),
+            Act::Send { .. } => OpKind::Send,
+            Act::Recv { .. } => OpKind::Recv,
+            Act::Collective { what, .. } => what.kind(),
+            Act::Update => OpKind::Update,
+        }
+    }
+    /// A send to device `dev`?
+    pub fn sends_to(&self, dev: u32) -> bool {
+        matches!(*self, Act::Send { to, .. } if to == dev)
+    }
+}
+
+impl Op {
+    /// Short label: `F[PP0 MB3]`, `send[PP1 MB0]→2`, `all-reduce[PP3]`.
+    pub fn label(&self) -> String {
+        // At most 16 tags, then their count.
+        let mut tags: Vec<String> = (self.tags.iter().take(16))
+            .map(|(k, v)| format!("{k}{v}"))
+            .collect();
+        if self.tags.len() > 16 {
+            tags.push(format!("… ({} tags)", self.tags.len()));
+        }
+        let kind = self.kind();
+        let mut s = if tags.is_empty() {
+            kind.to_string()
+        } else {
+            format!("{kind}[{}]", tags.join(" "))
+        };
+        match self.act {
+            Act::Send { to, .. } => write!(s, "→{to}").unwrap(),
+            Act::Recv { from, .. } => write!(s, "←{from}").unwrap(),
+            _ => {}
+        }
+        s
+    }
+    pub fn kind(&self) -> OpKind {
+        self.act.kind()
+    }
+    /// Why a communication op exists (`pipeline`, `grad-sync`, …).
+    pub fn purpose(&self) -> Option<CommPurpose> {
+        match &self.act {
+            Act::Send { .. } | Act::Recv { .. } => Some(CommPurpose::Pipeline),
+            Act::Collective { what, .. } => Some(what.purpose()),
+            Act::Compute { .. } | Act::Update => None,
+        }
+    }
+    /// The devices the op runs together with (this one included): a
+    /// collective's, or a spread compute pass's.
+    pub fn group(&self) -> Option<&Arc<[u32]>> {
+        match &self.act {
+            Act::Compute { group, .. } => group.as_ref(),
+            Act::Collective { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+    /// A send's destination or a recv's source.
+    pub fn peer(&self) -> Option<u32> {
+        match self.act {
+            Act::Send { to, .. } => Some(to),
+            Act::Recv { from, .. } => Some(from),
+            _ => None,
+        }
+    }
+    /// A send's or recv's pairing key (the send node's id).
+    pub fn pair(&self) -> Option<u32> {
+        match self.act {
+            Act::Send { pair, .. } | Act::Recv { pair, .. } => Some(pair),
+            _ => None,
+        }
     }
 }
 
@@ -233,13 +388,10 @@ impl TryFrom<DeviceIn> for DevicePlan {
                 let ops = s
                     .ops
                     .into_iter()
-                    .map(|f| {
-                        f.into_op(at).map_err(|w| {
-                            format!(
-                                "device {}: an op of stream `{}` waits on stream `{w}`, \
-                                 which this device lacks",
-                                d.device, s.stream
-                            )
+                    .enumerate()
+                    .map(|(i, f)| {
+                        f.into_op(at).map_err(|e| {
+                            format!("device {}: op {i} of stream `{}`: {e}", d.device, s.stream)
                         })
                     })
                     .collect::<Result<Vec<Op>, String>>()?;
@@ -320,16 +472,16 @@ impl<'a> FlatOp<'a> {
     fn of(o: &'a Op, name: impl Fn(&Wait) -> &'a str) -> FlatOp<'a> {
         let c = &*o.common;
         FlatOp {
-            op: o.op,
+            op: o.kind(),
             node: o.node,
             tags: c.tags.clone(),
             segments: c.segments.clone(),
-            peer: o.peer,
-            pair: o.pair,
-            group: o.group.clone(),
+            peer: o.peer(),
+            pair: o.pair(),
+            group: o.group().cloned(),
             spread: c.spread,
             phase: c.phase,
-            purpose: c.purpose,
+            purpose: o.purpose(),
             batch_div: c.batch_div,
             flops: c.flops,
             bytes: c.bytes,
@@ -354,25 +506,58 @@ impl<'a> FlatOp<'a> {
         }
     }
 
-    /// The op, its waits' streams found by `at`; `Err`: a name `at` lacks.
+    /// The op, its waits' streams found by `at`; `Err`: what it lacks (a
+    /// stream, a peer, a group) or an op and purpose no plan pairs.
     fn into_op(self, at: impl Fn(&str) -> Option<StreamIx>) -> Result<Op, String> {
         let waits = self
             .waits
             .iter()
             .map(|w| {
-                let stream = at(&w.stream).ok_or_else(|| w.stream.to_string())?;
+                let stream = at(&w.stream).ok_or_else(|| {
+                    format!("it waits on stream `{}`, which this device lacks", w.stream)
+                })?;
                 Ok(Wait { stream, op: w.op })
             })
             .collect::<Result<Arc<[Wait]>, String>>()?;
+        let kind = self.op;
+        let lacks = |what: &str| format!("a `{kind}` op without its `{what}`");
+        let (peer, pair) = (self.peer.ok_or_else(|| lacks("peer")), self.pair);
+        let pair = pair.ok_or_else(|| lacks("pair"));
+        let act = match kind {
+            OpKind::Update => Act::Update,
+            OpKind::Send => Act::Send {
+                to: peer?,
+                pair: pair?,
+            },
+            OpKind::Recv => Act::Recv {
+                from: peer?,
+                pair: pair?,
+            },
+            _ => match (kind.pass(), kind.comm()) {
+                (Some(pass), _) => Act::Compute {
+                    pass,
+                    group: self.group,
+                },
+                (None, Some(op)) => {
+                    let purpose = self.purpose.ok_or_else(|| lacks("purpose"))?;
+                    Act::Collective {
+                        what: Collective::of(op, purpose).ok_or_else(|| {
+                            format!("`{kind}` for `{}` is no op of a plan", purpose.as_str())
+                        })?,
+                        group: self.group.ok_or_else(|| lacks("group"))?,
+                    }
+                }
+                (None, None) => unreachable!("update, send and recv are matched above"),
+            },
+        };
         Ok(Op {
-            op: self.op,
+            act,
             node: self.node,
             common: Arc::new(OpCommon {
                 tags: self.tags,
                 segments: self.segments,
                 spread: self.spread,
                 phase: self.phase,
-                purpose: self.purpose,
                 batch_div: self.batch_div,
                 flops: self.flops,
                 bytes: self.bytes,
@@ -384,9 +569,6 @@ impl<'a> FlatOp<'a> {
                 tp: self.tp,
                 sp: self.sp,
             }),
-            peer: self.peer,
-            pair: self.pair,
-            group: self.group,
             waits,
             inputs: self.inputs,
             replica: self.replica,
@@ -468,6 +650,39 @@ impl OpKind {
     /// which never reaches a plan).
     pub fn of(kind: &NodeKind) -> Option<Self> {
         Self::ALL.get(Label::of(kind) as usize).copied()
+    }
+    /// The compute op of a pass.
+    pub fn of_pass(pass: Pass) -> OpKind {
+        match pass {
+            Pass::F => OpKind::F,
+            Pass::B => OpKind::B,
+            Pass::BI => OpKind::BI,
+            Pass::BW => OpKind::BW,
+            Pass::R => OpKind::R,
+        }
+    }
+    /// A compute op's pass.
+    pub fn pass(self) -> Option<Pass> {
+        Some(match self {
+            OpKind::F => Pass::F,
+            OpKind::B => Pass::B,
+            OpKind::BI => Pass::BI,
+            OpKind::BW => Pass::BW,
+            OpKind::R => Pass::R,
+            _ => return None,
+        })
+    }
+    /// A communication op's DAG op.
+    pub fn comm(self) -> Option<CommOp> {
+        Some(match self {
+            OpKind::Send => CommOp::Send,
+            OpKind::Recv => CommOp::Recv,
+            OpKind::AllReduce => CommOp::AllReduce,
+            OpKind::ReduceScatter => CommOp::ReduceScatter,
+            OpKind::AllGather => CommOp::AllGather,
+            OpKind::AllToAll => CommOp::AllToAll,
+            _ => return None,
+        })
     }
     pub fn is_compute(self) -> bool {
         matches!(
@@ -579,16 +794,19 @@ impl StableHasher {
     fn op(&mut self, o: &Op, shared: bool, waits: impl ExactSizeIterator<Item = (u32, u32)>) {
         let code = |x: Option<u8>| x.map_or(0, |v| v as u64 + 1);
         self.word(
-            o.op as u64
+            o.kind() as u64
                 | code(o.spread.map(|s| s as u8)) << 8
                 | code(o.phase.map(|p| p as u8)) << 16
                 | code(o.tensor.map(|t| t as u8)) << 24
                 | (o.zero as u64) << 32
-                | code(o.purpose.map(|p| p as u8)) << 40
+                | code(o.purpose().map(|p| p as u8)) << 40
                 | (shared as u64) << 48,
         );
         self.word(pair(o.node, o.replica));
-        self.word(pair(o.peer.unwrap_or(u32::MAX), o.pair.unwrap_or(u32::MAX)));
+        self.word(pair(
+            o.peer().unwrap_or(u32::MAX),
+            o.pair().unwrap_or(u32::MAX),
+        ));
         self.word(pair(o.microbatch, o.microbatches));
         if shared {
             for (k, v) in o.tags.iter() {
@@ -603,7 +821,7 @@ impl StableHasher {
                 self.word(u64::from(o.tp) | u64::from(o.sp) << 32);
             }
         }
-        self.words(o.group.as_deref().unwrap_or(&[]));
+        self.words(o.group().map_or(&[][..], |g| &g[..]));
         self.word(waits.len() as u64);
         for (s, i) in waits {
             self.word(pair(s, i));
@@ -612,30 +830,6 @@ impl StableHasher {
         for i in o.inputs.iter() {
             self.word(pair(i.node, i.tensor as u32));
         }
-    }
-}
-
-impl Op {
-    /// Short label: `F[PP0 MB3]`, `send[PP1 MB0]→2`, `all-reduce[PP3]`.
-    pub fn label(&self) -> String {
-        // At most 16 tags, then their count.
-        let mut tags: Vec<String> = (self.tags.iter().take(16))
-            .map(|(k, v)| format!("{k}{v}"))
-            .collect();
-        if self.tags.len() > 16 {
-            tags.push(format!("… ({} tags)", self.tags.len()));
-        }
-        let mut s = if tags.is_empty() {
-            self.op.to_string()
-        } else {
-            format!("{}[{}]", self.op, tags.join(" "))
-        };
-        match (self.op, self.peer) {
-            (OpKind::Send, Some(p)) => write!(s, "→{p}").unwrap(),
-            (OpKind::Recv, Some(p)) => write!(s, "←{p}").unwrap(),
-            _ => {}
-        }
-        s
     }
 }
 
@@ -651,10 +845,10 @@ impl Plan {
             .map(|d| {
                 let ops = d.streams.iter().flat_map(|s| s.ops.iter());
                 let part = |op: &Op| {
-                    let n = op.group.as_ref().map_or(1, |g| g.len()).max(1) as f64;
+                    let n = op.group().map_or(1, |g| g.len()).max(1) as f64;
                     op.bytes as f64 * (n - 1.0) / n
                 };
-                ops.map(|op| match op.op {
+                ops.map(|op| match op.kind() {
                     OpKind::Send => op.bytes as f64,
                     // A tensor-parallel pass sums over its group inside the op
                     // (a sequence-parallel weight pass, its norms' gradients).

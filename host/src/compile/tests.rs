@@ -227,3 +227,66 @@ fn a_lattice_of_order_markers_compiles_in_time_linear_in_its_markers() {
         t.elapsed()
     );
 }
+
+#[test]
+fn communication_nodes_that_cannot_become_ops_are_refused_by_name() {
+    // Written straight into the graph, as no directive writes them: a send
+    // missing its peer, a recv without its send, a send of gradients, a
+    // collective of an op and purpose no plan runs.
+    let pipeline = || {
+        let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(2)).unwrap();
+        dag.place(&Filter::all(), &[0], "pp").unwrap();
+        dag.place(&"{PP:3}".parse().unwrap(), &[1], "pp").unwrap();
+        dag
+    };
+    let data_parallel = || {
+        let mut dag = TrainingDag::build(&ModelConfig::tiny(), Cluster::new(2)).unwrap();
+        let zero = crate::dag::ReplicateOptions::default();
+        dag.replicate(&Filter::all(), &[0, 1], &zero).unwrap();
+        dag.rebuild_derived();
+        dag
+    };
+    type Build = fn() -> TrainingDag;
+    type Edit = fn(&mut crate::dag::Comm);
+    let edits: [(Build, CommOp, Edit, &str); 4] = [
+        (
+            pipeline,
+            CommOp::Send,
+            |c| c.peers.clear(),
+            "a send on 1 device(s) names 0 peer(s)",
+        ),
+        (
+            pipeline,
+            CommOp::Recv,
+            |c| c.pair = None,
+            "a recv without its send",
+        ),
+        (
+            pipeline,
+            CommOp::Send,
+            |c| c.purpose = CommPurpose::GradSync,
+            "a send for grad-sync: point-to-point ops move pipeline tensors only",
+        ),
+        (
+            data_parallel,
+            CommOp::AllReduce,
+            |c| c.purpose = CommPurpose::ParamGather,
+            "`all-reduce` for `param-gather` is no collective a plan runs",
+        ),
+    ];
+    for (build, op, edit, says) in edits {
+        let mut dag = build();
+        compile(&dag).expect("the DAG compiles before the edit");
+        let at = (dag.graph.node_indices())
+            .find(|i| matches!(&dag.graph[*i].kind, NodeKind::Comm(c) if c.op == op))
+            .expect("the DAG has the op");
+        let NodeKind::Comm(c) = &mut dag.graph[at].kind else {
+            unreachable!()
+        };
+        edit(c);
+        let err = compile(&dag).unwrap_err();
+        assert!(matches!(err, CompileError::Comm { .. }), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains(says) && msg.contains("cannot run"), "{msg}");
+    }
+}

@@ -386,7 +386,7 @@ fn shard_tensor_splits_the_group_and_names_bad_degrees() {
         .streams
         .iter()
         .flat_map(|s| &s.ops)
-        .filter(|o| o.op.is_compute())
+        .filter(|o| o.kind().is_compute())
         .all(|o| o.spread == Some(Spread::Tensor) && o.replica == 0));
     let mut dag = tiny(4);
     fails_unchanged(
@@ -446,10 +446,10 @@ fn data_and_tensor_parallelism_make_one_mesh_in_either_order() {
             let dp_group = [d.device % 2, d.device % 2 + 2];
             let f = ops
                 .iter()
-                .find(|o| o.op == crate::compile::OpKind::F)
+                .find(|o| o.kind() == crate::compile::OpKind::F)
                 .unwrap();
             assert_eq!(
-                f.group.as_deref(),
+                f.group().map(|g| &g[..]),
                 Some(&tp_group[..]),
                 "device {}",
                 d.device
@@ -457,10 +457,10 @@ fn data_and_tensor_parallelism_make_one_mesh_in_either_order() {
             assert_eq!(f.replica, d.device / 2);
             let rs = ops
                 .iter()
-                .find(|o| o.op == crate::compile::OpKind::ReduceScatter)
+                .find(|o| o.kind() == crate::compile::OpKind::ReduceScatter)
                 .unwrap();
             assert_eq!(
-                rs.group.as_deref(),
+                rs.group().map(|g| &g[..]),
                 Some(&dp_group[..]),
                 "device {}",
                 d.device
@@ -767,7 +767,7 @@ fn recompute_moves_the_saved_tensors_to_a_recompute_node() {
         .iter()
         .flat_map(|d| &d.streams)
         .flat_map(|s| &s.ops)
-        .filter(|o| o.op == crate::compile::OpKind::R)
+        .filter(|o| o.kind() == crate::compile::OpKind::R)
         .count();
     assert_eq!(ops, 4);
 }
@@ -849,7 +849,7 @@ fn a_recompute_the_strategy_orders_keeps_its_order() {
     let ops: Vec<String> = plan.devices[0].streams[0]
         .ops
         .iter()
-        .map(|o| format!("{}{}/{}", o.op, o.segments[0], o.microbatch))
+        .map(|o| format!("{}{}/{}", o.kind(), o.segments[0], o.microbatch))
         .collect();
     let at = |s: &str| ops.iter().position(|o| o == s).unwrap();
     assert!(at("R0/0") < at("F1/0"), "{ops:?}");

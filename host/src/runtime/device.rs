@@ -10,7 +10,7 @@ use super::step::TraceEvent;
 use super::zero::{self, Bucket};
 use super::TrainOptions;
 use crate::compile::human_bytes;
-use crate::compile::plan::{CommPurpose, DevicePlan, Spread};
+use crate::compile::plan::{Act, Collective, DevicePlan, Spread};
 use crate::model::params::{tp_ranges, ParamTable, TpSplit};
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -238,12 +238,12 @@ fn held_and_spreads(plan: &DevicePlan) -> Result<Held, RuntimeError> {
     let mut replica: HashMap<u32, u32> = HashMap::new();
     let mut spreads = Spreads::default();
     let ops = plan.streams.iter().flat_map(|s| s.ops.iter());
-    for op in ops.filter(|o| o.op.is_compute()) {
+    for op in ops.filter(|o| o.kind().is_compute()) {
         for s in op.segments.iter() {
             held.insert(*s);
             replica.insert(*s, op.replica);
             // A spread op exchanges with its group inside the op.
-            let (Some(kind), Some(g)) = (op.spread, op.group.as_deref()) else {
+            let (Some(kind), Some(g)) = (op.spread, op.group()) else {
                 continue;
             };
             let (size, rank) = (g.len(), g.iter().position(|d| *d == plan.device));
@@ -437,8 +437,14 @@ impl<B: Backend> Device<B> {
         // Parameter copies (DualPipe): the first device of each copy group
         // counts the reduced gradient in the norm, the others do not.
         let mut other_copy = BTreeSet::new();
-        for op in ops().filter(|o| o.purpose == Some(CommPurpose::CopyGrad)) {
-            let group = op.group.as_deref().unwrap_or(&[]);
+        for op in ops() {
+            let Act::Collective {
+                what: Collective::CopyGrad,
+                group,
+            } = &op.act
+            else {
+                continue;
+            };
             if group.first() != Some(&plan.device) {
                 other_copy.extend(op.segments.iter().copied());
                 for s in op.segments.iter() {
@@ -485,7 +491,15 @@ impl<B: Backend> Device<B> {
                 });
             }
         }
-        let has_norm_op = ops().any(|o| o.purpose == Some(CommPurpose::GradNorm));
+        let has_norm_op = ops().any(|o| {
+            matches!(
+                o.act,
+                Act::Collective {
+                    what: Collective::GradNorm,
+                    ..
+                }
+            )
+        });
         let streams = plan
             .streams
             .iter()

@@ -57,8 +57,6 @@ pub enum RuntimeError {
     /// The devices could not start (a backend this machine cannot run).
     #[error("cannot start the devices: {0}")]
     Setup(String),
-    #[error("{0}")]
-    Unsupported(String),
     /// The kernel threads asked for cannot be given.
     #[error("kernel threads: {0}")]
     Threads(String),

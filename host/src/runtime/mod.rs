@@ -335,7 +335,9 @@ pub fn rows_read(plan: &Plan, devices: &[usize], b: usize) -> Vec<bool> {
         .filter_map(|&i| plan.devices.get(i))
         .flat_map(|d| &d.streams)
         .flat_map(|s| &s.ops);
-    for op in forwards.filter(|op| op.op == crate::compile::plan::OpKind::F && op.phase.is_none()) {
+    for op in
+        forwards.filter(|op| op.kind() == crate::compile::plan::OpKind::F && op.phase.is_none())
+    {
         let rows = ops::compute::rows_of(op, b);
         read[rows.start.min(b)..rows.end.min(b)].fill(true);
     }

@@ -199,7 +199,7 @@ fn run_stream<B: Backend>(
             let t1 = ctx.epoch.elapsed();
             dev.events.lock().unwrap().push(TraceEvent {
                 name: op.label(),
-                cat: if op.op.is_compute() || op.op == OpKind::Update {
+                cat: if op.kind().is_compute() || op.kind() == OpKind::Update {
                     "compute"
                 } else {
                     "comm"

@@ -98,12 +98,12 @@ pub(super) fn layout<B: Backend>(
 ) -> Result<Vec<Bucket<B>>, BackendError> {
     let mut buckets: Vec<Bucket<B>> = Vec::new();
     let ops = plan.streams.iter().flat_map(|s| s.ops.iter());
-    for op in ops.filter(|o| o.purpose == Some(CommPurpose::GradSync) && o.zero >= 1) {
+    for op in ops.filter(|o| o.purpose() == Some(CommPurpose::GradSync) && o.zero >= 1) {
         let segs: Vec<u32> = op.segments.to_vec();
         if buckets.iter().any(|b| b.segments == segs) {
             continue;
         }
-        let group = op.group.as_deref().unwrap_or(&[]);
+        let group = op.group().map(|g| &g[..]).unwrap_or(&[]);
         let n = group.len().max(1);
         let rank = group.iter().position(|d| *d == plan.device).unwrap_or(0);
         // Experts spread by `shard` live on one device each: not replicated,
@@ -652,7 +652,7 @@ fn gather_shards<B: Backend>(
     let _staging = dev.reserve(op, (mine.len() + whole) as u64 * 4)?;
     let got = ctx
         .comm
-        .all_gather(op.op.as_str(), op.node, group, dev.id, mine)
+        .all_gather(op.kind().as_str(), op.node, group, dev.id, mine)
         .map_err(|cause| comm_error(dev, op, cause))?;
     if got.len() != whole {
         return Err(missing(

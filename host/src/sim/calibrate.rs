@@ -61,8 +61,7 @@ const KINDS: [(OpKind, &str); 4] = [
 
 /// AdamW bytes an optimizer step moves (see [`super::cost`]).
 fn adamw_bytes(op: &crate::compile::plan::Op) -> f64 {
-    let shard = op.group.as_ref().map_or(1, |g| g.len().max(1)) as f64;
-    7.0 * op.param_bytes as f64 / shard
+    7.0 * op.param_bytes as f64
 }
 
 /// The mean of `v` without its fastest and slowest tenth (⌊n/10⌋ each).
@@ -93,14 +92,18 @@ impl Samples {
             times.extend(steps.iter().map(|s| s.spans[g].end - s.spans[g].start));
             let t = trimmed_mean(&mut times);
             // A recompute is a sample of the forward's rate.
-            let kind = if op.op == OpKind::R { OpKind::F } else { op.op };
+            let kind = if op.kind() == OpKind::R {
+                OpKind::F
+            } else {
+                op.kind()
+            };
             if let Some(k) = KINDS.iter().position(|(k, _)| *k == kind) {
                 self.compute[k].push((op.flops, t));
                 continue;
             }
-            let n = op.group.as_ref().map_or(1, |g| g.len()) as f64;
+            let n = op.group().map_or(1, |g| g.len()) as f64;
             let b = op.bytes as f64;
-            match op.op {
+            match op.kind() {
                 OpKind::Update if op.param_bytes > 0 => self.update.push((adamw_bytes(op), t)),
                 OpKind::Send => self.comm.push((1.0, b, t)),
                 OpKind::AllReduce if n > 1.0 => {

@@ -2,7 +2,8 @@
 //! for checking schedules against their published bubble formulas.
 
 use super::Cluster;
-use crate::compile::plan::{Op, OpKind, Spread};
+use crate::compile::plan::{Act, Op, OpKind, Spread};
+use crate::dag::Pass;
 
 /// Seconds an op takes.
 pub trait CostModel {
@@ -30,18 +31,17 @@ const ADAMW_PASSES: f64 = 7.0;
 
 impl CostModel for Cluster {
     fn compute(&self, op: &Op) -> f64 {
-        let (eff, fixed) = match op.op {
+        let pass = match op.act {
+            Act::Compute { pass, .. } => pass,
+            Act::Update => return ADAMW_PASSES * op.param_bytes as f64 / self.memory_bytes_per_s,
+            Act::Send { .. } | Act::Recv { .. } | Act::Collective { .. } => return 0.0,
+        };
+        let (eff, fixed) = match pass {
             // A recompute is its forward again, at the forward's rate.
-            OpKind::F | OpKind::R => (self.efficiency.f, self.op_overhead_s.f),
-            OpKind::B => (self.efficiency.b, self.op_overhead_s.b),
-            OpKind::BI => (self.efficiency.bi, self.op_overhead_s.bi),
-            OpKind::BW => (self.efficiency.bw, self.op_overhead_s.bw),
-            OpKind::Update => {
-                // ZeRO-1+ shards the step over the data-parallel group.
-                let shard = op.group.as_ref().map_or(1, |g| g.len().max(1)) as f64;
-                return ADAMW_PASSES * op.param_bytes as f64 / shard / self.memory_bytes_per_s;
-            }
-            _ => return 0.0,
+            Pass::F | Pass::R => (self.efficiency.f, self.op_overhead_s.f),
+            Pass::B => (self.efficiency.b, self.op_overhead_s.b),
+            Pass::BI => (self.efficiency.bi, self.op_overhead_s.bi),
+            Pass::BW => (self.efficiency.bw, self.op_overhead_s.bw),
         };
         fixed + op.flops / (self.peak_flops * eff) + self.in_op_exchange(op)
     }
@@ -51,7 +51,7 @@ impl CostModel for Cluster {
         // all-to-alls (`shard` on `compute`; split passes have their own);
         // a tensor-parallel pass for its sums (as one ring all-reduce of
         // all their bytes: one latency, not one per sum).
-        match (op.op, &op.group, op.spread, op.phase) {
+        match (op.kind(), op.group(), op.spread, op.phase) {
             (
                 OpKind::F | OpKind::R | OpKind::B | OpKind::BI,
                 Some(g),
@@ -99,7 +99,7 @@ impl CostModel for Cluster {
         // way; reduce-scatter, all-gather and all-to-all half of that.
         // Tree (double binary, as NCCL for all-reduce): 2·log2(n) latencies,
         // the buffer twice at link speed.
-        match op.op {
+        match op.kind() {
             OpKind::AllReduce => {
                 let ring = 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * s / beta;
                 let tree = 2.0 * n.log2().ceil() * alpha + 2.0 * s / beta;
@@ -148,12 +148,14 @@ pub struct UnitCosts {
 
 impl CostModel for UnitCosts {
     fn compute(&self, op: &Op) -> f64 {
-        match op.op {
-            OpKind::F | OpKind::R => self.f,
-            OpKind::B => self.b,
-            OpKind::BI => self.bi,
-            OpKind::BW => self.bw,
-            _ => 0.0,
+        match op.act {
+            Act::Compute { pass, .. } => match pass {
+                Pass::F | Pass::R => self.f,
+                Pass::B => self.b,
+                Pass::BI => self.bi,
+                Pass::BW => self.bw,
+            },
+            Act::Send { .. } | Act::Recv { .. } | Act::Collective { .. } | Act::Update => 0.0,
         }
     }
     fn p2p(&self, _: u64, _: u32, _: u32) -> f64 {

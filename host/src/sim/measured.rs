@@ -201,7 +201,7 @@ fn as_simulated(plan: &Plan, ix: &OpIndex, start: &mut [f64], end: &[f64], clock
     let mut arrived: std::collections::HashMap<(u32, u32), f64> = Default::default();
     for g in 0..n {
         let (_, o) = ix.op(plan, g);
-        match o.op {
+        match o.kind() {
             OpKind::Send => {
                 sends.insert((ix.at[g].0, o.node), g);
             }
@@ -214,13 +214,13 @@ fn as_simulated(plan: &Plan, ix: &OpIndex, start: &mut [f64], end: &[f64], clock
     }
     for g in 0..n {
         let (_, o) = ix.op(plan, g);
-        if o.op.is_collective() {
+        if o.kind().is_collective() {
             start[g] = start[g].max(arrived[&(o.node, clock_of[g])]).min(end[g]);
         }
-        if o.op != OpKind::Recv {
+        if o.kind() != OpKind::Recv {
             continue;
         }
-        if let Some(&sg) = o.peer.zip(o.pair).and_then(|k| sends.get(&k)) {
+        if let Some(&sg) = o.peer().zip(o.pair()).and_then(|k| sends.get(&k)) {
             if clock_of[sg] == clock_of[g] {
                 start[g] = start[g].max(end[sg]).min(end[g]);
             }

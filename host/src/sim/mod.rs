@@ -24,7 +24,7 @@ pub mod report;
 pub use cluster::{Cluster, ClusterError};
 pub use cost::{CostModel, UnitCosts};
 
-use crate::compile::plan::{Op, OpKind, Plan, Spread, StreamPlan};
+use crate::compile::plan::{Act, Op, OpKind, Plan, Spread, StreamPlan};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
 
@@ -138,10 +138,10 @@ pub struct Label {
 impl Label {
     fn of(op: &crate::compile::plan::Op) -> Self {
         Label {
-            op: op.op,
+            op: op.kind(),
             microbatch: (op.microbatches > 1).then_some(op.microbatch),
             segment: op.segments.first().copied(),
-            peer: op.peer,
+            peer: op.peer(),
         }
     }
 }
@@ -291,12 +291,12 @@ fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<(Deps, Vec<u32>), SimError>
     let mut members: HashMap<u32, Vec<usize>> = HashMap::new();
     for (g, &(device, _, _)) in at.iter().enumerate() {
         let (_, o) = ix.op(plan, g);
-        match o.op {
-            OpKind::Send => {
+        match o.act {
+            Act::Send { .. } => {
                 sends.insert((device, o.node), g);
             }
-            k if k.is_collective() => members.entry(o.node).or_default().push(g),
-            _ => {}
+            Act::Collective { .. } => members.entry(o.node).or_default().push(g),
+            Act::Compute { .. } | Act::Recv { .. } | Act::Update => {}
         }
     }
     let mut edges: Vec<(u32, u32)> = Vec::with_capacity(2 * n);
@@ -327,10 +327,7 @@ fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<(Deps, Vec<u32>), SimError>
                     }
                     deps.push(base[d][wsi] + w.op);
                 }
-                if o.op == OpKind::Recv {
-                    let (Some(peer), Some(pair)) = (o.peer, o.pair) else {
-                        return Err(err(g, "a recv without its peer".into()));
-                    };
+                if let Act::Recv { from: peer, pair } = o.act {
                     let Some(&sg) = sends.get(&(peer, pair)) else {
                         return Err(err(g, format!("no matching send on device {peer}")));
                     };
@@ -435,8 +432,8 @@ fn run_shared(
         run.advance(t);
         let (_, o) = ix.op(plan, g);
         let d = at[g].0;
-        match o.op {
-            k if k.is_collective() => {
+        match o.act {
+            Act::Collective { .. } => {
                 let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
                 };
@@ -451,15 +448,15 @@ fn run_shared(
                 }
                 continue;
             }
-            OpKind::Send => {
+            Act::Send { to, .. } => {
                 clock.start[g] = run.now;
-                clock.end[g] = run.now + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+                clock.end[g] = run.now + costs.p2p(o.bytes, d, to);
             }
-            OpKind::Recv => {
+            Act::Recv { .. } => {
                 clock.start[g] = run.now;
                 clock.end[g] = run.now.max(clock.end[deps.send_of[g]]);
             }
-            _ => {
+            Act::Compute { .. } | Act::Update => {
                 clock.start[g] = run.now;
                 let work = costs.compute(o);
                 if work > 0.0 {
@@ -557,8 +554,8 @@ fn run_in_dependency_order(
     while let Some(g) = queue.pop() {
         let (_, o) = ix.op(plan, g);
         let d = at[g].0;
-        match o.op {
-            k if k.is_collective() => {
+        match o.act {
+            Act::Collective { .. } => {
                 let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
                 };
@@ -574,17 +571,17 @@ fn run_in_dependency_order(
                 }
                 continue;
             }
-            OpKind::Send => {
+            Act::Send { to, .. } => {
                 clock.start[g] = clock.ready_at[g];
-                clock.end[g] = clock.start[g] + costs.p2p(o.bytes, d, o.peer.unwrap_or(d));
+                clock.end[g] = clock.start[g] + costs.p2p(o.bytes, d, to);
             }
-            OpKind::Recv => {
+            Act::Recv { .. } => {
                 // The send was released before this recv: its end is the arrival.
                 let s = deps.send_of[g];
                 clock.start[g] = clock.ready_at[g];
                 clock.end[g] = clock.start[g].max(clock.end[s]);
             }
-            _ => {
+            Act::Compute { .. } | Act::Update => {
                 clock.start[g] = clock.ready_at[g];
                 clock.end[g] = clock.start[g] + costs.compute(o);
             }
@@ -628,7 +625,7 @@ pub fn exposed_all_to_all(plan: &Plan, sim: &Simulation) -> Option<f64> {
     for (dp, d) in plan.devices.iter().zip(&sim.devices) {
         let mut t = d.exposed_comm.get(IN_OP_EXCHANGE).copied();
         for s in &dp.streams {
-            if s.ops.iter().any(|o| o.op == OpKind::AllToAll) {
+            if s.ops.iter().any(|o| o.kind() == OpKind::AllToAll) {
                 let e = d.exposed_comm.get(&*s.stream).copied().unwrap_or(0.0);
                 t = Some(t.unwrap_or(0.0) + e);
             }
@@ -667,7 +664,7 @@ pub(crate) fn assemble(plan: &Plan, ix: &OpIndex, start: &[f64], end: &[f64]) ->
         spans.push(Span {
             device: at[g].0,
             stream: at[g].1,
-            kind: SpanKind::of(o.op),
+            kind: SpanKind::of(o.kind()),
             label: Label::of(o),
             start: start[g],
             end: end[g],

@@ -126,10 +126,13 @@ pub fn steps(plan: &piper::compile::Plan, device: u32) -> Vec<String> {
         .filter(|s| s.stream == "compute")
     {
         for op in &s.ops {
-            if !op.op.is_compute() {
+            if !op.kind().is_compute() {
                 continue;
             }
-            let key = (op.op.to_string(), op.tags.get("MB").copied().unwrap_or(0));
+            let key = (
+                op.kind().to_string(),
+                op.tags.get("MB").copied().unwrap_or(0),
+            );
             if last.as_ref() != Some(&key) {
                 out.push(format!("{}{}", key.0, key.1));
                 last = Some(key);

@@ -7,7 +7,7 @@
 
 use super::update::{local_sq, set_clip};
 use super::{comm_error, missing, owned};
-use crate::compile::plan::{CommPurpose, Op, OpKind, TensorKind};
+use crate::compile::plan::{Collective, Op, TensorKind};
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::{Buf, Reserved};
 use crate::runtime::device::Device;
@@ -118,16 +118,16 @@ pub(super) fn reduce_grads<B: Backend>(
     op: &Op,
     ctx: &StepCtx<B>,
     group: &[u32],
-    purpose: CommPurpose,
+    what: Collective,
 ) -> Result<(), RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
-    let tied = purpose == CommPurpose::TiedGrad;
+    let tied = what == Collective::TiedGrad;
     let mut ids = if tied {
         vec![dev.table.wte]
     } else {
         owned(dev, &op.segments)
     };
-    if purpose == CommPurpose::GradSync
+    if matches!(what, Collective::GradSync { .. })
         && op
             .segments
             .iter()
@@ -138,7 +138,7 @@ pub(super) fn reduce_grads<B: Backend>(
         ids.retain(|id| dev.table.expert_of(*id).is_none());
     }
     let per_microbatch = op.inputs.iter().any(|i| i.tensor == TensorKind::MicroGrad);
-    let scatter = op.op == OpKind::ReduceScatter && !tied;
+    let scatter = what == Collective::GradSync { scatter: true };
     // ZeRO: this device gets its shard of the reduced gradients (of each
     // microbatch's, ZeRO-2/3; of the accumulated ones, ZeRO-1).
     let lens = match scatter {
@@ -157,7 +157,7 @@ pub(super) fn reduce_grads<B: Backend>(
     if scatter {
         let shard = ctx
             .comm
-            .reduce_scatter(op.op.as_str(), op.node, group, dev.id, flat, &lens)
+            .reduce_scatter(op.kind().as_str(), op.node, group, dev.id, flat, &lens)
             .map_err(|e| comm_error(dev, op, e))?;
         return match per_microbatch {
             true => zero::accumulate_shard(dev, op, &shard),
@@ -166,7 +166,7 @@ pub(super) fn reduce_grads<B: Backend>(
     }
     let sum = ctx
         .comm
-        .all_reduce(op.op.as_str(), op.node, group, dev.id, flat)
+        .all_reduce(op.kind().as_str(), op.node, group, dev.id, flat)
         .map_err(|e| comm_error(dev, op, e))?;
     if per_microbatch && tied {
         // Hand the microbatch's reduced `wte` gradient to the gradient

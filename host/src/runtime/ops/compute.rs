@@ -5,6 +5,7 @@
 
 use super::missing;
 use crate::compile::plan::{Op, OpKind, TensorKind};
+use crate::dag::Pass;
 use crate::model::Segment;
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::Buf;
@@ -41,7 +42,7 @@ pub(super) fn with_peers<B: Backend, R>(
 ) -> Result<R, RuntimeError> {
     let seg = op.segments[0];
     let fail = |e: BackendError| dev.backend_error(op, e);
-    let members = op.group.as_deref().unwrap_or(&[]);
+    let members = op.group().map_or(&[][..], |g| &g[..]);
     let key = |phase: u32| in_op(op, phase);
     let b = &dev.b;
     if let Some(group) = dev.spreads.experts.get(&seg).copied() {
@@ -204,7 +205,7 @@ pub(super) fn forward<B: Backend>(
     })?;
     let (routed, dropped) = cache.moe_counts();
     // A tensor-parallel group computes one loss: its first member reports it.
-    let reports = op.op == OpKind::F
+    let reports = op.kind() == OpKind::F
         && dev
             .spreads
             .tensor
@@ -276,6 +277,7 @@ fn owned_cache<B: Backend>(
 pub(super) fn backward_input<B: Backend>(
     dev: &Device<B>,
     op: &Op,
+    pass: Pass,
     ctx: &StepCtx<B>,
 ) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
@@ -302,7 +304,7 @@ pub(super) fn backward_input<B: Backend>(
         Some(Buf::Params(t)) => run(t)?,
         _ => run(&dev.params.read().unwrap())?,
     };
-    if op.op == OpKind::B {
+    if pass == Pass::B {
         weight_grads(dev, op, ctx, seg, cache, &stash)?;
     } else {
         // BI is the saved tensors' last reader: hand what BW needs on in
@@ -452,7 +454,7 @@ fn weight_grads<B: Backend>(
                 mine.insert(id, g);
             }
         }
-        let members = op.group.as_deref().unwrap_or(&[]);
+        let members = op.group().map_or(&[][..], |g| &g[..]);
         for (id, g) in sum_over_group(dev, op, ctx, members, SP_GRAD_SUM, &mine)? {
             t.insert(id, g);
         }

@@ -8,6 +8,7 @@
 use super::compute::with_params;
 use super::{comm_error, missing};
 use crate::compile::plan::{ExpertPhase, Op, OpKind, TensorKind};
+use crate::dag::Pass;
 use crate::model::Part;
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::{Buf, MoePart};
@@ -86,6 +87,7 @@ fn received<B: Backend>(
 pub(super) fn phase<B: Backend>(
     dev: &Device<B>,
     op: &Op,
+    pass: Pass,
     ctx: &StepCtx<B>,
 ) -> Result<(), RuntimeError> {
     let s = op.segments[0];
@@ -106,8 +108,8 @@ pub(super) fn phase<B: Backend>(
     let model = Model::new(&dev.b, &dev.table);
     let fail = |e: BackendError| dev.backend_error(op, e);
     let phase = op.phase.ok_or_else(|| plan_error("no phase"))?;
-    match (op.op, phase) {
-        (OpKind::F, ExpertPhase::Dispatch) => {
+    match (pass, phase) {
+        (Pass::F, ExpertPhase::Dispatch) => {
             let x = dev
                 .tensor_of(op, dev.take(op, TensorKind::Activation)?)?
                 .ok_or_else(|| missing(dev, op, "the input activation"))?;
@@ -126,7 +128,7 @@ pub(super) fn phase<B: Backend>(
                 Buf::Moe(MoePart::Routed(Box::new(routed))),
             )
         }
-        (OpKind::F, ExpertPhase::Experts) => {
+        (Pass::F, ExpertPhase::Experts) => {
             let got = received(dev, op, "the exchanged rows")?;
             let (experts, back) = with_params(dev, op, |p| {
                 model.moe_experts(p, l, d, group, &got).map_err(fail)
@@ -135,7 +137,7 @@ pub(super) fn phase<B: Backend>(
             dev.put(op, TensorKind::Routed, chunks(back))?;
             dev.put(op, TensorKind::Saved, Buf::Moe(MoePart::Experts(experts)))
         }
-        (OpKind::F, ExpertPhase::Combine) => {
+        (Pass::F, ExpertPhase::Combine) => {
             let got = received(dev, op, "the exchanged rows")?;
             let (mut routed, mut experts) = (None, None);
             for buf in dev.take_all(op, TensorKind::Saved)? {
@@ -168,7 +170,7 @@ pub(super) fn phase<B: Backend>(
             };
             dev.put(op, TensorKind::Saved, Buf::Saved(cache))
         }
-        (OpKind::B | OpKind::BI, p) => {
+        (Pass::B | Pass::BI, p) => {
             let saved = dev
                 .take(op, TensorKind::Saved)?
                 .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
@@ -213,7 +215,7 @@ fn backward_phase<B: Backend>(
     let plan_error = |m: &str| plan_error(dev, op, m);
     let fail = |e: BackendError| dev.backend_error(op, e);
     let model = Model::new(&dev.b, &dev.table);
-    let fused = op.op == OpKind::B;
+    let fused = op.kind() == OpKind::B;
     let cache = moe_cache(dev, op, &saved)?;
     match phase {
         ExpertPhase::Combine => {

@@ -1,9 +1,9 @@
-//! The ops of a plan, one file per family, dispatched on the plan's enums
-//! (op kind and comm purpose): compute (`F`, its recompute `R`, `B`, `BI`,
-//! `BW`), point-to-point
-//! (`send`, `recv`), the phases of split expert passes and their
-//! all-to-alls (`experts`), gradient collectives (norm, DP / tied / copy
-//! reductions), ZeRO gathers (in `zero`), and the optimizer `update`.
+//! The ops of a plan, one file per family, dispatched on the op's [`Act`]
+//! (every kind matched, none left to a catch-all): compute (`F`, its
+//! recompute `R`, `B`, `BI`, `BW`), point-to-point (`send`, `recv`), the
+//! phases of split expert passes and their all-to-alls (`experts`), gradient
+//! collectives (norm, DP / tied / copy reductions), ZeRO gathers (in
+//! `zero`), and the optimizer `update`.
 //! Generic over the device's backend: kernels run inside the backend's
 //! [`Backend::enter`] on the op's stream; communication stays on the
 //! stream's own thread.
@@ -20,7 +20,8 @@ use super::device::Device;
 use super::error::{label, RuntimeError};
 use super::step::StepCtx;
 use super::zero;
-use crate::compile::plan::{CommPurpose, Op, OpKind};
+use crate::compile::plan::{Act, Collective as C, Op};
+use crate::dag::Pass;
 
 /// Run one op of `dev`'s plan on its stream `si`; when tracing, the
 /// kernels it ran go to `kernels`.
@@ -31,12 +32,6 @@ pub(super) fn exec_op<B: Backend>(
     ctx: &StepCtx<B>,
     kernels: &mut Vec<KernelSpan>,
 ) -> Result<(), RuntimeError> {
-    let group: Vec<u32> = op
-        .group
-        .as_deref()
-        .map(|g| g.to_vec())
-        .unwrap_or_else(|| vec![dev.id]);
-    use CommPurpose as P;
     let on = ctx.opts.trace;
     let stream = &dev.streams[si];
     let mut kernel = |f: &(dyn Fn() -> Result<(), RuntimeError> + Sync)| {
@@ -46,38 +41,28 @@ pub(super) fn exec_op<B: Backend>(
     // Communication runs on the stream's own thread, its staging ordered
     // on the op's stream.
     let host = |f: &dyn Fn() -> Result<(), RuntimeError>| dev.b.with_stream(stream, f);
-    match (op.op, op.purpose) {
-        (OpKind::F | OpKind::B | OpKind::BI, _) if op.phase.is_some() => {
-            kernel(&|| experts::phase(dev, op, ctx))
-        }
-        (OpKind::AllToAll, Some(P::Experts)) => host(&|| experts::all_to_all(dev, op, ctx, &group)),
-        (OpKind::F, _) => kernel(&|| compute::forward(dev, op, ctx)),
-        (OpKind::R, _) => kernel(&|| compute::recompute(dev, op, ctx)),
-        (OpKind::B | OpKind::BI, _) => kernel(&|| compute::backward_input(dev, op, ctx)),
-        (OpKind::BW, _) => kernel(&|| compute::backward_weight(dev, op, ctx)),
-        (OpKind::Send, _) => host(&|| p2p::send(dev, op, ctx)),
-        (OpKind::Recv, _) => host(&|| p2p::recv(dev, op, ctx)),
-        (OpKind::AllReduce, Some(P::GradNorm)) => {
-            host(&|| collective::grad_norm(dev, op, ctx, &group))
-        }
-        (
-            OpKind::AllReduce | OpKind::ReduceScatter,
-            Some(purpose @ (P::GradSync | P::TiedGrad | P::CopyGrad)),
-        ) => host(&|| collective::reduce_grads(dev, op, ctx, &group, purpose)),
-        (OpKind::AllGather, Some(P::ParamRefresh)) => {
-            host(&|| zero::param_refresh(dev, op, ctx, &group))
-        }
-        (OpKind::AllGather, Some(P::ParamGather)) => {
-            host(&|| zero::param_gather(dev, op, ctx, &group))
-        }
-        (OpKind::Update, _) => kernel(&|| update::update(dev, op, ctx)),
-        (kind, purpose) => Err(RuntimeError::Unsupported(format!(
-            "device {}: {}: {} for {} is not supported by the runtime",
-            dev.id,
-            label(op),
-            kind.as_str(),
-            purpose.map_or("no purpose", |p| p.as_str())
-        ))),
+    match &op.act {
+        Act::Compute { pass, .. } => match pass {
+            Pass::F | Pass::B | Pass::BI if op.phase.is_some() => {
+                kernel(&|| experts::phase(dev, op, *pass, ctx))
+            }
+            Pass::F => kernel(&|| compute::forward(dev, op, ctx)),
+            Pass::R => kernel(&|| compute::recompute(dev, op, ctx)),
+            Pass::B | Pass::BI => kernel(&|| compute::backward_input(dev, op, *pass, ctx)),
+            Pass::BW => kernel(&|| compute::backward_weight(dev, op, ctx)),
+        },
+        &Act::Send { to, pair } => host(&|| p2p::send(dev, op, ctx, to, pair)),
+        &Act::Recv { from, pair } => host(&|| p2p::recv(dev, op, ctx, from, pair)),
+        Act::Collective { what, group } => match *what {
+            C::GradNorm => host(&|| collective::grad_norm(dev, op, ctx, group)),
+            C::GradSync { .. } | C::TiedGrad | C::CopyGrad => {
+                host(&|| collective::reduce_grads(dev, op, ctx, group, *what))
+            }
+            C::ParamRefresh => host(&|| zero::param_refresh(dev, op, ctx, group)),
+            C::ParamGather => host(&|| zero::param_gather(dev, op, ctx, group)),
+            C::Experts => host(&|| experts::all_to_all(dev, op, ctx, group)),
+        },
+        Act::Update => kernel(&|| update::update(dev, op, ctx)),
     }
 }
 

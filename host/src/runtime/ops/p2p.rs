@@ -15,6 +15,8 @@ pub(super) fn send<B: Backend>(
     dev: &Device<B>,
     op: &Op,
     ctx: &StepCtx<B>,
+    peer: u32,
+    pair: u32,
 ) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
     let buf = dev.take(op, kind)?;
@@ -23,14 +25,13 @@ pub(super) fn send<B: Backend>(
         .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
     // The message stays on this device's account until its receiver holds
     // it (in this process), or until the transport has it (another rank).
-    let peer = op.peer.unwrap_or(dev.id);
     let in_flight = dev.reserve(op, B::bytes(&t))?;
     if ctx.comm.is_local(peer) {
         in_flight.keep();
     }
     ctx.comm
         .send(
-            op.pair.unwrap_or(op.node),
+            pair,
             dev.id,
             peer,
             Arc::new(
@@ -46,17 +47,14 @@ pub(super) fn recv<B: Backend>(
     dev: &Device<B>,
     op: &Op,
     ctx: &StepCtx<B>,
+    peer: u32,
+    pair: u32,
 ) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
     let what = format!("{kind:?}");
     let v = ctx
         .comm
-        .recv(
-            op.pair.unwrap_or(u32::MAX),
-            op.peer.unwrap_or(u32::MAX),
-            dev.id,
-            &what,
-        )
+        .recv(pair, peer, dev.id, &what)
         .map_err(|e| comm_error(dev, op, e))?;
     let bytes = v.len() as u64 * 4;
     let t = dev
@@ -64,7 +62,7 @@ pub(super) fn recv<B: Backend>(
         .upload(Arc::unwrap_or_clone(v))
         .map_err(|e| dev.backend_error(op, e))?;
     dev.put(op, kind, Buf::Tensor(t))?;
-    if let Some(sender) = ctx.devices.iter().find(|d| Some(d.id) == op.peer) {
+    if let Some(sender) = ctx.devices.iter().find(|d| d.id == peer) {
         sender.release(bytes);
     }
     Ok(())
