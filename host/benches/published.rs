@@ -8,11 +8,11 @@
 //! bf16 (the precision column says so), which is part of what the ratios
 //! show until mixed precision lands.
 
-use piper::cli::StrategySpec;
 use piper::model::ModelConfig;
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::search::space::{Candidate, Step};
 use piper::search::{self, Outcome, Query};
+use piper::session::StrategySpec;
 use piper::sim::Cluster;
 use serde::Deserialize;
 use std::collections::BTreeMap;

@@ -5,6 +5,8 @@
 //!
 //! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`]
 //! → [`runtime`] | [`sim`]; [`registry`] brings plugins from OCI registries to [`plugin`].
+//! [`session`] runs the flow up to a plan from a run config (what the CLI
+//! and a program using Piper call); [`cli`] parses arguments and prints.
 
 pub mod cli;
 pub mod compile;
@@ -15,4 +17,5 @@ pub mod plugin;
 pub mod registry;
 pub mod runtime;
 pub mod search;
+pub mod session;
 pub mod sim;

@@ -440,3 +440,108 @@ fn every_precondition_fails_with_the_numbers() {
         );
     }
 }
+
+/// What a program sees of a loop it runs: each step's loss.
+#[derive(Default)]
+struct Losses(Vec<f64>);
+
+impl piper::runtime::Observer for Losses {
+    fn step(&mut self, s: &piper::runtime::StepStats, _: f64) {
+        self.0.push(s.loss);
+    }
+}
+
+/// The flow as library calls, without the CLI: a run config read with
+/// overrides → the session's DAG with its strategies applied → the plan (the
+/// one the plugins give applied by hand) → the training loop, at one
+/// device's losses; each stage's refusal is its own error, naming what.
+#[test]
+fn a_program_runs_the_flow_from_a_run_config_to_trained_steps() {
+    use piper::runtime::{train_loop, Corpus, LoopConfig, TrainOptions, Trainer};
+    use piper::session::{prepare, Overrides, RunConfig, SessionError, Sources};
+    let dir = std::env::temp_dir().join(format!("piper-session-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("run.toml");
+    std::fs::write(
+        &path,
+        "model = \"tiny\"\ndevices = 4\n[[strategy]]\nname = \"1f1b\"\noptions = { microbatches = 4 }\n",
+    )
+    .unwrap();
+    // The flag-like overrides win over the file: 2 devices.
+    let overrides = Overrides {
+        config: Some(path),
+        devices: Some(2),
+        ..Default::default()
+    };
+    let config = RunConfig::resolve(&overrides).unwrap();
+    let prepared = prepare(&config, &Sources::offline(), 8).unwrap();
+    assert_eq!(prepared.strategies(), "1f1b:microbatches=4");
+    assert_eq!(prepared.applied.len(), 1);
+    let plan = prepared.compile().unwrap();
+    let strategy: Strategy = &[("1f1b", &[("microbatches", "4")])];
+    let by_hand = plan_with(&host(), &ModelConfig::tiny(), 2, strategy).unwrap();
+    assert_eq!((plan.devices.len(), &plan.hash), (2, &by_hand.hash));
+    let cfg = config.model_config().unwrap();
+    // The learning rate `common::train` runs one device at.
+    let opts = TrainOptions {
+        adamw: piper::runtime::AdamW {
+            lr: 3e-3,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(&cfg, plan, opts).unwrap();
+    let run = LoopConfig {
+        steps: 3,
+        ..LoopConfig::default()
+    };
+    let mut seen = Losses::default();
+    let sum = train_loop(
+        &mut trainer,
+        &cfg,
+        &Corpus::builtin(),
+        None,
+        &run,
+        &mut seen,
+    )
+    .unwrap();
+    let base = one_device(&host(), &cfg, 3);
+    assert_eq!(sum.ran, 3);
+    for (a, b) in seen.0.iter().zip(&base.losses) {
+        assert!((a - b).abs() < 1e-5, "{:?} vs {:?}", seen.0, base.losses);
+    }
+    // Refusals, by stage.
+    let with = |o: Overrides| prepare(&RunConfig::resolve(&o).unwrap(), &Sources::offline(), 2);
+    let e = with(Overrides {
+        devices: Some(0),
+        ..Default::default()
+    });
+    assert!(matches!(e, Err(SessionError::NoDevices)));
+    let e = with(Overrides {
+        strategies: vec!["no-such-strategy".into()],
+        ..Default::default()
+    });
+    let msg = format!("{}", e.as_ref().err().unwrap());
+    assert!(matches!(e, Err(SessionError::Plugin(_))), "{msg}");
+    assert!(msg.contains("no-such-strategy"), "{msg}");
+    let three = with(Overrides {
+        devices: Some(3),
+        strategies: vec!["dp".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    let e = three.compile().unwrap_err();
+    let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+    assert!(matches!(e, SessionError::Compile { .. }), "{chain}");
+    assert!(
+        chain.contains("compiling the plan of `dp`") && chain.contains("not divisible"),
+        "{chain}"
+    );
+    let e = RunConfig::resolve(&Overrides {
+        config: Some(dir.join("missing.toml")),
+        ..Default::default()
+    })
+    .unwrap_err();
+    assert!(e.to_string().contains("missing.toml"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -5,7 +5,6 @@
 mod backend;
 mod calibrate;
 mod comm;
-mod config;
 #[cfg(feature = "mpi")]
 mod job;
 mod search;
@@ -13,13 +12,12 @@ mod sim;
 mod train;
 mod verify;
 
-pub use config::{RunConfig, StrategySpec};
+pub use crate::session::{Prepared, RunConfig, StrategySpec};
 
-use crate::compile::compile;
-use crate::dag::{Cluster, TrainingDag};
 use crate::plugin::author::{self, Lang};
 use crate::plugin::{bundled, PluginHost};
 use crate::registry;
+use crate::session;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
@@ -106,6 +104,25 @@ pub struct RegistryArgs {
     /// Plain HTTP, for a registry on this machine (localhost, 127.0.0.1, ::1) only.
     #[arg(long)]
     pub insecure: bool,
+}
+
+impl RunArgs {
+    /// What the flags set over the run config.
+    pub fn overrides(&self) -> session::Overrides {
+        session::Overrides {
+            config: self.config.clone(),
+            model: self.model.clone(),
+            devices: self.devices,
+            strategies: self.strategies.clone(),
+        }
+    }
+    /// Where the run's `oci://` plugins may come from.
+    pub fn sources(&self) -> session::Sources {
+        session::Sources {
+            access: self.registry.access(),
+            lock: self.lock.clone(),
+        }
+    }
 }
 
 impl RegistryArgs {
@@ -385,35 +402,6 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// A model DAG with every strategy applied, ready to compile.
-pub struct Prepared {
-    pub config: RunConfig,
-    pub dag: TrainingDag,
-    /// One line per applied strategy.
-    pub applied: Vec<String>,
-}
-
-impl Prepared {
-    /// The strategies as the user gave them: `tp:tp=2 + dp:degree=2`.
-    pub fn strategies(&self) -> String {
-        let specs: Vec<String> = (self.config.strategies.iter())
-            .map(|s| {
-                let opts: Vec<String> = s.options.iter().map(|(k, v)| format!("{k}={v}")).collect();
-                match opts.is_empty() {
-                    true => s.name.clone(),
-                    false => format!("{}:{}", s.name, opts.join(",")),
-                }
-            })
-            .collect();
-        specs.join(" + ")
-    }
-
-    /// Compile the DAG; an error names the strategies that made it.
-    pub fn compile(&self) -> Result<crate::compile::plan::Plan> {
-        compile(&self.dag).with_context(|| format!("compiling the plan of `{}`", self.strategies()))
-    }
-}
-
 /// Resolve config + flags, build the DAG, load and apply the strategies.
 pub fn prepare(args: &RunArgs) -> Result<Prepared> {
     prepare_with(args, 4)
@@ -422,114 +410,8 @@ pub fn prepare(args: &RunArgs) -> Result<Prepared> {
 /// [`prepare`] with the device count used when neither flags nor config
 /// give one (an MPI job: the world size).
 pub fn prepare_with(args: &RunArgs, default_devices: u32) -> Result<Prepared> {
-    let config = RunConfig::resolve(args)?;
-    let model = config.model_config()?;
-    let devices = config.devices.unwrap_or(default_devices);
-    if devices == 0 {
-        bail!("--devices must be at least 1");
-    }
-    let mut dag =
-        TrainingDag::build(&model, Cluster::new(devices)).context("building the model DAG")?;
-    let strategies = Strategies::load(&config, args)?;
-    let applied = strategies.apply(&mut dag)?;
-    Ok(Prepared {
-        config,
-        dag,
-        applied,
-    })
-}
-
-/// The run's strategies, loaded (bundled, from a file, or pulled and
-/// verified from a registry) into one sandboxed host.
-pub struct Strategies {
-    pub host: PluginHost,
-    pub plugins: Vec<(crate::plugin::Plugin, Vec<(String, String)>)>,
-}
-
-/// Loads plugins by the names a run gives them: bundled names and paths
-/// directly, `oci://` references through the local store (pulled and
-/// verified, pinned by the lockfile, signed by a trusted key).
-pub struct Loader<'a> {
-    pub host: &'a PluginHost,
-    lock: Option<registry::Lockfile>,
-    trust: registry::Trust,
-    args: &'a RunArgs,
-}
-
-impl<'a> Loader<'a> {
-    pub fn new(host: &'a PluginHost, config: &RunConfig, args: &'a RunArgs) -> Result<Self> {
-        let lock = match (&args.lock, &args.config) {
-            (Some(p), _) => Some(registry::Lockfile::read(p)?),
-            (None, Some(c)) if registry::Lockfile::beside(c).is_file() => {
-                Some(registry::Lockfile::read(&registry::Lockfile::beside(c))?)
-            }
-            _ => None,
-        };
-        let trust = registry::Trust::new(&config.registry.trusted_keys)?;
-        Ok(Loader {
-            host,
-            lock,
-            trust,
-            args,
-        })
-    }
-
-    pub fn load(&self, name: &str) -> Result<crate::plugin::Plugin> {
-        if registry::Reference::is_oci(name) {
-            let r = registry::resolve_for_run(
-                name,
-                &store()?,
-                &self.args.registry.access(),
-                self.lock.as_ref(),
-                &self.trust,
-                self.host,
-            )?;
-            return Ok(self.host.load_bytes(&r.bytes, &r.origin)?);
-        }
-        Ok(self.host.load(name)?)
-    }
-}
-
-impl Strategies {
-    /// Load every strategy of `config`, under its `[sandbox]` limits.
-    pub fn load(config: &RunConfig, args: &RunArgs) -> Result<Self> {
-        let host = PluginHost::new(
-            config.sandbox.clone(),
-            Some(PluginHost::default_cache_dir()),
-        )?;
-        let plugins = {
-            let loader = Loader::new(&host, config, args)?;
-            let mut plugins = Vec::new();
-            for s in &config.strategies {
-                plugins.push((loader.load(&s.name)?, s.options.clone()));
-            }
-            plugins
-        };
-        Ok(Strategies { host, plugins })
-    }
-
-    /// Apply them in order to `dag`; one line per strategy saying what it
-    /// cost.
-    pub fn apply(&self, dag: &mut TrainingDag) -> Result<Vec<String>> {
-        let mut applied = Vec::new();
-        for (plugin, options) in &self.plugins {
-            let report = self.host.apply(plugin, dag, options)?;
-            applied.push(format!(
-                "{}@{} ({}): {} host calls, {:.2e} fuel, {:.1} ms",
-                plugin.info.name,
-                plugin.info.version,
-                options
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(","),
-                report.host_calls,
-                report.fuel_used as f64,
-                report.elapsed.as_secs_f64() * 1e3
-            ));
-        }
-        Ok(applied)
-    }
+    let config = RunConfig::resolve(&args.overrides())?;
+    Ok(session::prepare(&config, &args.sources(), default_devices)?)
 }
 
 fn plan(a: PlanArgs) -> Result<()> {
@@ -583,7 +465,7 @@ fn plan(a: PlanArgs) -> Result<()> {
 fn plugin_info(spec: &str, json: bool, config: Option<PathBuf>) -> Result<()> {
     let limits = match config {
         Some(path) => {
-            RunConfig::resolve(&RunArgs {
+            RunConfig::resolve(&session::Overrides {
                 config: Some(path),
                 ..Default::default()
             })?
@@ -705,7 +587,7 @@ fn plugin_inspect(reference: &str, json: bool, r: &RegistryArgs) -> Result<()> {
 }
 
 fn lock(config: &std::path::Path, out: Option<PathBuf>, r: &RegistryArgs) -> Result<()> {
-    let cfg = RunConfig::resolve(&RunArgs {
+    let cfg = RunConfig::resolve(&session::Overrides {
         config: Some(config.to_path_buf()),
         ..Default::default()
     })?;

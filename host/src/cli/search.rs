@@ -4,14 +4,14 @@
 //! written as a run config that `piper train --config` runs and `piper plan
 //! --config` reproduces.
 
-use super::config::parse_size;
 use super::sim::{cluster_for, SimArgs};
-use super::{Loader, RunArgs, RunConfig};
+use super::{RunArgs, RunConfig};
 use crate::compile::human_bytes;
 use crate::model::ModelConfig;
 use crate::plugin::PluginHost;
 use crate::search::space::{self, SpaceFile};
 use crate::search::{self, Outcome, Query, Scored, Search};
+use crate::session::{parse_size, Loader};
 use crate::sim::report::{self, human_time};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -69,9 +69,9 @@ pub fn run(
         Some(PluginHost::default_cache_dir()),
     )?;
     let plugins = {
-        let loader = Loader::new(&host, &config, run)?;
+        let loader = Loader::new(&host, &config, &run.sources())?;
         search::load_all(&candidates, |name| {
-            loader.load(name).map_err(|e| format!("{e:#}"))
+            (loader.load(name)).map_err(|e| format!("{:#}", anyhow::Error::from(e)))
         })
     };
     let result = search::search(
@@ -168,7 +168,7 @@ fn inputs(run: &RunArgs, sim_args: &SimArgs, a: &SearchArgs) -> Result<Inputs> {
     if !run.strategies.is_empty() {
         bail!("--search finds the strategies itself: drop --strategy (name your own plugins in --search-space)");
     }
-    let config = RunConfig::resolve(run)?;
+    let config = RunConfig::resolve(&run.overrides())?;
     if run.config.is_some() && !config.strategies.is_empty() {
         bail!("--search finds the strategies itself: the run config names some; remove its [[strategy]] tables");
     }

@@ -46,7 +46,7 @@ impl SimArgs {
     fn cluster(&self, devices: u32) -> Result<Cluster> {
         let mut c = cluster_for(self.cluster.as_deref(), devices)?;
         if let Some(s) = &self.device_memory {
-            c.memory_bytes = super::config::parse_size(s)? as f64;
+            c.memory_bytes = crate::session::parse_size(s)? as f64;
         }
         Ok(c)
     }

@@ -3,7 +3,6 @@
 //! plan devices on GPUs with `--backend cuda`), with a progress bar, a
 //! summary, and per-step metrics as JSON lines.
 
-use super::config::parse_size;
 use super::RunArgs;
 use crate::compile::human_bytes;
 use crate::model::ModelConfig;
@@ -11,6 +10,7 @@ use crate::runtime::checkpoint::{self, Checkpoint};
 use crate::runtime::data::file::Width;
 use crate::runtime::train_loop::{train_loop, LoopConfig, Observer};
 use crate::runtime::{AdamW, Corpus, Decay, Schedule, StepStats, Tokenizer, TrainOptions, Trainer};
+use crate::session::parse_size;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -512,7 +512,7 @@ fn data_of(a: &TrainArgs, cfg: &ModelConfig) -> Result<(Corpus, Option<Corpus>)>
 /// The runtime's options from the flags and the run config's optimizer.
 fn options_of(
     a: &TrainArgs,
-    mut optimizer: super::config::OptimizerConfig,
+    mut optimizer: crate::session::OptimizerConfig,
 ) -> Result<TrainOptions> {
     if let Some(wd) = a.weight_decay {
         optimizer.weight_decay = wd;

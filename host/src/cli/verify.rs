@@ -9,11 +9,12 @@
 //! whose experts need `ep`), is reported and skipped; a plan that does not compile, a missing gradient or a
 //! difference past the tolerance fails the verdict, naming the worst tensor.
 
-use super::{RegistryArgs, RunArgs, RunConfig, Strategies};
+use super::{RegistryArgs, RunArgs, RunConfig};
 use crate::compile::{compile, human_bytes};
 use crate::dag::{Cluster, Filter, TrainingDag};
 use crate::model::{ModelConfig, MoeConfig};
 use crate::runtime::{Corpus, NamedTensors, TrainOptions, Trainer};
+use crate::session::Strategies;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -202,8 +203,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         registry: a.registry.clone(),
         lock: None,
     };
-    let config = RunConfig::resolve(&args)?;
-    let strategies = Strategies::load(&config, &args)?;
+    let config = RunConfig::resolve(&args.overrides())?;
+    let strategies = Strategies::load(&config, &args.sources())?;
     let (plugin, options) = &strategies.plugins[0];
     let models = match &a.model {
         Some(m) => vec![ModelConfig::from_name_or_file(m)?],

@@ -26,16 +26,58 @@
 //! fuel = 60_000_000_000
 //! deadline_ms = 20_000
 //! ```
-//! Flags: `--model` and `--devices` replace the file's; `--strategy` flags,
-//! when given, replace the file's whole strategy list. No strategy at all
-//! means the bundled `1f1b` over every device.
+//! Overrides (the CLI's `--model`, `--devices`, `--strategy`): a model and
+//! a device count replace the file's; strategies, when given, replace the
+//! file's whole strategy list. No strategy at all means the bundled `1f1b`
+//! over every device.
 
-use super::RunArgs;
-use crate::model::ModelConfig;
+use crate::model::{ModelConfig, ModelError};
 use crate::plugin::SandboxLimits;
-use anyhow::{bail, Context, Result};
 use serde::Deserialize;
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+/// A run config that cannot be read or says something impossible.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading run config {}", .path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("run config {}", .path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// A strategy, an optimizer number or a size that is not one.
+    #[error("{0}")]
+    Invalid(String),
+}
+
+type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+macro_rules! bail {
+    ($($arg:tt)*) => {
+        return Err(ConfigError::Invalid(format!($($arg)*)))
+    };
+}
+
+/// What a caller sets over the file (the CLI's run flags).
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    /// The run config (TOML) to read, if any.
+    pub config: Option<PathBuf>,
+    /// A preset (`tiny`, `gpt2-small`, `llama-tiny`) or a model TOML file.
+    pub model: Option<String>,
+    pub devices: Option<u32>,
+    /// `NAME[:k=v,...]` each; when any, the file's list is replaced.
+    pub strategies: Vec<String>,
+}
 
 /// A model: a name/path, or the config inline.
 #[derive(Clone, Debug, Deserialize)]
@@ -136,6 +178,9 @@ pub struct RegistryConfig {
 /// Everything a run needs, resolved.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
+    /// The file it was read from, if any (a lockfile beside it pins its
+    /// `oci://` plugins).
+    pub path: Option<PathBuf>,
     pub model: ModelSpec,
     pub devices: Option<u32>,
     pub strategies: Vec<StrategySpec>,
@@ -179,13 +224,18 @@ fn value_text(v: &toml::Value) -> String {
 }
 
 impl RunConfig {
-    /// Read `--config` (if any) and apply the flags over it.
-    pub fn resolve(args: &RunArgs) -> Result<Self> {
+    /// Read the config file (if any) and apply the overrides over it.
+    pub fn resolve(args: &Overrides) -> Result<Self> {
         let file: FileConfig = match &args.config {
             Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("reading run config {}", path.display()))?;
-                toml::from_str(&text).with_context(|| format!("run config {}", path.display()))?
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+                    path: path.clone(),
+                    source,
+                })?;
+                toml::from_str(&text).map_err(|source| ConfigError::Parse {
+                    path: path.clone(),
+                    source: Box::new(source),
+                })?
             }
             None => FileConfig::default(),
         };
@@ -232,6 +282,7 @@ impl RunConfig {
             });
         }
         Ok(RunConfig {
+            path: args.config.clone(),
             model,
             devices: args.devices.or(file.devices),
             strategies,
@@ -268,9 +319,9 @@ pub fn parse_size(s: &str) -> Result<u64> {
     .iter()
     .find_map(|(u, m)| t.strip_suffix(u).map(|n| (n.trim(), *m)))
     .unwrap_or((t, 1));
-    let v: f64 = num
-        .parse()
-        .with_context(|| format!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)"))?;
+    let Ok(v) = num.parse::<f64>() else {
+        bail!("`{s}` is not a size (e.g. 512MiB, 2GiB, 1000000)");
+    };
     let bytes = v * mult as f64;
     if !(bytes >= 1.0 && bytes <= (1u64 << 60) as f64) {
         bail!("memory size `{s}` must be between 1 byte and 1 EiB");
@@ -329,7 +380,7 @@ mod tests {
             "model = \"tiny\"\ndevices = 8\n[[strategy]]\nname = \"dp\"\noptions = { degree = 2 }\n[sandbox]\nfuel = 1000\n",
         )
         .unwrap();
-        let args = RunArgs {
+        let args = Overrides {
             config: Some(path.clone()),
             devices: Some(2),
             ..Default::default()
