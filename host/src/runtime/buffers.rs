@@ -1,19 +1,18 @@
 //! Transient buffers of a device: activations, saved tensors, stashes,
 //! gathered parameters and per-microbatch gradients, reference-counted by
 //! the plan's readers and freed at their last use. One accounting path
-//! ([`Device::admit`]) counts every byte (buffers, messages in flight,
+//! (`Buffers::admit`) counts every byte (buffers, messages in flight,
 //! collective staging) against the device's cap, with sizes read from the
 //! backend.
 
-use super::backend::{Backend, BackendError, ParamMap};
-use super::device::Device;
+use super::backend::{Backend, ParamMap};
 use super::error::{label, RuntimeError};
 use super::model::moe::{MoeCombined, MoeExpertGrads, MoeExperts, MoeRouted};
 use super::model::{SegmentCache, SegmentStash};
 use crate::compile::human_bytes;
-use crate::compile::plan::{Op, TensorKind};
+use crate::compile::plan::{DevicePlan, Op, TensorKind};
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A buffer's contents.
 pub(super) enum Buf<B: Backend> {
@@ -61,31 +60,32 @@ impl<B: Backend> Buf<B> {
 }
 
 /// A live buffer and how many readers it has left.
-type Live<B> = (Arc<Buf<B>>, u32);
+type Entry<B> = (Arc<Buf<B>>, u32);
 
-/// A device's live buffers: `(producer node, kind) → (buffer, readers left)`.
-pub(super) struct Buffers<B: Backend> {
-    pub(super) map: HashMap<(u32, TensorKind), Live<B>>,
-    pub(super) readers: HashMap<(u32, TensorKind), u32>,
-    pub(super) live: u64,
-    pub(super) peak: u64,
+/// What is live now: `(producer node, kind) → (buffer, readers left)`, the
+/// readers each output has on this device, and the bytes held.
+struct Live<B: Backend> {
+    map: HashMap<(u32, TensorKind), Entry<B>>,
+    readers: HashMap<(u32, TensorKind), u32>,
+    bytes: u64,
+    peak: u64,
 }
 
-impl<B: Backend> Default for Buffers<B> {
-    fn default() -> Self {
-        Buffers {
-            map: HashMap::new(),
-            readers: HashMap::new(),
-            live: 0,
-            peak: 0,
-        }
-    }
+/// A device's transient buffers and the one accounting path for every
+/// byte beside its model states.
+pub(super) struct Buffers<B: Backend> {
+    device: u32,
+    /// The device's memory cap, if any.
+    cap: Option<u64>,
+    /// Model-state bytes resident beside the buffers (under the cap too).
+    states: u64,
+    live: Mutex<Live<B>>,
 }
 
 /// Bytes reserved on a device until dropped.
 pub(crate) struct Reserved<'a, B: Backend> {
-    pub(super) dev: &'a Device<B>,
-    pub(super) bytes: u64,
+    bufs: &'a Buffers<B>,
+    bytes: u64,
 }
 
 impl<B: Backend> Reserved<'_, B> {
@@ -98,62 +98,92 @@ impl<B: Backend> Reserved<'_, B> {
 
 impl<B: Backend> Drop for Reserved<'_, B> {
     fn drop(&mut self) {
-        self.dev.release(self.bytes);
+        self.bufs.release(self.bytes);
     }
 }
 
-impl<B: Backend> Device<B> {
+impl<B: Backend> Buffers<B> {
+    pub(super) fn new(device: u32, cap: Option<u64>, states: u64) -> Self {
+        Buffers {
+            device,
+            cap,
+            states,
+            live: Mutex::new(Live {
+                map: HashMap::new(),
+                readers: HashMap::new(),
+                bytes: 0,
+                peak: 0,
+            }),
+        }
+    }
+
+    /// Model-state bytes beside the buffers.
+    pub(super) fn states(&self) -> u64 {
+        self.states
+    }
+
+    /// The most bytes held at once since the step began.
+    pub(super) fn peak(&self) -> u64 {
+        self.live.lock().unwrap().peak
+    }
+
+    /// Before a step: nothing held, each output's readers counted from
+    /// `plan`.
+    pub(super) fn reset(&self, plan: &DevicePlan) {
+        let mut b = self.live.lock().unwrap();
+        b.map.clear();
+        b.readers.clear();
+        b.bytes = 0;
+        b.peak = 0;
+        for op in plan.streams.iter().flat_map(|s| s.ops.iter()) {
+            for i in op.inputs.iter() {
+                *b.readers.entry((i.node, i.tensor)).or_insert(0) += 1;
+            }
+        }
+    }
+
     /// Account `bytes` of communication staging or an in-flight message
-    /// against this device's cap before they are allocated; released when
-    /// the guard drops (or by the receiver, for a message: [`Device::release`]).
+    /// against the cap before they are allocated; released when the guard
+    /// drops (or by the receiver, for a message: [`Buffers::release`]).
     pub(super) fn reserve(&self, op: &Op, bytes: u64) -> Result<Reserved<'_, B>, RuntimeError> {
-        self.admit(&mut self.bufs.lock().unwrap(), op, bytes)?;
-        Ok(Reserved { dev: self, bytes })
+        self.admit(&mut self.live.lock().unwrap(), op, bytes)?;
+        Ok(Reserved { bufs: self, bytes })
     }
 
     /// The one accounting path: add `bytes` to the live total, or refuse them
     /// over the cap with the device, op and sizes named.
-    pub(super) fn admit(
-        &self,
-        b: &mut Buffers<B>,
-        op: &Op,
-        bytes: u64,
-    ) -> Result<(), RuntimeError> {
+    fn admit(&self, b: &mut Live<B>, op: &Op, bytes: u64) -> Result<(), RuntimeError> {
         if let Some(cap) = self.cap {
-            if self.state_bytes + b.live + bytes > cap {
+            if self.states + b.bytes + bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
-                    device: self.id,
+                    device: self.device,
                     op: label(op),
                     need: human_bytes(bytes),
-                    live: human_bytes(b.live),
+                    live: human_bytes(b.bytes),
                     cap: human_bytes(cap),
-                    states: human_bytes(self.state_bytes),
+                    states: human_bytes(self.states),
                 });
             }
         }
-        b.live += bytes;
-        b.peak = b.peak.max(b.live);
+        b.bytes += bytes;
+        b.peak = b.peak.max(b.bytes);
         Ok(())
     }
 
     /// Give back bytes reserved for a message once its receiver holds it.
     pub(super) fn release(&self, bytes: u64) {
-        let mut b = self.bufs.lock().unwrap();
-        b.live = b.live.saturating_sub(bytes);
+        let mut b = self.live.lock().unwrap();
+        b.bytes = b.bytes.saturating_sub(bytes);
     }
 
     /// Does anyone on this device read `op`'s output of this kind?
     pub(super) fn reads(&self, op: &Op, kind: TensorKind) -> bool {
-        self.bufs
-            .lock()
-            .unwrap()
-            .readers
-            .contains_key(&(op.node, kind))
+        (self.live.lock().unwrap().readers).contains_key(&(op.node, kind))
     }
 
     /// Store an op's output if anyone on this device reads it.
     pub(super) fn put(&self, op: &Op, kind: TensorKind, buf: Buf<B>) -> Result<(), RuntimeError> {
-        let mut b = self.bufs.lock().unwrap();
+        let mut b = self.live.lock().unwrap();
         let Some(&readers) = b.readers.get(&(op.node, kind)) else {
             return Ok(());
         };
@@ -169,13 +199,13 @@ impl<B: Backend> Device<B> {
         op: &Op,
         kind: TensorKind,
     ) -> Result<Vec<Arc<Buf<B>>>, RuntimeError> {
-        let mut b = self.bufs.lock().unwrap();
+        let mut b = self.live.lock().unwrap();
         let mut out = Vec::new();
         for input in op.inputs.iter().filter(|i| i.tensor == kind) {
             let key = (input.node, kind);
             let Some(entry) = b.map.get_mut(&key) else {
                 return Err(RuntimeError::MissingInput {
-                    device: self.id,
+                    device: self.device,
                     op: label(op),
                     input: format!("{kind:?} of #{}", input.node),
                 });
@@ -185,7 +215,7 @@ impl<B: Backend> Device<B> {
             if entry.1 == 0 {
                 let bytes = buf.bytes();
                 b.map.remove(&key);
-                b.live -= bytes;
+                b.bytes -= bytes;
             }
             out.push(buf);
         }
@@ -199,55 +229,5 @@ impl<B: Backend> Device<B> {
         kind: TensorKind,
     ) -> Result<Option<Arc<Buf<B>>>, RuntimeError> {
         Ok(self.take_all(op, kind)?.into_iter().next())
-    }
-
-    /// The tensor of a taken buffer: moved out when this was its last
-    /// holder, a device copy otherwise.
-    pub(super) fn tensor_of(
-        &self,
-        op: &Op,
-        buf: Option<Arc<Buf<B>>>,
-    ) -> Result<Option<B::Tensor>, RuntimeError> {
-        let Some(buf) = buf else { return Ok(None) };
-        let t = match Arc::try_unwrap(buf) {
-            Ok(Buf::Tensor(t)) => t,
-            Ok(_) => return Err(self.not_a_tensor(op)),
-            Err(shared) => match &*shared {
-                Buf::Tensor(t) => self.b.duplicate(t).map_err(|e| self.backend_error(op, e))?,
-                _ => return Err(self.not_a_tensor(op)),
-            },
-        };
-        Ok(Some(t))
-    }
-
-    fn not_a_tensor(&self, op: &Op) -> RuntimeError {
-        RuntimeError::Plan(format!(
-            "device {}: {}: an input the plan says is a tensor is not one",
-            self.id,
-            label(op)
-        ))
-    }
-
-    /// A backend failure inside `op`, with the device, the op and (for a
-    /// missing parameter) its name.
-    pub(super) fn backend_error(&self, op: &Op, e: BackendError) -> RuntimeError {
-        match e {
-            BackendError::Exchange(cause) => RuntimeError::Exchange {
-                device: self.id,
-                op: label(op),
-                cause,
-            },
-            BackendError::MissingParam(id) => RuntimeError::MissingInput {
-                device: self.id,
-                op: label(op),
-                input: format!("parameter {}", self.table.name(id)),
-            },
-            other => RuntimeError::Backend {
-                device: self.id,
-                op: label(op),
-                backend: self.b.name(),
-                cause: other.to_string(),
-            },
-        }
     }
 }

@@ -4,19 +4,23 @@
 //! state; set up from the plan, restored from checkpoints.
 
 use super::backend::{init, Backend, BackendError, ParamId, ParamMap};
-use super::buffers::Buffers;
+use super::buffers::{Buf, Buffers};
 use super::error::{label, RuntimeError};
-use super::step::TraceEvent;
-use super::zero::{self, Bucket};
+use super::sync::StreamSync;
+use super::trace::{Trace, TraceEvent};
+use super::zero::{self, tensor_shards, Bucket, HostStates, Shard, ShardPart};
 use super::TrainOptions;
 use crate::compile::human_bytes;
-use crate::compile::plan::{Act, Collective, DevicePlan, Spread};
-use crate::model::params::{tp_ranges, ParamTable, TpSplit};
+use crate::compile::plan::{Act, Collective, DevicePlan, Op, Spread};
+use crate::model::params::ParamTable;
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Condvar, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
-pub(super) use crate::runtime::model::moe::ExpertGroup;
+use super::spread::ExpertGroup;
+pub(super) use super::spread::{
+    owned_ids, params_here, ParamHere, SequenceSplit, Spreads, TpPiece,
+};
 
 /// What one step leaves on a device.
 pub(super) struct StepState<B: Backend> {
@@ -80,149 +84,19 @@ pub(crate) struct Device<B: Backend> {
     pub(super) other_copy: BTreeSet<u32>,
     /// Does it run the embedding (which owns the tied `wte`)?
     pub(super) has_embedding: bool,
-    pub(super) bufs: Mutex<Buffers<B>>,
+    pub(super) bufs: Buffers<B>,
     pub(super) state: Mutex<StepState<B>>,
     /// Gradients this device counts in the global norm.
     pub(super) norm_ids: Vec<ParamId>,
     /// Parameters that get weight decay (matrices and embeddings).
     pub(super) decay: ParamMap<()>,
     pub(super) has_norm_op: bool,
-    pub(super) state_bytes: u64,
-    pub(super) cap: Option<u64>,
-    /// One backend stream per plan stream.
-    pub(super) streams: Vec<B::Stream>,
-    /// Ops done per stream this step (cross-stream waits read it).
-    pub(super) progress: Mutex<Vec<usize>>,
-    /// The ops another stream waits for, by (stream, op index), and the
-    /// event recorded after each this step.
-    pub(super) waited: std::collections::HashSet<(usize, usize)>,
-    /// The same of the forward-only plan, set at its first step.
-    pub(super) eval_waited: std::sync::OnceLock<std::collections::HashSet<(usize, usize)>>,
-    pub(super) marks: Mutex<HashMap<(usize, usize), B::Event>>,
-    pub(super) cv: Condvar,
+    /// Its streams and how they wait for each other.
+    pub(super) sync: StreamSync<B>,
     pub(super) captured: Mutex<ParamMap<B::Tensor>>,
     /// ZeRO-2/3: the last step's reduced gradient shard per bucket index.
     pub(super) captured_shards: Mutex<HashMap<usize, B::Tensor>>,
-    pub(super) events: Mutex<Vec<TraceEvent>>,
-}
-
-/// Expert segments whose experts `shard` spread, with this device's place
-/// in each one's group.
-pub(super) type ExpertGroups = BTreeMap<u32, ExpertGroup>;
-
-/// Segments `shard-tensor` split, with (group size, this device's rank).
-pub(super) type TensorGroups = BTreeMap<u32, (usize, usize)>;
-
-/// Expert segments on a tensor-parallel mesh: each rank of a
-/// tensor-parallel group runs the `rank`-th of `tp` shares of its replica's
-/// sequences, the group gathering outputs and summing replicated gradients.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) struct SequenceSplit {
-    pub(super) tp: usize,
-    pub(super) rank: usize,
-    /// The tensor-parallel group, in rank order.
-    pub(super) members: Arc<[u32]>,
-}
-
-impl SequenceSplit {
-    /// This rank's rows of `n` rows (whole sequences, as `n` divides).
-    pub(super) fn share(&self, n: usize) -> std::ops::Range<usize> {
-        let per = n / self.tp.max(1);
-        self.rank * per..(self.rank + 1) * per
-    }
-}
-
-/// How a segment's parameters are spread over this device's groups.
-#[derive(Default)]
-pub(super) struct Spreads {
-    pub(super) experts: ExpertGroups,
-    pub(super) tensor: TensorGroups,
-    pub(super) sequences: BTreeMap<u32, SequenceSplit>,
-    /// Segments of `tensor` under sequence parallelism (`sequence-parallel`).
-    pub(super) sequence_parallel: BTreeSet<u32>,
-}
-
-/// This device's part of a tensor split by tensor parallelism: the ranges
-/// of the full (row-major) tensor it holds, in order.
-#[derive(Clone, Debug)]
-pub(crate) struct TpPiece {
-    pub(crate) total: usize,
-    pub(crate) ranges: Vec<std::ops::Range<usize>>,
-}
-
-impl TpPiece {
-    /// This device's values of the full tensor `full`.
-    pub(crate) fn take(&self, full: &[f32]) -> Vec<f32> {
-        self.ranges
-            .iter()
-            .flat_map(|r| full[r.clone()].iter().copied())
-            .collect()
-    }
-}
-
-/// A parameter as this device holds it: id, full shape, and for a
-/// tensor-parallel split its part of the full tensor.
-pub(super) struct ParamHere {
-    pub(super) id: ParamId,
-    pub(super) piece: Option<TpPiece>,
-}
-
-/// A segment's parameters on this device: of experts spread by `shard`,
-/// only this device's; of a segment split by `shard-tensor`, this device's
-/// slices.
-pub(super) fn params_here(
-    cfg: &ModelConfig,
-    table: &ParamTable,
-    seg: &Segment,
-    spreads: &Spreads,
-) -> Vec<ParamHere> {
-    let mut all = table.segment(cfg, seg);
-    if let (Some(g), Some(moe)) = (spreads.experts.get(&seg.index), &cfg.moe) {
-        let local = g.local(moe.experts as usize);
-        all.retain(|id| {
-            table
-                .expert_of(*id)
-                .is_none_or(|e| local.contains(&(e as usize)))
-        });
-    }
-    let tp = spreads.tensor.get(&seg.index).copied();
-    all.into_iter()
-        .map(|id| {
-            let entry = table.entry(id);
-            let split = tp.map(|_| entry.tp_split()).unwrap_or(TpSplit::Replicated);
-            let piece = match (tp, split) {
-                (Some((t, r)), split) if split != TpSplit::Replicated => {
-                    let (ranges, _) = tp_ranges(&entry.shape, split, t, r);
-                    Some(TpPiece {
-                        total: entry.numel(),
-                        ranges,
-                    })
-                }
-                _ => None,
-            };
-            ParamHere { id, piece }
-        })
-        .collect()
-}
-
-/// The parameters segment `s` owns on a device holding `held`: the tied
-/// `wte` belongs to the embedding when both ends are here; of spread
-/// experts, only this device's.
-pub(super) fn owned_ids(
-    cfg: &ModelConfig,
-    table: &ParamTable,
-    segments: &[Segment],
-    held: &BTreeSet<u32>,
-    spreads: &Spreads,
-    s: u32,
-) -> Vec<ParamId> {
-    let seg = &segments[s as usize];
-    let emb_here = held.iter().any(|h| segments[*h as usize].has_embedding());
-    params_here(cfg, table, seg, spreads)
-        .into_iter()
-        .map(|p| p.id)
-        .filter(|id| !(*id == table.wte && !seg.has_embedding() && emb_here))
-        .collect()
+    pub(super) trace: Trace,
 }
 
 /// The segments a device's plan runs: each one's DP replica, and how
@@ -500,12 +374,7 @@ impl<B: Backend> Device<B> {
                 }
             )
         });
-        let streams = plan
-            .streams
-            .iter()
-            .map(|_| b.stream())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(setup)?;
+        let sync = StreamSync::new(&b, plan).map_err(setup)?;
         Ok(Device {
             id: plan.device,
             table,
@@ -518,22 +387,15 @@ impl<B: Backend> Device<B> {
             tp_pieces,
             other_copy,
             has_embedding,
-            bufs: Mutex::new(Buffers::default()),
+            bufs: Buffers::new(plan.device, opts.device_memory, state_bytes),
             state: Mutex::new(StepState::default()),
             norm_ids,
             decay,
             has_norm_op,
-            state_bytes,
-            cap: opts.device_memory,
-            streams,
-            progress: Mutex::new(vec![0; plan.streams.len()]),
-            waited: super::step::waited_ops(plan),
-            eval_waited: Default::default(),
-            marks: Mutex::new(HashMap::new()),
-            cv: Condvar::new(),
+            sync,
             captured: Mutex::new(ParamMap::new()),
             captured_shards: Mutex::new(HashMap::new()),
-            events: Mutex::new(Vec::new()),
+            trace: Trace::default(),
             b,
         })
     }
@@ -574,10 +436,10 @@ impl<B: Backend> Device<B> {
         }
     }
     pub(crate) fn peak_bytes(&self) -> u64 {
-        self.state_bytes + self.bufs.lock().unwrap().peak
+        self.bufs.states() + self.bufs.peak()
     }
     pub(crate) fn state_bytes(&self) -> u64 {
-        self.state_bytes
+        self.bufs.states()
     }
 
     /// Host copies of the whole tensors of one kind of state (parameters,
@@ -704,7 +566,7 @@ impl<B: Backend> Device<B> {
             .map(|n| format!("the gradient of `{n}`")))
     }
     pub(crate) fn events(&self) -> Vec<TraceEvent> {
-        self.events.lock().unwrap().clone()
+        self.trace.events()
     }
 
     /// Take the tensors of this device's parameters from full host tensors
@@ -753,19 +615,123 @@ impl<B: Backend> Device<B> {
 
     /// Before a step: no buffers, readers counted from the plan, progress 0.
     pub(super) fn reset(&self, plan: &DevicePlan) {
-        let mut b = self.bufs.lock().unwrap();
-        b.map.clear();
-        b.readers.clear();
-        b.live = 0;
-        b.peak = 0;
-        for op in plan.streams.iter().flat_map(|s| s.ops.iter()) {
-            for i in op.inputs.iter() {
-                *b.readers.entry((i.node, i.tensor)).or_insert(0) += 1;
+        self.bufs.reset(plan);
+        *self.state.lock().unwrap() = StepState::default();
+        self.sync.reset();
+    }
+}
+
+impl<B: Backend> Device<B> {
+    /// The tensor of a taken buffer: moved out when this was its last
+    /// holder, a device copy otherwise.
+    pub(super) fn tensor_of(
+        &self,
+        op: &Op,
+        buf: Option<Arc<Buf<B>>>,
+    ) -> Result<Option<B::Tensor>, RuntimeError> {
+        let Some(buf) = buf else { return Ok(None) };
+        let t = match Arc::try_unwrap(buf) {
+            Ok(Buf::Tensor(t)) => t,
+            Ok(_) => return Err(self.not_a_tensor(op)),
+            Err(shared) => match &*shared {
+                Buf::Tensor(t) => self.b.duplicate(t).map_err(|e| self.backend_error(op, e))?,
+                _ => return Err(self.not_a_tensor(op)),
+            },
+        };
+        Ok(Some(t))
+    }
+
+    fn not_a_tensor(&self, op: &Op) -> RuntimeError {
+        RuntimeError::Plan(format!(
+            "device {}: {}: an input the plan says is a tensor is not one",
+            self.id,
+            label(op)
+        ))
+    }
+
+    /// A backend failure inside `op`, with the device, the op and (for a
+    /// missing parameter) its name.
+    pub(super) fn backend_error(&self, op: &Op, e: BackendError) -> RuntimeError {
+        match e {
+            BackendError::Exchange(cause) => RuntimeError::Exchange {
+                device: self.id,
+                op: label(op),
+                cause,
+            },
+            BackendError::MissingParam(id) => RuntimeError::MissingInput {
+                device: self.id,
+                op: label(op),
+                input: format!("parameter {}", self.table.name(id)),
+            },
+            other => RuntimeError::Backend {
+                device: self.id,
+                op: label(op),
+                backend: self.b.name(),
+                cause: other.to_string(),
+            },
+        }
+    }
+}
+
+impl<B: Backend> Device<B> {
+    /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
+    /// AdamW moments or the last step's reduced gradients (when captured).
+    pub(crate) fn shards(&self, part: ShardPart) -> Result<Vec<Shard>, RuntimeError> {
+        let buckets = self.buckets.lock().unwrap();
+        let captured = self.captured_shards.lock().unwrap();
+        let mut out = Vec::new();
+        for (i, b) in buckets.iter().enumerate() {
+            let t = match part {
+                ShardPart::Param if b.zero >= 3 => &b.param,
+                ShardPart::M => &b.m,
+                ShardPart::V => &b.v,
+                ShardPart::Grad => match captured.get(&i) {
+                    Some(g) => g,
+                    None => continue,
+                },
+                _ => continue,
+            };
+            let values = self
+                .b
+                .download(t)
+                .map_err(|e| self.read_error("a ZeRO shard", e))?;
+            out.extend(tensor_shards(b, &values, &self.tp_pieces));
+        }
+        Ok(out)
+    }
+
+    /// Take this device's slice of each bucket from a checkpoint's full
+    /// tensors: AdamW moments for every stage, parameters for ZeRO-3.
+    pub(super) fn restore_shards(&self, ck: &HostStates) -> Result<(), RuntimeError> {
+        let mut buckets = self.buckets.lock().unwrap();
+        for b in buckets.iter_mut() {
+            let flat = |t: &ParamMap<Vec<f32>>, what: &str| -> Result<Vec<f32>, RuntimeError> {
+                let mut v = Vec::with_capacity(b.total);
+                for (n, len) in &b.names {
+                    // A tensor-parallel slice is cut from the full tensor.
+                    let total = self.tp_pieces.get(*n).map_or(*len, |p| p.total);
+                    let x = t.get(*n).filter(|x| x.len() == total).ok_or_else(|| {
+                        RuntimeError::Plan(format!(
+                            "the checkpoint has no {what} `{}` of {total} values for device {}",
+                            self.table.name(*n),
+                            self.id
+                        ))
+                    })?;
+                    match self.tp_pieces.get(*n) {
+                        Some(p) => v.extend(p.take(x)),
+                        None => v.extend_from_slice(x),
+                    }
+                }
+                Ok(v[b.shard.clone()].to_vec())
+            };
+            let (m, v) = (flat(&ck.m, "first moment")?, flat(&ck.v, "second moment")?);
+            self.b.write(&mut b.m, 0, &m);
+            self.b.write(&mut b.v, 0, &v);
+            if b.zero >= 3 {
+                let p = flat(&ck.params, "parameter")?;
+                self.b.write(&mut b.param, 0, &p);
             }
         }
-        *self.state.lock().unwrap() = StepState::default();
-        self.marks.lock().unwrap().clear();
-        let mut p = self.progress.lock().unwrap();
-        p.iter_mut().for_each(|x| *x = 0);
+        Ok(())
     }
 }

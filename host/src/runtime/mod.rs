@@ -42,7 +42,10 @@ pub mod hf;
 pub mod model;
 mod ops;
 pub mod schedule;
+mod spread;
 mod step;
+mod sync;
+mod trace;
 pub mod train_loop;
 #[cfg(feature = "mpi")]
 mod wire;
@@ -233,12 +236,12 @@ trait Devices: Send + Sync {
     /// The first device (in order) holding a NaN or infinite parameter,
     /// else gradient, and which tensor it is.
     fn non_finite(&self) -> Result<Option<(usize, String)>, RuntimeError>;
-    fn events(&self) -> Vec<Vec<step::TraceEvent>>;
+    fn events(&self) -> Vec<Vec<trace::TraceEvent>>;
 }
 
 impl<B: Backend> Devices for Vec<Device<B>> {
     fn run_step(&self, plans: &[&DevicePlan], i: StepInputs<'_>) -> Result<(), RuntimeError> {
-        let ctx = step::StepCtx {
+        let ctx = ops::StepCtx {
             cfg: i.cfg,
             segments: i.segments,
             batch: i.batch,
@@ -287,7 +290,7 @@ impl<B: Backend> Devices for Vec<Device<B>> {
         }
         Ok(None)
     }
-    fn events(&self) -> Vec<Vec<step::TraceEvent>> {
+    fn events(&self) -> Vec<Vec<trace::TraceEvent>> {
         self.iter().map(|d| d.events()).collect()
     }
 }

@@ -6,52 +6,12 @@
 //! named by device, stream and op, is the step's error.
 
 use super::backend::Backend;
-use super::comm::{Comm, CommError};
-use super::data::Batch;
+use super::comm::CommError;
 use super::device::Device;
 use super::error::{label, RuntimeError};
-use super::ops::exec_op;
-use super::TrainOptions;
-use crate::compile::plan::{DevicePlan, OpKind};
-use crate::model::{ModelConfig, Segment};
-use std::collections::HashSet;
-use std::sync::Mutex;
+use super::ops::{exec_op, StepCtx};
+use crate::compile::plan::DevicePlan;
 use std::time::Duration;
-
-/// One op as it ran, for the trace.
-#[derive(Clone, Debug)]
-pub(crate) struct TraceEvent {
-    pub name: String,
-    pub cat: &'static str,
-    pub stream: usize,
-    /// The op's index in its stream's plan order.
-    pub op: usize,
-    pub start_us: f64,
-    pub dur_us: f64,
-    pub step: u32,
-}
-
-/// Everything an op needs besides its device.
-pub(crate) struct StepCtx<'a, B: Backend> {
-    pub cfg: &'a ModelConfig,
-    pub segments: Vec<Segment>,
-    pub batch: &'a Batch,
-    pub loss_scale: f32,
-    pub step: u32,
-    /// AdamW at this step's learning rate.
-    pub adamw: super::AdamW,
-    pub opts: &'a TrainOptions,
-    pub comm: &'a dyn Comm,
-    /// Every device of this process (a receiver releases its sender's
-    /// in-flight bytes).
-    pub devices: &'a [Device<B>],
-    pub epoch: std::time::Instant,
-    /// Running the forward-only (evaluation) plan.
-    pub eval: bool,
-    /// Failures in the order they happened: the first is the cause, later
-    /// ones (aborted waits, locks a panic left poisoned) are consequences.
-    pub failures: Mutex<Vec<RuntimeError>>,
-}
 
 /// Run every stream of every device of this process (`plans[i]` is
 /// `devices[i]`'s); the first real error wins.
@@ -88,7 +48,7 @@ pub(crate) fn run_step<B: Backend>(
                         },
                     };
                     ctx.comm.abort();
-                    dev.cv.notify_all();
+                    dev.sync.wake();
                     ctx.failures
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -126,19 +86,6 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "(a non-text panic payload)".into())
 }
 
-/// The ops another stream waits for: `(stream, op index)`.
-pub(super) fn waited_ops(dp: &DevicePlan) -> HashSet<(usize, usize)> {
-    let mut out = HashSet::new();
-    for s in &dp.streams {
-        for op in s.ops.iter() {
-            for w in op.waits.iter() {
-                out.insert((w.stream.ix(), w.op));
-            }
-        }
-    }
-    out
-}
-
 fn run_stream<B: Backend>(
     dev: &Device<B>,
     dp: &DevicePlan,
@@ -147,33 +94,20 @@ fn run_stream<B: Backend>(
     current: &std::cell::Cell<Option<usize>>,
 ) -> Result<(), RuntimeError> {
     let stream = &dp.streams[si];
-    let queue = &dev.streams[si];
-    let waited = match ctx.eval {
-        true => dev.eval_waited.get_or_init(|| waited_ops(dp)),
-        false => &dev.waited,
-    };
     for (i, op) in stream.ops.iter().enumerate() {
         // Cross-stream events.
         for w in op.waits.iter() {
-            let ws = w.stream.ix();
-            let mut p = dev.progress.lock().unwrap();
-            while p[ws] <= w.op {
-                if ctx.comm.aborted() {
-                    return Err(RuntimeError::Comm {
-                        device: dev.id,
-                        op: label(op),
-                        cause: CommError::Aborted,
-                    });
-                }
-                p = dev
-                    .cv
-                    .wait_timeout(p, Duration::from_millis(100))
-                    .unwrap()
-                    .0;
-            }
-            drop(p);
-            if let Some(e) = dev.marks.lock().unwrap().get(&(ws, w.op)) {
-                dev.b.wait(queue, e);
+            let aborted = || ctx.comm.aborted();
+            if dev
+                .sync
+                .wait_for(&dev.b, si, (w.stream.ix(), w.op), aborted)
+                .is_err()
+            {
+                return Err(RuntimeError::Comm {
+                    device: dev.id,
+                    op: label(op),
+                    cause: CommError::Aborted,
+                });
             }
         }
         let t0 = ctx.epoch.elapsed();
@@ -192,47 +126,16 @@ fn run_stream<B: Backend>(
         if let Err(e) = ran {
             ctx.comm.abort();
             // Wake this device's other streams so they notice.
-            dev.cv.notify_all();
+            dev.sync.wake();
             return Err(e);
         }
         if ctx.opts.trace {
             let t1 = ctx.epoch.elapsed();
-            dev.events.lock().unwrap().push(TraceEvent {
-                name: op.label(),
-                cat: if op.kind().is_compute() || op.kind() == OpKind::Update {
-                    "compute"
-                } else {
-                    "comm"
-                },
-                stream: si,
-                op: i,
-                start_us: t0.as_secs_f64() * 1e6,
-                dur_us: (t1 - t0).as_secs_f64() * 1e6,
-                step: ctx.step,
-            });
-            // The kernels the op ran, nested under it.
-            let mut ev = dev.events.lock().unwrap();
-            for k in kernels {
-                ev.push(TraceEvent {
-                    name: k.name.to_string(),
-                    cat: "kernel",
-                    stream: si,
-                    op: i,
-                    start_us: k.start_us,
-                    dur_us: k.dur_us,
-                    step: ctx.step,
-                });
-            }
+            let us = |t: Duration| t.as_secs_f64() * 1e6;
+            dev.trace
+                .op(op, (si, i), (us(t0), us(t1)), ctx.step, kernels);
         }
-        // An op another stream waits for marks its point (before progress,
-        // so a waiter that sees the progress finds the mark).
-        if waited.contains(&(si, i)) {
-            let mark = dev.b.record(queue);
-            dev.marks.lock().unwrap().insert((si, i), mark);
-        }
-        let mut p = dev.progress.lock().unwrap();
-        p[si] = i + 1;
-        dev.cv.notify_all();
+        dev.sync.done(&dev.b, dp, ctx.eval, (si, i));
     }
     Ok(())
 }

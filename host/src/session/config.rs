@@ -405,11 +405,16 @@ mod tests {
                 .contains("beta2 must be at least 0 and below 1, got 1"),
             "{e}"
         );
+        // The file is named, its parse error is the source.
+        let chain = |e: ConfigError| {
+            let cause = std::error::Error::source(&e).map(|c| c.to_string());
+            format!("{e}: {}", cause.unwrap_or_default())
+        };
         std::fs::write(&path, "[optimizer]\nbeta3 = 0.5\n").unwrap();
-        let err = format!("{:#}", RunConfig::resolve(&args).unwrap_err());
-        assert!(err.contains("beta3"), "{err}");
+        let err = chain(RunConfig::resolve(&args).unwrap_err());
+        assert!(err.contains("beta3") && err.contains("run.toml"), "{err}");
         std::fs::write(&path, "modle = \"tiny\"\n").unwrap();
-        let err = format!("{:#}", RunConfig::resolve(&args).unwrap_err());
+        let err = chain(RunConfig::resolve(&args).unwrap_err());
         assert!(err.contains("modle"), "{err}");
     }
 }

@@ -6,14 +6,13 @@
 //! device getting its shard.
 
 use super::update::{local_sq, set_clip};
+use super::StepCtx;
 use super::{comm_error, missing, owned};
 use crate::compile::plan::{Collective, Op, TensorKind};
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::{Buf, Reserved};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::step::StepCtx;
-use crate::runtime::zero;
 
 pub(super) fn grad_norm<B: Backend>(
     dev: &Device<B>,
@@ -73,7 +72,7 @@ fn contribution<'d, B: Backend>(
         let held = staging(total)?;
         return Ok((concat(&pieces, total)?, held));
     }
-    let bufs = dev.take_all(op, TensorKind::MicroGrad)?;
+    let bufs = dev.bufs.take_all(op, TensorKind::MicroGrad)?;
     // Each parameter's pieces: the tied all-reduce's result where there is
     // one, else every microbatch's.
     let pieces = ids
@@ -142,7 +141,7 @@ pub(super) fn reduce_grads<B: Backend>(
     // ZeRO: this device gets its shard of the reduced gradients (of each
     // microbatch's, ZeRO-2/3; of the accumulated ones, ZeRO-1).
     let lens = match scatter {
-        true => zero::member_lens(dev, op, group)?,
+        true => super::zero::member_lens(dev, op, group)?,
         false => Vec::new(),
     };
     let own =
@@ -151,7 +150,7 @@ pub(super) fn reduce_grads<B: Backend>(
     // shard, for a reduce-scatter).
     let (contrib, _staging) = contribution(dev, op, &ids, per_microbatch, |total| {
         let result = if scatter { own } else { total };
-        dev.reserve(op, (total as u64 + result as u64) * 4)
+        dev.bufs.reserve(op, (total as u64 + result as u64) * 4)
     })?;
     let flat = dev.b.download_owned(contrib).map_err(fail)?;
     if scatter {
@@ -160,8 +159,8 @@ pub(super) fn reduce_grads<B: Backend>(
             .reduce_scatter(op.kind().as_str(), op.node, group, dev.id, flat, &lens)
             .map_err(|e| comm_error(dev, op, e))?;
         return match per_microbatch {
-            true => zero::accumulate_shard(dev, op, &shard),
-            false => zero::write_grad_shard(dev, op, &shard),
+            true => super::zero::accumulate_shard(dev, op, &shard),
+            false => super::zero::write_grad_shard(dev, op, &shard),
         };
     }
     let sum = ctx
@@ -173,7 +172,7 @@ pub(super) fn reduce_grads<B: Backend>(
         // reduce-scatter of its bucket.
         let mut t: ParamMap<B::Tensor> = ParamMap::new();
         t.insert(dev.table.wte, dev.b.upload(sum.to_vec()).map_err(fail)?);
-        dev.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
+        dev.bufs.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
     } else {
         let mut grads = dev.grads.lock().unwrap();
         let mut at = 0;

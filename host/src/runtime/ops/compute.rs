@@ -4,6 +4,7 @@
 //! parameters when the plan gathers them.
 
 use super::missing;
+use super::StepCtx;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::dag::Pass;
 use crate::model::Segment;
@@ -13,7 +14,6 @@ use crate::runtime::comm::in_op_key;
 use crate::runtime::device::{params_here, Device, SequenceSplit};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::model::{Coll, Dims, Model, Peers, SegmentCache, SegmentStash};
-use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 
 /// Run `f` with the parameters the op computes with: ZeRO-3's gathered
@@ -23,7 +23,7 @@ pub(super) fn with_params<B: Backend, R>(
     op: &Op,
     f: impl FnOnce(&ParamMap<B::Tensor>) -> Result<R, RuntimeError>,
 ) -> Result<R, RuntimeError> {
-    let gathered = dev.take(op, TensorKind::Param)?;
+    let gathered = dev.bufs.take(op, TensorKind::Param)?;
     if let Some(Buf::Params(t)) = gathered.as_deref() {
         return f(t);
     }
@@ -174,7 +174,7 @@ pub(super) fn forward<B: Backend>(
             &format!("batch rows {rows:?} (not read by this process)"),
         )
     })?;
-    let mut input = dev.tensor_of(op, dev.take(op, TensorKind::Activation)?)?;
+    let mut input = dev.tensor_of(op, dev.bufs.take(op, TensorKind::Activation)?)?;
     if let Some(q) = split {
         input = input.map(|x| share_of(dev, op, q, x)).transpose()?;
     }
@@ -221,13 +221,13 @@ pub(super) fn forward<B: Backend>(
         if let Some(q) = split {
             out = gather_shares(dev, op, ctx, q, out, GATHER)?;
         }
-        dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
+        dev.bufs.put(op, TensorKind::Activation, Buf::Tensor(out))?;
     }
     // A forward with a selective recompute hands it only what it keeps.
-    if dev.reads(op, TensorKind::Kept) {
-        return dev.put(op, TensorKind::Kept, Buf::Saved(cache.thin()));
+    if dev.bufs.reads(op, TensorKind::Kept) {
+        return dev.bufs.put(op, TensorKind::Kept, Buf::Saved(cache.thin()));
     }
-    dev.put(op, TensorKind::Saved, Buf::Saved(cache))
+    dev.bufs.put(op, TensorKind::Saved, Buf::Saved(cache))
 }
 
 /// `R`: a full recompute runs the forward again ([`forward`]); a selective
@@ -242,6 +242,7 @@ pub(super) fn recompute<B: Backend>(
     }
     let what = "what the forward kept for its recompute";
     let kept = dev
+        .bufs
         .take(op, TensorKind::Kept)?
         .ok_or_else(|| missing(dev, op, what))?;
     let cache = owned_cache(dev, op, kept, what)?;
@@ -251,7 +252,7 @@ pub(super) fn recompute<B: Backend>(
             .rebuild(params, cache)
             .map_err(|e| dev.backend_error(op, e))
     })?;
-    dev.put(op, TensorKind::Saved, Buf::Saved(full))
+    dev.bufs.put(op, TensorKind::Saved, Buf::Saved(full))
 }
 
 /// A taken forward cache (`what`, for the error), owned: moved out when
@@ -282,14 +283,15 @@ pub(super) fn backward_input<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     // Parameters first: the gathered buffer is an input like the others.
-    let gathered = dev.take(op, TensorKind::Param)?;
+    let gathered = dev.bufs.take(op, TensorKind::Param)?;
     let saved = dev
+        .bufs
         .take(op, TensorKind::Saved)?
         .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
     let Buf::Saved(cache) = &*saved else {
         return Err(missing(dev, op, "the forward's saved tensors"));
     };
-    let mut dout = dev.tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?;
+    let mut dout = dev.tensor_of(op, dev.bufs.take(op, TensorKind::ActGrad)?)?;
     let split = dev.spreads.sequences.get(&op.segments[0]);
     if let Some(q) = split {
         dout = dout.map(|d| share_of(dev, op, q, d)).transpose()?;
@@ -311,13 +313,13 @@ pub(super) fn backward_input<B: Backend>(
         // the stash, free the rest now.
         let cache = owned_cache(dev, op, saved, "the forward's saved tensors")?;
         stash.keep_for_weights(cache);
-        dev.put(op, TensorKind::Stash, Buf::Stash(stash))?;
+        dev.bufs.put(op, TensorKind::Stash, Buf::Stash(stash))?;
     }
     if let Some(mut d) = dinp {
         if let Some(q) = split {
             d = gather_shares(dev, op, ctx, q, d, GATHER)?;
         }
-        dev.put(op, TensorKind::ActGrad, Buf::Tensor(d))?;
+        dev.bufs.put(op, TensorKind::ActGrad, Buf::Tensor(d))?;
     }
     Ok(())
 }
@@ -398,8 +400,9 @@ pub(super) fn backward_weight<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let seg = &ctx.segments[op.segments[0] as usize];
     // A gathered parameter buffer, if the plan feeds one, is consumed.
-    drop(dev.take(op, TensorKind::Param)?);
+    drop(dev.bufs.take(op, TensorKind::Param)?);
     let stash = dev
+        .bufs
         .take(op, TensorKind::Stash)?
         .ok_or_else(|| missing(dev, op, "BI's stash"))?;
     let Buf::Stash(stash) = &*stash else {
@@ -460,7 +463,7 @@ fn weight_grads<B: Backend>(
         }
     }
     if op.zero >= 2 {
-        return dev.put(op, TensorKind::MicroGrad, Buf::Params(t));
+        return dev.bufs.put(op, TensorKind::MicroGrad, Buf::Params(t));
     }
     let mut grads = dev.grads.lock().unwrap();
     for (id, g) in t.iter() {

@@ -6,6 +6,7 @@
 //! does, bit for bit.
 
 use super::compute::with_params;
+use super::StepCtx;
 use super::{comm_error, missing};
 use crate::compile::plan::{ExpertPhase, Op, OpKind, TensorKind};
 use crate::dag::Pass;
@@ -17,7 +18,6 @@ use crate::runtime::error::{label, RuntimeError};
 use crate::runtime::model::moe::{ExpertGroup, MoeCache, MoeDims};
 use crate::runtime::model::segment::{PartCache, PartStash};
 use crate::runtime::model::{Dims, Model, SegmentCache, SegmentStash};
-use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 
 /// The all-to-all between two phases: this device's chunk for each member
@@ -31,7 +31,7 @@ pub(super) fn all_to_all<B: Backend>(
     let chunks = received(dev, op, "the rows to exchange")?;
     // Staging: what leaves and what arrives.
     let bytes: u64 = chunks.iter().map(|c| B::bytes(c)).sum();
-    let _staging = dev.reserve(op, bytes.saturating_mul(2))?;
+    let _staging = dev.bufs.reserve(op, bytes.saturating_mul(2))?;
     let host = chunks
         .into_iter()
         .map(|c| dev.b.download_owned(c))
@@ -46,7 +46,8 @@ pub(super) fn all_to_all<B: Backend>(
         .map(|c| dev.b.upload(Arc::unwrap_or_clone(c)))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| dev.backend_error(op, e))?;
-    dev.put(op, TensorKind::Routed, Buf::Moe(MoePart::Chunks(got)))
+    dev.bufs
+        .put(op, TensorKind::Routed, Buf::Moe(MoePart::Chunks(got)))
 }
 
 /// A plan that asks for what an expert phase cannot do.
@@ -67,6 +68,7 @@ fn received<B: Backend>(
     what: &str,
 ) -> Result<Vec<B::Tensor>, RuntimeError> {
     let b = dev
+        .bufs
         .take(op, TensorKind::Routed)?
         .ok_or_else(|| missing(dev, op, what))?;
     match Arc::try_unwrap(b) {
@@ -111,7 +113,7 @@ pub(super) fn phase<B: Backend>(
     match (pass, phase) {
         (Pass::F, ExpertPhase::Dispatch) => {
             let x = dev
-                .tensor_of(op, dev.take(op, TensorKind::Activation)?)?
+                .tensor_of(op, dev.bufs.take(op, TensorKind::Activation)?)?
                 .ok_or_else(|| missing(dev, op, "the input activation"))?;
             let (routed, out) = with_params(dev, op, |p| {
                 model.moe_dispatch(p, l, moe, x, d, group).map_err(fail)
@@ -121,8 +123,8 @@ pub(super) fn phase<B: Backend>(
                 st.moe_routed += routed.routing.choice.len() as u64;
                 st.moe_dropped += routed.routing.dropped;
             }
-            dev.put(op, TensorKind::Routed, chunks(out))?;
-            dev.put(
+            dev.bufs.put(op, TensorKind::Routed, chunks(out))?;
+            dev.bufs.put(
                 op,
                 TensorKind::Saved,
                 Buf::Moe(MoePart::Routed(Box::new(routed))),
@@ -134,13 +136,14 @@ pub(super) fn phase<B: Backend>(
                 model.moe_experts(p, l, d, group, &got).map_err(fail)
             })?;
             drop(got);
-            dev.put(op, TensorKind::Routed, chunks(back))?;
-            dev.put(op, TensorKind::Saved, Buf::Moe(MoePart::Experts(experts)))
+            dev.bufs.put(op, TensorKind::Routed, chunks(back))?;
+            dev.bufs
+                .put(op, TensorKind::Saved, Buf::Moe(MoePart::Experts(experts)))
         }
         (Pass::F, ExpertPhase::Combine) => {
             let got = received(dev, op, "the exchanged rows")?;
             let (mut routed, mut experts) = (None, None);
-            for buf in dev.take_all(op, TensorKind::Saved)? {
+            for buf in dev.bufs.take_all(op, TensorKind::Saved)? {
                 match Arc::try_unwrap(buf) {
                     Ok(Buf::Moe(MoePart::Routed(r))) => routed = Some(*r),
                     Ok(Buf::Moe(MoePart::Experts(e))) => experts = Some(e),
@@ -160,7 +163,7 @@ pub(super) fn phase<B: Backend>(
                 .unwrap()
                 .losses
                 .push(vec![dev.b.scalar(aux)]);
-            dev.put(op, TensorKind::Activation, Buf::Tensor(out))?;
+            dev.bufs.put(op, TensorKind::Activation, Buf::Tensor(out))?;
             let cache = SegmentCache {
                 dims: Dims {
                     moe: Some(*moe),
@@ -168,10 +171,11 @@ pub(super) fn phase<B: Backend>(
                 },
                 parts: vec![PartCache::Experts(Box::new(cache))],
             };
-            dev.put(op, TensorKind::Saved, Buf::Saved(cache))
+            dev.bufs.put(op, TensorKind::Saved, Buf::Saved(cache))
         }
         (Pass::B | Pass::BI, p) => {
             let saved = dev
+                .bufs
                 .take(op, TensorKind::Saved)?
                 .ok_or_else(|| missing(dev, op, "the forward's saved tensors"))?;
             backward_phase(dev, op, ctx, p, saved)
@@ -220,11 +224,12 @@ fn backward_phase<B: Backend>(
     match phase {
         ExpertPhase::Combine => {
             let dout = dev
-                .tensor_of(op, dev.take(op, TensorKind::ActGrad)?)?
+                .tensor_of(op, dev.bufs.take(op, TensorKind::ActGrad)?)?
                 .ok_or_else(|| missing(dev, op, "the output gradient"))?;
             let (combined, out) = model.moe_back_combine(cache, dout).map_err(fail)?;
-            dev.put(op, TensorKind::Routed, chunks(out))?;
-            dev.put(op, TensorKind::Stash, Buf::Moe(MoePart::Combined(combined)))
+            dev.bufs.put(op, TensorKind::Routed, chunks(out))?;
+            dev.bufs
+                .put(op, TensorKind::Stash, Buf::Moe(MoePart::Combined(combined)))
         }
         ExpertPhase::Experts => {
             let got = received(dev, op, "the exchanged rows")?;
@@ -232,7 +237,7 @@ fn backward_phase<B: Backend>(
                 model.moe_back_experts(p, cache, &got).map_err(fail)
             })?;
             drop(got);
-            dev.put(op, TensorKind::Routed, chunks(back))?;
+            dev.bufs.put(op, TensorKind::Routed, chunks(back))?;
             if fused {
                 model
                     .moe_experts_weight(
@@ -243,13 +248,14 @@ fn backward_phase<B: Backend>(
                     )
                     .map_err(fail)
             } else {
-                dev.put(op, TensorKind::Stash, Buf::Moe(MoePart::Grads(grads)))
+                dev.bufs
+                    .put(op, TensorKind::Stash, Buf::Moe(MoePart::Grads(grads)))
             }
         }
         ExpertPhase::Dispatch => {
             let got = received(dev, op, "the exchanged rows")?;
             let (mut combined, mut grads) = (None, None);
-            for buf in dev.take_all(op, TensorKind::Stash)? {
+            for buf in dev.bufs.take_all(op, TensorKind::Stash)? {
                 match Arc::try_unwrap(buf) {
                     Ok(Buf::Moe(MoePart::Combined(c))) => combined = Some(c),
                     Ok(Buf::Moe(MoePart::Grads(g))) => grads = Some(g),
@@ -282,7 +288,7 @@ fn backward_phase<B: Backend>(
                 model
                     .moe_router_weight(&mut t, cache, &stash)
                     .map_err(fail)?;
-                dev.put(op, TensorKind::MicroGrad, Buf::Params(t))?;
+                dev.bufs.put(op, TensorKind::MicroGrad, Buf::Params(t))?;
             } else if fused {
                 model
                     .moe_router_weight(&mut dev.grads.lock().unwrap(), cache, &stash)
@@ -306,9 +312,9 @@ fn backward_phase<B: Backend>(
                     },
                 };
                 st.keep_for_weights(kept);
-                dev.put(op, TensorKind::Stash, Buf::Stash(st))?;
+                dev.bufs.put(op, TensorKind::Stash, Buf::Stash(st))?;
             }
-            dev.put(op, TensorKind::ActGrad, Buf::Tensor(dx))
+            dev.bufs.put(op, TensorKind::ActGrad, Buf::Tensor(dx))
         }
     }
 }

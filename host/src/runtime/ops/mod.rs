@@ -13,15 +13,40 @@ pub(super) mod compute;
 mod experts;
 mod p2p;
 mod update;
+mod zero;
 
 use super::backend::{Backend, KernelSpan, ParamId};
-use super::comm::CommError;
+use super::comm::{Comm, CommError};
 use super::device::Device;
 use super::error::{label, RuntimeError};
-use super::step::StepCtx;
-use super::zero;
 use crate::compile::plan::{Act, Collective as C, Op};
 use crate::dag::Pass;
+use crate::model::{ModelConfig, Segment};
+use crate::runtime::data::Batch;
+use crate::runtime::{AdamW, TrainOptions};
+use std::sync::Mutex;
+
+/// Everything an op needs besides its device.
+pub(crate) struct StepCtx<'a, B: Backend> {
+    pub cfg: &'a ModelConfig,
+    pub segments: Vec<Segment>,
+    pub batch: &'a Batch,
+    pub loss_scale: f32,
+    pub step: u32,
+    /// AdamW at this step's learning rate.
+    pub adamw: AdamW,
+    pub opts: &'a TrainOptions,
+    pub comm: &'a dyn Comm,
+    /// Every device of this process (a receiver releases its sender's
+    /// in-flight bytes).
+    pub devices: &'a [Device<B>],
+    pub epoch: std::time::Instant,
+    /// Running the forward-only (evaluation) plan.
+    pub eval: bool,
+    /// Failures in the order they happened: the first is the cause, later
+    /// ones (aborted waits, locks a panic left poisoned) are consequences.
+    pub failures: Mutex<Vec<RuntimeError>>,
+}
 
 /// Run one op of `dev`'s plan on its stream `si`; when tracing, the
 /// kernels it ran go to `kernels`.
@@ -33,7 +58,7 @@ pub(super) fn exec_op<B: Backend>(
     kernels: &mut Vec<KernelSpan>,
 ) -> Result<(), RuntimeError> {
     let on = ctx.opts.trace;
-    let stream = &dev.streams[si];
+    let stream = dev.sync.stream(si);
     let mut kernel = |f: &(dyn Fn() -> Result<(), RuntimeError> + Sync)| {
         let trace = on.then_some((ctx.epoch, &mut *kernels));
         dev.b.enter(stream, trace, f)

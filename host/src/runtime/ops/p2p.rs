@@ -2,13 +2,13 @@
 //! sender's memory account until the receiver holds it); a `recv` takes the
 //! matching message and releases the sender's account.
 
+use super::StepCtx;
 use super::{comm_error, missing};
 use crate::compile::plan::{Op, TensorKind};
 use crate::runtime::backend::Backend;
 use crate::runtime::buffers::Buf;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::step::StepCtx;
 use std::sync::Arc;
 
 pub(super) fn send<B: Backend>(
@@ -19,13 +19,13 @@ pub(super) fn send<B: Backend>(
     pair: u32,
 ) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
-    let buf = dev.take(op, kind)?;
+    let buf = dev.bufs.take(op, kind)?;
     let t = dev
         .tensor_of(op, buf)?
         .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
     // The message stays on this device's account until its receiver holds
     // it (in this process), or until the transport has it (another rank).
-    let in_flight = dev.reserve(op, B::bytes(&t))?;
+    let in_flight = dev.bufs.reserve(op, B::bytes(&t))?;
     if ctx.comm.is_local(peer) {
         in_flight.keep();
     }
@@ -61,9 +61,9 @@ pub(super) fn recv<B: Backend>(
         .b
         .upload(Arc::unwrap_or_clone(v))
         .map_err(|e| dev.backend_error(op, e))?;
-    dev.put(op, kind, Buf::Tensor(t))?;
+    dev.bufs.put(op, kind, Buf::Tensor(t))?;
     if let Some(sender) = ctx.devices.iter().find(|d| d.id == peer) {
-        sender.release(bytes);
+        sender.bufs.release(bytes);
     }
     Ok(())
 }

@@ -3,12 +3,11 @@
 //! sharded step of every ZeRO bucket the update covers.
 
 use super::owned;
+use super::StepCtx;
 use crate::compile::plan::Op;
 use crate::runtime::backend::{Backend, BackendError, ParamId, ParamMap};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
-use crate::runtime::step::StepCtx;
-use crate::runtime::zero;
 
 pub(super) fn update<B: Backend>(
     dev: &Device<B>,
@@ -76,14 +75,14 @@ pub(super) fn update<B: Backend>(
         dev.b.fill_zero(g);
     }
     // ZeRO buckets: this device's shard only.
-    zero::update(dev, op, ctx, &mut params, &mut grads, scale).map_err(fail)
+    super::zero::update(dev, op, ctx, &mut params, &mut grads, scale).map_err(fail)
 }
 
 /// Σ g² over the gradients this device counts: unsharded ones on DP replica
 /// 0, and its own shard of every ZeRO bucket.
 pub(super) fn local_sq<B: Backend>(dev: &Device<B>) -> Result<f64, BackendError> {
     let grads: std::sync::MutexGuard<'_, ParamMap<B::Tensor>> = dev.grads.lock().unwrap();
-    zero::norm_sq(dev, &grads)
+    super::zero::norm_sq(dev, &grads)
 }
 
 pub(super) fn set_clip<B: Backend>(dev: &Device<B>, norm: f64, clip: f32) {
