@@ -844,3 +844,34 @@ fn recompute_fits_gpt2_small_under_a_cap_1f1b_exceeds_at_its_predicted_cost() {
     );
     let _ = std::fs::remove_dir_all(&home);
 }
+
+/// The optimizer step is costed on the parameters each device steps: ZeRO
+/// shards it over the data-parallel group (a quarter on four devices) and
+/// tensor parallelism over the slices, so its simulated time falls with
+/// them; with neither it is the whole model's on every replica.
+#[test]
+fn the_optimizer_step_is_costed_on_each_devices_shard() {
+    use piper::compile::plan::Act;
+    use piper::sim::CostModel;
+    let cluster = Cluster::h100_8x();
+    let update = |strategies: &[(&str, &[(&str, &str)])]| {
+        let plan = plan_of(4, 4, strategies);
+        let ops = plan.devices[0].streams.iter().flat_map(|s| s.ops.iter());
+        let ops: Vec<_> = ops.filter(|o| o.act == Act::Update).collect();
+        assert_eq!(ops.len(), 1, "one update per device");
+        let states = plan.devices[0].model_state_bytes;
+        (ops[0].param_bytes, cluster.compute(ops[0]), states)
+    };
+    let (dp, dp_s, dp_states) = update(&[("dp", &[("degree", "4")])]);
+    let (z1, z1_s, _) = update(&[("zero", &[("stage", "1"), ("dp", "4")])]);
+    let (tp, tp_s, _) = update(&[("tp", &[("tp", "2")]), ("dp", &[("degree", "2")])]);
+    // Plain DP: every parameter of the model, as its states hold them
+    // (4 bytes each of params, grads and two moments).
+    assert_eq!(dp * 4, dp_states);
+    // ZeRO-1 over 4: a quarter (shards rounded up).
+    assert!(z1 * 4 >= dp && z1 * 4 < dp + 4 * 4 * 64, "{z1} vs {dp}");
+    assert!((dp_s / z1_s - 4.0).abs() < 0.05, "{dp_s} vs {z1_s}");
+    // TP 2: the split matrices halve, the replicated norms and biases do not.
+    assert!(tp < dp && 2 * tp > dp, "{tp} vs {dp}");
+    assert!(tp_s < dp_s);
+}

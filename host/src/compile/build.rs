@@ -371,7 +371,10 @@ fn describe<'a>(
                 _ => None,
             },
             zero,
-            param_bytes: cost.param_bytes,
+            param_bytes: match &n.kind {
+                NodeKind::Update { segments } => updated_bytes(cx, n, segments),
+                _ => cost.param_bytes,
+            },
             tp: match n.kind {
                 NodeKind::Compute { .. } => n.tp_degree(),
                 _ => 1,
@@ -400,6 +403,26 @@ fn describe<'a>(
         first_device: n.devices.iter().map(|d| d.0).min().unwrap_or(0),
         spread,
     }
+}
+
+/// Parameter bytes one device of update node `n` steps: its ZeRO shard of
+/// each segment (whole experts of its own under expert parallelism, its
+/// slices under tensor parallelism), as the memory plan holds moments.
+fn updated_bytes(cx: &Ctx<'_>, n: &Node, segments: &[u32]) -> u64 {
+    let elems: u64 = segments
+        .iter()
+        .map(|&s| {
+            let rep = match &cx.placement[s as usize] {
+                Some((_, rep)) => *rep,
+                None => (cx.copies[s as usize].iter())
+                    .find(|(devs, _)| *devs == n.devices)
+                    .and_then(|(_, rep)| *rep),
+            };
+            let e = super::segment_states(cx.dag, cx.placement, cx.tp, s, n.devices.len(), rep);
+            e.moments / 2
+        })
+        .sum();
+    elems * crate::model::DTYPE_BYTES
 }
 
 /// The inputs every device of a node reads, when they are the same

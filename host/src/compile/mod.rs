@@ -733,31 +733,55 @@ fn model_states(dag: &TrainingDag, segs: &Segments, ndev: usize) -> Vec<u64> {
             None => continue,
         };
         for (devs, rep) in &held_on {
-            let held = dag.held_elems(s as u32, placement, &segs.tp);
-            // Sharded over the replicas: the mesh's tensor-parallel groups.
-            let n = (devs.len() as u64 / u64::from(segs.tp[s])).max(1);
-            let zero = match rep {
-                Some(r) if n > 1 => dag.specs[*r as usize].zero,
-                _ => 0,
-            };
-            let shard = held.div_ceil(n);
-            let params = if zero >= 3 { shard } else { held };
-            let grads = if zero >= 2 { shard } else { held };
-            // ZeRO-1 with expert parallelism: this device's experts keep
-            // whole moments, the replicated rest is sharded.
-            let moments = 2 * match dag.expert_elems(s as u32, placement) {
-                (all, spread) if zero >= 1 && spread > 1 => {
-                    all / spread + (held - all / spread).div_ceil(n)
-                }
-                _ if zero >= 1 => shard,
-                _ => held,
-            };
+            let e = segment_states(dag, placement, &segs.tp, s as u32, devs.len(), *rep);
             for d in devs {
-                states[d.0 as usize] += (params + grads + moments) * DTYPE_BYTES;
+                states[d.0 as usize] += (e.params + e.grads + e.moments) * DTYPE_BYTES;
             }
         }
     }
     states
+}
+
+/// Elements of one segment's states on each of the `devices` devices of a
+/// group holding it under replication spec `rep`.
+pub(crate) struct SegmentStates {
+    pub params: u64,
+    pub grads: u64,
+    /// AdamW's two moments: twice the parameters this device's optimizer
+    /// step updates.
+    pub moments: u64,
+}
+
+pub(crate) fn segment_states(
+    dag: &TrainingDag,
+    placement: &[Option<(Vec<DeviceId>, Option<u32>)>],
+    tp: &[u32],
+    s: u32,
+    devices: usize,
+    rep: Option<u32>,
+) -> SegmentStates {
+    let held = dag.held_elems(s, placement, tp);
+    // Sharded over the replicas: the mesh's tensor-parallel groups.
+    let n = (devices as u64 / u64::from(tp[s as usize])).max(1);
+    let zero = match rep {
+        Some(r) if n > 1 => dag.specs[r as usize].zero,
+        _ => 0,
+    };
+    let shard = held.div_ceil(n);
+    // ZeRO-1 with expert parallelism: this device's experts keep whole
+    // moments, the replicated rest is sharded.
+    let moments = 2 * match dag.expert_elems(s, placement) {
+        (all, spread) if zero >= 1 && spread > 1 => {
+            all / spread + (held - all / spread).div_ceil(n)
+        }
+        _ if zero >= 1 => shard,
+        _ => held,
+    };
+    SegmentStates {
+        params: if zero >= 3 { shard } else { held },
+        grads: if zero >= 2 { shard } else { held },
+        moments,
+    }
 }
 
 /// The global list schedule (see the module docs): among ready nodes the

@@ -48,6 +48,9 @@ pub trait Observer {
     fn stopped(&mut self) {}
 }
 
+/// No observer: the loop runs silently.
+impl Observer for () {}
+
 /// What the loop did.
 #[derive(Clone, Debug, Default)]
 pub struct Summary {

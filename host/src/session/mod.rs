@@ -4,6 +4,7 @@
 //! and `calibrate` share, and what a program using Piper as a library calls:
 //!
 //! ```no_run
+//! use piper::runtime::{train_loop, Corpus, LoopConfig, TrainOptions, Trainer};
 //! use piper::session::{prepare, Overrides, RunConfig, Sources};
 //! let config = RunConfig::resolve(&Overrides {
 //!     model: Some("tiny".into()),
@@ -12,7 +13,10 @@
 //!     ..Default::default()
 //! })?;
 //! let prepared = prepare(&config, &Sources::offline(), 2)?;
-//! let plan = prepared.compile()?;
+//! let model = config.model_config()?;
+//! let mut trainer = Trainer::new(&model, prepared.compile()?, TrainOptions::default())?;
+//! let run = LoopConfig { steps: 20, ..Default::default() };
+//! let summary = train_loop(&mut trainer, &model, &Corpus::builtin(), None, &run, &mut ())?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //! The training loop over a plan is [`crate::runtime::train_loop`].
