@@ -6,16 +6,17 @@
 use super::backend::{init, Backend, BackendError, ParamId, ParamMap};
 use super::buffers::{Buf, Buffers};
 use super::error::{label, RuntimeError};
+use super::states::States;
 use super::sync::StreamSync;
 use super::trace::{Trace, TraceEvent};
-use super::zero::{self, tensor_shards, Bucket, HostStates, Shard, ShardPart};
+use super::zero::{self, tensor_shards, HostStates, Shard, ShardPart};
 use super::TrainOptions;
 use crate::compile::human_bytes;
 use crate::compile::plan::{Act, Collective, DevicePlan, Op, Spread};
 use crate::model::params::ParamTable;
 use crate::model::{ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 
 use super::spread::ExpertGroup;
 pub(super) use super::spread::{
@@ -46,12 +47,6 @@ impl<B: Backend> Default for StepState<B> {
     }
 }
 
-/// AdamW's first and second moments of a device's whole tensors.
-pub(super) type Moments<B> = (
-    ParamMap<<B as Backend>::Tensor>,
-    ParamMap<<B as Backend>::Tensor>,
-);
-
 /// A device's share of a step's figures.
 pub(crate) struct DeviceStats {
     pub(crate) loss: f64,
@@ -66,11 +61,8 @@ pub(crate) struct Device<B: Backend> {
     /// The backend its storage and kernels are on.
     pub(super) b: B,
     pub(super) table: Arc<ParamTable>,
-    pub(super) params: RwLock<ParamMap<B::Tensor>>,
-    pub(super) grads: Mutex<ParamMap<B::Tensor>>,
-    pub(super) moments: Mutex<Moments<B>>,
-    /// ZeRO buckets (sharded states).
-    pub(super) buckets: Mutex<Vec<Bucket<B>>>,
+    /// Parameters, gradients, moments, ZeRO buckets, captured gradients.
+    pub(super) states: States<B>,
     /// Of those, segments spread over a group (`shard`, `shard-tensor`).
     pub(super) spreads: Spreads,
     /// The parameters each held segment owns here (sorted): the tied `wte`
@@ -93,9 +85,6 @@ pub(crate) struct Device<B: Backend> {
     pub(super) has_norm_op: bool,
     /// Its streams and how they wait for each other.
     pub(super) sync: StreamSync<B>,
-    pub(super) captured: Mutex<ParamMap<B::Tensor>>,
-    /// ZeRO-2/3: the last step's reduced gradient shard per bucket index.
-    pub(super) captured_shards: Mutex<HashMap<usize, B::Tensor>>,
     pub(super) trace: Trace,
 }
 
@@ -378,10 +367,7 @@ impl<B: Backend> Device<B> {
         Ok(Device {
             id: plan.device,
             table,
-            grads: Mutex::new(grads),
-            moments: Mutex::new((m, v)),
-            params: RwLock::new(params),
-            buckets: Mutex::new(buckets),
+            states: States::new(params, grads, (m, v), buckets),
             spreads,
             owned,
             tp_pieces,
@@ -393,8 +379,6 @@ impl<B: Backend> Device<B> {
             decay,
             has_norm_op,
             sync,
-            captured: Mutex::new(ParamMap::new()),
-            captured_shards: Mutex::new(HashMap::new()),
             trace: Trace::default(),
             b,
         })
@@ -457,16 +441,16 @@ impl<B: Backend> Device<B> {
         Ok(out)
     }
     pub(crate) fn params(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        self.whole(&self.params.read().unwrap())
+        self.whole(&self.states.params())
     }
     pub(crate) fn captured(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        self.whole(&self.captured.lock().unwrap())
+        self.whole(&self.states.captured())
     }
     pub(crate) fn first_moments(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        self.whole(&self.moments.lock().unwrap().0)
+        self.whole(&self.states.moments().0)
     }
     pub(crate) fn second_moments(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        self.whole(&self.moments.lock().unwrap().1)
+        self.whole(&self.states.moments().1)
     }
 
     /// This device's tensor-parallel slices of one kind of state, as pieces
@@ -481,15 +465,15 @@ impl<B: Backend> Device<B> {
         let (params, captured, moments);
         let t: &ParamMap<B::Tensor> = match part {
             zero::ShardPart::Param => {
-                params = self.params.read().unwrap();
+                params = self.states.params();
                 &params
             }
             zero::ShardPart::Grad => {
-                captured = self.captured.lock().unwrap();
+                captured = self.states.captured();
                 &captured
             }
             zero::ShardPart::M | zero::ShardPart::V => {
-                moments = self.moments.lock().unwrap();
+                moments = self.states.moments();
                 if part == zero::ShardPart::M {
                     &moments.0
                 } else {
@@ -546,8 +530,8 @@ impl<B: Backend> Device<B> {
                 .or_else(|| in_shards(&shards))
                 .map(|n| format!("parameter `{n}`")));
         }
-        let grads = self.whole(&self.grads.lock().unwrap())?;
-        let buckets = self.buckets.lock().unwrap();
+        let grads = self.whole(&self.states.grads())?;
+        let buckets = self.states.buckets();
         let mut shards = Vec::new();
         for b in buckets.iter().filter(|b| b.zero >= 2) {
             let values = self
@@ -575,8 +559,8 @@ impl<B: Backend> Device<B> {
     /// stage).
     pub(crate) fn restore(&self, ck: &zero::HostStates) -> Result<(), RuntimeError> {
         self.restore_shards(ck)?;
-        let mut params = self.params.write().unwrap();
-        let mut mom = self.moments.lock().unwrap();
+        let mut params = self.states.params_mut();
+        let mut mom = self.states.moments();
         let wrong = |id: ParamId, got: usize| {
             RuntimeError::Plan(format!(
                 "device {}: the checkpoint's {} has {got} values, which does not fit this device's tensor",
@@ -677,8 +661,8 @@ impl<B: Backend> Device<B> {
     /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
     /// AdamW moments or the last step's reduced gradients (when captured).
     pub(crate) fn shards(&self, part: ShardPart) -> Result<Vec<Shard>, RuntimeError> {
-        let buckets = self.buckets.lock().unwrap();
-        let captured = self.captured_shards.lock().unwrap();
+        let buckets = self.states.buckets();
+        let captured = self.states.captured_shards();
         let mut out = Vec::new();
         for (i, b) in buckets.iter().enumerate() {
             let t = match part {
@@ -703,7 +687,7 @@ impl<B: Backend> Device<B> {
     /// Take this device's slice of each bucket from a checkpoint's full
     /// tensors: AdamW moments for every stage, parameters for ZeRO-3.
     pub(super) fn restore_shards(&self, ck: &HostStates) -> Result<(), RuntimeError> {
-        let mut buckets = self.buckets.lock().unwrap();
+        let mut buckets = self.states.buckets();
         for b in buckets.iter_mut() {
             let flat = |t: &ParamMap<Vec<f32>>, what: &str| -> Result<Vec<f32>, RuntimeError> {
                 let mut v = Vec::with_capacity(b.total);

@@ -43,6 +43,7 @@ pub mod model;
 mod ops;
 pub mod schedule;
 mod spread;
+mod states;
 mod step;
 mod sync;
 mod trace;

@@ -59,7 +59,7 @@ fn contribution<'d, B: Backend>(
         Ok(flat)
     };
     if !per_microbatch {
-        let grads = dev.grads.lock().unwrap();
+        let grads = dev.states.grads();
         let pieces = ids
             .iter()
             .map(|&id| {
@@ -174,7 +174,7 @@ pub(super) fn reduce_grads<B: Backend>(
         t.insert(dev.table.wte, dev.b.upload(sum.to_vec()).map_err(fail)?);
         dev.bufs.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
     } else {
-        let mut grads = dev.grads.lock().unwrap();
+        let mut grads = dev.states.grads();
         let mut at = 0;
         for id in &ids {
             let g = grads.get_mut(*id).expect("read above");

@@ -27,7 +27,7 @@ pub(super) fn with_params<B: Backend, R>(
     if let Some(Buf::Params(t)) = gathered.as_deref() {
         return f(t);
     }
-    let own = dev.params.read().unwrap();
+    let own = dev.states.params();
     f(&own)
 }
 
@@ -304,7 +304,7 @@ pub(super) fn backward_input<B: Backend>(
     };
     let (dinp, mut stash) = match gathered.as_deref() {
         Some(Buf::Params(t)) => run(t)?,
-        _ => run(&dev.params.read().unwrap())?,
+        _ => run(&dev.states.params())?,
     };
     if pass == Pass::B {
         weight_grads(dev, op, ctx, seg, cache, &stash)?;
@@ -431,7 +431,7 @@ fn weight_grads<B: Backend>(
     let sp = dev.spreads.sequence_parallel.contains(&seg.index);
     if op.zero < 2 && split.is_none() && !sp {
         return model
-            .backward_weight(&mut dev.grads.lock().unwrap(), cache, stash)
+            .backward_weight(&mut dev.states.grads(), cache, stash)
             .map_err(fail);
     }
     // This microbatch's gradients on their own: ZeRO-2/3 reduce-scatters
@@ -465,7 +465,7 @@ fn weight_grads<B: Backend>(
     if op.zero >= 2 {
         return dev.bufs.put(op, TensorKind::MicroGrad, Buf::Params(t));
     }
-    let mut grads = dev.grads.lock().unwrap();
+    let mut grads = dev.states.grads();
     for (id, g) in t.iter() {
         if let Some(mine) = grads.get_mut(id) {
             dev.b.add(mine, g);
@@ -531,7 +531,7 @@ pub(super) fn keep_expert_grads<B: Backend>(
         .map(|(id, _)| id)
         .filter(|id| dev.table.expert_of(*id).is_some())
         .collect();
-    let mut grads = dev.grads.lock().unwrap();
+    let mut grads = dev.states.grads();
     for id in experts {
         if let (Some(g), Some(mine)) = (t.remove(id), grads.get_mut(id)) {
             dev.b.add(mine, &g);

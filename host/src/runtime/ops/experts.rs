@@ -240,12 +240,7 @@ fn backward_phase<B: Backend>(
             dev.bufs.put(op, TensorKind::Routed, chunks(back))?;
             if fused {
                 model
-                    .moe_experts_weight(
-                        &mut dev.grads.lock().unwrap(),
-                        cache,
-                        &grads.dy,
-                        &grads.dfc,
-                    )
+                    .moe_experts_weight(&mut dev.states.grads(), cache, &grads.dy, &grads.dfc)
                     .map_err(fail)
             } else {
                 dev.bufs
@@ -291,7 +286,7 @@ fn backward_phase<B: Backend>(
                 dev.bufs.put(op, TensorKind::MicroGrad, Buf::Params(t))?;
             } else if fused {
                 model
-                    .moe_router_weight(&mut dev.grads.lock().unwrap(), cache, &stash)
+                    .moe_router_weight(&mut dev.states.grads(), cache, &stash)
                     .map_err(fail)?;
             } else {
                 let g = grads.ok_or_else(|| missing(dev, op, "the experts' gradients"))?;

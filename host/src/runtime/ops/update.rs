@@ -27,14 +27,13 @@ pub(super) fn update<B: Backend>(
     if ctx.opts.capture_grads {
         // ZeRO buckets capture their reduced shards (`zero::update`).
         let sharded: std::collections::HashSet<ParamId> = dev
-            .buckets
-            .lock()
-            .unwrap()
+            .states
+            .buckets()
             .iter()
             .flat_map(|b| b.names.iter().map(|(n, _)| *n))
             .collect();
-        let grads = dev.grads.lock().unwrap();
-        let mut cap = dev.captured.lock().unwrap();
+        let grads = dev.states.grads();
+        let mut cap = dev.states.captured();
         for id in ids.iter().filter(|id| !sharded.contains(id)) {
             if let Some(g) = grads.get(*id) {
                 cap.insert(*id, dev.b.duplicate(g).map_err(fail)?);
@@ -47,9 +46,9 @@ pub(super) fn update<B: Backend>(
         // the first non-finite value is); the gradients are kept for that.
         return Ok(());
     }
-    let mut params = dev.params.write().unwrap();
-    let mut grads = dev.grads.lock().unwrap();
-    let mut mom = dev.moments.lock().unwrap();
+    let mut params = dev.states.params_mut();
+    let mut grads = dev.states.grads();
+    let mut mom = dev.states.moments();
     let (m, v) = &mut *mom;
     // Unsharded parameters: whole tensors.
     for id in &ids {
@@ -81,7 +80,7 @@ pub(super) fn update<B: Backend>(
 /// Σ g² over the gradients this device counts: unsharded ones on DP replica
 /// 0, and its own shard of every ZeRO bucket.
 pub(super) fn local_sq<B: Backend>(dev: &Device<B>) -> Result<f64, BackendError> {
-    let grads: std::sync::MutexGuard<'_, ParamMap<B::Tensor>> = dev.grads.lock().unwrap();
+    let grads: std::sync::MutexGuard<'_, ParamMap<B::Tensor>> = dev.states.grads();
     super::zero::norm_sq(dev, &grads)
 }
 

@@ -22,7 +22,7 @@ pub(super) fn norm_sq<B: Backend>(
     dev: &Device<B>,
     grads: &ParamMap<B::Tensor>,
 ) -> Result<f64, BackendError> {
-    let buckets = dev.buckets.lock().unwrap();
+    let buckets = dev.states.buckets();
     // ZeRO-1 keeps whole gradients: its shard is cut from them.
     let cut = buckets
         .iter()
@@ -99,7 +99,7 @@ pub(super) fn member_lens<B: Backend>(
     op: &Op,
     group: &[u32],
 ) -> Result<Vec<usize>, RuntimeError> {
-    let buckets = dev.buckets.lock().unwrap();
+    let buckets = dev.states.buckets();
     lens_of(dev, op, &buckets[bucket_index(dev, op, &buckets)?], group)
 }
 
@@ -132,7 +132,7 @@ pub(super) fn accumulate_shard<B: Backend>(
     op: &Op,
     shard: &[f32],
 ) -> Result<(), RuntimeError> {
-    let mut buckets = dev.buckets.lock().unwrap();
+    let mut buckets = dev.states.buckets();
     let b = shard_bucket(dev, op, &mut buckets, shard.len())?;
     dev.b.add_host(&mut b.grad, 0, shard);
     Ok(())
@@ -147,8 +147,8 @@ pub(super) fn write_grad_shard<B: Backend>(
     shard: &[f32],
 ) -> Result<(), RuntimeError> {
     // Gradients before buckets, as the update locks them.
-    let mut grads = dev.grads.lock().unwrap();
-    let mut buckets = dev.buckets.lock().unwrap();
+    let mut grads = dev.states.grads();
+    let mut buckets = dev.states.buckets();
     let b = shard_bucket(dev, op, &mut buckets, shard.len())?;
     for (n, in_tensor, in_shard) in b.pieces() {
         let g = grads
@@ -171,9 +171,9 @@ pub(super) fn update<B: Backend>(
     scale: f32,
 ) -> Result<(), BackendError> {
     let bk = &dev.b;
-    let mut buckets = dev.buckets.lock().unwrap();
+    let mut buckets = dev.states.buckets();
     if ctx.opts.capture_grads {
-        let mut cap = dev.captured_shards.lock().unwrap();
+        let mut cap = dev.states.captured_shards();
         for (i, b) in buckets.iter().enumerate() {
             if b.within(&op.segments) {
                 let reduced = match b.zero {
@@ -255,15 +255,15 @@ pub(super) fn param_refresh<B: Backend>(
     // Locks in the update's order (parameters, then buckets): an update of
     // another bucket may run on the compute stream meanwhile.
     let (mine, lens) = {
-        let params = dev.params.read().unwrap();
-        let buckets = dev.buckets.lock().unwrap();
+        let params = dev.states.params();
+        let buckets = dev.states.buckets();
         let b = &buckets[bucket_index(dev, op, &buckets)?];
         let lens = lens_of(dev, op, b, group)?;
         (param_shard(dev, b, &params).map_err(fail)?, vec![lens])
     };
     let full = gather_shards(dev, op, ctx, group, mine, &lens)?;
-    let mut params = dev.params.write().unwrap();
-    let buckets = dev.buckets.lock().unwrap();
+    let mut params = dev.states.params_mut();
+    let buckets = dev.states.buckets();
     let b = &buckets[bucket_index(dev, op, &buckets)?];
     for (n, at, len) in b.offsets() {
         let p = params
@@ -286,8 +286,8 @@ pub(super) fn param_gather<B: Backend>(
     let seg = &ctx.segments[op.segments[0] as usize];
     let need: Vec<ParamId> = dev.table.segment(ctx.cfg, seg);
     // Parameters before buckets, as the update locks them.
-    let params = dev.params.read().unwrap();
-    let buckets = dev.buckets.lock().unwrap();
+    let params = dev.states.params();
+    let buckets = dev.states.buckets();
     let used: Vec<&Bucket<B>> = buckets
         .iter()
         .filter(|b| b.names.iter().any(|(n, _)| need.contains(n)))
@@ -310,7 +310,7 @@ pub(super) fn param_gather<B: Backend>(
         }
     }
     drop(buckets);
-    let own = dev.params.read().unwrap();
+    let own = dev.states.params();
     for n in &need {
         if !out.contains(*n) {
             if let Some(p) = own.get(*n) {
