@@ -590,9 +590,9 @@ fn sequence_parallelism_trains_at_one_devices_losses_and_holds_less() {
     );
     // What it sends is what the plan says: the all-reduces' bytes, plus
     // the gathers where each segment's blocks end and the norms' gradient
-    // sums; under a split backward (zb-h1) what it sends more than plain
-    // tp is what the plan adds (tp × pipelines sends 3% past its plan on
-    // its own, without sequence parallelism).
+    // sums; under a pipeline with a split backward (zb-h1) too, with or
+    // without sequence parallelism (every tensor-parallel rank sends its
+    // replica's whole activation to its peer: one batch share per group).
     let sent = |strategy: Strategy| {
         let plan = plan_with(&host, &four_heads(), 4, strategy).unwrap();
         let planned = plan.predicted_sent_bytes();
@@ -614,6 +614,13 @@ fn sequence_parallelism_trains_at_one_devices_losses_and_holds_less() {
     let (got_sp, want_sp) = sent(&[("tp", sp), ("zb-h1", zb)]);
     let (got_tp, want_tp) = sent(&[("tp", &[("tp", "2")]), ("zb-h1", zb)]);
     for d in 0..4 {
+        for (what, got, want) in [("tp", &got_tp, &want_tp), ("tp+sp", &got_sp, &want_sp)] {
+            let (got, want) = (got[d] as f64, want[d] as f64);
+            assert!(
+                (got / want - 1.0).abs() < 0.001,
+                "{what}×zb-h1: device {d} sent {got}, planned {want}"
+            );
+        }
         let more = got_sp[d] as f64 - got_tp[d] as f64;
         let planned_more = want_sp[d] as f64 - want_tp[d] as f64;
         assert!(

@@ -1572,7 +1572,11 @@ impl TrainingDag {
                     pair: None,
                 });
                 let (tags, devices) = (base.tags.clone(), base.devices.clone());
-                Node::new(kind, tags, devices, stream, base.batch_div)
+                let mut node = Node::new(kind, tags, devices, stream, base.batch_div);
+                // Every rank of a tensor-parallel group sends (receives) its
+                // replica's whole activation: one batch share per group.
+                node.tensor_parallel = base.tensor_parallel;
+                node
             };
             let (send, recv) = (
                 mk(CommOp::Send, un, &vn.devices, seg(un)),
