@@ -1168,6 +1168,7 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
                 need,
             };
         }
+        // Markers never become ops (the build skips them before here).
         NodeKind::Update { .. } | NodeKind::Marker => {
             return Link {
                 act: Act::Update,
