@@ -2,7 +2,7 @@
 //! costs. A plan is plain data (serde), has a stable hash, and renders as a
 //! readable per-device table.
 
-use crate::dag::{CommOp, Label, NodeKind, Pass, PASS_VALUES};
+use crate::dag::{CommOp, Pass, PASS_VALUES};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -96,8 +96,10 @@ pub struct OpCommon {
     /// The ZeRO stage of the segments this op computes or reduces (0: plain
     /// DP or none), so the runtime knows how their states are sharded.
     pub zero: u8,
-    /// Compute and update ops: parameter bytes of their segments (the
-    /// simulator costs an optimizer step from it). Derived: not hashed.
+    /// Compute ops: parameter bytes of their segments; update ops: the
+    /// parameters one device steps (its ZeRO shard, TP slices, own
+    /// experts), which the simulator costs the optimizer step from.
+    /// Derived: not hashed.
     pub param_bytes: u64,
     /// Compute ops: the node's tensor-parallel degree (1: none). A `Tensor`
     /// spread's group size; under an `Experts` spread over a mesh, each
@@ -627,7 +629,8 @@ pub enum OpKind {
 }
 
 impl OpKind {
-    /// Every op kind, in [`Label`]'s order (a label less the marker).
+    /// Every op kind, in [`crate::dag::Label`]'s order (a label less the marker).
+    #[cfg(test)]
     const ALL: [OpKind; 12] = [
         OpKind::F,
         OpKind::B,
@@ -645,11 +648,6 @@ impl OpKind {
     /// Its name: its label's, from the DAG's one name table.
     pub fn as_str(self) -> &'static str {
         PASS_VALUES[self as usize]
-    }
-    /// The op a DAG node runs as: the node's label (`None` for a marker,
-    /// which never reaches a plan).
-    pub fn of(kind: &NodeKind) -> Option<Self> {
-        Self::ALL.get(Label::of(kind) as usize).copied()
     }
     /// The compute op of a pass.
     pub fn of_pass(pass: Pass) -> OpKind {
@@ -1013,6 +1011,7 @@ pub use crate::dag::human_bytes;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dag::Label;
 
     /// `OpKind` follows `Label`'s order, so a label's index is its op's:
     /// each op is named as its label and serialized under that name.
@@ -1028,6 +1027,5 @@ mod tests {
         }
         assert_eq!(OpKind::ALL.len() + 1, Label::ALL.len());
         assert_eq!(Label::ALL[OpKind::ALL.len()], Label::Marker);
-        assert_eq!(OpKind::of(&NodeKind::Marker), None);
     }
 }

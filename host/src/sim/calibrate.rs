@@ -61,7 +61,7 @@ const KINDS: [(OpKind, &str); 4] = [
 
 /// AdamW bytes an optimizer step moves (see [`super::cost`]).
 fn adamw_bytes(op: &crate::compile::plan::Op) -> f64 {
-    7.0 * op.param_bytes as f64
+    super::cost::ADAMW_PASSES * op.param_bytes as f64
 }
 
 /// The mean of `v` without its fastest and slowest tenth (⌊n/10⌋ each).

@@ -27,7 +27,7 @@ pub trait CostModel {
 
 /// AdamW reads parameters, gradients and two moments and writes three of
 /// them back: seven passes over fp32 state per parameter byte.
-const ADAMW_PASSES: f64 = 7.0;
+pub(super) const ADAMW_PASSES: f64 = 7.0;
 
 impl CostModel for Cluster {
     fn compute(&self, op: &Op) -> f64 {
