@@ -1,14 +1,12 @@
 //! `cargo bench -p piper --bench published`: the simulator against
 //! published GPU training runs (`benches/published/runs.toml`). Each row's
 //! layout is planned with the bundled strategies on the row's model shape,
-//! sequence and global batch, simulated on the row's cluster preset, and
-//! printed beside what the run published: tokens/s per GPU (or model
-//! TFLOP/s per GPU) and peak memory per GPU, with the ratio predicted ÷
-//! published. The simulator counts fp32 bytes today; the rows trained in
-//! bf16 (the precision column says so), which is part of what the ratios
-//! show until mixed precision lands.
+//! sequence, global batch and precision policy, simulated on the row's
+//! cluster preset, and printed beside what the run published: tokens/s per
+//! GPU (or model TFLOP/s per GPU) and peak memory per GPU, with the ratio
+//! predicted ÷ published.
 
-use piper::model::ModelConfig;
+use piper::model::{ModelConfig, Precision};
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::search::space::{Candidate, Step};
 use piper::search::{self, Outcome, Query};
@@ -56,6 +54,7 @@ fn model(root: &str, r: &Run) -> ModelConfig {
     let m = ModelConfig {
         seq_len: r.seq_len,
         batch_size: r.global_batch,
+        precision: Precision::named(&r.precision).unwrap(),
         ..base
     };
     m.validate().unwrap();

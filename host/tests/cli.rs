@@ -234,6 +234,14 @@ fn a_first_runs_rough_edges_read_cleanly() {
         &["train", "--comm-timeout", "-5"],
         "--comm-timeout must be more than 0",
     );
+    check(
+        &["train", "--precision", "fp8"],
+        "unknown precision `fp8`: choose one of fp32, bf16",
+    );
+    check(
+        &["train", "--precision", "bf16", "--steps", "1"],
+        "precision bf16 (fp32 reduce, fp32 master): the backends train in fp32 only so far",
+    );
     let missing = h.join("no-such-corpus.txt");
     let err = check(
         &["train", "--data", missing.to_str().unwrap()],
@@ -1306,6 +1314,36 @@ fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit(
     assert_eq!(v["hash"], hash.as_str());
     let (ok, out2, err) = piper(&h, &["train", "--config", &p("best.toml"), "--steps", "2"]);
     assert!(ok && out2.contains("done: 2 steps"), "{out2}{err}");
+    // A bf16 search writes its policy, and the config plans it again.
+    let (ok, out, err) = piper(
+        &h,
+        &[
+            "plan",
+            "--search",
+            "--devices",
+            "2",
+            "--cluster",
+            "cpu-local",
+            "--precision",
+            "bf16",
+            "--out",
+            &p("bf16.toml"),
+        ],
+    );
+    assert!(ok, "{out}{err}");
+    let text = std::fs::read_to_string(p("bf16.toml")).unwrap();
+    assert!(text.contains("[precision]") && text.contains("params = \"bf16\""), "{text}");
+    let hash = out.lines().find_map(|l| l.split("(plan ").nth(1)).unwrap();
+    let (ok, plan, err) = piper(&h, &["plan", "--config", &p("bf16.toml")]);
+    assert!(
+        ok && plan.starts_with(&format!("plan {}", &hash[..16])),
+        "{plan}{err}"
+    );
+    assert!(plan
+        .lines()
+        .next()
+        .unwrap()
+        .ends_with("precision bf16 (fp32 reduce, fp32 master)"));
     let html = std::fs::read_to_string(p("search.html")).unwrap();
     assert!(
         html.contains("#1 ") && html.contains("#2 "),

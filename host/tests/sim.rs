@@ -26,6 +26,16 @@ fn plan_of(
         batch_size: 192,
         ..ModelConfig::tiny()
     };
+    plan_model(&model, devices, strategies)
+}
+
+/// `model` on `devices`, rewritten by `strategies`.
+fn plan_model(
+    model: &ModelConfig,
+    devices: u32,
+    strategies: &[(&str, &[(&str, &str)])],
+) -> piper::compile::plan::Plan {
+    let model = model.clone();
     let mut dag = TrainingDag::build(&model, Devices::new(devices)).unwrap();
     let h = host();
     for (name, opts) in strategies {
@@ -874,4 +884,95 @@ fn the_optimizer_step_is_costed_on_each_devices_shard() {
     // TP 2: the split matrices halve, the replicated norms and biases do not.
     assert!(tp < dp && 2 * tp > dp, "{tp} vs {dp}");
     assert!(tp_s < dp_s);
+}
+
+/// Bytes the ops of one collective (or pipeline messages, `None`) move,
+/// over every device of the plan.
+fn moved(plan: &piper::compile::plan::Plan, what: Option<piper::compile::plan::Collective>) -> u64 {
+    use piper::compile::plan::Act;
+    let ops = plan
+        .devices
+        .iter()
+        .flat_map(|d| &d.streams)
+        .flat_map(|s| &s.ops);
+    ops.filter(|o| match (&o.act, what) {
+        (Act::Send { .. }, None) => true,
+        (Act::Collective { what: w, .. }, Some(x)) => *w == x,
+        _ => false,
+    })
+    .map(|o| o.bytes)
+    .sum()
+}
+
+#[test]
+fn a_bf16_plan_holds_megatrons_bytes_per_parameter_and_sends_half_the_activations() {
+    use piper::compile::plan::Collective;
+    use piper::model::{Dtype, Precision};
+    let fp32 = ModelConfig {
+        layers: 4,
+        batch_size: 192,
+        ..ModelConfig::tiny()
+    };
+    let bf16 = ModelConfig {
+        precision: Precision::BF16,
+        ..fp32.clone()
+    };
+    let wire = ModelConfig {
+        precision: Precision {
+            reduce: Dtype::Bf16,
+            ..Precision::BF16
+        },
+        ..fp32.clone()
+    };
+    let p = fp32.param_count();
+    // Per parameter: fp32 holds 4 + 4 + 8 bytes, bf16 2 + 4 + 4 (master)
+    // + 8; ZeRO over 2 halves the moments and master (1), then the
+    // gradients (2), then the parameters (3).
+    for (stage, f, b) in [(0, 32, 36), (1, 24, 24), (2, 20, 20), (3, 16, 18)] {
+        let opts = [("stage", stage.to_string()), ("dp", "2".to_string())];
+        let opts: Vec<(&str, &str)> = opts.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let states = |m: &ModelConfig| {
+            let plan = plan_model(m, 2, &[("zero", &opts)]);
+            plan.devices[0].model_state_bytes
+        };
+        let (sf, sb) = (states(&fp32), states(&bf16));
+        assert_eq!(sf, f * p / 2, "fp32 ZeRO-{stage}");
+        assert_eq!(sb, b * p / 2, "bf16 ZeRO-{stage}");
+    }
+    // ZeRO-3 × 1F1B: pipeline messages and parameter gathers in bf16, the
+    // gradients' reduce-scatters in fp32 unless the policy says bf16.
+    let layout: &[(&str, &[(&str, &str)])] = &[
+        ("zero", &[("stage", "3"), ("dp", "2")]),
+        ("1f1b", &[("stages", "2"), ("microbatches", "4")]),
+    ];
+    let (pf, pb, pw) = (
+        plan_model(&fp32, 4, layout),
+        plan_model(&bf16, 4, layout),
+        plan_model(&wire, 4, layout),
+    );
+    assert!(moved(&pf, None) > 0 && moved(&pb, None) * 2 == moved(&pf, None));
+    let gather = Some(Collective::ParamGather);
+    assert!(moved(&pf, gather) > 0 && moved(&pb, gather) * 2 == moved(&pf, gather));
+    let sync = Some(Collective::GradSync { scatter: true });
+    assert!(moved(&pf, sync) > 0 && moved(&pb, sync) == moved(&pf, sync));
+    assert_eq!(moved(&pw, sync) * 2, moved(&pf, sync));
+    // Activations: bf16's transient peak is below fp32's, above half of it
+    // (normalization statistics and token ids stay 4 bytes).
+    let (tf, tb) = (
+        pf.devices[0].transient_peak_bytes,
+        pb.devices[0].transient_peak_bytes,
+    );
+    assert!(tb < tf && 2 * tb > tf, "{tb} vs {tf}");
+    // The policy is part of the plan: fp32 JSON does not name it (plans
+    // from before it read the same), bf16's does and hashes apart.
+    assert!(!pf.to_json().contains("precision"));
+    assert!(pb.to_json().contains("\"params\": \"bf16\""));
+    assert_ne!(pf.hash, pb.hash);
+    assert_ne!(pb.hash, pw.hash);
+    let back = piper::compile::Plan::from_json(&pb.to_json()).unwrap();
+    assert_eq!(
+        (back.precision, back.compute_hash()),
+        (bf16.precision, pb.hash.clone())
+    );
+    assert!(pb.render_table().contains("precision bf16"));
 }

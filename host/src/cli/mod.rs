@@ -87,6 +87,11 @@ pub struct RunArgs {
     /// `1f1b:microbatches=8,stages=4`. Repeat to compose (`--strategy dp:degree=2 --strategy 1f1b`).
     #[arg(long = "strategy", value_name = "NAME[:k=v,...]")]
     pub strategies: Vec<String>,
+    /// Precision policy: `fp32` (default) or `bf16` (bf16 parameters,
+    /// activations and messages; fp32 gradients, master weights and moments).
+    /// Replaces the run config's `[precision]` table.
+    #[arg(long, value_name = "fp32|bf16")]
+    pub precision: Option<String>,
     #[command(flatten)]
     pub registry: RegistryArgs,
     /// The lockfile pinning `oci://` plugins (default: `piper.lock` beside
@@ -114,6 +119,7 @@ impl RunArgs {
             model: self.model.clone(),
             devices: self.devices,
             strategies: self.strategies.clone(),
+            precision: self.precision.clone(),
         }
     }
     /// Where the run's `oci://` plugins may come from.

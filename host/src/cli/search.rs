@@ -471,6 +471,9 @@ fn best_config(
     if config.sandbox != crate::plugin::SandboxLimits::default() {
         doc.insert("sandbox".into(), toml::Value::try_from(&config.sandbox)?);
     }
+    if !model.precision.is_fp32() {
+        doc.insert("precision".into(), toml::Value::try_from(model.precision)?);
+    }
     Ok(format!(
         "# The best of `piper plan --search` for {where_}: {} (plan {}),\n# step {}, {:.0} tokens/s, MFU {:.1}%, peak {} per device (simulated).\n{}",
         c.label(),

@@ -202,6 +202,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         strategies: vec![a.plugin.clone()],
         registry: a.registry.clone(),
         lock: None,
+        precision: None,
     };
     let config = RunConfig::resolve(&args.overrides())?;
     let strategies = Strategies::load(&config, &args.sources())?;

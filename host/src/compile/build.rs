@@ -405,7 +405,7 @@ fn describe<'a>(
     }
 }
 
-/// Parameter bytes one device of update node `n` steps: its ZeRO shard of
+/// Master-weight bytes one device of update node `n` steps: its ZeRO shard of
 /// each segment (whole experts of its own under expert parallelism, its
 /// slices under tensor parallelism), as the memory plan holds moments.
 fn updated_bytes(cx: &Ctx<'_>, n: &Node, segments: &[u32]) -> u64 {
@@ -422,7 +422,7 @@ fn updated_bytes(cx: &Ctx<'_>, n: &Node, segments: &[u32]) -> u64 {
             e.moments / 2
         })
         .sum();
-    elems * crate::model::DTYPE_BYTES
+    elems * cx.dag.model().precision.master.bytes()
 }
 
 /// The inputs every device of a node reads, when they are the same

@@ -27,6 +27,7 @@ pub fn forward_only(plan: &Plan) -> Result<Plan, DeadlockError> {
         hash: String::new(),
         model: plan.model.clone(),
         batch_size: plan.batch_size,
+        precision: plan.precision,
         devices,
     };
     out.hash = out.compute_hash();

@@ -43,7 +43,6 @@ pub use plan::{
 };
 
 use crate::dag::{CommOp, CommPurpose, DeviceId, EdgeKind, NodeId, NodeKind, TrainingDag};
-use crate::model::DTYPE_BYTES;
 use foldhash::{HashMap, HashMapExt};
 use petgraph::stable_graph::NodeIndex;
 use petgraph::visit::NodeIndexable;
@@ -522,6 +521,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         hash: String::new(),
         model: dag.model().name.clone(),
         batch_size: dag.model().batch_size,
+        precision: dag.model().precision,
         devices,
     };
     plan.hash = plan.hash_of(&parts);
@@ -720,11 +720,13 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
     })
 }
 
-/// Resident model states per device: fp32 Adam (4 B params + 4 B grads +
-/// 8 B moments per parameter), sharded as the ZeRO stage says.
+/// Resident model states per device: parameters, gradients, master weights
+/// and AdamW's moments in the precision policy's bytes (fp32: 4 + 4 + 0 +
+/// 8 per parameter; bf16: 2 + 4 + 4 + 8), sharded as the ZeRO stage says.
 fn model_states(dag: &TrainingDag, segs: &Segments, ndev: usize) -> Vec<u64> {
     let (placement, copies) = (&segs.placement[..], &segs.copies);
     let mut states = vec![0u64; ndev];
+    let b = dag.model().precision.state_bytes();
     for (s, p) in placement.iter().enumerate() {
         // A segment held once, or once per parameter copy.
         let held_on: Vec<(Vec<crate::dag::DeviceId>, Option<u32>)> = match p {
@@ -735,7 +737,9 @@ fn model_states(dag: &TrainingDag, segs: &Segments, ndev: usize) -> Vec<u64> {
         for (devs, rep) in &held_on {
             let e = segment_states(dag, placement, &segs.tp, s as u32, devs.len(), *rep);
             for d in devs {
-                states[d.0 as usize] += (e.params + e.grads + e.moments) * DTYPE_BYTES;
+                states[d.0 as usize] += e.params * b.params
+                    + e.grads * b.grads
+                    + e.moments / 2 * (b.master + b.moments);
             }
         }
     }

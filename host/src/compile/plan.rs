@@ -3,6 +3,7 @@
 //! readable per-device table.
 
 use crate::dag::{CommOp, Pass, PASS_VALUES};
+use crate::model::Precision;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -20,6 +21,11 @@ pub struct Plan {
     pub model: String,
     /// Global batch in sequences.
     pub batch_size: u32,
+    /// The precision policy every byte figure of the plan counts in (in
+    /// JSON and in the hash only when it is not fp32, so fp32 plans read
+    /// and hash as before it existed).
+    #[serde(default, skip_serializing_if = "Precision::is_fp32")]
+    pub precision: Precision,
     pub devices: Vec<DevicePlan>,
 }
 
@@ -926,6 +932,9 @@ impl Plan {
         let mut h = StableHasher(SEED);
         h.bytes(self.model.as_bytes());
         h.word(self.batch_size as u64);
+        if !self.precision.is_fp32() {
+            h.word(self.precision.code());
+        }
         h.word(self.devices.len() as u64);
         for (d, streams) in self.devices.iter().zip(parts) {
             h.word(d.device as u64);
@@ -964,11 +973,15 @@ impl Plan {
         let mut out = String::new();
         writeln!(
             out,
-            "plan {} — model {}, global batch {}, {} device(s)",
+            "plan {} — model {}, global batch {}, {} device(s){}",
             self.hash,
             self.model,
             self.batch_size,
-            self.devices.len()
+            self.devices.len(),
+            match self.precision.is_fp32() {
+                true => String::new(),
+                false => format!(", precision {}", self.precision),
+            }
         )
         .unwrap();
         for d in &self.devices {

@@ -5,7 +5,7 @@
 //! one `update` node that every `B` feeds its parameter gradients into.
 
 use super::{Cluster, EdgeKind, Node, NodeId, NodeKind, Pass, Tags, TensorKind, TrainingDag};
-use crate::model::{ModelConfig, ModelError, DTYPE_BYTES};
+use crate::model::{ModelConfig, ModelError};
 
 /// Build the initial DAG. Nodes are unplaced; strategies place them.
 pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelError> {
@@ -69,7 +69,6 @@ pub fn build(cfg: &ModelConfig, cluster: Cluster) -> Result<TrainingDag, ModelEr
             );
         }
     }
-    debug_assert_eq!(DTYPE_BYTES, 4);
     // The update node and (later) the gradient collectives are derived.
     dag.rebuild_derived();
     Ok(dag)

@@ -31,7 +31,6 @@ use super::{
     Tags, TensorKind, TrainingDag, COMPUTE,
 };
 use crate::model::params::{Role, TpSplit};
-use crate::model::DTYPE_BYTES;
 use foldhash::{HashMap, HashMapExt};
 use petgraph::visit::EdgeRef;
 use petgraph::Direction;
@@ -441,9 +440,16 @@ impl TrainingDag {
         t
     }
 
-    /// Bytes of segment `seg`'s gradients that its group synchronizes.
+    /// Bytes of segment `seg`'s gradients that its group synchronizes (in
+    /// the policy's reduce dtype).
     fn grad_bytes(&self, seg: u32, r: &Rebuild) -> u64 {
-        self.synced_elems(seg, &r.placement, &r.tp) * DTYPE_BYTES
+        self.synced_elems(seg, &r.placement, &r.tp) * self.model.precision.grad_bytes()
+    }
+
+    /// Bytes of the same elements as parameters (ZeRO's gathers, in the
+    /// policy's parameter dtype).
+    fn param_bytes(&self, seg: u32, r: &Rebuild) -> u64 {
+        self.synced_elems(seg, &r.placement, &r.tp) * self.model.precision.act_bytes()
     }
 
     /// Parameter copies: all-reduce each duplicated segment's gradients
@@ -502,7 +508,7 @@ impl TrainingDag {
         }
         let per_mb = |x: Option<u32>| x.is_some_and(|x| self.specs[x as usize].zero >= 2);
         let per_mb = per_mb(re) || per_mb(rh);
-        let wte = self.segments()[h].tied_elems * DTYPE_BYTES;
+        let wte = self.segments()[h].tied_elems * self.model.precision.grad_bytes();
         let mut devices = ge.clone();
         devices.extend(gh.iter().copied());
         let groups: Vec<Vec<DeviceId>> = ge.iter().zip(&gh).map(|(a, b)| vec![*a, *b]).collect();
@@ -728,6 +734,7 @@ impl TrainingDag {
         }
         if spec.zero == 1 || spec.zero == 2 {
             // Updated parameter shards are gathered back.
+            let bytes: u64 = bucket.iter().map(|s| self.param_bytes(*s, r)).sum();
             let ag = self.add_derived(
                 key_of(("refresh", &bucket)),
                 NodeKind::Comm(Comm {
@@ -762,7 +769,7 @@ impl TrainingDag {
         let groups = Node::dp_groups(devs, t);
         let mut split_key: Vec<u32> = Vec::new();
         for &s in segs {
-            let bytes = self.grad_bytes(s, r);
+            let bytes = self.param_bytes(s, r);
             let gather = || {
                 NodeKind::Comm(Comm {
                     op: CommOp::AllGather,

@@ -6,7 +6,6 @@
 use super::error::{DagError, DagErrorKind};
 use super::filter::{Filter, Label, TagMatch, PASS_VALUES};
 use super::{EdgeKind, NodeId, NodeKind, TagKey, TrainingDag};
-use crate::model::DTYPE_BYTES;
 use foldhash::HashMap;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -549,12 +548,13 @@ impl TrainingDag {
             crate::model::Family::Gpt2 => 2,
             crate::model::Family::Llama => 1,
         };
-        norms * per_norm * u64::from(self.model.d_model) * DTYPE_BYTES
+        norms * per_norm * u64::from(self.model.d_model) * self.model.precision.grad_bytes()
     }
 
     /// Cost hints of a node as one of its devices runs it.
     pub fn cost(&self, id: NodeId) -> NodeCost {
         let n = &self.graph[id.ix()];
+        let prec = self.model.precision;
         let div = self.batch_share_div(id);
         match &n.kind {
             NodeKind::Compute {
@@ -584,7 +584,7 @@ impl TrainingDag {
                 let experts_split = seg.expert_block.is_some() && tp > 1.0;
                 NodeCost {
                     flops: flops / div as f64 / tp,
-                    param_bytes: (seg.param_elems + seg.tied_elems) * DTYPE_BYTES,
+                    param_bytes: (seg.param_elems + seg.tied_elems) * prec.act_bytes(),
                     act_in_bytes: c.act_in_bytes / div,
                     act_out_bytes: c.act_out_bytes / div,
                     // Of the saved tensors about a quarter (the block's
@@ -614,7 +614,7 @@ impl TrainingDag {
                         (_, Some(x), _) if experts_split => {
                             let m = &self.model;
                             let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
-                            (x.routed_bytes / tp as u64 + act * DTYPE_BYTES / 2) / div
+                            (x.routed_bytes / tp as u64 + act * prec.act_bytes() / 2) / div
                         }
                         _ if n.tensor_parallel.is_some() => {
                             let sums = block_halves(&seg.parts);
@@ -630,7 +630,7 @@ impl TrainingDag {
                                 super::Pass::B => self.sp_norm_bytes(n, seg),
                                 _ => 0,
                             };
-                            (2 * sums + edges) * act * DTYPE_BYTES / 2 / div + norms
+                            (2 * sums + edges) * act * prec.act_bytes() / 2 / div + norms
                         }
                         (None, Some(x), Some(r))
                             if self.specs[r as usize].expert_parallel.is_some() =>
@@ -652,7 +652,7 @@ impl TrainingDag {
             NodeKind::Update { segments } => NodeCost {
                 param_bytes: segments
                     .iter()
-                    .map(|s| self.segments()[*s as usize].param_elems * DTYPE_BYTES)
+                    .map(|s| self.segments()[*s as usize].param_elems * prec.master.bytes())
                     .sum(),
                 ..NodeCost::default()
             },

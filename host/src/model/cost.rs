@@ -1,9 +1,11 @@
 //! Cost hints per model part, from the config alone: FLOPs, parameters,
 //! activation bytes in and out, and bytes saved for backward. All figures are
 //! for the whole global batch (`batch_size × seq_len` tokens); the DAG scales
-//! them by the share of the batch a node runs.
+//! them by the share of the batch a node runs. Activations count in the
+//! precision policy's activation dtype (`b`), normalization statistics,
+//! token ids and the loss in fp32 (`s`).
 
-use super::{Family, ModelConfig, Part, DTYPE_BYTES};
+use super::{Family, ModelConfig, Part, F32_BYTES};
 use serde::{Deserialize, Serialize};
 
 /// Cost hints of a part (or a sum of parts).
@@ -77,8 +79,8 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             )
         })
         .unwrap_or((0.0, 0.0, 0.0));
-    let b = DTYPE_BYTES as f64;
-    let hidden = n * d * b; // one (tokens × d_model) fp32 tensor
+    let (b, s) = (cfg.precision.act_bytes() as f64, F32_BYTES as f64);
+    let hidden = n * d * b; // one (tokens × d_model) tensor
     let attn_flops = 4.0 * n * t * d; // QKᵀ and AV
     let (fwd, wgrad_share, saved, stash, act_in, act_out) = match part {
         Part::Embedding => (
@@ -94,11 +96,11 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             0.5,
             // x, ln1, qkv, attention out, residual, ln2, fc, gelu (15 d),
             // attention probabilities (h t), layernorm mean/rstd ×2
-            (15.0 * d + h * t + 4.0) * n * b,
+            (15.0 * d + h * t) * n * b + 4.0 * n * s,
             // weight pass: x, ln1, attention out, residual, ln2, gelu (9 d)
             // + mean/rstd ×2, and the gradients of out, fc, ln2, residual,
             // qkv, ln1 (11 d)
-            (20.0 * d + 4.0) * n * b,
+            20.0 * d * n * b + 4.0 * n * s,
             hidden,
             hidden,
         ),
@@ -106,10 +108,10 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             2.0 * n * 4.0 * d * d + attn_flops,
             0.5,
             // x, ln1, qkv, attention out (6 d), probabilities, mean/rstd
-            (6.0 * d + h * t + 2.0) * n * b,
+            (6.0 * d + h * t) * n * b + 2.0 * n * s,
             // weight pass: x, ln1, attention out + mean/rstd, and the
             // gradients of out, qkv, ln1 (5 d)
-            (8.0 * d + 2.0) * n * b,
+            8.0 * d * n * b + 2.0 * n * s,
             hidden,
             hidden,
         ),
@@ -120,23 +122,23 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             // x, ln2 (2 d), mean/rstd, router probabilities (e), and per
             // assignment the expert's hidden pre-activation and GELU (2 hid)
             // and output (d)
-            ((2.0 * d + 2.0 + e) + k * (2.0 * hid + d)) * n * b,
+            ((2.0 * d + e) + k * (2.0 * hid + d)) * n * b + 2.0 * n * s,
             // weight pass: x, ln2, mean/rstd, GELU out (k hid), router
             // logits' gradient (e), gradients of ln2 (d) and per assignment
             // of the expert's hidden (hid) and output (d)
-            ((3.0 * d + 2.0 + e) + k * (2.0 * hid + d)) * n * b,
+            ((3.0 * d + e) + k * (2.0 * hid + d)) * n * b + 2.0 * n * s,
             hidden,
             hidden,
         ),
         Part::Head => (
             2.0 * n * d * v + 5.0 * n * v,
             0.5,
-            (d + 2.0 + v) * n * b,
+            (d + v) * n * b + 2.0 * n * s,
             // weight pass: x, ln_f out, mean/rstd, and the gradients of the
             // logits and of ln_f's output
-            (3.0 * d + 2.0 + v) * n * b,
+            (3.0 * d + v) * n * b + 2.0 * n * s,
             hidden,
-            b, // the loss
+            s, // the loss
         ),
     };
     // Selective recompute drops the layernorm outputs, the attention
@@ -201,25 +203,26 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let (h, kvh) = (a.heads as f64, a.kv_heads as f64);
     let (qw, kvw, hid) = (a.q_width() as f64, a.kv_width() as f64, a.hidden as f64);
     let n = cfg.batch_size as f64 * t;
-    let b = DTYPE_BYTES as f64;
+    let (b, s) = (cfg.precision.act_bytes() as f64, F32_BYTES as f64);
     let hidden = n * d * b;
     let qk = if a.qk_norm { 1.0 } else { 0.0 };
     // Attention half: projections, QKᵀ and AV, rotary and norms.
     let attn_fwd = 2.0 * n * d * (2.0 * qw + 2.0 * kvw) + 4.0 * n * t * qw;
     // x, norm out, rstd; q, k before their norms and their rstds (qk_norm);
     // the packed rotated q/k/v (3 qw), probabilities (h t), attention out.
-    let attn_saved = (2.0 * d + 1.0 + qk * (qw + kvw + h + kvh) + 4.0 * qw + h * t) * n * b;
+    let attn_saved =
+        (2.0 * d + qk * (qw + kvw) + 4.0 * qw + h * t) * n * b + (1.0 + qk * (h + kvh)) * n * s;
     // weight pass: x, norm out, rstd, attention out (+ q/k and rstds); the
     // gradients of out, q, k, v, norm out (+ q/k after their norms).
-    let attn_stash = (2.0 * d + 1.0 + qw + qk * (qw + kvw + h + kvh))
-        + (2.0 * d + qw + 2.0 * kvw + qk * (qw + kvw));
-    let attn_stash = attn_stash * n * b;
+    let attn_stash =
+        (2.0 * d + qw + qk * (qw + kvw)) + (2.0 * d + qw + 2.0 * kvw + qk * (qw + kvw));
+    let attn_stash = attn_stash * n * b + (1.0 + qk * (h + kvh)) * n * s;
     let mlp_fwd = 2.0 * n * 3.0 * d * hid;
     // x2, norm out, rstd, gate, up, silu(gate)·up.
-    let mlp_saved = (2.0 * d + 1.0 + 3.0 * hid) * n * b;
+    let mlp_saved = (2.0 * d + 3.0 * hid) * n * b + n * s;
     // weight pass: x2, norm out, rstd, silu(gate)·up; the gradients of
     // out, gate, up, norm out.
-    let mlp_stash = (2.0 * d + 1.0 + hid + 2.0 * d + 2.0 * hid) * n * b;
+    let mlp_stash = (2.0 * d + hid + 2.0 * d + 2.0 * hid) * n * b + n * s;
     let (fwd, saved, stash, act_in, act_out) = match part {
         Part::Embedding => (n * d, n * 4.0, n * 4.0 + hidden, n * 4.0, hidden),
         Part::Block(_) => (
@@ -241,18 +244,18 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             });
             (
                 2.0 * n * d * e + 2.0 * n * k * 3.0 * d * eh,
-                ((2.0 * d + 1.0 + e) + k * (3.0 * eh + d)) * n * b,
-                ((3.0 * d + 1.0 + e) + k * (3.0 * eh + d)) * n * b,
+                ((2.0 * d + e) + k * (3.0 * eh + d)) * n * b + n * s,
+                ((3.0 * d + e) + k * (3.0 * eh + d)) * n * b + n * s,
                 hidden,
                 hidden,
             )
         }
         Part::Head => (
             2.0 * n * d * v + 5.0 * n * v,
-            (2.0 * d + 1.0 + v) * n * b,
-            (3.0 * d + 1.0 + v) * n * b,
+            (2.0 * d + v) * n * b + n * s,
+            (3.0 * d + v) * n * b + n * s,
             hidden,
-            b,
+            s,
         ),
     };
     let share = if part == Part::Embedding { 1.0 } else { 0.5 };
@@ -297,7 +300,7 @@ pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
         m.top_k as f64,
         m.hidden_width(cfg.d_model) as f64,
     );
-    let b = DTYPE_BYTES as f64;
+    let b = cfg.precision.act_bytes() as f64;
     // GELU experts have two projections and keep two hidden tensors per
     // row; SwiGLU experts three of each.
     let mats = if cfg.family == Family::Llama {
@@ -312,7 +315,9 @@ pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
     Some(ExpertPhaseCost {
         flop_share: [dispatch / total, experts / total, combine / total],
         routed_bytes: (n * k * d * b) as u64,
-        dispatch_saved: ((2.0 * d + 2.0 + e + 3.0 * k) * n * b) as u64,
+        // x, ln2, probabilities in the activation dtype; the statistics
+        // and the routing (indices, weights) in fp32.
+        dispatch_saved: ((2.0 * d + e) * n * b + (2.0 + 3.0 * k) * n * F32_BYTES as f64) as u64,
         experts_saved: (k * (mats * hid + d) * n * b) as u64,
     })
 }

@@ -18,14 +18,13 @@
 
 mod cost;
 pub mod params;
+mod precision;
 
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
 pub use cost::{expert_phases, part_cost, ExpertPhaseCost, PartCost};
-
-/// Bytes per element: Piper trains in fp32.
-pub const DTYPE_BYTES: u64 = 4;
+pub use precision::{Dtype, Precision, StateBytes, F32_BYTES, PRECISIONS};
 
 /// Errors of the model stage: a config that cannot describe a model.
 #[derive(Debug, thiserror::Error)]
@@ -199,6 +198,11 @@ pub struct ModelConfig {
     /// LayerNorm always uses 1e-5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_eps: Option<f64>,
+    /// The run's precision policy: a run setting (`--precision`, the run
+    /// config's `[precision]` table), not a model file's, carried here
+    /// because every byte figure of the flow follows it.
+    #[serde(skip)]
+    pub precision: Precision,
 }
 
 /// What a TOML file leaves out: the serde defaults (`custom`, one layer
@@ -225,6 +229,7 @@ impl Default for ModelConfig {
             tie_embeddings: None,
             qk_norm: false,
             norm_eps: None,
+            precision: Precision::FP32,
         }
     }
 }
@@ -412,6 +417,7 @@ impl ModelConfig {
     /// Check that the numbers describe a model that can be built: every
     /// count at least 1 and at most its cap, products that fit.
     pub fn validate(&self) -> Result<(), ModelError> {
+        self.precision.check().map_err(|m| self.invalid(m))?;
         for (field, v) in [
             ("layers", self.layers),
             ("d_model", self.d_model),

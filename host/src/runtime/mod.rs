@@ -416,6 +416,19 @@ impl Trainer {
             )));
         }
         opts.threads = Some(threads);
+        if plan.precision != cfg.precision {
+            return Err(RuntimeError::Plan(format!(
+                "it counts bytes in precision {} but the run is set to {}",
+                plan.precision, cfg.precision
+            )));
+        }
+        if !plan.precision.is_fp32() {
+            return Err(RuntimeError::Plan(format!(
+                "precision {}: the backends train in fp32 only so far (bf16 plans, \
+                 simulations and searches work: `piper plan --precision bf16 --simulate`)",
+                plan.precision
+            )));
+        }
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
         let table = Arc::new(ParamTable::new(cfg));

@@ -160,9 +160,9 @@ pub fn memory_lower_bound(model: &ModelConfig, shape: &Shape) -> u64 {
 }
 
 /// A lower bound of the bytes a device of `shape` holds for `model`: its
-/// share of the parameters, gradients and AdamW moments (4 + 4 + 8 bytes an
-/// element, ZeRO-sharded as the stage says), activations left out. The
-/// heaviest device holds at least the average.
+/// share of the parameters, gradients, master weights and AdamW moments (in
+/// the precision policy's bytes, ZeRO-sharded as the stage says),
+/// activations left out. The heaviest device holds at least the average.
 pub fn states_lower_bound(model: &ModelConfig, shape: &Shape) -> u64 {
     let segments = model.segments();
     let expert: u64 = (segments.iter())
@@ -172,7 +172,10 @@ pub fn states_lower_bound(model: &ModelConfig, shape: &Shape) -> u64 {
     let dense = model.param_count().saturating_sub(expert);
     let dp = f64::from(shape.dp.max(1));
     let shard = |stage: u8| if shape.zero >= stage { dp } else { 1.0 };
-    let per_elem = 4.0 / shard(3) + 4.0 / shard(2) + 8.0 / shard(1);
+    let b = model.precision.state_bytes();
+    let per_elem = b.params as f64 / shard(3)
+        + b.grads as f64 / shard(2)
+        + (b.master + b.moments) as f64 / shard(1);
     let elems = dense as f64 + expert as f64 / f64::from(shape.ep.max(1));
     let spread = f64::from(shape.pp.max(1)) * f64::from(shape.tp.max(1));
     (elems * per_elem * f64::from(shape.copies.max(1)) / spread) as u64

@@ -15,6 +15,11 @@
 //! [registry]                  # plugins by reference: `name = "oci://HOST/REPO:TAG"`
 //! trusted_keys = ["ed25519:…"] # every oci:// plugin must be signed by one of these
 //!
+//! [precision]                 # fp32 by default; `--precision fp32|bf16` overrides
+//! params = "bf16"             # parameters, activations, messages
+//! reduce = "fp32"             # gradients and their reductions (alias `grads`)
+//! master = "fp32"             # the weights AdamW steps
+//!
 //! [optimizer]                 # AdamW (defaults shown); `--weight-decay` overrides
 //! beta1 = 0.9
 //! beta2 = 0.95
@@ -26,12 +31,12 @@
 //! fuel = 60_000_000_000
 //! deadline_ms = 20_000
 //! ```
-//! Overrides (the CLI's `--model`, `--devices`, `--strategy`): a model and
-//! a device count replace the file's; strategies, when given, replace the
-//! file's whole strategy list. No strategy at all means the bundled `1f1b`
+//! Overrides (the CLI's `--model`, `--devices`, `--strategy`,
+//! `--precision`): a model, a device count and a precision replace the
+//! file's; strategies, when given, replace the file's whole strategy list. No strategy at all means the bundled `1f1b`
 //! over every device.
 
-use crate::model::{ModelConfig, ModelError};
+use crate::model::{ModelConfig, ModelError, Precision};
 use crate::plugin::SandboxLimits;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -77,6 +82,8 @@ pub struct Overrides {
     pub devices: Option<u32>,
     /// `NAME[:k=v,...]` each; when any, the file's list is replaced.
     pub strategies: Vec<String>,
+    /// A named precision policy (`fp32`, `bf16`) over the file's table.
+    pub precision: Option<String>,
 }
 
 /// A model: a name/path, or the config inline.
@@ -115,6 +122,8 @@ struct FileConfig {
     registry: RegistryConfig,
     #[serde(default)]
     optimizer: OptimizerConfig,
+    #[serde(default)]
+    precision: Precision,
 }
 
 /// The run config's `[optimizer]` table: AdamW's hyper-parameters besides
@@ -187,6 +196,8 @@ pub struct RunConfig {
     pub sandbox: SandboxLimits,
     pub registry: RegistryConfig,
     pub optimizer: OptimizerConfig,
+    /// The precision policy (checked: fp32 master weights).
+    pub precision: Precision,
 }
 
 /// The bundled pipeline strategy used when none is given.
@@ -281,6 +292,11 @@ impl RunConfig {
                 options: Vec::new(),
             });
         }
+        let precision = match &args.precision {
+            Some(name) => Precision::named(name).map_err(ConfigError::Invalid)?,
+            None => file.precision,
+        };
+        precision.check().map_err(ConfigError::Invalid)?;
         Ok(RunConfig {
             path: args.config.clone(),
             model,
@@ -289,17 +305,21 @@ impl RunConfig {
             sandbox: file.sandbox,
             registry: file.registry,
             optimizer: file.optimizer,
+            precision,
         })
     }
 
+    /// The model, carrying the run's precision policy.
     pub fn model_config(&self) -> Result<ModelConfig> {
-        Ok(match &self.model {
+        let mut m = match &self.model {
             ModelSpec::Name(n) => ModelConfig::from_name_or_file(n)?,
             ModelSpec::Inline(m) => {
                 m.validate()?;
                 m.clone()
             }
-        })
+        };
+        m.precision = self.precision;
+        Ok(m)
     }
 }
 
@@ -416,5 +436,24 @@ mod tests {
         std::fs::write(&path, "modle = \"tiny\"\n").unwrap();
         let err = chain(RunConfig::resolve(&args).unwrap_err());
         assert!(err.contains("modle"), "{err}");
+        // The precision table reaches the model; the flag replaces it.
+        std::fs::write(&path, "[precision]\nparams = \"bf16\"\n").unwrap();
+        let c = RunConfig::resolve(&args).unwrap();
+        assert_eq!(c.model_config().unwrap().precision, Precision::BF16);
+        let flag = Overrides {
+            precision: Some("fp32".into()),
+            ..args.clone()
+        };
+        assert!(RunConfig::resolve(&flag).unwrap().precision.is_fp32());
+        std::fs::write(&path, "[precision]\nmaster = \"bf16\"\n").unwrap();
+        let err = RunConfig::resolve(&args).unwrap_err().to_string();
+        assert!(err.contains("master weights must be fp32"), "{err}");
+        let err = RunConfig::resolve(&Overrides {
+            precision: Some("fp8".into()),
+            ..args.clone()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("unknown precision `fp8`"), "{err}");
     }
 }
