@@ -1332,7 +1332,10 @@ fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit(
     );
     assert!(ok, "{out}{err}");
     let text = std::fs::read_to_string(p("bf16.toml")).unwrap();
-    assert!(text.contains("[precision]") && text.contains("params = \"bf16\""), "{text}");
+    assert!(
+        text.contains("[precision]") && text.contains("params = \"bf16\""),
+        "{text}"
+    );
     let hash = out.lines().find_map(|l| l.split("(plan ").nth(1)).unwrap();
     let (ok, plan, err) = piper(&h, &["plan", "--config", &p("bf16.toml")]);
     assert!(

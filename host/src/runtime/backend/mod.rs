@@ -22,6 +22,11 @@
 //!   named edges: [`Backend::upload`] / [`Backend::download`] for
 //!   initialisation, checkpoints, dumps and messages to other processes,
 //!   [`Backend::upload_ids`] for each batch's tokens.
+//! - **Storage has a dtype, arithmetic is fp32.** A tensor is stored in
+//!   fp32 or bf16 ([`Backend::dtype`], [`Backend::zeros_as`],
+//!   [`Backend::cast`]); every kernel reads its operands as fp32, computes
+//!   and accumulates in fp32, and stores its results in their own tensors'
+//!   dtypes (bf16 rounded to nearest even). Host copies are fp32.
 //! - **Kernels enqueue, they do not wait.** Every kernel call is made inside
 //!   [`Backend::enter`] on a plan stream ([`Backend::Stream`]: a CUDA stream),
 //!   which makes that stream current for the calling thread; the call
@@ -52,6 +57,7 @@ pub mod init;
 pub mod routing;
 
 pub use crate::model::params::ParamId;
+use crate::model::Dtype;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -270,8 +276,17 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn bytes(t: &Self::Tensor) -> u64;
     /// Device bytes of a token tensor.
     fn ids_bytes(t: &Self::Ids) -> u64;
-    /// A tensor of `n` zeros.
+    /// The dtype a tensor is stored in. Kernels compute in fp32 whatever
+    /// their operands' storage (a bf16 operand is widened as it is read, a
+    /// bf16 result rounded to nearest even as it is stored).
+    fn dtype(t: &Self::Tensor) -> Dtype;
+    /// A tensor of `n` fp32 zeros.
     fn zeros(&self, n: usize) -> Result<Self::Tensor, BackendError>;
+    /// A tensor of `n` zeros stored as `dtype`.
+    fn zeros_as(&self, n: usize, dtype: Dtype) -> Result<Self::Tensor, BackendError>;
+    /// A copy of `t` stored as `dtype` (rounded to nearest even when
+    /// narrower).
+    fn cast(&self, t: &Self::Tensor, dtype: Dtype) -> Result<Self::Tensor, BackendError>;
     /// A device copy of host values.
     fn upload(&self, v: Vec<f32>) -> Result<Self::Tensor, BackendError>;
     /// A device copy of token ids.

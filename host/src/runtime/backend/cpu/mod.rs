@@ -1,10 +1,12 @@
 //! The CPU backend, the embedded default: a device is a thread pool with
-//! its own memory account, storage is host memory (`Vec<f32>`), and the
-//! kernels are llm.c's, one file per op family, each op a forward plus a
-//! backward-for-input and a backward-for-weights with explicit shapes. fp32;
-//! each kernel spreads over its device's thread pool ([`par`]) and gives the
-//! same bits for every thread count. Enqueuing a kernel runs it, so streams
-//! and events are empty and every read is immediate.
+//! its own memory account, storage is host memory in the tensor's dtype
+//! ([`CpuTensor`]: fp32 or bf16), and the kernels are llm.c's, one file per
+//! op family, each op a forward plus a backward-for-input and a
+//! backward-for-weights with explicit shapes, computing in fp32 (bf16
+//! operands widened, bf16 results rounded: [`tensor`]); each kernel spreads
+//! over its device's thread pool ([`par`]) and gives the same bits for every
+//! thread count. Enqueuing a kernel runs it, so streams and events are empty
+//! and every read is immediate.
 
 // Kernels carry their shapes as arguments, as llm.c does: readable at the call.
 #![allow(clippy::too_many_arguments)]
@@ -23,6 +25,7 @@ pub mod par;
 pub mod profile;
 pub mod rmsnorm;
 pub mod rope;
+pub mod tensor;
 
 #[cfg(test)]
 mod llama_tests;
@@ -30,7 +33,10 @@ mod llama_tests;
 mod tests;
 
 use super::{AdamW, Backend, BackendError, Routing, Trace};
+use crate::model::Dtype;
 use std::ops::Range;
+pub use tensor::CpuTensor;
+use tensor::{to_bf16, with_f32_all};
 
 /// One CPU device: the threads its kernels run on.
 pub struct Cpu {
@@ -74,8 +80,10 @@ impl Cpu {
 /// No queue: a kernel runs when it is called.
 pub struct Inline;
 
+type T = CpuTensor;
+
 impl Backend for Cpu {
-    type Tensor = Vec<f32>;
+    type Tensor = CpuTensor;
     type Ids = Vec<u32>;
     type Scalar = f64;
     type Stream = Inline;
@@ -97,72 +105,112 @@ impl Backend for Cpu {
     fn record(&self, _: &Inline) {}
     fn wait(&self, _: &Inline, _: &()) {}
 
-    fn len(t: &Vec<f32>) -> usize {
+    fn len(t: &T) -> usize {
         t.len()
     }
-    fn bytes(t: &Vec<f32>) -> u64 {
-        t.len() as u64 * 4
+    fn bytes(t: &T) -> u64 {
+        t.bytes()
     }
     fn ids_bytes(t: &Vec<u32>) -> u64 {
         t.len() as u64 * 4
     }
-    fn zeros(&self, n: usize) -> Result<Vec<f32>, BackendError> {
+    fn dtype(t: &T) -> Dtype {
+        t.dtype()
+    }
+    fn zeros(&self, n: usize) -> Result<T, BackendError> {
         let _k = profile::span("zeros");
-        Ok(self
-            .filled(n, |v| {
+        Ok(T::F32(
+            self.filled(n, |v| {
                 use rayon::prelude::*;
                 rayon::iter::repeat_n(0.0f32, n)
                     .with_min_len(PAR_MIN)
                     .collect_into_vec(v)
             })
-            .unwrap_or_else(|| vec![0.0; n]))
+            .unwrap_or_else(|| vec![0.0; n]),
+        ))
     }
-    fn upload(&self, v: Vec<f32>) -> Result<Vec<f32>, BackendError> {
-        Ok(v)
+    fn zeros_as(&self, n: usize, dtype: Dtype) -> Result<T, BackendError> {
+        match dtype {
+            Dtype::F32 => self.zeros(n),
+            Dtype::Bf16 => {
+                let _k = profile::span("zeros");
+                Ok(T::zeros(n, dtype))
+            }
+        }
+    }
+    fn cast(&self, t: &T, dtype: Dtype) -> Result<T, BackendError> {
+        match t.dtype() == dtype {
+            true => self.duplicate(t),
+            false => Ok(t.cast(dtype)),
+        }
+    }
+    fn upload(&self, v: Vec<f32>) -> Result<T, BackendError> {
+        Ok(T::F32(v))
     }
     fn upload_ids(&self, v: &[u32]) -> Result<Vec<u32>, BackendError> {
         Ok(v.to_vec())
     }
-    fn download(&self, t: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
-        Ok(t.clone())
+    fn download(&self, t: &T) -> Result<Vec<f32>, BackendError> {
+        Ok(t.f32().into_owned())
     }
-    fn download_range(&self, t: &Vec<f32>, range: Range<usize>) -> Result<Vec<f32>, BackendError> {
-        Ok(t[range].to_vec())
+    fn download_range(&self, t: &T, range: Range<usize>) -> Result<Vec<f32>, BackendError> {
+        Ok(t.f32_range(range).into_owned())
     }
-    fn download_owned(&self, t: Vec<f32>) -> Result<Vec<f32>, BackendError> {
-        Ok(t)
+    fn download_owned(&self, t: T) -> Result<Vec<f32>, BackendError> {
+        Ok(t.into_f32())
     }
-    fn duplicate(&self, t: &Vec<f32>) -> Result<Vec<f32>, BackendError> {
+    fn duplicate(&self, t: &T) -> Result<T, BackendError> {
         let _k = profile::span("duplicate");
-        Ok(self
-            .filled(t.len(), |v| {
+        let T::F32(t) = t else {
+            return Ok(t.clone());
+        };
+        Ok(T::F32(
+            self.filled(t.len(), |v| {
                 use rayon::prelude::*;
                 t.par_iter()
                     .with_min_len(PAR_MIN)
                     .copied()
                     .collect_into_vec(v)
             })
-            .unwrap_or_else(|| t.clone()))
+            .unwrap_or_else(|| t.clone()),
+        ))
     }
     fn duplicate_ids(&self, t: &Vec<u32>) -> Result<Vec<u32>, BackendError> {
         Ok(t.clone())
     }
-    fn copy(&self, dst: &mut Vec<f32>, at: usize, src: &Vec<f32>, range: Range<usize>) {
-        dst[at..at + range.len()].copy_from_slice(&src[range]);
-    }
-    fn write(&self, dst: &mut Vec<f32>, at: usize, src: &[f32]) {
-        dst[at..at + src.len()].copy_from_slice(src);
-    }
-    fn add_host(&self, dst: &mut Vec<f32>, at: usize, src: &[f32]) {
-        for (a, x) in dst[at..].iter_mut().zip(src) {
-            *a += x;
+    fn copy(&self, dst: &mut T, at: usize, src: &T, range: Range<usize>) {
+        let n = range.len();
+        match (dst, src) {
+            (T::F32(d), T::F32(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (T::Bf16(d), T::Bf16(s)) => d[at..at + n].copy_from_slice(&s[range]),
+            (d, s) => {
+                let s = s.f32_range(range);
+                d.with_f32_range(at..at + n, |d| d.copy_from_slice(&s));
+            }
         }
     }
-    fn add(&self, dst: &mut Vec<f32>, src: &Vec<f32>) {
-        dst.iter_mut().zip(src).for_each(|(x, y)| *x += y);
+    fn write(&self, dst: &mut T, at: usize, src: &[f32]) {
+        match dst {
+            T::F32(d) => d[at..at + src.len()].copy_from_slice(src),
+            T::Bf16(d) => d[at..at + src.len()].copy_from_slice(&to_bf16(src)),
+        }
     }
-    fn fill_zero(&self, t: &mut Vec<f32>) {
-        t.iter_mut().for_each(|x| *x = 0.0);
+    fn add_host(&self, dst: &mut T, at: usize, src: &[f32]) {
+        dst.with_f32_range(at..at + src.len(), |d| {
+            for (a, x) in d.iter_mut().zip(src) {
+                *a += x;
+            }
+        })
+    }
+    fn add(&self, dst: &mut T, src: &T) {
+        let src = src.f32();
+        dst.with_f32(|d| d.iter_mut().zip(src.iter()).for_each(|(x, y)| *x += y));
+    }
+    fn fill_zero(&self, t: &mut T) {
+        match t {
+            T::F32(v) => v.iter_mut().for_each(|x| *x = 0.0),
+            T::Bf16(v) => v.iter_mut().for_each(|x| *x = half::bf16::ZERO),
+        }
     }
     fn scalar(&self, x: f64) -> f64 {
         x
@@ -173,115 +221,133 @@ impl Backend for Cpu {
 
     fn embedding_forward(
         &self,
-        out: &mut Vec<f32>,
+        out: &mut T,
         tokens: &Vec<u32>,
-        wte: &Vec<f32>,
-        wpe: Option<&Vec<f32>>,
+        wte: &T,
+        wpe: Option<&T>,
         b: usize,
         t: usize,
         c: usize,
     ) {
-        embedding::embedding_forward(out, tokens, wte, wpe.map(|w| w.as_slice()), b, t, c)
+        let (wte, wpe) = (wte.f32(), wpe.map(|w| w.f32()));
+        out.with_f32(|o| embedding::embedding_forward(o, tokens, &wte, wpe.as_deref(), b, t, c))
     }
     fn embedding_backward_weight(
         &self,
-        dwte: &mut Vec<f32>,
-        dwpe: Option<&mut Vec<f32>>,
-        dout: &Vec<f32>,
+        dwte: &mut T,
+        dwpe: Option<&mut T>,
+        dout: &T,
         tokens: &Vec<u32>,
         b: usize,
         t: usize,
         c: usize,
     ) {
-        embedding::embedding_backward_weight(
-            dwte,
-            dwpe.map(|w| w.as_mut_slice()),
-            dout,
-            tokens,
-            b,
-            t,
-            c,
-        )
+        let dout = dout.f32();
+        dwte.with_f32(|dwte| match dwpe {
+            Some(dwpe) => dwpe.with_f32(|dwpe| {
+                embedding::embedding_backward_weight(dwte, Some(dwpe), &dout, tokens, b, t, c)
+            }),
+            None => embedding::embedding_backward_weight(dwte, None, &dout, tokens, b, t, c),
+        })
     }
 
     fn layernorm_forward(
         &self,
-        out: &mut Vec<f32>,
-        mean: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: &Vec<f32>,
+        out: &mut T,
+        mean: &mut T,
+        rstd: &mut T,
+        inp: &T,
+        weight: &T,
+        bias: &T,
         n: usize,
         c: usize,
     ) {
-        layernorm::layernorm_forward(out, mean, rstd, inp, weight, bias, n, c)
+        let (inp, weight, bias) = (inp.f32(), weight.f32(), bias.f32());
+        out.with_f32(|o| {
+            mean.with_f32(|m| {
+                rstd.with_f32(|r| layernorm::layernorm_forward(o, m, r, &inp, &weight, &bias, n, c))
+            })
+        })
     }
     fn layernorm_backward_input(
         &self,
-        dinp: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
-        mean: &Vec<f32>,
-        rstd: &Vec<f32>,
+        dinp: &mut T,
+        dout: &T,
+        inp: &T,
+        weight: &T,
+        mean: &T,
+        rstd: &T,
         n: usize,
         c: usize,
     ) {
-        layernorm::layernorm_backward_input(dinp, dout, inp, weight, mean, rstd, n, c)
+        let (dout, inp, weight) = (dout.f32(), inp.f32(), weight.f32());
+        let (mean, rstd) = (mean.f32(), rstd.f32());
+        dinp.with_f32(|d| {
+            layernorm::layernorm_backward_input(d, &dout, &inp, &weight, &mean, &rstd, n, c)
+        })
     }
     fn layernorm_backward_weight(
         &self,
-        dweight: &mut Vec<f32>,
-        dbias: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        inp: &Vec<f32>,
-        mean: &Vec<f32>,
-        rstd: &Vec<f32>,
+        dweight: &mut T,
+        dbias: &mut T,
+        dout: &T,
+        inp: &T,
+        mean: &T,
+        rstd: &T,
         n: usize,
         c: usize,
     ) {
-        layernorm::layernorm_backward_weight(dweight, dbias, dout, inp, mean, rstd, n, c)
+        let (dout, inp, mean, rstd) = (dout.f32(), inp.f32(), mean.f32(), rstd.f32());
+        dweight.with_f32(|dw| {
+            dbias.with_f32(|db| {
+                layernorm::layernorm_backward_weight(dw, db, &dout, &inp, &mean, &rstd, n, c)
+            })
+        })
     }
 
     fn rmsnorm_forward(
         &self,
-        out: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
+        out: &mut T,
+        rstd: &mut T,
+        inp: &T,
+        weight: &T,
         n: usize,
         c: usize,
         eps: f32,
     ) {
-        rmsnorm::rmsnorm_forward(out, rstd, inp, weight, n, c, eps)
+        let (inp, weight) = (inp.f32(), weight.f32());
+        out.with_f32(|o| {
+            rstd.with_f32(|r| rmsnorm::rmsnorm_forward(o, r, &inp, &weight, n, c, eps))
+        })
     }
     fn rmsnorm_backward_input(
         &self,
-        dinp: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
-        rstd: &Vec<f32>,
+        dinp: &mut T,
+        dout: &T,
+        inp: &T,
+        weight: &T,
+        rstd: &T,
         n: usize,
         c: usize,
     ) {
-        rmsnorm::rmsnorm_backward_input(dinp, dout, inp, weight, rstd, n, c)
+        let (dout, inp, weight, rstd) = (dout.f32(), inp.f32(), weight.f32(), rstd.f32());
+        dinp.with_f32(|d| rmsnorm::rmsnorm_backward_input(d, &dout, &inp, &weight, &rstd, n, c))
     }
     fn rmsnorm_backward_weight(
         &self,
-        dweight: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        inp: &Vec<f32>,
-        rstd: &Vec<f32>,
+        dweight: &mut T,
+        dout: &T,
+        inp: &T,
+        rstd: &T,
         n: usize,
         c: usize,
     ) {
-        rmsnorm::rmsnorm_backward_weight(dweight, dout, inp, rstd, n, c)
+        let (dout, inp, rstd) = (dout.f32(), inp.f32(), rstd.f32());
+        dweight.with_f32(|dw| rmsnorm::rmsnorm_backward_weight(dw, &dout, &inp, &rstd, n, c))
     }
     fn rope(
         &self,
-        x: &mut Vec<f32>,
+        x: &mut T,
         b: usize,
         t: usize,
         heads: usize,
@@ -289,263 +355,281 @@ impl Backend for Cpu {
         theta: f64,
         inverse: bool,
     ) {
-        rope::rope(x, b, t, heads, hd, theta, inverse)
+        x.with_f32(|x| rope::rope(x, b, t, heads, hd, theta, inverse))
     }
 
     fn matmul_forward(
         &self,
-        out: &mut Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
+        out: &mut T,
+        inp: &T,
+        weight: &T,
+        bias: Option<&T>,
         n: usize,
         c: usize,
         oc: usize,
     ) {
-        matmul::matmul_forward(out, inp, weight, bias.map(|b| b.as_slice()), n, c, oc)
+        let (inp, weight, bias) = (inp.f32(), weight.f32(), bias.map(|b| b.f32()));
+        out.with_f32(|o| matmul::matmul_forward(o, &inp, &weight, bias.as_deref(), n, c, oc))
     }
     fn matmul_forward_residual(
         &self,
-        out: &mut Vec<f32>,
-        res: &Vec<f32>,
-        inp: &Vec<f32>,
-        weight: &Vec<f32>,
-        bias: Option<&Vec<f32>>,
+        out: &mut T,
+        res: &T,
+        inp: &T,
+        weight: &T,
+        bias: Option<&T>,
         n: usize,
         c: usize,
         oc: usize,
     ) {
-        matmul::matmul_forward_residual(out, res, inp, weight, bias.map(|b| b.as_slice()), n, c, oc)
+        let (res, inp, weight) = (res.f32(), inp.f32(), weight.f32());
+        let bias = bias.map(|b| b.f32());
+        out.with_f32(|o| {
+            matmul::matmul_forward_residual(o, &res, &inp, &weight, bias.as_deref(), n, c, oc)
+        })
     }
     fn matmul_backward_input(
         &self,
-        dinp: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        weight: &Vec<f32>,
+        dinp: &mut T,
+        dout: &T,
+        weight: &T,
         n: usize,
         c: usize,
         oc: usize,
         accumulate: bool,
     ) {
-        matmul::matmul_backward_input(dinp, dout, weight, n, c, oc, accumulate)
+        let (dout, weight) = (dout.f32(), weight.f32());
+        dinp.with_f32(|d| matmul::matmul_backward_input(d, &dout, &weight, n, c, oc, accumulate))
     }
     fn matmul_backward_weight(
         &self,
-        dweight: &mut Vec<f32>,
-        dbias: Option<&mut Vec<f32>>,
-        dout: &Vec<f32>,
-        inp: &Vec<f32>,
+        dweight: &mut T,
+        dbias: Option<&mut T>,
+        dout: &T,
+        inp: &T,
         n: usize,
         c: usize,
         oc: usize,
     ) {
-        matmul::matmul_backward_weight(
-            dweight,
-            dbias.map(|b| b.as_mut_slice()),
-            dout,
-            inp,
-            n,
-            c,
-            oc,
-        )
+        let (dout, inp) = (dout.f32(), inp.f32());
+        dweight.with_f32(|dw| match dbias {
+            Some(db) => db
+                .with_f32(|db| matmul::matmul_backward_weight(dw, Some(db), &dout, &inp, n, c, oc)),
+            None => matmul::matmul_backward_weight(dw, None, &dout, &inp, n, c, oc),
+        })
     }
-    fn add_bias(&self, out: &mut Vec<f32>, bias: &Vec<f32>, width: usize) {
-        for row in out.chunks_exact_mut(width) {
-            for (o, x) in row.iter_mut().zip(bias) {
-                *o += x;
+    fn add_bias(&self, out: &mut T, bias: &T, width: usize) {
+        let bias = bias.f32();
+        out.with_f32(|out| {
+            for row in out.chunks_exact_mut(width) {
+                for (o, x) in row.iter_mut().zip(bias.iter()) {
+                    *o += x;
+                }
             }
-        }
+        })
     }
 
     fn attention_forward(
         &self,
-        out: &mut Vec<f32>,
-        att: &mut Vec<f32>,
-        qkv: &Vec<f32>,
+        out: &mut T,
+        att: &mut T,
+        qkv: &T,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) {
-        attention::attention_forward(out, att, qkv, b, t, c, nh)
+        let qkv = qkv.f32();
+        out.with_f32(|o| att.with_f32(|a| attention::attention_forward(o, a, &qkv, b, t, c, nh)))
     }
     fn attention_backward(
         &self,
-        dqkv: &mut Vec<f32>,
-        dout: &Vec<f32>,
-        qkv: &Vec<f32>,
-        att: &Vec<f32>,
+        dqkv: &mut T,
+        dout: &T,
+        qkv: &T,
+        att: &T,
         b: usize,
         t: usize,
         c: usize,
         nh: usize,
     ) {
-        attention::attention_backward(dqkv, dout, qkv, att, b, t, c, nh)
+        let (dout, qkv, att) = (dout.f32(), qkv.f32(), att.f32());
+        dqkv.with_f32(|d| attention::attention_backward(d, &dout, &qkv, &att, b, t, c, nh))
     }
 
     fn qkv_pack(
         &self,
-        qkv: &mut Vec<f32>,
-        q: &Vec<f32>,
-        k: &Vec<f32>,
-        v: &Vec<f32>,
+        qkv: &mut T,
+        q: &T,
+        k: &T,
+        v: &T,
         n: usize,
         nh: usize,
         kvh: usize,
         hd: usize,
     ) {
-        attention::qkv_pack(qkv, q, k, v, n, nh, kvh, hd)
+        let (q, k, v) = (q.f32(), k.f32(), v.f32());
+        qkv.with_f32(|o| attention::qkv_pack(o, &q, &k, &v, n, nh, kvh, hd))
     }
     fn qkv_unpack_backward(
         &self,
-        dq: &mut Vec<f32>,
-        dk: &mut Vec<f32>,
-        dv: &mut Vec<f32>,
-        dqkv: &Vec<f32>,
+        dq: &mut T,
+        dk: &mut T,
+        dv: &mut T,
+        dqkv: &T,
         n: usize,
         nh: usize,
         kvh: usize,
         hd: usize,
     ) {
-        attention::qkv_unpack_backward(dq, dk, dv, dqkv, n, nh, kvh, hd)
+        let dqkv = dqkv.f32();
+        dq.with_f32(|dq| {
+            dk.with_f32(|dk| {
+                dv.with_f32(|dv| attention::qkv_unpack_backward(dq, dk, dv, &dqkv, n, nh, kvh, hd))
+            })
+        })
     }
 
-    fn gelu_forward(&self, out: &mut Vec<f32>, inp: &Vec<f32>) {
-        elementwise::gelu_forward(out, inp)
+    fn gelu_forward(&self, out: &mut T, inp: &T) {
+        let inp = inp.f32();
+        out.with_f32(|o| elementwise::gelu_forward(o, &inp))
     }
-    fn bias_gelu_forward(
-        &self,
-        pre: &mut Vec<f32>,
-        out: &mut Vec<f32>,
-        bias: &Vec<f32>,
-        width: usize,
-    ) {
-        elementwise::bias_gelu_forward(pre, out, bias, width)
+    fn bias_gelu_forward(&self, pre: &mut T, out: &mut T, bias: &T, width: usize) {
+        let bias = bias.f32();
+        pre.with_f32(|p| out.with_f32(|o| elementwise::bias_gelu_forward(p, o, &bias, width)))
     }
-    fn gelu_backward(&self, dinp: &mut Vec<f32>, inp: &Vec<f32>, dout: &Vec<f32>) {
-        elementwise::gelu_backward(dinp, inp, dout)
+    fn gelu_backward(&self, dinp: &mut T, inp: &T, dout: &T) {
+        let (inp, dout) = (inp.f32(), dout.f32());
+        dinp.with_f32(|d| elementwise::gelu_backward(d, &inp, &dout))
     }
-    fn residual_forward(&self, out: &mut Vec<f32>, a: &Vec<f32>, b: &Vec<f32>) {
-        elementwise::residual_forward(out, a, b)
+    fn residual_forward(&self, out: &mut T, a: &T, b: &T) {
+        let (a, b) = (a.f32(), b.f32());
+        out.with_f32(|o| elementwise::residual_forward(o, &a, &b))
     }
-    fn swiglu_forward(&self, out: &mut Vec<f32>, gate: &Vec<f32>, up: &Vec<f32>) {
-        elementwise::swiglu_forward(out, gate, up)
+    fn swiglu_forward(&self, out: &mut T, gate: &T, up: &T) {
+        let (gate, up) = (gate.f32(), up.f32());
+        out.with_f32(|o| elementwise::swiglu_forward(o, &gate, &up))
     }
-    fn swiglu_backward(
-        &self,
-        dgate: &mut Vec<f32>,
-        dup: &mut Vec<f32>,
-        gate: &Vec<f32>,
-        up: &Vec<f32>,
-        dout: &Vec<f32>,
-    ) {
-        elementwise::swiglu_backward(dgate, dup, gate, up, dout)
+    fn swiglu_backward(&self, dgate: &mut T, dup: &mut T, gate: &T, up: &T, dout: &T) {
+        let (gate, up, dout) = (gate.f32(), up.f32(), dout.f32());
+        dgate.with_f32(|dg| {
+            dup.with_f32(|du| elementwise::swiglu_backward(dg, du, &gate, &up, &dout))
+        })
     }
 
     fn crossentropy_forward(
         &self,
-        probs: &mut Vec<f32>,
-        logits: &Vec<f32>,
+        probs: &mut T,
+        logits: &T,
         targets: &Vec<u32>,
         n: usize,
         v: usize,
     ) -> f64 {
-        loss::crossentropy_forward(probs, logits, targets, n, v)
+        let logits = logits.f32();
+        probs.with_f32(|p| loss::crossentropy_forward(p, &logits, targets, n, v))
     }
     fn crossentropy_backward(
         &self,
-        dlogits: &mut Vec<f32>,
-        probs: &Vec<f32>,
+        dlogits: &mut T,
+        probs: &T,
         targets: &Vec<u32>,
         n: usize,
         v: usize,
         scale: f32,
     ) {
-        loss::crossentropy_backward(dlogits, probs, targets, n, v, scale)
+        let probs = probs.f32();
+        dlogits.with_f32(|d| loss::crossentropy_backward(d, &probs, targets, n, v, scale))
     }
 
-    fn softmax_rows(&self, probs: &mut Vec<f32>, logits: &Vec<f32>, e: usize) {
-        moe::softmax_rows(probs, logits, e)
+    fn softmax_rows(&self, probs: &mut T, logits: &T, e: usize) {
+        let logits = logits.f32();
+        probs.with_f32(|p| moe::softmax_rows(p, &logits, e))
     }
     fn gather_rows(
         &self,
-        out: &mut Vec<f32>,
+        out: &mut T,
         at: usize,
-        src: &Vec<f32>,
+        src: &T,
         assignments: &[u32],
         k: usize,
         c: usize,
     ) {
-        moe::gather_rows(out, at, src, assignments, k, c)
+        let src = src.f32();
+        out.with_f32(|o| moe::gather_rows(o, at, &src, assignments, k, c))
     }
     fn scatter_add_rows(
         &self,
-        dst: &mut Vec<f32>,
-        src: &Vec<f32>,
+        dst: &mut T,
+        src: &T,
         at: usize,
         assignments: &[u32],
         k: usize,
         c: usize,
     ) {
-        moe::scatter_add_rows(dst, src, at, assignments, k, c)
+        let src = src.f32();
+        dst.with_f32(|d| moe::scatter_add_rows(d, &src, at, assignments, k, c))
     }
-    fn moe_combine(&self, out: &mut Vec<f32>, ys: &[Vec<f32>], r: &Routing, c: usize) {
-        moe::combine(out, ys, r, c)
+    fn moe_combine(&self, out: &mut T, ys: &[T], r: &Routing, c: usize) {
+        let ys: Vec<_> = ys.iter().map(|y| y.f32()).collect();
+        out.with_f32(|o| moe::combine(o, &ys, r, c))
     }
     fn moe_combine_backward(
         &self,
-        dweight: &mut Vec<f32>,
-        dys: &mut [Vec<f32>],
-        dout: &Vec<f32>,
-        ys: &[Vec<f32>],
+        dweight: &mut T,
+        dys: &mut [T],
+        dout: &T,
+        ys: &[T],
         r: &Routing,
         c: usize,
     ) {
-        moe::combine_backward(dweight, dys, dout, ys, r, c)
+        let dout = dout.f32();
+        let ys: Vec<_> = ys.iter().map(|y| y.f32()).collect();
+        dweight.with_f32(|dw| {
+            with_f32_all(dys, |dys| moe::combine_backward(dw, dys, &dout, &ys, r, c))
+        })
     }
     fn router_backward(
         &self,
-        dlogits: &mut Vec<f32>,
-        probs: &Vec<f32>,
-        dweight: &Vec<f32>,
+        dlogits: &mut T,
+        probs: &T,
+        dweight: &T,
         shares: &[f32],
         aux: f32,
         r: &Routing,
         t: usize,
         e: usize,
     ) {
-        moe::router_backward(dlogits, probs, dweight, shares, aux, r, t, e)
+        let (probs, dweight) = (probs.f32(), dweight.f32());
+        dlogits.with_f32(|d| moe::router_backward(d, &probs, &dweight, shares, aux, r, t, e))
     }
 
     fn adamw(
         &self,
-        param: &mut Vec<f32>,
-        grad: &Vec<f32>,
-        m: &mut Vec<f32>,
-        v: &mut Vec<f32>,
+        param: &mut T,
+        grad: &T,
+        m: &mut T,
+        v: &mut T,
         range: Range<usize>,
         h: &AdamW,
         step: u32,
         grad_scale: f32,
         decay: bool,
     ) {
-        adamw::adamw_update(
-            &mut param[range.clone()],
-            &grad[range.clone()],
-            &mut m[range.clone()],
-            &mut v[range],
-            h,
-            step,
-            grad_scale,
-            decay,
-        )
+        let grad = grad.f32_range(range.clone());
+        param.with_f32_range(range.clone(), |p| {
+            m.with_f32_range(range.clone(), |m| {
+                v.with_f32_range(range, |v| {
+                    adamw::adamw_update(p, &grad, m, v, h, step, grad_scale, decay)
+                })
+            })
+        })
     }
-    fn sum_squares(&self, pieces: &[(&Vec<f32>, Range<usize>)]) -> Result<f64, BackendError> {
+    fn sum_squares(&self, pieces: &[(&T, Range<usize>)]) -> Result<f64, BackendError> {
         // One fold over the pieces' sums, as `Iterator::sum` adds.
         Ok(pieces
             .iter()
             .map(|(t, r)| {
-                t[r.clone()]
+                t.f32_range(r.clone())
                     .iter()
                     .map(|x| (*x as f64) * (*x as f64))
                     .sum::<f64>()

@@ -9,7 +9,7 @@ use super::embedding::*;
 use super::layernorm::*;
 use super::loss::*;
 use super::matmul::*;
-use super::Cpu;
+use super::{Cpu, CpuTensor};
 use crate::model::params::ParamTable;
 use crate::model::ModelConfig;
 use crate::runtime::backend::{init, ParamMap};
@@ -25,16 +25,16 @@ pub(super) fn cpu() -> Cpu {
 }
 
 /// Named tensors as a device's parameter store (on the CPU, host memory).
-pub(super) fn by_id(table: &ParamTable, t: &Tensors) -> ParamMap<Vec<f32>> {
+pub(super) fn by_id(table: &ParamTable, t: &Tensors) -> ParamMap<CpuTensor> {
     t.iter()
-        .map(|(n, v)| (table.by_name(n).unwrap(), v.clone()))
+        .map(|(n, v)| (table.by_name(n).unwrap(), v.clone().into()))
         .collect()
 }
 
 /// A parameter store by name.
-pub(super) fn by_name(table: &ParamTable, t: ParamMap<Vec<f32>>) -> Tensors {
+pub(super) fn by_name(table: &ParamTable, t: ParamMap<CpuTensor>) -> Tensors {
     t.into_iter()
-        .map(|(id, v)| (table.name(id).to_string(), v))
+        .map(|(id, v)| (table.name(id).to_string(), v.into_f32()))
         .collect()
 }
 
@@ -607,11 +607,12 @@ fn moe_fwd(
             &by_id(&table, params),
             0,
             &moe,
-            x.to_vec(),
+            x.to_vec().into(),
             d,
             ExpertGroup::ALONE,
             &mut alone::<Cpu>,
         )
+        .map(|(out, cache, aux)| (out.into_f32(), cache, aux))
         .unwrap()
 }
 
@@ -624,8 +625,9 @@ fn check_moe_gradients(capacity_factor: Option<f64>) -> MoeCache<Cpu> {
     let (_, cache) = moe_loss(&cfg, d, &params, &x, &r);
     let p = by_id(&table, &params);
     let (dx, stash) = m
-        .moe_backward_input(&p, &cache, r.clone(), 1.0, &mut alone::<Cpu>)
+        .moe_backward_input(&p, &cache, r.clone().into(), 1.0, &mut alone::<Cpu>)
         .unwrap();
+    let dx = dx.into_f32();
     let mut grads = by_id(&table, &zeros_like(&params));
     m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
     let grads = by_name(&table, grads);
@@ -723,8 +725,9 @@ fn expert_parallel_moe_matches_one_device() {
     let (out, cache, aux) = moe_fwd(&cfg, &params, &x, full);
     let p = by_id(&table, &params);
     let (dx, stash) = m
-        .moe_backward_input(&p, &cache, r.clone(), 0.5, &mut alone::<Cpu>)
+        .moe_backward_input(&p, &cache, r.clone().into(), 0.5, &mut alone::<Cpu>)
         .unwrap();
+    let dx = dx.into_f32();
     let mut grads = by_id(&table, &zeros_like(&params));
     m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
     let grads = by_name(&table, grads);
@@ -742,15 +745,16 @@ fn expert_parallel_moe_matches_one_device() {
                         let group = ExpertGroup { size: g, rank };
                         let mut ex =
                             |phase: u32,
-                             chunks: Vec<Vec<f32>>|
-                             -> Result<Vec<Vec<f32>>, BackendError> {
+                             chunks: Vec<CpuTensor>|
+                             -> Result<Vec<CpuTensor>, BackendError> {
                                 let key = in_op_key(1, phase).unwrap();
+                                let chunks = chunks.into_iter().map(CpuTensor::into_f32).collect();
                                 let got = comm
                                     .all_to_all("moe", key, devs, rank as u32, chunks)
                                     .map_err(|e| BackendError::Exchange(e.to_string()))?;
                                 Ok(got
                                     .into_iter()
-                                    .map(std::sync::Arc::unwrap_or_clone)
+                                    .map(|c| std::sync::Arc::unwrap_or_clone(c).into())
                                     .collect())
                             };
                         // Shared weights and this member's experts only.
@@ -766,15 +770,15 @@ fn expert_parallel_moe_matches_one_device() {
                         let d = MoeDims::new(&moe, per, 5, c);
                         let xs = x[rank * per * c..][..per * c].to_vec();
                         let (o, cache, a) = m
-                            .moe_forward(&mine_ids, 0, &moe, xs, d, group, &mut ex)
+                            .moe_forward(&mine_ids, 0, &moe, xs.into(), d, group, &mut ex)
                             .unwrap();
                         let rs = r[rank * per * c..][..per * c].to_vec();
                         let (dxr, st) = m
-                            .moe_backward_input(&mine_ids, &cache, rs, 0.5, &mut ex)
+                            .moe_backward_input(&mine_ids, &cache, rs.into(), 0.5, &mut ex)
                             .unwrap();
                         let mut gr = by_id(table, &zeros_like(&mine));
                         m.moe_backward_weight(&mut gr, &cache, &st).unwrap();
-                        (o, a, dxr, by_name(table, gr))
+                        (o.into_f32(), a, dxr.into_f32(), by_name(table, gr))
                     })
                 })
                 .collect();
@@ -905,4 +909,68 @@ fn moe_model_gradient_matches_finite_differences_and_defers_exactly() {
         ],
         |_| 1e-3,
     );
+}
+
+/// bf16 storage with fp32 arithmetic: a kernel on bf16 operands gives what
+/// the fp32 kernel gives on those operands' values, rounded once into a
+/// bf16 result; an accumulating kernel adds to its bf16 output's value in
+/// fp32; fp32 statistics beside bf16 activations stay fp32; storage is
+/// charged 2 bytes an element; copies and sums cross dtypes.
+#[test]
+fn bf16_operands_are_computed_in_fp32_and_stored_rounded_once() {
+    use crate::model::Dtype;
+    use crate::runtime::backend::Backend;
+    let b = cpu();
+    let (n, c, oc) = (6, 64, 24);
+    let mut rng = Rng(3);
+    let (x, w, bias) = (rng.vec(n * c), rng.vec(oc * c), rng.vec(oc));
+    let bf = |v: &[f32]| CpuTensor::from_f32(v.to_vec(), Dtype::Bf16);
+    let (xr, wr) = (bf(&x).into_f32(), bf(&w).into_f32());
+    let mut want = vec![0.0; n * oc];
+    matmul_forward(&mut want, &xr, &wr, Some(&bias), n, c, oc);
+    let mut out = b.zeros_as(n * oc, Dtype::Bf16).unwrap();
+    let fp32_bias = CpuTensor::from(bias.clone());
+    b.matmul_forward(&mut out, &bf(&x), &bf(&w), Some(&fp32_bias), n, c, oc);
+    assert_eq!(out, bf(&want));
+    assert_eq!(Cpu::bytes(&out), (n * oc * 2) as u64);
+    assert_ne!(out.f32(), CpuTensor::from(want.clone()).f32(), "rounded");
+
+    // Accumulating into a bf16 input gradient: fp32 sum of its value and
+    // the product, rounded once.
+    let d = rng.vec(n * oc);
+    let start = rng.vec(n * c);
+    let mut acc = bf(&start);
+    b.matmul_backward_input(&mut acc, &bf(&d), &bf(&w), n, c, oc, true);
+    let mut want = bf(&start).into_f32();
+    matmul_backward_input(&mut want, &bf(&d).into_f32(), &wr, n, c, oc, true);
+    assert_eq!(acc, bf(&want));
+
+    // LayerNorm: bf16 activations, fp32 statistics.
+    let (g, beta) = (rng.vec(c), rng.vec(c));
+    let (mut y, mut mean, mut rstd) = (
+        b.zeros_as(n * c, Dtype::Bf16).unwrap(),
+        b.zeros(n).unwrap(),
+        b.zeros(n).unwrap(),
+    );
+    let (gt, bt) = (CpuTensor::from(g.clone()), CpuTensor::from(beta.clone()));
+    b.layernorm_forward(&mut y, &mut mean, &mut rstd, &bf(&x), &gt, &bt, n, c);
+    let (mut wy, mut wm, mut wr_) = (vec![0.0; n * c], vec![0.0; n], vec![0.0; n]);
+    layernorm_forward(&mut wy, &mut wm, &mut wr_, &xr, &g, &beta, n, c);
+    assert_eq!((y, mean, rstd), (bf(&wy), wm.into(), wr_.into()));
+
+    // Copies and sums across dtypes.
+    let mut wide = b.zeros(4).unwrap();
+    b.copy(&mut wide, 1, &bf(&[0.1, 0.2, 0.3]), 0..3);
+    let want: Vec<f32> = [0.0, 0.1, 0.2, 0.3]
+        .iter()
+        .map(|v| half::bf16::from_f32(*v).to_f32())
+        .collect();
+    assert_eq!(wide, CpuTensor::from(want.clone()));
+    let narrow = b.cast(&wide, Dtype::Bf16).unwrap();
+    assert_eq!(
+        (Cpu::dtype(&narrow), b.download(&narrow).unwrap()),
+        (Dtype::Bf16, want.clone())
+    );
+    let sq: f64 = want.iter().map(|v| (*v as f64).powi(2)).sum();
+    assert_eq!(b.sum_squares(&[(&narrow, 0..4)]).unwrap(), sq);
 }

@@ -27,6 +27,7 @@ pub mod kernels;
 pub mod setup;
 
 use super::{AdamW, Backend, BackendError, Routing, Trace};
+use crate::model::Dtype;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::cell::RefCell;
 use std::ops::Range;
@@ -260,6 +261,11 @@ fn i32n(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 
+/// The CUDA backend stores fp32 only so far.
+fn bf16_not_built() -> BackendError {
+    BackendError::Device("bf16 storage is not built in the CUDA backend yet (fp32 only)".into())
+}
+
 impl Backend for Cuda {
     type Tensor = GpuTensor;
     type Ids = GpuIds;
@@ -340,6 +346,21 @@ impl Backend for Cuda {
         }
         self.pending()?;
         Ok(GpuTensor(Some(self.alloc(&self.q(), n)?)))
+    }
+    fn dtype(_: &GpuTensor) -> Dtype {
+        Dtype::F32
+    }
+    fn zeros_as(&self, n: usize, dtype: Dtype) -> Result<GpuTensor, BackendError> {
+        match dtype {
+            Dtype::F32 => self.zeros(n),
+            Dtype::Bf16 => Err(bf16_not_built()),
+        }
+    }
+    fn cast(&self, t: &GpuTensor, dtype: Dtype) -> Result<GpuTensor, BackendError> {
+        match dtype {
+            Dtype::F32 => self.duplicate(t),
+            Dtype::Bf16 => Err(bf16_not_built()),
+        }
     }
     fn upload(&self, v: Vec<f32>) -> Result<GpuTensor, BackendError> {
         if v.is_empty() {
