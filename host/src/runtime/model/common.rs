@@ -10,7 +10,7 @@
 #![allow(clippy::too_many_arguments)]
 
 use crate::model::params::{Norm, ParamId, ParamTable};
-use crate::model::{Arch, ModelConfig, MoeConfig};
+use crate::model::{Arch, Dtype, ModelConfig, MoeConfig};
 use crate::runtime::backend::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
@@ -61,11 +61,14 @@ impl Dims {
     }
 }
 
-/// The model's computation on one device: its backend and the parameter
-/// table its states are indexed by.
+/// The model's computation on one device: its backend, the parameter
+/// table its states are indexed by, and the dtype it stores activations and
+/// their gradients in (the precision policy's; normalization statistics
+/// stay fp32, and the kernels compute in fp32 whatever the storage).
 pub struct Model<'a, B: Backend> {
     pub b: &'a B,
     pub table: &'a ParamTable,
+    pub act: Dtype,
 }
 
 impl<B: Backend> Clone for Model<'_, B> {
@@ -163,8 +166,23 @@ pub fn alone<B: Backend>(_: u32, chunks: Vec<B::Tensor>) -> Result<Vec<B::Tensor
 }
 
 impl<'a, B: Backend> Model<'a, B> {
+    /// fp32 activations.
     pub fn new(b: &'a B, table: &'a ParamTable) -> Self {
-        Model { b, table }
+        Model {
+            b,
+            table,
+            act: Dtype::F32,
+        }
+    }
+
+    /// The same model storing activations as `act`.
+    pub fn with_act(self, act: Dtype) -> Self {
+        Model { act, ..self }
+    }
+
+    /// `n` zeros in the activation dtype.
+    pub(super) fn zeros(&self, n: usize) -> Result<B::Tensor, BackendError> {
+        self.b.zeros_as(n, self.act)
     }
 
     /// The linear layer `(W, b)` on `inp[n, ic]`: `inp · Wᵀ (+ b)`, `[n, oc]`.
@@ -181,7 +199,7 @@ impl<'a, B: Backend> Model<'a, B> {
             Some(b) => Some(param(params, b)?),
             None => None,
         };
-        let mut out = self.b.zeros(n * oc)?;
+        let mut out = self.zeros(n * oc)?;
         self.b
             .matmul_forward(&mut out, inp, param(params, w)?, bias, n, ic, oc);
         Ok(out)
@@ -197,7 +215,7 @@ impl<'a, B: Backend> Model<'a, B> {
         c: usize,
     ) -> Result<Normed<B>, BackendError> {
         let (mut out, mut mean, mut rstd) =
-            (self.b.zeros(n * c)?, self.b.zeros(n)?, self.b.zeros(n)?);
+            (self.zeros(n * c)?, self.b.zeros(n)?, self.b.zeros(n)?);
         self.b.layernorm_forward(
             &mut out,
             &mut mean,
@@ -252,7 +270,7 @@ impl<'a, B: Backend> Model<'a, B> {
         (n, ic, oc): (usize, usize, usize),
         (reduce, how): (&mut Reduce<'_, B>, Coll),
     ) -> Result<B::Tensor, BackendError> {
-        let mut part = self.b.zeros(n * oc)?;
+        let mut part = self.zeros(n * oc)?;
         self.b
             .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
         let mut out = reduce(how, part)?;
@@ -280,7 +298,7 @@ impl<'a, B: Backend> Model<'a, B> {
         let (n, ic, oc) = shape;
         match reduce {
             None => {
-                let mut out = self.b.zeros(n * oc)?;
+                let mut out = self.zeros(n * oc)?;
                 let bias = match bias {
                     Some(b) => Some(param(params, b)?),
                     None => None,
@@ -300,7 +318,7 @@ impl<'a, B: Backend> Model<'a, B> {
             Some(reduce) => {
                 let how = if sp { Coll::Scatter } else { Coll::Sum };
                 let proj = self.row_parallel(params, (w, bias), inp, shape, (reduce, how))?;
-                let mut out = self.b.zeros(B::len(&proj))?;
+                let mut out = self.zeros(B::len(&proj))?;
                 self.b.residual_forward(&mut out, res, &proj);
                 Ok(out)
             }

@@ -118,8 +118,8 @@ impl<B: Backend> Model<'_, B> {
             let ln1 = self.table.layer(a.layer).attn.ln1;
             (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
         }
-        let mut att = self.b.zeros(b * nhl * t * t)?;
-        let mut atty = self.b.zeros(n * cl)?;
+        let mut att = self.zeros(b * nhl * t * t)?;
+        let mut atty = self.zeros(n * cl)?;
         self.b
             .attention_forward(&mut atty, &mut att, &a.qkv, b, t, cl, nhl);
         a.att = att;
@@ -141,7 +141,7 @@ impl<B: Backend> Model<'_, B> {
         }
         // The kept pre-activation already has fc's bias; `gelu_forward` is
         // `bias_gelu_forward` without it (the same operations).
-        let mut gelu = self.b.zeros(n * hl)?;
+        let mut gelu = self.zeros(n * hl)?;
         self.b.gelu_forward(&mut gelu, &m.fch);
         m.fch_gelu = gelu;
         Ok(())
@@ -166,8 +166,8 @@ impl<B: Backend> Model<'_, B> {
         let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, dims.rows(), c)?;
         let ln1_out = self.gathered_norm(ln1_out, dims.sp, reduce.as_deref_mut())?;
         let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
-        let mut att = self.b.zeros(b * nhl * t * t)?;
-        let mut atty = self.b.zeros(n * cl)?;
+        let mut att = self.zeros(b * nhl * t * t)?;
+        let mut atty = self.zeros(n * cl)?;
         self.b
             .attention_forward(&mut atty, &mut att, &qkv_out, b, t, cl, nhl);
         let x2 = self.onto_residual(
@@ -219,7 +219,7 @@ impl<B: Backend> Model<'_, B> {
         let (ln2, MlpIds { fc, proj }) = self.dense(l)?;
         let (ln2_out, ln2_mean, ln2_rstd) = self.layernorm(params, ln2, &x2, dims.rows(), c)?;
         let ln2_out = self.gathered_norm(ln2_out, dims.sp, reduce.as_deref_mut())?;
-        let mut fch = self.b.zeros(n * hl)?;
+        let mut fch = self.zeros(n * hl)?;
         self.b.matmul_forward(
             &mut fch,
             &ln2_out,
@@ -229,7 +229,7 @@ impl<B: Backend> Model<'_, B> {
             c,
             hl,
         );
-        let mut fch_gelu = self.b.zeros(n * hl)?;
+        let mut fch_gelu = self.zeros(n * hl)?;
         self.b
             .bias_gelu_forward(&mut fch, &mut fch_gelu, param(params, fc.bias)?, hl);
         let out = self.onto_residual(
@@ -271,7 +271,7 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(k.layer).attn;
         let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut datty = self.b.zeros(n * cl)?;
+        let mut datty = self.zeros(n * cl)?;
         self.b.matmul_backward_input(
             &mut datty,
             full.as_ref().unwrap_or(&dout),
@@ -281,10 +281,10 @@ impl<B: Backend> Model<'_, B> {
             c,
             false,
         );
-        let mut dqkv = self.b.zeros(n * 3 * cl)?;
+        let mut dqkv = self.zeros(n * 3 * cl)?;
         self.b
             .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, cl, nhl);
-        let mut dln1 = self.b.zeros(n * c)?;
+        let mut dln1 = self.zeros(n * c)?;
         self.b.matmul_backward_input(
             &mut dln1,
             &dqkv,
@@ -322,7 +322,7 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let (ln2, MlpIds { fc, proj }) = self.dense(k.layer)?;
         let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut dgelu = self.b.zeros(n * hl)?;
+        let mut dgelu = self.zeros(n * hl)?;
         self.b.matmul_backward_input(
             &mut dgelu,
             full.as_ref().unwrap_or(&dout),
@@ -332,9 +332,9 @@ impl<B: Backend> Model<'_, B> {
             c,
             false,
         );
-        let mut dfch = self.b.zeros(n * hl)?;
+        let mut dfch = self.zeros(n * hl)?;
         self.b.gelu_backward(&mut dfch, &k.fch, &dgelu);
-        let mut dln2 = self.b.zeros(n * c)?;
+        let mut dln2 = self.zeros(n * c)?;
         self.b
             .matmul_backward_input(&mut dln2, &dfch, param(params, fc.weight)?, n, c, hl, false);
         let (dx2, dln2) = self.back_to_residual(

@@ -195,7 +195,7 @@ impl<B: Backend> Model<'_, B> {
         c: usize,
         eps: f32,
     ) -> Result<(B::Tensor, B::Tensor), BackendError> {
-        let (mut out, mut rstd) = (self.b.zeros(n * c)?, self.b.zeros(n)?);
+        let (mut out, mut rstd) = (self.zeros(n * c)?, self.b.zeros(n)?);
         self.b
             .rmsnorm_forward(&mut out, &mut rstd, inp, param(params, w)?, n, c, eps);
         Ok((out, rstd))
@@ -254,11 +254,11 @@ impl<B: Backend> Model<'_, B> {
         }
         self.b.rope(&mut q, b, t, lc.nh, hd, a.rope_theta, false);
         self.b.rope(&mut k, b, t, lc.kvh, hd, a.rope_theta, false);
-        let mut qkv = self.b.zeros(n * 3 * qw)?;
+        let mut qkv = self.zeros(n * 3 * qw)?;
         self.b.qkv_pack(&mut qkv, &q, &k, &v, n, lc.nh, lc.kvh, hd);
         drop((q, k, v));
-        let mut att = self.b.zeros(b * lc.nh * t * t)?;
-        let mut atty = self.b.zeros(n * qw)?;
+        let mut att = self.zeros(b * lc.nh * t * t)?;
+        let mut atty = self.zeros(n * qw)?;
         self.b
             .attention_forward(&mut atty, &mut att, &qkv, b, t, qw, lc.nh);
         let shape = (n, qw, c);
@@ -298,8 +298,8 @@ impl<B: Backend> Model<'_, B> {
         if !dims.sp {
             (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
         }
-        let mut att = self.b.zeros(b * lc.nh * t * t)?;
-        let mut atty = self.b.zeros(n * qw)?;
+        let mut att = self.zeros(b * lc.nh * t * t)?;
+        let mut atty = self.zeros(n * qw)?;
         self.b
             .attention_forward(&mut atty, &mut att, &a.qkv, b, t, qw, lc.nh);
         a.att = att;
@@ -320,7 +320,7 @@ impl<B: Backend> Model<'_, B> {
         if !dims.sp {
             (m.ln2, _) = self.rmsnorm(params, norm, &m.x2, n, c, dims.arch.norm_eps)?;
         }
-        let mut act = self.b.zeros(n * hl)?;
+        let mut act = self.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &m.gate, &m.up);
         m.act = act;
         Ok(())
@@ -342,7 +342,7 @@ impl<B: Backend> Model<'_, B> {
         let ln2 = self.gathered_norm(ln2, dims.sp, reduce.as_deref_mut())?;
         let gate = self.linear(params, (ids.gate, None), &ln2, n, c, hl)?;
         let up = self.linear(params, (ids.up, None), &ln2, n, c, hl)?;
-        let mut act = self.b.zeros(n * hl)?;
+        let mut act = self.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &gate, &up);
         let shape = (n, hl, c);
         let out =
@@ -377,18 +377,18 @@ impl<B: Backend> Model<'_, B> {
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
         let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut datty = self.b.zeros(n * qw)?;
+        let mut datty = self.zeros(n * qw)?;
         let dsrc = full.as_ref().unwrap_or(&dout);
         self.b
             .matmul_backward_input(&mut datty, dsrc, param(params, ids.o)?, n, qw, c, false);
-        let mut dqkv = self.b.zeros(n * 3 * qw)?;
+        let mut dqkv = self.zeros(n * 3 * qw)?;
         self.b
             .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, qw, lc.nh);
         drop(datty);
         let (mut dq, mut dk, mut dv) = (
-            self.b.zeros(n * qw)?,
-            self.b.zeros(n * kvw)?,
-            self.b.zeros(n * kvw)?,
+            self.zeros(n * qw)?,
+            self.zeros(n * kvw)?,
+            self.zeros(n * kvw)?,
         );
         self.b
             .qkv_unpack_backward(&mut dq, &mut dk, &mut dv, &dqkv, n, lc.nh, lc.kvh, hd);
@@ -397,7 +397,7 @@ impl<B: Backend> Model<'_, B> {
         self.b.rope(&mut dk, b, t, lc.kvh, hd, a.rope_theta, true);
         let (mut dqn, mut dkn, mut qk_grads) = (Default::default(), Default::default(), None);
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
-            let mut dq_raw = self.b.zeros(n * qw)?;
+            let mut dq_raw = self.zeros(n * qw)?;
             self.b.rmsnorm_backward_input(
                 &mut dq_raw,
                 &dq,
@@ -407,7 +407,7 @@ impl<B: Backend> Model<'_, B> {
                 n * lc.nh,
                 hd,
             );
-            let mut dk_raw = self.b.zeros(n * kvw)?;
+            let mut dk_raw = self.zeros(n * kvw)?;
             self.b.rmsnorm_backward_input(
                 &mut dk_raw,
                 &dk,
@@ -431,7 +431,7 @@ impl<B: Backend> Model<'_, B> {
             }
             (dq, dk) = (dq_raw, dk_raw);
         }
-        let mut dln1 = self.b.zeros(n * c)?;
+        let mut dln1 = self.zeros(n * c)?;
         self.b
             .matmul_backward_input(&mut dln1, &dq, param(params, ids.q)?, n, c, qw, false);
         self.b
@@ -477,15 +477,15 @@ impl<B: Backend> Model<'_, B> {
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
         let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut dact = self.b.zeros(n * hl)?;
+        let mut dact = self.zeros(n * hl)?;
         let dsrc = full.as_ref().unwrap_or(&dout);
         self.b
             .matmul_backward_input(&mut dact, dsrc, param(params, ids.down)?, n, hl, c, false);
-        let (mut dgate, mut dup) = (self.b.zeros(n * hl)?, self.b.zeros(n * hl)?);
+        let (mut dgate, mut dup) = (self.zeros(n * hl)?, self.zeros(n * hl)?);
         self.b
             .swiglu_backward(&mut dgate, &mut dup, &k.gate, &k.up, &dact);
         drop(dact);
-        let mut dln2 = self.b.zeros(n * c)?;
+        let mut dln2 = self.zeros(n * c)?;
         self.b
             .matmul_backward_input(&mut dln2, &dgate, param(params, ids.gate)?, n, c, hl, false);
         self.b

@@ -293,7 +293,7 @@ impl<B: Backend> Model<'_, B> {
                 Part::Embedding => {
                     let tokens = tokens.ok_or_else(|| missing("tokens"))?;
                     let ids = self.b.upload_ids(tokens)?;
-                    x = self.b.zeros(n * c)?;
+                    x = self.zeros(n * c)?;
                     let wpe = match self.table.gpt2_ends() {
                         Some((wpe, _)) => Some(param(params, wpe)?),
                         None => None,
@@ -360,10 +360,10 @@ impl<B: Backend> Model<'_, B> {
                             (o, Default::default(), r, *lm_head)
                         }
                     };
-                    let mut logits = self.b.zeros(n * v)?;
+                    let mut logits = self.zeros(n * v)?;
                     self.b
                         .matmul_forward(&mut logits, &lnf, param(params, head)?, None, n, c, v);
-                    let mut probs = self.b.zeros(n * v)?;
+                    let mut probs = self.zeros(n * v)?;
                     loss.push(
                         self.b
                             .crossentropy_forward(&mut probs, &logits, &targets, n, v),
@@ -427,10 +427,10 @@ impl<B: Backend> Model<'_, B> {
                     targets,
                     ..
                 } => {
-                    let mut dlogits = self.b.zeros(n * v)?;
+                    let mut dlogits = self.zeros(n * v)?;
                     self.b
                         .crossentropy_backward(&mut dlogits, probs, targets, n, v, loss_scale);
-                    let mut dlnf = self.b.zeros(n * c)?;
+                    let mut dlnf = self.zeros(n * c)?;
                     let (head, norm) = self.head_ids();
                     self.b.matmul_backward_input(
                         &mut dlnf,
@@ -441,7 +441,7 @@ impl<B: Backend> Model<'_, B> {
                         v,
                         false,
                     );
-                    let mut dx = self.b.zeros(n * c)?;
+                    let mut dx = self.zeros(n * c)?;
                     match &self.table.family {
                         FamilyIds::Gpt2 { .. } => self.b.layernorm_backward_input(
                             &mut dx,
