@@ -2,7 +2,8 @@
 //! device — tokens/s and achieved GFLOP/s for `tiny`, a mid-size GPT-2 (6
 //! layers, d_model 384), `llama-tiny` and a mid-size Llama (8 layers, d_model
 //! 512, 8 heads over 2 kv heads, SwiGLU 1536) on 1 thread and on every core,
-//! alternating — beside the GEMM throughput of this machine on the same
+//! and the mid GPT again in bf16 (its ratio to fp32 printed), alternating —
+//! beside the GEMM throughput of this machine on the same
 //! thread counts, its theoretical fp32 peak, and PyTorch eager on the same
 //! models and steps (`benches/reference/torch_gpt.py`), measured side by
 //! side in one run.
@@ -196,6 +197,12 @@ fn main() {
         norm_eps: Some(1e-6),
         ..Default::default()
     };
+    // The mid GPT in bf16 mixed precision (bf16 storage, fp32 arithmetic).
+    let mid_bf16 = ModelConfig {
+        name: "mid-bf16".into(),
+        precision: piper::model::Precision::BF16,
+        ..mid.clone()
+    };
     // Alternating rounds, best of each (the machine is shared and noisy).
     let mut gemm = vec![0.0f64; counts.len()];
     let models = [
@@ -203,6 +210,7 @@ fn main() {
         (mid, 3),
         (ModelConfig::llama_tiny(), 5),
         (mid_llama, 3),
+        (mid_bf16, 3),
     ];
     // PyTorch runs the models it is compared on: the mid GPT and both Llamas.
     let compared = [1usize, 2, 3];
@@ -255,6 +263,12 @@ fn main() {
                 }
             );
         }
+    }
+    for (k, &th) in counts.iter().enumerate() {
+        println!(
+            "mid in bf16 against fp32, {th} thread(s): {:.2}×",
+            best[4][k].0 / best[1][k].0
+        );
     }
     for &m in &compared {
         for (k, &th) in counts.iter().enumerate() {

@@ -1448,3 +1448,141 @@ fn the_training_loop_evaluates_checkpoints_writes_metrics_and_resumes_as_a_libra
     assert_eq!(again.last_loss.to_bits(), sum.last_loss.to_bits());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Losses within `tol` relative of `base`'s at every step.
+fn losses_within(name: &str, run: &[f64], base: &[f64], tol: f64) {
+    for (s, (a, b)) in run.iter().zip(base).enumerate() {
+        let rel = (a - b).abs() / b.abs();
+        assert!(
+            rel < tol,
+            "{name}: step {} loss {a} vs {b} (relative {rel:.2e})",
+            s + 1
+        );
+    }
+}
+
+/// bf16 mixed precision on the CPU: every pipeline schedule and plain data
+/// parallelism train at one device's bf16 losses (1e-3 relative over 10
+/// steps: the microbatches' gradients add in fp32 in another order); the
+/// states hold bf16 parameters beside fp32 master weights, gradients and
+/// moments (2 + 4 + 4 + 8 bytes a parameter, as the plan counts), the
+/// measured peak is the plan's within 2%; a 200-step run stays within 2% of
+/// fp32's loss curve for GPT-2 and Llama; what bf16 cannot train yet is
+/// refused by name.
+#[test]
+fn bf16_trains_every_pipeline_and_dp_at_one_devices_losses_and_follows_fp32() {
+    use piper::model::{ModelConfig, Precision};
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let bf16 = |m: ModelConfig| ModelConfig {
+        precision: Precision::BF16,
+        ..m
+    };
+    let model = bf16(small());
+    let base = one_device(&host, &model, 10);
+    let params: u64 = model.param_count();
+    assert_eq!(
+        base.state_bytes[0],
+        params * 18,
+        "bf16 states of one device"
+    );
+    // (name, devices, strategy, whether its fp32 plan predicts the
+    // measured peak within 2%: the split-backward and V schedules' plans
+    // hold ~10% more than they measure in fp32 too.)
+    let cases: [(&str, u32, Strategy, bool); 6] = [
+        ("dp", 2, &[("dp", &[])], true),
+        ("1f1b", 4, &[("1f1b", &[("microbatches", "8")])], true),
+        ("zb-h1", 4, &[("zb-h1", &[("microbatches", "8")])], false),
+        (
+            "interleaved-1f1b",
+            2,
+            &[("interleaved-1f1b", &[("microbatches", "4")])],
+            true,
+        ),
+        (
+            "dualpipev",
+            4,
+            &[("dualpipev", &[("microbatches", "8")])],
+            false,
+        ),
+        (
+            "dp+gpipe",
+            4,
+            &[
+                ("dp", &[("degree", "2")]),
+                ("gpipe", &[("microbatches", "4")]),
+            ],
+            true,
+        ),
+    ];
+    for (name, devices, strategy, exact) in cases {
+        let plan = plan_with(&host, &model, devices, strategy).unwrap();
+        let run = train(&host, &model, devices, strategy, 10);
+        losses_within(name, &run.losses, &base.losses, 1e-3);
+        for (d, (measured, planned)) in run.peak_bytes.iter().zip(&plan.devices).enumerate() {
+            let rel = (*measured as f64 - planned.peak_bytes as f64).abs() / *measured as f64;
+            assert!(
+                rel < 0.02 || (!exact && *measured < planned.peak_bytes),
+                "{name}: device {d} peak {measured} measured, {} planned",
+                planned.peak_bytes
+            );
+            assert_eq!(
+                run.state_bytes[d], planned.model_state_bytes,
+                "{name}: device {d}"
+            );
+        }
+    }
+    // Against fp32 over 200 steps.
+    for m in [small(), small_llama()] {
+        let f = train(
+            &host,
+            &m,
+            1,
+            &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+            200,
+        );
+        let b = one_device(&host, &bf16(m.clone()), 200);
+        // The curves in five points, the losses averaged over 40 steps each
+        // (one batch's loss, and where a model that memorises the corpus
+        // stands at a given step, move by more than bf16 does).
+        let curve = |l: &[f64]| {
+            l.chunks(40)
+                .map(|w| w.iter().sum::<f64>() / 40.0)
+                .collect::<Vec<_>>()
+        };
+        let name = format!("{} bf16 vs fp32", m.name);
+        losses_within(&name, &curve(&b.losses), &curve(&f.losses), 2e-2);
+        assert!(
+            b.losses[199] < b.losses[0] - 2.0,
+            "{}: {:?}",
+            m.name,
+            b.losses
+        );
+    }
+    // Not yet: named.
+    let refused: [(&str, ModelConfig, u32, Strategy); 3] = [
+        ("ZeRO", bf16(small()), 2, &[("zero", &[("stage", "1")])]),
+        (
+            "tensor parallelism",
+            bf16(small()),
+            2,
+            &[("tp", &[("tp", "2")])],
+        ),
+        (
+            "mixture-of-experts",
+            bf16(small_moe()),
+            1,
+            &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+        ),
+    ];
+    for (what, m, devices, strategy) in refused {
+        let plan = plan_with(&host, &m, devices, strategy).unwrap();
+        let err = Trainer::new(&m, plan, TrainOptions::default())
+            .err()
+            .unwrap_or_else(|| panic!("{what}: trained"))
+            .to_string();
+        assert!(
+            err.contains(what) && err.contains("cannot train in bf16 yet"),
+            "{err}"
+        );
+    }
+}

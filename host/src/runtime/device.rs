@@ -14,7 +14,7 @@ use super::TrainOptions;
 use crate::compile::human_bytes;
 use crate::compile::plan::{Act, Collective, DevicePlan, Op, Spread};
 use crate::model::params::ParamTable;
-use crate::model::{ModelConfig, Segment};
+use crate::model::{Dtype, ModelConfig, Segment};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -86,6 +86,8 @@ pub(crate) struct Device<B: Backend> {
     /// Its streams and how they wait for each other.
     pub(super) sync: StreamSync<B>,
     pub(super) trace: Trace,
+    /// The dtype activations and parameters are stored in.
+    pub(super) act: Dtype,
 }
 
 /// The segments a device's plan runs: each one's DP replica, and how
@@ -339,9 +341,26 @@ impl<B: Backend> Device<B> {
             },
         )
         .map_err(setup)?;
+        // bf16 parameters: the kernels read a bf16 copy, the optimizer steps
+        // the fp32 values they were made from.
+        let act = cfg.precision.params;
+        let master = match act {
+            Dtype::F32 => ParamMap::new(),
+            _ => {
+                let master = std::mem::take(&mut params);
+                params = (master.iter())
+                    .map(|(id, t)| Ok((id, b.cast(t, act).map_err(setup)?)))
+                    .collect::<Result<_, RuntimeError>>()?;
+                master
+            }
+        };
         let bytes = |t: &ParamMap<B::Tensor>| t.iter().map(|(_, x)| B::bytes(x)).sum::<u64>();
-        let state_bytes =
-            bytes(&params) + bytes(&grads) + bytes(&m) + bytes(&v) + zero::shard_bytes(&buckets);
+        let state_bytes = bytes(&params)
+            + bytes(&master)
+            + bytes(&grads)
+            + bytes(&m)
+            + bytes(&v)
+            + zero::shard_bytes(&buckets);
         if let Some(cap) = opts.device_memory {
             if state_bytes > cap {
                 return Err(RuntimeError::OutOfMemory {
@@ -367,7 +386,8 @@ impl<B: Backend> Device<B> {
         Ok(Device {
             id: plan.device,
             table,
-            states: States::new(params, grads, (m, v), buckets),
+            states: States::new((params, master), grads, (m, v), buckets),
+            act,
             spreads,
             owned,
             tp_pieces,
@@ -440,8 +460,14 @@ impl<B: Backend> Device<B> {
         }
         Ok(out)
     }
+    /// The parameters' values: the fp32 master weights where the kernels
+    /// read a bf16 copy (what checkpoints, dumps and exports keep).
     pub(crate) fn params(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        self.whole(&self.states.params())
+        let master = self.states.master();
+        match master.is_empty() {
+            true => self.whole(&self.states.params()),
+            false => self.whole(&master),
+        }
     }
     pub(crate) fn captured(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
         self.whole(&self.states.captured())
@@ -560,6 +586,7 @@ impl<B: Backend> Device<B> {
     pub(crate) fn restore(&self, ck: &zero::HostStates) -> Result<(), RuntimeError> {
         self.restore_shards(ck)?;
         let mut params = self.states.params_mut();
+        let mut master = self.states.master();
         let mut mom = self.states.moments();
         let wrong = |id: ParamId, got: usize| {
             RuntimeError::Plan(format!(
@@ -583,8 +610,13 @@ impl<B: Backend> Device<B> {
             Ok(())
         };
         for (id, p) in params.iter_mut() {
-            if let Some(x) = ck.params.get(id) {
-                take(id, p, x)?;
+            match (ck.params.get(id), master.get_mut(id)) {
+                (Some(x), Some(w)) => {
+                    take(id, w, x)?;
+                    self.b.copy(p, 0, w, 0..B::len(w));
+                }
+                (Some(x), None) => take(id, p, x)?,
+                (None, _) => {}
             }
             // Sharded parameters keep their moments in their bucket.
             if let (Some(x), Some(mm)) = (ck.m.get(id), mom.0.get_mut(id)) {

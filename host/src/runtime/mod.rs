@@ -101,6 +101,47 @@ pub struct TrainOptions {
     pub(crate) inject_panic: Option<(u32, String)>,
 }
 
+/// What of a non-fp32 plan the runtime cannot train in its precision yet:
+/// the CUDA backend, bf16 gradient reductions, ZeRO's shards, tensor and
+/// expert parallelism, MoE layers. `None` for fp32 and for what it can.
+fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind) -> Option<String> {
+    use crate::compile::plan::{Act, Collective};
+    use crate::model::Dtype;
+    let p = plan.precision;
+    if p.is_fp32() {
+        return None;
+    }
+    if !matches!(backend, backend::BackendKind::Cpu) {
+        return Some(format!("the {} backend", backend.name()));
+    }
+    if p.reduce != Dtype::F32 {
+        return Some("a bf16 gradient reduction (reduce = \"bf16\")".into());
+    }
+    if cfg.moe.is_some() {
+        return Some("a mixture-of-experts model".into());
+    }
+    let mut ops = plan
+        .devices
+        .iter()
+        .flat_map(|d| &d.streams)
+        .flat_map(|s| &s.ops);
+    ops.find_map(|op| match &op.act {
+        Act::Compute { group: Some(_), .. } => Some("tensor parallelism (`tp`)".to_string()),
+        Act::Collective {
+            what:
+                Collective::GradSync { scatter: true }
+                | Collective::ParamGather
+                | Collective::ParamRefresh,
+            ..
+        } => Some("ZeRO (`zero`)".to_string()),
+        Act::Collective {
+            what: Collective::Experts,
+            ..
+        } => Some("expert parallelism (`ep`)".to_string()),
+        _ => None,
+    })
+}
+
 /// Kernel threads per device when none are asked for: this machine's cores
 /// shared among the devices of this process and the processes of this job
 /// on this machine (Open MPI's and MPICH's local rank count), at least 1.
@@ -422,10 +463,11 @@ impl Trainer {
                 plan.precision, cfg.precision
             )));
         }
-        if !plan.precision.is_fp32() {
+        if let Some(what) = bf16_not_built(&plan, cfg, opts.backend) {
             return Err(RuntimeError::Plan(format!(
-                "precision {}: the backends train in fp32 only so far (bf16 plans, \
-                 simulations and searches work: `piper plan --precision bf16 --simulate`)",
+                "precision {}: {what} cannot train in bf16 yet; bf16 trains on the CPU \
+                 backend on one device, with pipelines and with plain data parallelism \
+                 (`dp`), and every layout plans, simulates and searches in bf16",
                 plan.precision
             )));
         }
@@ -851,8 +893,14 @@ impl Trainer {
 
     /// Continue from a checkpoint (any strategy: every device takes the
     /// tensors of the segments it runs).
+    /// A checkpoint holds fp32 weights and moments whatever the precision
+    /// it was trained in, so a run may resume it in another policy.
     pub fn restore(&mut self, ck: &checkpoint::Checkpoint) -> Result<(), RuntimeError> {
-        if ck.state.model != self.cfg {
+        let same_model = crate::model::ModelConfig {
+            precision: self.cfg.precision,
+            ..ck.state.model.clone()
+        } == self.cfg;
+        if !same_model {
             return Err(RuntimeError::Plan(format!(
                 "the checkpoint is of model `{}` ({} layers, d_model {}), this run trains `{}` ({} layers, d_model {})",
                 ck.state.model.name, ck.state.model.layers, ck.state.model.d_model, self.cfg.name, self.cfg.layers, self.cfg.d_model

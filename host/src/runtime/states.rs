@@ -1,7 +1,9 @@
 //! A device's model states: whole tensors by parameter id (parameters,
-//! gradients, AdamW moments), the ZeRO buckets holding its shards (laid out
-//! by `zero.rs`), and the gradients the last step captured for the step-1
-//! dump and `Trainer::grads`. Each behind its own lock; a lock a panic left
+//! gradients, AdamW moments, and under a bf16 policy the fp32 master
+//! weights the optimizer steps while the kernels read bf16 parameters), the
+//! ZeRO buckets holding its shards (laid out by `zero.rs`), and the
+//! gradients the last step captured for the step-1 dump and
+//! `Trainer::grads`. Each behind its own lock; a lock a panic left
 //! poisoned ends the process's step loudly, as before.
 
 use super::backend::{Backend, ParamMap};
@@ -19,6 +21,9 @@ type Tensors<B> = ParamMap<<B as Backend>::Tensor>;
 
 pub(super) struct States<B: Backend> {
     params: RwLock<Tensors<B>>,
+    /// fp32 master weights of bf16 parameters (empty when the parameters
+    /// are their own master weights).
+    master: Mutex<Tensors<B>>,
     grads: Mutex<Tensors<B>>,
     moments: Mutex<Moments<B>>,
     buckets: Mutex<Vec<Bucket<B>>>,
@@ -29,13 +34,14 @@ pub(super) struct States<B: Backend> {
 
 impl<B: Backend> States<B> {
     pub(super) fn new(
-        params: Tensors<B>,
+        (params, master): (Tensors<B>, Tensors<B>),
         grads: Tensors<B>,
         moments: Moments<B>,
         buckets: Vec<Bucket<B>>,
     ) -> Self {
         States {
             params: RwLock::new(params),
+            master: Mutex::new(master),
             grads: Mutex::new(grads),
             moments: Mutex::new(moments),
             buckets: Mutex::new(buckets),
@@ -48,6 +54,9 @@ impl<B: Backend> States<B> {
     }
     pub(super) fn params_mut(&self) -> RwLockWriteGuard<'_, Tensors<B>> {
         self.params.write().unwrap()
+    }
+    pub(super) fn master(&self) -> MutexGuard<'_, Tensors<B>> {
+        self.master.lock().unwrap()
     }
     pub(super) fn grads(&self) -> MutexGuard<'_, Tensors<B>> {
         self.grads.lock().unwrap()

@@ -189,7 +189,7 @@ pub(super) fn forward<B: Backend>(
         sp: dev.spreads.sequence_parallel.contains(&op.segments[0]),
         ..Dims::new(ctx.cfg, b)
     };
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let (out, cache, loss) = with_params(dev, op, |params| {
         with_peers(dev, op, ctx, |peers| {
             model.forward(
@@ -246,7 +246,7 @@ pub(super) fn recompute<B: Backend>(
         .take(op, TensorKind::Kept)?
         .ok_or_else(|| missing(dev, op, what))?;
     let cache = owned_cache(dev, op, kept, what)?;
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let full = with_params(dev, op, |params| {
         model
             .rebuild(params, cache)
@@ -296,7 +296,7 @@ pub(super) fn backward_input<B: Backend>(
     if let Some(q) = split {
         dout = dout.map(|d| share_of(dev, op, q, d)).transpose()?;
     }
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let run = |params: &ParamMap<B::Tensor>| {
         with_peers(dev, op, ctx, |peers| {
             model.backward_input(params, cache, dout, ctx.loss_scale, peers)
@@ -425,7 +425,7 @@ fn weight_grads<B: Backend>(
     cache: &SegmentCache<B>,
     stash: &SegmentStash<B>,
 ) -> Result<(), RuntimeError> {
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let fail = |e| dev.backend_error(op, e);
     let split = dev.spreads.sequences.get(&seg.index);
     let sp = dev.spreads.sequence_parallel.contains(&seg.index);

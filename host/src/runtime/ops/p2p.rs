@@ -56,11 +56,16 @@ pub(super) fn recv<B: Backend>(
         .comm
         .recv(pair, peer, dev.id, &what)
         .map_err(|e| comm_error(dev, op, e))?;
-    let bytes = v.len() as u64 * 4;
+    // Held in the activation dtype, as its sender held it.
     let t = dev
         .b
         .upload(Arc::unwrap_or_clone(v))
+        .and_then(|t| match B::dtype(&t) == dev.act {
+            true => Ok(t),
+            false => dev.b.cast(&t, dev.act),
+        })
         .map_err(|e| dev.backend_error(op, e))?;
+    let bytes = B::bytes(&t);
     dev.bufs.put(op, kind, Buf::Tensor(t))?;
     if let Some(sender) = ctx.devices.iter().find(|d| d.id == peer) {
         sender.bufs.release(bytes);

@@ -47,10 +47,12 @@ pub(super) fn update<B: Backend>(
         return Ok(());
     }
     let mut params = dev.states.params_mut();
+    let mut master = dev.states.master();
     let mut grads = dev.states.grads();
     let mut mom = dev.states.moments();
     let (m, v) = &mut *mom;
-    // Unsharded parameters: whole tensors.
+    // Unsharded parameters: whole tensors (their fp32 master weights, then
+    // the bf16 copy the kernels read, when there are some).
     for id in &ids {
         let (Some(p), Some(g), Some(mm), Some(vv)) = (
             params.get_mut(*id),
@@ -60,19 +62,21 @@ pub(super) fn update<B: Backend>(
         ) else {
             continue;
         };
-        dev.b.adamw(
-            p,
-            g,
-            mm,
-            vv,
-            0..B::len(p),
-            &ctx.adamw,
-            ctx.step,
-            scale,
-            dev.decay.contains(*id),
-        );
+        let len = B::len(p);
+        let decay = dev.decay.contains(*id);
+        match master.get_mut(*id) {
+            Some(w) => {
+                dev.b
+                    .adamw(w, g, mm, vv, 0..len, &ctx.adamw, ctx.step, scale, decay);
+                dev.b.copy(p, 0, w, 0..len);
+            }
+            None => dev
+                .b
+                .adamw(p, g, mm, vv, 0..len, &ctx.adamw, ctx.step, scale, decay),
+        }
         dev.b.fill_zero(g);
     }
+    drop(master);
     // ZeRO buckets: this device's shard only.
     super::zero::update(dev, op, ctx, &mut params, &mut grads, scale).map_err(fail)
 }

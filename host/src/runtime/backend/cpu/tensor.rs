@@ -31,17 +31,38 @@ impl From<Vec<f32>> for CpuTensor {
     }
 }
 
+/// Elements a conversion hands each thread of the device's pool at a time
+/// (below it, one thread converts the whole).
+const CHUNK: usize = 1 << 14;
+
+/// `dst[i] = src[i]` converted, over the device's threads when long
+/// (elementwise: the same bits on any thread count).
+fn convert<S: Sync, D: Send>(dst: &mut [D], src: &[S], f: impl Fn(&mut [D], &[S]) + Sync) {
+    use rayon::prelude::*;
+    if dst.len() <= CHUNK {
+        return f(dst, src);
+    }
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(d, s)| f(d, s));
+}
+
+/// `dst` = `src` rounded to bf16 (nearest, ties to even).
+fn narrow_into(dst: &mut [bf16], src: &[f32]) {
+    convert(dst, src, |d, s| d.convert_from_f32_slice(s));
+}
+
 /// `v` rounded to bf16 (nearest, ties to even).
 pub fn to_bf16(v: &[f32]) -> Vec<bf16> {
     let mut out = vec![bf16::ZERO; v.len()];
-    out.convert_from_f32_slice(v);
+    narrow_into(&mut out, v);
     out
 }
 
 /// `v` widened to fp32 (exact).
 pub fn to_f32(v: &[bf16]) -> Vec<f32> {
     let mut out = vec![0.0f32; v.len()];
-    v.convert_to_f32_slice(&mut out);
+    convert(&mut out, v, |d, s| s.convert_to_f32_slice(d));
     out
 }
 
@@ -126,7 +147,7 @@ impl CpuTensor {
             CpuTensor::Bf16(v) => {
                 let mut wide = to_f32(v);
                 let r = f(&mut wide);
-                v.convert_from_f32_slice(&wide);
+                narrow_into(v, &wide);
                 r
             }
         }
@@ -144,7 +165,7 @@ impl CpuTensor {
                 let part = &mut v[range];
                 let mut wide = to_f32(part);
                 let r = f(&mut wide);
-                part.convert_from_f32_slice(&wide);
+                narrow_into(part, &wide);
                 r
             }
         }
@@ -165,7 +186,7 @@ pub fn with_f32_all<R>(ts: &mut [CpuTensor], f: impl FnOnce(&mut [Vec<f32>]) -> 
     for (t, w) in ts.iter_mut().zip(wide) {
         match t {
             CpuTensor::F32(v) => *v = w,
-            CpuTensor::Bf16(v) => v.convert_from_f32_slice(&w),
+            CpuTensor::Bf16(v) => narrow_into(v, &w),
         }
     }
     r
