@@ -487,6 +487,29 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
     let full = losses("bf16-full.jsonl");
     assert_eq!(losses("bf16-resumed.jsonl"), full[3..].to_vec());
     assert_ne!(full, losses("full.jsonl"), "bf16 is not fp32");
+    // Under tensor parallelism too (each rank's slices of the master weights).
+    let tp = |extra: &[&str]| {
+        let a: Vec<String> = ["train", "--devices", "2", "--strategy", "tp:tp=2"]
+            .iter()
+            .chain(["--precision", "bf16", "--steps"].iter())
+            .chain(extra)
+            .map(|s| s.to_string())
+            .collect();
+        run(a)
+    };
+    tp(&["4", "--metrics", &p("tp-full.jsonl")]);
+    tp(&["2", "--checkpoint", &p("tp-ck")]);
+    tp(&[
+        "4",
+        "--resume",
+        &p("tp-ck"),
+        "--metrics",
+        &p("tp-resumed.jsonl"),
+    ]);
+    assert_eq!(
+        losses("tp-resumed.jsonl"),
+        losses("tp-full.jsonl")[2..].to_vec()
+    );
     // Resuming at or past `--steps` says so instead of a summary of nothing.
     let out = run(args(&[
         "--steps".into(),

@@ -488,11 +488,16 @@ impl<B: Backend> Device<B> {
         if self.tp_pieces.is_empty() {
             return Ok(Vec::new());
         }
-        let (params, captured, moments);
+        let (params, master, captured, moments);
         let t: &ParamMap<B::Tensor> = match part {
+            // The master weights where the kernels read a bf16 copy.
             zero::ShardPart::Param => {
+                master = self.states.master();
                 params = self.states.params();
-                &params
+                match master.is_empty() {
+                    true => &params,
+                    false => &master,
+                }
             }
             zero::ShardPart::Grad => {
                 captured = self.states.captured();

@@ -102,8 +102,8 @@ pub struct TrainOptions {
 }
 
 /// What of a non-fp32 plan the runtime cannot train in its precision yet:
-/// the CUDA backend, bf16 gradient reductions, ZeRO's shards, tensor and
-/// expert parallelism, MoE layers. `None` for fp32 and for what it can.
+/// the CUDA backend, bf16 gradient reductions, ZeRO's shards, expert
+/// parallelism, MoE layers. `None` for fp32 and for what it can.
 fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind) -> Option<String> {
     use crate::compile::plan::{Act, Collective};
     use crate::model::Dtype;
@@ -126,7 +126,6 @@ fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind)
         .flat_map(|d| &d.streams)
         .flat_map(|s| &s.ops);
     ops.find_map(|op| match &op.act {
-        Act::Compute { group: Some(_), .. } => Some("tensor parallelism (`tp`)".to_string()),
         Act::Collective {
             what:
                 Collective::GradSync { scatter: true }
@@ -466,8 +465,9 @@ impl Trainer {
         if let Some(what) = bf16_not_built(&plan, cfg, opts.backend) {
             return Err(RuntimeError::Plan(format!(
                 "precision {}: {what} cannot train in bf16 yet; bf16 trains on the CPU \
-                 backend on one device, with pipelines and with plain data parallelism \
-                 (`dp`), and every layout plans, simulates and searches in bf16",
+                 backend on one device, with pipelines, plain data parallelism (`dp`) and \
+                 tensor parallelism (`tp`), and every layout plans, simulates and searches \
+                 in bf16",
                 plan.precision
             )));
         }

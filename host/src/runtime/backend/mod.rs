@@ -289,6 +289,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn cast(&self, t: &Self::Tensor, dtype: Dtype) -> Result<Self::Tensor, BackendError>;
     /// A device copy of host values.
     fn upload(&self, v: Vec<f32>) -> Result<Self::Tensor, BackendError>;
+    /// A device copy of host values stored as `dtype` (rounded when
+    /// narrower).
+    fn upload_as(&self, v: Vec<f32>, dtype: Dtype) -> Result<Self::Tensor, BackendError> {
+        let t = self.upload(v)?;
+        match dtype {
+            Dtype::F32 => Ok(t),
+            _ => self.cast(&t, dtype),
+        }
+    }
     /// A device copy of token ids.
     fn upload_ids(&self, v: &[u32]) -> Result<Self::Ids, BackendError>;
     /// A host copy of a tensor (waits for the work that writes it).

@@ -76,6 +76,8 @@ pub(super) fn with_peers<B: Backend, R>(
         let mut reduce = |how: Coll, part: B::Tensor| {
             let exchange =
                 |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
+            // The result is held as the member's tensor was (summed in fp32).
+            let dtype = B::dtype(&part);
             let mine = b.download_owned(part)?;
             let mut next_key = || {
                 phase += 1;
@@ -114,7 +116,7 @@ pub(super) fn with_peers<B: Backend, R>(
                         .map_err(exchange)?
                 }
             };
-            b.upload(out)
+            b.upload_as(out, dtype)
         };
         let peers = Peers::Tensor {
             reduce: &mut reduce,
@@ -359,9 +361,10 @@ fn share_of<B: Backend>(
     x: B::Tensor,
 ) -> Result<B::Tensor, RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
+    let dtype = B::dtype(&x);
     let all = dev.b.download_owned(x).map_err(fail)?;
     let mine = q.share(all.len());
-    dev.b.upload(all[mine].to_vec()).map_err(fail)
+    dev.b.upload_as(all[mine].to_vec(), dtype).map_err(fail)
 }
 
 /// Every rank's share, in rank order: the whole tensor again.
@@ -375,12 +378,15 @@ fn gather_shares<B: Backend>(
 ) -> Result<B::Tensor, RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
     let key = in_op(op, phase).map_err(fail)?;
+    let dtype = B::dtype(&x);
     let mine = dev.b.download_owned(x).map_err(fail)?;
     let all = ctx
         .comm
         .all_gather("sequence-split all-gather", key, &q.members, dev.id, mine)
         .map_err(|e| fail(BackendError::Exchange(e.to_string())))?;
-    dev.b.upload(Arc::unwrap_or_clone(all)).map_err(fail)
+    dev.b
+        .upload_as(Arc::unwrap_or_clone(all), dtype)
+        .map_err(fail)
 }
 
 fn in_op(op: &Op, phase: u32) -> Result<u32, BackendError> {

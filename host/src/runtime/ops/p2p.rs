@@ -59,11 +59,7 @@ pub(super) fn recv<B: Backend>(
     // Held in the activation dtype, as its sender held it.
     let t = dev
         .b
-        .upload(Arc::unwrap_or_clone(v))
-        .and_then(|t| match B::dtype(&t) == dev.act {
-            true => Ok(t),
-            false => dev.b.cast(&t, dev.act),
-        })
+        .upload_as(Arc::unwrap_or_clone(v), dev.act)
         .map_err(|e| dev.backend_error(op, e))?;
     let bytes = B::bytes(&t);
     dev.bufs.put(op, kind, Buf::Tensor(t))?;
