@@ -468,47 +468,41 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
             .collect()
     };
     assert_eq!(losses("resumed.jsonl"), losses("full.jsonl")[3..].to_vec());
-    // In bf16 the checkpoint keeps the fp32 master weights: the resumed
-    // run takes the same steps as the uninterrupted one.
-    let bf16 = |extra: &[&str]| {
-        let mut a = args(&["--precision".into(), "bf16".into(), "--steps".into()]);
-        a.extend(extra.iter().map(|s| s.to_string()));
-        run(a)
+    // In bf16 the checkpoint keeps the fp32 master weights: a run stopped at
+    // step `at` and resumed takes the uninterrupted run's steps, with
+    // pipelines and with tensor parallelism (each rank's slices).
+    let resumes_exactly = |name: &str, layout: &[&str], at: &str, total: &str| {
+        let go = |extra: &[&str]| {
+            let a = layout
+                .iter()
+                .chain(&["--precision", "bf16", "--steps"])
+                .chain(extra);
+            run(a.map(|s| s.to_string()).collect())
+        };
+        let (full, ck, resumed) = (
+            p(&format!("{name}-full.jsonl")),
+            p(&format!("{name}-ck")),
+            p(&format!("{name}-resumed.jsonl")),
+        );
+        go(&[total, "--metrics", &full]);
+        go(&[at, "--checkpoint", &ck]);
+        go(&[total, "--resume", &ck, "--metrics", &resumed]);
+        let full = losses(&format!("{name}-full.jsonl"));
+        let skip: usize = at.parse().unwrap();
+        assert_eq!(
+            losses(&format!("{name}-resumed.jsonl")),
+            full[skip..].to_vec(),
+            "{name}"
+        );
+        full
     };
-    bf16(&["6", "--metrics", &p("bf16-full.jsonl")]);
-    bf16(&["3", "--checkpoint", &p("bf16-ck")]);
-    bf16(&[
-        "6",
-        "--resume",
-        &p("bf16-ck"),
-        "--metrics",
-        &p("bf16-resumed.jsonl"),
-    ]);
-    let full = losses("bf16-full.jsonl");
-    assert_eq!(losses("bf16-resumed.jsonl"), full[3..].to_vec());
+    let full = resumes_exactly("bf16", &common, "3", "6");
     assert_ne!(full, losses("full.jsonl"), "bf16 is not fp32");
-    // Under tensor parallelism too (each rank's slices of the master weights).
-    let tp = |extra: &[&str]| {
-        let a: Vec<String> = ["train", "--devices", "2", "--strategy", "tp:tp=2"]
-            .iter()
-            .chain(["--precision", "bf16", "--steps"].iter())
-            .chain(extra)
-            .map(|s| s.to_string())
-            .collect();
-        run(a)
-    };
-    tp(&["4", "--metrics", &p("tp-full.jsonl")]);
-    tp(&["2", "--checkpoint", &p("tp-ck")]);
-    tp(&[
+    resumes_exactly(
+        "tp",
+        &["train", "--devices", "2", "--strategy", "tp:tp=2"],
+        "2",
         "4",
-        "--resume",
-        &p("tp-ck"),
-        "--metrics",
-        &p("tp-resumed.jsonl"),
-    ]);
-    assert_eq!(
-        losses("tp-resumed.jsonl"),
-        losses("tp-full.jsonl")[2..].to_vec()
     );
     // Resuming at or past `--steps` says so instead of a summary of nothing.
     let out = run(args(&[

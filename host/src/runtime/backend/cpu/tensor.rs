@@ -108,10 +108,7 @@ impl CpuTensor {
 
     /// The values in fp32: borrowed when stored so, widened otherwise.
     pub fn f32(&self) -> Cow<'_, [f32]> {
-        match self {
-            CpuTensor::F32(v) => Cow::Borrowed(v),
-            CpuTensor::Bf16(v) => Cow::Owned(to_f32(v)),
-        }
+        self.f32_range(0..self.len())
     }
 
     /// Elements `range` in fp32.
@@ -142,15 +139,7 @@ impl CpuTensor {
     /// Run `f` on the values in fp32 and store what it leaves in the
     /// tensor's dtype.
     pub fn with_f32<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
-        match self {
-            CpuTensor::F32(v) => f(v),
-            CpuTensor::Bf16(v) => {
-                let mut wide = to_f32(v);
-                let r = f(&mut wide);
-                narrow_into(v, &wide);
-                r
-            }
-        }
+        self.with_f32_range(0..self.len(), f)
     }
 
     /// Elements `range` as [`with_f32`](Self::with_f32) does the whole.
