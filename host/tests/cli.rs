@@ -470,7 +470,7 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
     assert_eq!(losses("resumed.jsonl"), losses("full.jsonl")[3..].to_vec());
     // In bf16 the checkpoint keeps the fp32 master weights: a run stopped at
     // step `at` and resumed takes the uninterrupted run's steps, with
-    // pipelines and with tensor parallelism (each rank's slices).
+    // pipelines, tensor parallelism (each rank's slices) and ZeRO.
     let resumes_exactly = |name: &str, layout: &[&str], at: &str, total: &str| {
         let go = |extra: &[&str]| {
             let a = layout
@@ -501,6 +501,29 @@ fn checkpoint_resume_trace_and_step1_dump_from_the_cli() {
     resumes_exactly(
         "tp",
         &["train", "--devices", "2", "--strategy", "tp:tp=2"],
+        "2",
+        "4",
+    );
+    // ZeRO shards the master weights with the moments: each device's
+    // shard leaves in the checkpoint and comes back (ZeRO-1 and, over
+    // tensor-parallel slices, ZeRO-3).
+    resumes_exactly(
+        "zero1",
+        &["train", "--devices", "2", "--strategy", "zero:stage=1"],
+        "2",
+        "4",
+    );
+    resumes_exactly(
+        "zero3-tp",
+        &[
+            "train",
+            "--devices",
+            "4",
+            "--strategy",
+            "tp:tp=2",
+            "--strategy",
+            "zero:stage=3",
+        ],
         "2",
         "4",
     );

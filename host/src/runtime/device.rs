@@ -326,25 +326,11 @@ impl<B: Backend> Device<B> {
         };
         let mut grads = zeros(&params)?;
         let (mut m, mut v) = (zeros(&params)?, zeros(&params)?);
-        let buckets = zero::layout(
-            &table,
-            &b,
-            plan,
-            &owned,
-            &spreads,
-            zero::States {
-                params: &mut params,
-                grads: &mut grads,
-                m: &mut m,
-                v: &mut v,
-                norm_ids: &mut norm_ids,
-            },
-        )
-        .map_err(setup)?;
         // bf16 parameters: the kernels read a bf16 copy, the optimizer steps
-        // the fp32 values they were made from.
+        // the fp32 values they were made from (ZeRO shards those with the
+        // moments).
         let act = cfg.precision.params;
-        let master = match act {
+        let mut master = match act {
             Dtype::F32 => ParamMap::new(),
             _ => {
                 let master = std::mem::take(&mut params);
@@ -354,6 +340,23 @@ impl<B: Backend> Device<B> {
                 master
             }
         };
+        let buckets = zero::layout(
+            &table,
+            &b,
+            plan,
+            &owned,
+            &spreads,
+            zero::States {
+                params: &mut params,
+                master: &mut master,
+                grads: &mut grads,
+                m: &mut m,
+                v: &mut v,
+                norm_ids: &mut norm_ids,
+                act,
+            },
+        )
+        .map_err(setup)?;
         let bytes = |t: &ParamMap<B::Tensor>| t.iter().map(|(_, x)| B::bytes(x)).sum::<u64>();
         let state_bytes = bytes(&params)
             + bytes(&master)
@@ -461,12 +464,12 @@ impl<B: Backend> Device<B> {
         Ok(out)
     }
     /// The parameters' values: the fp32 master weights where the kernels
-    /// read a bf16 copy (what checkpoints, dumps and exports keep).
+    /// read a bf16 copy (what checkpoints, dumps and exports keep). Those
+    /// ZeRO shards come as [`Device::shards`].
     pub(crate) fn params(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
-        let master = self.states.master();
-        match master.is_empty() {
-            true => self.whole(&self.states.params()),
-            false => self.whole(&master),
+        match self.act {
+            Dtype::F32 => self.whole(&self.states.params()),
+            _ => self.whole(&self.states.master()),
         }
     }
     pub(crate) fn captured(&self) -> Result<ParamMap<Vec<f32>>, RuntimeError> {
@@ -494,9 +497,9 @@ impl<B: Backend> Device<B> {
             zero::ShardPart::Param => {
                 master = self.states.master();
                 params = self.states.params();
-                match master.is_empty() {
-                    true => &params,
-                    false => &master,
+                match self.act {
+                    Dtype::F32 => &params,
+                    _ => &master,
                 }
             }
             zero::ShardPart::Grad => {
@@ -695,18 +698,20 @@ impl<B: Backend> Device<B> {
 }
 
 impl<B: Backend> Device<B> {
-    /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3),
-    /// AdamW moments or the last step's reduced gradients (when captured).
+    /// One part of this device's ZeRO bucket shards: parameters (ZeRO-3;
+    /// the fp32 master shard of bf16 parameters, every stage), AdamW
+    /// moments or the last step's reduced gradients (when captured).
     pub(crate) fn shards(&self, part: ShardPart) -> Result<Vec<Shard>, RuntimeError> {
         let buckets = self.states.buckets();
         let captured = self.states.captured_shards();
         let mut out = Vec::new();
         for (i, b) in buckets.iter().enumerate() {
-            let t = match part {
-                ShardPart::Param if b.zero >= 3 => &b.param,
-                ShardPart::M => &b.m,
-                ShardPart::V => &b.v,
-                ShardPart::Grad => match captured.get(&i) {
+            let t = match (part, &b.master) {
+                (ShardPart::Param, Some(w)) => w,
+                (ShardPart::Param, None) if b.zero >= 3 => &b.param,
+                (ShardPart::M, _) => &b.m,
+                (ShardPart::V, _) => &b.v,
+                (ShardPart::Grad, _) => match captured.get(&i) {
                     Some(g) => g,
                     None => continue,
                 },
@@ -722,7 +727,8 @@ impl<B: Backend> Device<B> {
     }
 
     /// Take this device's slice of each bucket from a checkpoint's full
-    /// tensors: AdamW moments for every stage, parameters for ZeRO-3.
+    /// tensors: AdamW moments for every stage, parameters for ZeRO-3 and
+    /// master weights of bf16 parameters.
     pub(super) fn restore_shards(&self, ck: &HostStates) -> Result<(), RuntimeError> {
         let mut buckets = self.states.buckets();
         for b in buckets.iter_mut() {
@@ -748,9 +754,14 @@ impl<B: Backend> Device<B> {
             let (m, v) = (flat(&ck.m, "first moment")?, flat(&ck.v, "second moment")?);
             self.b.write(&mut b.m, 0, &m);
             self.b.write(&mut b.v, 0, &v);
-            if b.zero >= 3 {
+            if b.zero >= 3 || b.master.is_some() {
                 let p = flat(&ck.params, "parameter")?;
-                self.b.write(&mut b.param, 0, &p);
+                if let Some(w) = b.master.as_mut() {
+                    self.b.write(w, 0, &p);
+                }
+                if b.zero >= 3 {
+                    self.b.write(&mut b.param, 0, &p);
+                }
             }
         }
         Ok(())

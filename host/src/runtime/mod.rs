@@ -102,8 +102,8 @@ pub struct TrainOptions {
 }
 
 /// What of a non-fp32 plan the runtime cannot train in its precision yet:
-/// the CUDA backend, bf16 gradient reductions, ZeRO's shards, expert
-/// parallelism, MoE layers. `None` for fp32 and for what it can.
+/// the CUDA backend, bf16 gradient reductions, expert parallelism, MoE
+/// layers. `None` for fp32 and for what it can.
 fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind) -> Option<String> {
     use crate::compile::plan::{Act, Collective};
     use crate::model::Dtype;
@@ -126,13 +126,6 @@ fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind)
         .flat_map(|d| &d.streams)
         .flat_map(|s| &s.ops);
     ops.find_map(|op| match &op.act {
-        Act::Collective {
-            what:
-                Collective::GradSync { scatter: true }
-                | Collective::ParamGather
-                | Collective::ParamRefresh,
-            ..
-        } => Some("ZeRO (`zero`)".to_string()),
         Act::Collective {
             what: Collective::Experts,
             ..

@@ -33,8 +33,12 @@ pub(crate) struct Bucket<B: Backend> {
     pub(super) v: B::Tensor,
     /// ZeRO-2/3: the reduced gradient of the shard, accumulated over microbatches.
     pub(super) grad: B::Tensor,
-    /// ZeRO-3: the parameter shard.
+    /// ZeRO-3: the parameter shard (in the parameters' dtype).
     pub(super) param: B::Tensor,
+    /// bf16 parameters: the fp32 master weights of the shard, which the
+    /// sharded step updates (sharded with the moments, as Megatron's
+    /// distributed optimizer does), then rounds into the parameters.
+    pub(super) master: Option<B::Tensor>,
 }
 
 impl<B: Backend> Bucket<B> {
@@ -58,13 +62,23 @@ impl<B: Backend> Bucket<B> {
             })
             .collect()
     }
-    /// This device's shard of the full tensors in `t`, laid out flat.
+    /// This device's shard of the full tensors in `t`, laid out flat (fp32).
     pub(super) fn shard_of(
         &self,
         b: &B,
         t: &ParamMap<B::Tensor>,
     ) -> Result<B::Tensor, BackendError> {
-        let mut out = b.zeros(self.shard.len())?;
+        self.shard_as(b, t, crate::model::Dtype::F32)
+    }
+    /// This device's shard of the full tensors in `t`, laid out flat, held
+    /// in `dtype`.
+    pub(super) fn shard_as(
+        &self,
+        b: &B,
+        t: &ParamMap<B::Tensor>,
+        dtype: crate::model::Dtype,
+    ) -> Result<B::Tensor, BackendError> {
+        let mut out = b.zeros_as(self.shard.len(), dtype)?;
         for (n, in_tensor, in_shard) in self.pieces() {
             let src = t.get(n).ok_or(BackendError::MissingParam(n))?;
             b.copy(&mut out, in_shard.start, src, in_tensor);
@@ -80,10 +94,14 @@ impl<B: Backend> Bucket<B> {
 /// The model states a device holds whole, before ZeRO takes its share.
 pub(super) struct States<'a, T> {
     pub params: &'a mut ParamMap<T>,
+    /// fp32 master weights of bf16 parameters (empty under fp32).
+    pub master: &'a mut ParamMap<T>,
     pub grads: &'a mut ParamMap<T>,
     pub m: &'a mut ParamMap<T>,
     pub v: &'a mut ParamMap<T>,
     pub norm_ids: &'a mut Vec<ParamId>,
+    /// The parameters' dtype (what ZeRO-3's parameter shard holds).
+    pub act: crate::model::Dtype,
 }
 
 /// The buckets of a device, from its gradient reductions; sharded states
@@ -149,14 +167,19 @@ pub(super) fn layout<B: Backend>(
                 Default::default()
             },
             param: Default::default(),
+            master: None,
             shard,
             names,
         };
         if bucket.zero >= 3 {
-            bucket.param = bucket.shard_of(b, states.params)?;
+            bucket.param = bucket.shard_as(b, states.params, states.act)?;
+        }
+        if !states.master.is_empty() {
+            bucket.master = Some(bucket.shard_of(b, states.master)?);
         }
         // Sharded states replace the full ones.
         for (id, _) in &bucket.names {
+            states.master.remove(*id);
             states.m.remove(*id);
             states.v.remove(*id);
             states.norm_ids.retain(|x| x != id);
@@ -172,11 +195,18 @@ pub(super) fn layout<B: Backend>(
     Ok(buckets)
 }
 
-/// Device bytes of every bucket's shards (moments, gradient, parameters).
+/// Device bytes of every bucket's shards (moments, gradient, parameters,
+/// master weights).
 pub(super) fn shard_bytes<B: Backend>(buckets: &[Bucket<B>]) -> u64 {
     buckets
         .iter()
-        .map(|b| B::bytes(&b.m) + B::bytes(&b.v) + B::bytes(&b.grad) + B::bytes(&b.param))
+        .map(|b| {
+            B::bytes(&b.m)
+                + B::bytes(&b.v)
+                + B::bytes(&b.grad)
+                + B::bytes(&b.param)
+                + b.master.as_ref().map_or(0, |w| B::bytes(w))
+        })
         .sum()
 }
 

@@ -185,10 +185,13 @@ pub(super) fn update<B: Backend>(
         }
     }
     for b in buckets.iter_mut().filter(|b| b.within(&op.segments)) {
-        let mut flat_p = if b.zero >= 3 {
-            std::mem::take(&mut b.param)
-        } else {
-            b.shard_of(bk, params)?
+        // The values the step updates: the fp32 master shard of bf16
+        // parameters, else the parameters' own shard.
+        let master = b.master.is_some();
+        let mut flat_p = match (b.master.take(), b.zero >= 3) {
+            (Some(w), _) => w,
+            (None, true) => std::mem::take(&mut b.param),
+            (None, false) => b.shard_of(bk, params)?,
         };
         let flat_g = if b.zero >= 2 {
             std::mem::take(&mut b.grad)
@@ -210,12 +213,23 @@ pub(super) fn update<B: Backend>(
                 dev.decay.contains(*n),
             );
         }
+        // The parameters the kernels read take the step (rounded into bf16
+        // from a master shard).
         if b.zero >= 3 {
-            b.param = flat_p;
+            match master {
+                false => b.param = flat_p,
+                true => {
+                    bk.copy(&mut b.param, 0, &flat_p, 0..b.shard.len());
+                    b.master = Some(flat_p);
+                }
+            }
         } else {
             for (n, in_tensor, in_shard) in &pieces {
                 let p = params.get_mut(*n).ok_or(BackendError::MissingParam(*n))?;
                 bk.copy(p, in_tensor.start, &flat_p, in_shard.clone());
+            }
+            if master {
+                b.master = Some(flat_p);
             }
         }
         if b.zero >= 2 {
@@ -304,7 +318,8 @@ pub(super) fn param_gather<B: Backend>(
     for (b, full) in used.iter().zip(&full) {
         for (n, at, len) in b.offsets() {
             if need.contains(&n) {
-                let t = dev.b.upload(full[at..at + len].to_vec()).map_err(fail)?;
+                let values = full[at..at + len].to_vec();
+                let t = dev.b.upload_as(values, dev.act).map_err(fail)?;
                 out.insert(n, t);
             }
         }
@@ -337,7 +352,9 @@ fn gather_shards<B: Backend>(
 ) -> Result<Vec<Vec<f32>>, RuntimeError> {
     let totals: Vec<usize> = lens.iter().map(|l| l.iter().sum()).collect();
     let whole: usize = totals.iter().sum();
-    let _staging = dev.bufs.reserve(op, (mine.len() + whole) as u64 * 4)?;
+    let _staging = dev
+        .bufs
+        .reserve(op, (mine.len() + whole) as u64 * dev.act.bytes())?;
     let got = ctx
         .comm
         .all_gather(op.kind().as_str(), op.node, group, dev.id, mine)
