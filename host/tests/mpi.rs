@@ -194,6 +194,34 @@ fn a_3d_mesh_on_2_and_4_ranks() {
     );
 }
 
+/// bf16 across ranks: pipeline messages, tensor-parallel sums and ZeRO-3's
+/// gathers go out two values to a word, fp32 gradients beside them, and
+/// the run is one process's bits.
+#[test]
+fn bf16_on_2_ranks_is_one_process() {
+    same_as_one_process(
+        "bf16-3d",
+        2,
+        &[
+            "--precision",
+            "bf16",
+            "--devices",
+            "8",
+            "--strategy",
+            "zero:stage=1,dp=2",
+            "--strategy",
+            "tp:tp=2,sequence-parallel=true",
+            "--strategy",
+            "1f1b:microbatches=4",
+        ],
+    );
+    same_as_one_process(
+        "bf16-zero3",
+        2,
+        &[&["--precision", "bf16"][..], &ZERO3_1F1B].concat(),
+    );
+}
+
 #[test]
 fn dualpipev_on_2_and_4_ranks() {
     // DualPipeV needs microbatches ≥ 2 × devices.

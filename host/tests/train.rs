@@ -985,6 +985,7 @@ fn with_evals(
         params: t.params().unwrap(),
         peak_bytes: Vec::new(),
         state_bytes: Vec::new(),
+        sent_bytes: Vec::new(),
     };
     (evals, run)
 }
@@ -1467,7 +1468,8 @@ fn losses_within(name: &str, run: &[f64], base: &[f64], tol: f64) {
 /// one device's bf16 losses (1e-3 relative over 10
 /// steps: the microbatches' gradients add in fp32 in another order); the
 /// states hold bf16 parameters beside fp32 master weights, gradients and
-/// moments (2 + 4 + 4 + 8 bytes a parameter, as the plan counts), the
+/// moments (2 + 4 + 4 + 8 bytes a parameter, as the plan counts), each
+/// device sends the bytes the plan counts (bf16 on the wire), the
 /// measured peak is the plan's within 3%, or below it where fp32's is too; a 200-step run stays within 2% of
 /// fp32's loss curve for GPT-2 and Llama; what bf16 cannot train yet is
 /// refused by name.
@@ -1560,6 +1562,20 @@ fn bf16_trains_pipelines_dp_and_tp_at_one_devices_losses_and_follows_fp32() {
             assert_eq!(
                 run.state_bytes[d], planned.model_state_bytes,
                 "{name}: device {d}"
+            );
+        }
+        // Messages, tensor-parallel sums and ZeRO's gathers go out in bf16,
+        // gradient reductions in fp32: the bytes the plan counts.
+        for (d, (sent, planned)) in run
+            .sent_bytes
+            .iter()
+            .zip(plan.predicted_sent_bytes())
+            .enumerate()
+        {
+            let rel = (*sent as f64 - planned as f64).abs() / (planned as f64).max(1.0);
+            assert!(
+                rel < 0.02,
+                "{name}: device {d} sent {sent} bytes, planned {planned}"
             );
         }
     }

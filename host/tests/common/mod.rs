@@ -220,6 +220,8 @@ pub struct Run {
     pub peak_bytes: Vec<u64>,
     /// Model-state bytes per device as the runtime allocated them.
     pub state_bytes: Vec<u64>,
+    /// Bytes each device sent in the last step.
+    pub sent_bytes: Vec<u64>,
 }
 
 /// Train `steps` steps under a strategy.
@@ -242,7 +244,7 @@ pub fn train(
     let corpus = Corpus::builtin();
     let mut losses = Vec::new();
     let mut peak_bytes = vec![0; devices as usize];
-    let mut state_bytes = Vec::new();
+    let (mut state_bytes, mut sent_bytes) = (Vec::new(), Vec::new());
     for s in 1..=steps {
         let batch = corpus
             .batch(s, cfg.batch_size as usize, cfg.seq_len as usize, 256)
@@ -253,12 +255,14 @@ pub fn train(
             *p = (*p).max(*x);
         }
         state_bytes = st.state_bytes;
+        sent_bytes = st.comm_bytes;
     }
     Run {
         losses,
         params: trainer.params().unwrap(),
         peak_bytes,
         state_bytes,
+        sent_bytes,
     }
 }
 

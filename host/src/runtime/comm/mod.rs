@@ -29,6 +29,7 @@ pub mod check;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod packed;
 
 pub use local::LocalComm;
 

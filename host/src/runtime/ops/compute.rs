@@ -7,10 +7,10 @@ use super::missing;
 use super::StepCtx;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::dag::Pass;
-use crate::model::Segment;
+use crate::model::{Dtype, Segment};
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::Buf;
-use crate::runtime::comm::in_op_key;
+use crate::runtime::comm::{in_op_key, packed};
 use crate::runtime::device::{params_here, Device, SequenceSplit};
 use crate::runtime::error::RuntimeError;
 use crate::runtime::model::{Coll, Dims, Model, Peers, SegmentCache, SegmentStash};
@@ -76,44 +76,56 @@ pub(super) fn with_peers<B: Backend, R>(
         let mut reduce = |how: Coll, part: B::Tensor| {
             let exchange =
                 |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
-            // The result is held as the member's tensor was (summed in fp32).
+            // On the wire and held in the member's tensor's dtype (summed
+            // in fp32).
             let dtype = B::dtype(&part);
             let mine = b.download_owned(part)?;
             let mut next_key = || {
                 phase += 1;
                 key(phase - 1)
             };
+            let comm = ctx.comm;
+            let n = members.len();
             let out = match how {
-                Coll::Shard => mine[rows_of_member(mine.len(), members.len(), rank)?].to_vec(),
-                Coll::Sum => Arc::unwrap_or_clone(
-                    (ctx.comm)
-                        .all_reduce(
-                            "tensor-parallel all-reduce",
-                            next_key()?,
-                            members,
-                            dev.id,
-                            mine,
-                        )
-                        .map_err(exchange)?,
-                ),
-                Coll::Gather => Arc::unwrap_or_clone(
-                    (ctx.comm)
-                        .all_gather(
-                            "sequence-parallel all-gather",
-                            next_key()?,
-                            members,
-                            dev.id,
-                            mine,
-                        )
-                        .map_err(exchange)?,
-                ),
-                Coll::Scatter => {
-                    rows_of_member(mine.len(), members.len(), rank)?;
-                    let lens = vec![mine.len() / members.len(); members.len()];
-                    let what = "sequence-parallel reduce-scatter";
-                    (ctx.comm)
-                        .reduce_scatter(what, next_key()?, members, dev.id, mine, &lens)
+                Coll::Shard => mine[rows_of_member(mine.len(), n, rank)?].to_vec(),
+                Coll::Sum => {
+                    let what = "tensor-parallel all-reduce";
+                    // bf16 sums take two exchanges (see `comm::packed`).
+                    let keys = match dtype {
+                        Dtype::F32 => (next_key()?, 0),
+                        _ => (next_key()?, next_key()?),
+                    };
+                    packed::all_reduce(comm, what, keys, members, dev.id, mine, dtype)
                         .map_err(exchange)?
+                }
+                Coll::Gather => {
+                    let what = "sequence-parallel all-gather";
+                    let lens = vec![mine.len(); n];
+                    packed::all_gather(
+                        comm,
+                        (what, next_key()?),
+                        members,
+                        dev.id,
+                        mine,
+                        &lens,
+                        dtype,
+                    )
+                    .map_err(exchange)?
+                }
+                Coll::Scatter => {
+                    rows_of_member(mine.len(), n, rank)?;
+                    let lens = vec![mine.len() / n; n];
+                    let what = "sequence-parallel reduce-scatter";
+                    packed::reduce_scatter(
+                        comm,
+                        (what, next_key()?),
+                        members,
+                        dev.id,
+                        mine,
+                        &lens,
+                        dtype,
+                    )
+                    .map_err(exchange)?
                 }
             };
             b.upload_as(out, dtype)

@@ -7,9 +7,9 @@ use super::{comm_error, missing};
 use crate::compile::plan::{Op, TensorKind};
 use crate::runtime::backend::Backend;
 use crate::runtime::buffers::Buf;
+use crate::runtime::comm::packed;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
-use std::sync::Arc;
 
 pub(super) fn send<B: Backend>(
     dev: &Device<B>,
@@ -29,18 +29,13 @@ pub(super) fn send<B: Backend>(
     if ctx.comm.is_local(peer) {
         in_flight.keep();
     }
-    ctx.comm
-        .send(
-            pair,
-            dev.id,
-            peer,
-            Arc::new(
-                dev.b
-                    .download_owned(t)
-                    .map_err(|e| dev.backend_error(op, e))?,
-            ),
-        )
-        .map_err(|e| comm_error(dev, op, e))
+    // On the wire in the tensor's dtype.
+    let dtype = B::dtype(&t);
+    let values = dev
+        .b
+        .download_owned(t)
+        .map_err(|e| dev.backend_error(op, e))?;
+    packed::send(ctx.comm, pair, (dev.id, peer), values, dtype).map_err(|e| comm_error(dev, op, e))
 }
 
 pub(super) fn recv<B: Backend>(
@@ -52,14 +47,12 @@ pub(super) fn recv<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
     let what = format!("{kind:?}");
-    let v = ctx
-        .comm
-        .recv(pair, peer, dev.id, &what)
+    // Sent and held in the activation dtype, as its sender held it.
+    let v = packed::recv(ctx.comm, pair, (peer, dev.id), &what, dev.act)
         .map_err(|e| comm_error(dev, op, e))?;
-    // Held in the activation dtype, as its sender held it.
     let t = dev
         .b
-        .upload_as(Arc::unwrap_or_clone(v), dev.act)
+        .upload_as(v, dev.act)
         .map_err(|e| dev.backend_error(op, e))?;
     let bytes = B::bytes(&t);
     dev.bufs.put(op, kind, Buf::Tensor(t))?;

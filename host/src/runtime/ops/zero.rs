@@ -8,7 +8,7 @@ use super::{comm_error, missing, StepCtx};
 use crate::compile::plan::{Op, TensorKind};
 use crate::runtime::backend::{Backend, BackendError, ParamId, ParamMap};
 use crate::runtime::buffers::Buf;
-use crate::runtime::comm::even_shards;
+use crate::runtime::comm::{even_shards, packed};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 use crate::runtime::zero::Bucket;
@@ -355,10 +355,20 @@ fn gather_shards<B: Backend>(
     let _staging = dev
         .bufs
         .reserve(op, (mine.len() + whole) as u64 * dev.act.bytes())?;
-    let got = ctx
-        .comm
-        .all_gather(op.kind().as_str(), op.node, group, dev.id, mine)
-        .map_err(|cause| comm_error(dev, op, cause))?;
+    // Member r's part: its shard of every bucket, in the parameter dtype.
+    let member_lens: Vec<usize> = (0..group.len())
+        .map(|r| lens.iter().map(|l| l[r]).sum())
+        .collect();
+    let got = packed::all_gather(
+        ctx.comm,
+        (op.kind().as_str(), op.node),
+        group,
+        dev.id,
+        mine,
+        &member_lens,
+        dev.act,
+    )
+    .map_err(|cause| comm_error(dev, op, cause))?;
     if got.len() != whole {
         return Err(missing(
             dev,
