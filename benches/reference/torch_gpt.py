@@ -16,6 +16,11 @@ AdamW), eager or `--compile` (torch.compile). Prints one JSON line: tokens/s
 of the best step (GPU: the median of the timed steps), the threads used,
 the peak GPU memory.
 
+With `--weights DUMP` (a GPT-2 model's `piper train --dump-step1` file) it
+loads Piper's weights and batch instead, runs one forward (bf16 autocast with
+`--precision bf16`) and prints the step-1 loss: Piper's numerics against
+PyTorch's mixed precision on the same inputs (`host/tests/hf.rs`).
+
     python3 benches/reference/torch_gpt.py --layers 6 --d-model 384 --heads 6 \
         --seq 256 --batch 8 --vocab 256 --steps 3 --threads 2
     python3 benches/reference/torch_gpt.py --layers 12 --d-model 768 --heads 12 \
@@ -161,6 +166,33 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
 
+def step1_loss(path, heads, precision):
+    """The loss of the GPT of a Piper step-1 dump on its batch."""
+    from safetensors.torch import load_file
+
+    d = load_file(path)
+    w = {k[len("param."):]: v for k, v in d.items() if k.startswith("param.")}
+    vocab, dm = w["wte.weight"].shape
+    layers = sum(1 for k in w if k.endswith(".ln_1.weight"))
+    model = GPT(layers, dm, heads, w["wpe.weight"].shape[0], vocab)
+    # GPT-2's Conv1D weights are (in, out); nn.Linear's are (out, in).
+    names = {"qkv": "attn.c_attn", "proj": "attn.c_proj", "fc": "mlp.c_fc",
+             "fc_proj": "mlp.c_proj", "ln1": "ln_1", "ln2": "ln_2"}
+    state = {"wte.weight": w["wte.weight"], "wpe.weight": w["wpe.weight"],
+             "ln_f.weight": w["ln_f.weight"], "ln_f.bias": w["ln_f.bias"]}
+    for i in range(layers):
+        for ours, theirs in names.items():
+            for part in ("weight", "bias"):
+                t = w[f"h.{i}.{theirs}.{part}"]
+                linear = part == "weight" and not ours.startswith("ln")
+                state[f"blocks.{i}.{ours}.{part}"] = t.t() if linear else t
+    model.load_state_dict(state)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                         enabled=precision == "bf16"):
+        loss = model(d["inputs"].long(), d["targets"].long())
+    return {"loss": loss.item(), "precision": precision, "torch": torch.__version__}
+
+
 def main():
     p = argparse.ArgumentParser()
     for name, default in [("layers", 6), ("d-model", 384), ("heads", 6), ("seq", 256),
@@ -173,9 +205,13 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--weights", help="a Piper --dump-step1 file (GPT-2): its step-1 loss")
     a = p.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
+    if a.weights:
+        print(json.dumps(step1_loss(a.weights, a.heads, a.precision)))
+        return
     cuda = a.device.startswith("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

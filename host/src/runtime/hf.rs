@@ -33,6 +33,18 @@ fn format_error(path: &Path, message: impl Into<String>) -> CheckpointError {
     }
 }
 
+/// The dtype transformers loads the model in (`dtype`, and `torch_dtype` as
+/// transformers 4 names it): the one its parameters trained in. The weights
+/// file keeps the fp32 master weights either way (a resume continues
+/// exactly); transformers rounds them on load, to the values Piper's
+/// kernels read.
+fn torch_dtype(cfg: &ModelConfig) -> &'static str {
+    match cfg.precision.params {
+        crate::model::Dtype::F32 => "float32",
+        crate::model::Dtype::Bf16 => "bfloat16",
+    }
+}
+
 /// transformers' `config.json` for `cfg` (`None` for a model with experts:
 /// transformers' mixture-of-experts classes count the load-balancing loss
 /// over the whole batch, not per sequence as Piper does, and their expert
@@ -61,7 +73,8 @@ pub fn config_json(cfg: &ModelConfig) -> Option<Value> {
             "scale_attn_weights": true,
             "tie_word_embeddings": true,
             "use_cache": true,
-            "dtype": "float32",
+            "dtype": torch_dtype(cfg),
+            "torch_dtype": torch_dtype(cfg),
         })),
         Family::Llama => {
             let mut c = json!({
@@ -82,7 +95,8 @@ pub fn config_json(cfg: &ModelConfig) -> Option<Value> {
                 "attention_dropout": 0.0,
                 "initializer_range": 0.02,
                 "use_cache": true,
-                "dtype": "float32",
+                "dtype": torch_dtype(cfg),
+                "torch_dtype": torch_dtype(cfg),
             });
             let o = c.as_object_mut().expect("an object");
             let (arch, kind) = if a.qk_norm {
@@ -270,11 +284,11 @@ fn values(
             .collect(),
         Dtype::BF16 => d
             .chunks_exact(2)
-            .map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16))
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         Dtype::F16 => d
             .chunks_exact(2)
-            .map(|b| f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
             .collect(),
         other => {
             return Err(format_error(
@@ -283,26 +297,6 @@ fn values(
             ))
         }
     })
-}
-
-/// IEEE half to single precision.
-fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h >> 15) as u32) << 31;
-    let exp = ((h >> 10) & 0x1f) as i32;
-    let frac = (h & 0x3ff) as u32;
-    let bits = match (exp, frac) {
-        (0, 0) => sign,
-        (0, f) => {
-            // Subnormal: normalise.
-            let shift = f.leading_zeros() - 21;
-            let f = (f << shift) & 0x3ff;
-            sign | (((127 - 15 + 1 - shift as i32) as u32) << 23) | (f << 13)
-        }
-        (31, 0) => sign | 0x7f80_0000,
-        (31, f) => sign | 0x7f80_0000 | (f << 13),
-        (e, f) => sign | (((e - 15 + 127) as u32) << 23) | (f << 13),
-    };
-    f32::from_bits(bits)
 }
 
 /// Names a file may give Piper's parameter `name`.
@@ -574,11 +568,20 @@ mod tests {
 
     #[test]
     fn half_precision_values_convert_exactly() {
-        assert_eq!(f16_to_f32(0x3c00), 1.0);
-        assert_eq!(f16_to_f32(0xc000), -2.0);
-        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
-        assert_eq!(f16_to_f32(0x7bff), 65504.0);
-        assert!(f16_to_f32(0x7c00).is_infinite());
-        assert!(f16_to_f32(0x7e00).is_nan());
+        use safetensors::tensor::TensorView;
+        let read = |dtype, bits: &[u16]| {
+            let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+            let t = TensorView::new(dtype, vec![bits.len()], &bytes).unwrap();
+            values(Path::new("w.safetensors"), "w", &t).unwrap()
+        };
+        let f16 = read(
+            Dtype::F16,
+            &[0x3c00, 0xc000, 0x0001, 0x7bff, 0x7c00, 0x7e00],
+        );
+        assert_eq!(f16[..4], [1.0, -2.0, 2f32.powi(-24), 65504.0]);
+        assert!(f16[4].is_infinite() && f16[5].is_nan());
+        let bf16 = read(Dtype::BF16, &[0x3f80, 0xc020, 0x0001, 0x7f80]);
+        assert_eq!(bf16[..3], [1.0, -2.5, f32::from_bits(0x0001_0000)]);
+        assert!(bf16[3].is_infinite());
     }
 }
