@@ -771,20 +771,17 @@ pub(crate) fn segment_states(
         Some(r) if n > 1 => dag.specs[r as usize].zero,
         _ => 0,
     };
-    let shard = held.div_ceil(n);
-    // ZeRO-1 with expert parallelism: this device's experts keep whole
-    // moments, the replicated rest is sharded.
-    let moments = 2 * match dag.expert_elems(s, placement) {
-        (all, spread) if zero >= 1 && spread > 1 => {
-            all / spread + (held - all / spread).div_ceil(n)
-        }
-        _ if zero >= 1 => shard,
+    // Experts spread by expert parallelism live on one device each: ZeRO
+    // does not shard them (they are not replicated), only the rest.
+    let sharded = |on: bool| match dag.expert_elems(s, placement) {
+        (all, spread) if on && spread > 1 => all / spread + (held - all / spread).div_ceil(n),
+        _ if on => held.div_ceil(n),
         _ => held,
     };
     SegmentStates {
-        params: if zero >= 3 { shard } else { held },
-        grads: if zero >= 2 { shard } else { held },
-        moments,
+        params: sharded(zero >= 3),
+        grads: sharded(zero >= 2),
+        moments: 2 * sharded(zero >= 1),
     }
 }
 

@@ -102,10 +102,9 @@ pub struct TrainOptions {
 }
 
 /// What of a non-fp32 plan the runtime cannot train in its precision yet:
-/// the CUDA backend, bf16 gradient reductions, expert parallelism, MoE
-/// layers. `None` for fp32 and for what it can.
-fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind) -> Option<String> {
-    use crate::compile::plan::{Act, Collective};
+/// the CUDA backend, bf16 gradient reductions. `None` for fp32 and for
+/// what it can.
+fn bf16_not_built(plan: &Plan, backend: backend::BackendKind) -> Option<String> {
     use crate::model::Dtype;
     let p = plan.precision;
     if p.is_fp32() {
@@ -117,21 +116,7 @@ fn bf16_not_built(plan: &Plan, cfg: &ModelConfig, backend: backend::BackendKind)
     if p.reduce != Dtype::F32 {
         return Some("a bf16 gradient reduction (reduce = \"bf16\")".into());
     }
-    if cfg.moe.is_some() {
-        return Some("a mixture-of-experts model".into());
-    }
-    let mut ops = plan
-        .devices
-        .iter()
-        .flat_map(|d| &d.streams)
-        .flat_map(|s| &s.ops);
-    ops.find_map(|op| match &op.act {
-        Act::Collective {
-            what: Collective::Experts,
-            ..
-        } => Some("expert parallelism (`ep`)".to_string()),
-        _ => None,
-    })
+    None
 }
 
 /// Kernel threads per device when none are asked for: this machine's cores
@@ -455,7 +440,7 @@ impl Trainer {
                 plan.precision, cfg.precision
             )));
         }
-        if let Some(what) = bf16_not_built(&plan, cfg, opts.backend) {
+        if let Some(what) = bf16_not_built(&plan, opts.backend) {
             return Err(RuntimeError::Plan(format!(
                 "precision {}: {what} cannot train in bf16 yet; bf16 trains on the CPU \
                  backend on one device, with pipelines, plain data parallelism (`dp`) and \

@@ -77,20 +77,7 @@ pub fn send(
 ) -> Result<(), CommError> {
     let msg = match dtype {
         Dtype::F32 => values,
-        Dtype::Bf16 => {
-            let n = u32::try_from(values.len()).map_err(|_| {
-                malformed(
-                    "bf16 message",
-                    pair,
-                    &[from, to],
-                    format!("{} elements do not fit one message", values.len()),
-                )
-            })?;
-            let mut msg = Vec::with_capacity(1 + words(values.len(), dtype));
-            msg.push(f32::from_bits(n));
-            msg.extend(pack(&values, dtype));
-            msg
-        }
+        _ => headed(values, dtype, ("bf16 message", pair), &[from, to])?,
     };
     comm.send(pair, from, to, Arc::new(msg))
 }
@@ -107,20 +94,72 @@ pub fn recv(
     let msg = comm.recv(pair, from, to, what)?;
     match dtype {
         Dtype::F32 => Ok(Arc::unwrap_or_clone(msg)),
-        Dtype::Bf16 => {
-            let n = msg.first().map_or(0, |h| h.to_bits() as usize);
-            if msg.is_empty() || msg.len() != 1 + words(n, dtype) {
-                let sizes = format!(
-                    "device {from} sent {} words, not a bf16 message's head and its elements",
-                    msg.len()
-                );
-                return Err(malformed(what, pair, &[from, to], sizes));
-            }
-            let mut out = Vec::with_capacity(n);
-            unpack_into(&msg[1..], n, dtype, &mut out);
-            Ok(out)
-        }
+        _ => unheaded(&msg, dtype, (what, pair), (from, &[from, to])),
     }
+}
+
+/// All-to-all (see [`Comm::all_to_all`]) of chunks of a `dtype` tensor:
+/// each a message with its element count at its head, as [`send`]'s.
+pub fn all_to_all(
+    comm: &dyn Comm,
+    (what, key): (&str, u32),
+    group: &[u32],
+    me: u32,
+    chunks: Vec<Vec<f32>>,
+    dtype: Dtype,
+) -> Result<Vec<Vec<f32>>, CommError> {
+    if dtype == Dtype::F32 {
+        let got = comm.all_to_all(what, key, group, me, chunks)?;
+        return Ok(got.into_iter().map(Arc::unwrap_or_clone).collect());
+    }
+    let msgs = chunks
+        .into_iter()
+        .map(|c| headed(c, dtype, (what, key), group))
+        .collect::<Result<Vec<_>, _>>()?;
+    let got = comm.all_to_all(what, key, group, me, msgs)?;
+    group
+        .iter()
+        .zip(got)
+        .map(|(from, msg)| unheaded(&msg, dtype, (what, key), (*from, group)))
+        .collect()
+}
+
+/// A message of `values`: its element count, then the packed values.
+fn headed(
+    values: Vec<f32>,
+    dtype: Dtype,
+    (what, key): (&str, u32),
+    group: &[u32],
+) -> Result<Vec<f32>, CommError> {
+    let n = u32::try_from(values.len()).map_err(|_| {
+        let sizes = format!("{} elements do not fit one message", values.len());
+        malformed(what, key, group, sizes)
+    })?;
+    let mut msg = Vec::with_capacity(1 + words(values.len(), dtype));
+    msg.push(f32::from_bits(n));
+    msg.extend(pack(&values, dtype));
+    Ok(msg)
+}
+
+/// The values of a [`headed`] message from `from`, its length checked
+/// against its head.
+fn unheaded(
+    msg: &[f32],
+    dtype: Dtype,
+    (what, key): (&str, u32),
+    (from, group): (u32, &[u32]),
+) -> Result<Vec<f32>, CommError> {
+    let n = msg.first().map_or(0, |h| h.to_bits() as usize);
+    if msg.is_empty() || msg.len() != 1 + words(n, dtype) {
+        let sizes = format!(
+            "device {from} sent {} words, not a bf16 message's head and its elements",
+            msg.len()
+        );
+        return Err(malformed(what, key, group, sizes));
+    }
+    let mut out = Vec::with_capacity(n);
+    unpack_into(&msg[1..], n, dtype, &mut out);
+    Ok(out)
 }
 
 /// All-gather (see [`Comm::all_gather`]) of shards of `lens` elements (one

@@ -34,7 +34,13 @@
 //!   An expert runs the rows of every source in group order, so per row the
 //!   arithmetic is the one-device arithmetic; only weight-gradient sums see a
 //!   different row order. A member's chunk for another starts with its row
-//!   count per expert (as f32 bits), then the rows.
+//!   count per expert (base-256 digits: small integers every dtype holds
+//!   exactly), then the rows.
+//! - **Precision**: the activations, the router's probabilities, the rows
+//!   exchanged and their gradients are held in the model's activation
+//!   dtype (bf16 under a bf16 policy; arithmetic in fp32 inside each
+//!   kernel); the normalization statistics, the routing weights' gradient
+//!   and the routing itself fp32, the weight gradients fp32.
 
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
@@ -78,6 +84,33 @@ fn balance_loss(probs: &[f32], r: &Routing, d: MoeDims, aux_coef: f64) -> f64 {
         aux += e as f64 * dot;
     }
     aux_coef * t as f64 * aux
+}
+
+/// Values a row count takes in a chunk's head: its base-256 digits, low
+/// first (each exact in bf16, whose significand holds 8 bits).
+const COUNT_DIGITS: usize = 4;
+
+/// `n`'s digits for a chunk's head.
+fn count_digits(n: usize) -> Result<[f32; COUNT_DIGITS], BackendError> {
+    let n = u32::try_from(n)
+        .map_err(|_| BackendError::Exchange(format!("MoE dispatch: {n} rows for one expert")))?;
+    Ok(std::array::from_fn(|i| ((n >> (8 * i)) & 0xff) as f32))
+}
+
+/// The row counts of a chunk's head, each digit checked.
+fn read_counts(head: &[f32], from: usize) -> Result<Vec<usize>, BackendError> {
+    head.chunks(COUNT_DIGITS)
+        .map(|digits| {
+            digits.iter().rev().try_fold(0usize, |acc, &x| {
+                match x.fract() == 0.0 && (0.0..256.0).contains(&x) {
+                    true => Ok(acc * 256 + x as usize),
+                    false => Err(BackendError::Exchange(format!(
+                        "MoE dispatch from member {from}: a row count digit {x} is not one"
+                    ))),
+                }
+            })
+        })
+        .collect()
 }
 
 /// Check a received chunk's length before it is cut.
@@ -275,7 +308,7 @@ impl<B: Backend> Model<'_, B> {
                     .clone()
                     .map(|x| blocks[x].as_ref().map_or(0, B::len))
                     .sum();
-                let mut chunk = self.b.zeros(len)?;
+                let mut chunk = self.zeros(len)?;
                 let mut at = 0;
                 for x in experts {
                     if let Some(b) = &blocks[x] {
@@ -300,7 +333,7 @@ impl<B: Backend> Model<'_, B> {
         let mut back = (0..size)
             .map(|s| {
                 let len: usize = src_rows.iter().map(|r| r[s] * width).sum();
-                self.b.zeros(len)
+                self.zeros(len)
             })
             .collect::<Result<Vec<_>, _>>()?;
         let mut filled = vec![0usize; size];
@@ -354,7 +387,7 @@ impl<B: Backend> Model<'_, B> {
         let MoeDims { n, c, e, k, .. } = d;
         let ids = self.experts_ids(l)?;
         let (mut ln, mut mean, mut rstd) =
-            (self.b.zeros(n * c)?, Default::default(), self.b.zeros(n)?);
+            (self.zeros(n * c)?, Default::default(), self.b.zeros(n)?);
         match ids.norm_bias {
             Some(bias) => {
                 mean = self.b.zeros(n)?;
@@ -379,10 +412,10 @@ impl<B: Backend> Model<'_, B> {
                 self.table.norm_eps,
             ),
         }
-        let mut logits = self.b.zeros(n * e)?;
+        let mut logits = self.zeros(n * e)?;
         self.b
             .matmul_forward(&mut logits, &ln, param(params, ids.router)?, None, n, c, e);
-        let mut probs = self.b.zeros(n * e)?;
+        let mut probs = self.zeros(n * e)?;
         self.b.softmax_rows(&mut probs, &logits, e);
         let host_probs = self.b.download(&probs)?;
         let routing = route(&host_probs, d, moe.capacity_factor);
@@ -391,11 +424,11 @@ impl<B: Backend> Model<'_, B> {
         for p in 0..group.size {
             let experts = group.experts_of(e, p);
             let rows: usize = experts.clone().map(|x| routing.rows[x].len()).sum();
-            let head: Vec<f32> = experts
-                .clone()
-                .map(|x| f32::from_bits(routing.rows[x].len() as u32))
-                .collect();
-            let mut chunk = self.b.zeros(head.len() + rows * c)?;
+            let mut head: Vec<f32> = Vec::with_capacity(experts.len() * COUNT_DIGITS);
+            for x in experts.clone() {
+                head.extend(count_digits(routing.rows[x].len())?);
+            }
+            let mut chunk = self.zeros(head.len() + rows * c)?;
             self.b.write(&mut chunk, 0, &head);
             let mut at = head.len();
             for x in experts {
@@ -439,23 +472,19 @@ impl<B: Backend> Model<'_, B> {
         let mut src_rows = vec![vec![0usize; group.size]; per];
         for (s, chunk) in got.iter().enumerate() {
             let len = B::len(chunk);
-            if len < per {
+            let head = per * COUNT_DIGITS;
+            if len < head {
                 return Err(BackendError::Exchange(format!(
-                    "MoE dispatch from member {s}: {len} floats, no row counts"
+                    "MoE dispatch from member {s}: {len} values, no row counts"
                 )));
             }
-            let counts: Vec<usize> = self
-                .b
-                .download_range(chunk, 0..per)?
-                .iter()
-                .map(|x| x.to_bits() as usize)
-                .collect();
+            let counts = read_counts(&self.b.download_range(chunk, 0..head)?, s)?;
             let total = counts
                 .iter()
                 .try_fold(0usize, |a, m| a.checked_add(m.checked_mul(c)?));
             expect_len(
                 &format!("dispatch from member {s}"),
-                len - per,
+                len - head,
                 total.unwrap_or(usize::MAX),
             )?;
             for (i, m) in counts.into_iter().enumerate() {
@@ -465,10 +494,10 @@ impl<B: Backend> Model<'_, B> {
         let (mut xin, mut fcs, mut acts, mut outs) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         let width = self.fc_width();
-        let mut offsets = vec![per; group.size];
+        let mut offsets = vec![per * COUNT_DIGITS; group.size];
         for (i, x_) in local.clone().enumerate() {
             let m: usize = src_rows[i].iter().sum();
-            let mut inp = self.b.zeros(m * c)?;
+            let mut inp = self.zeros(m * c)?;
             let mut at = 0;
             for (s, chunk) in got.iter().enumerate() {
                 let len = src_rows[i][s] * c;
@@ -478,9 +507,9 @@ impl<B: Backend> Model<'_, B> {
                 at += len;
             }
             let mut fc: Vec<B::Tensor> = (0..width)
-                .map(|_| self.b.zeros(m * hid))
+                .map(|_| self.zeros(m * hid))
                 .collect::<Result<_, _>>()?;
-            let (mut act, mut y) = (self.b.zeros(m * hid)?, self.b.zeros(m * c)?);
+            let (mut act, mut y) = (self.zeros(m * hid)?, self.zeros(m * c)?);
             if m > 0 {
                 let (out_w, out_b) = match self.expert(l, x_)? {
                     ExpertIds::Gelu(w) => {
@@ -552,7 +581,7 @@ impl<B: Backend> Model<'_, B> {
             let mut at = 0;
             for x in experts {
                 let len = routing.rows[x].len() * c;
-                let mut block = self.b.zeros(len)?;
+                let mut block = self.zeros(len)?;
                 self.b.copy(&mut block, 0, &chunk, at..at + len);
                 at += len;
                 ys.push(block);
@@ -607,7 +636,7 @@ impl<B: Backend> Model<'_, B> {
         let mut dys = r
             .rows
             .iter()
-            .map(|rows| self.b.zeros(rows.len() * c))
+            .map(|rows| self.zeros(rows.len() * c))
             .collect::<Result<Vec<_>, _>>()?;
         self.b
             .moe_combine_backward(&mut dweight, &mut dys, &dout, &cache.ys, r, c);
@@ -643,7 +672,7 @@ impl<B: Backend> Model<'_, B> {
         let width = self.fc_width();
         for (i, x_) in local.clone().enumerate() {
             let m: usize = cache.experts.src_rows[i].iter().sum();
-            let mut dy = self.b.zeros(m * c)?;
+            let mut dy = self.zeros(m * c)?;
             let mut at = 0;
             for (s, chunk) in got.iter().enumerate() {
                 let len = cache.experts.src_rows[i][s] * c;
@@ -653,16 +682,16 @@ impl<B: Backend> Model<'_, B> {
                 at += len;
             }
             let mut dfc: Vec<B::Tensor> = (0..width)
-                .map(|_| self.b.zeros(m * hid))
+                .map(|_| self.zeros(m * hid))
                 .collect::<Result<_, _>>()?;
-            let mut dinp = self.b.zeros(m * c)?;
+            let mut dinp = self.zeros(m * c)?;
             if m > 0 {
                 let fc = &cache.experts.fc[i * width..(i + 1) * width];
                 let (w_out, w_in) = match self.expert(l, x_)? {
                     ExpertIds::Gelu(w) => (w.proj.weight, vec![w.fc.weight]),
                     ExpertIds::SwiGlu(w) => (w.down, vec![w.gate, w.up]),
                 };
-                let mut dact = self.b.zeros(m * hid)?;
+                let mut dact = self.zeros(m * hid)?;
                 self.b.matmul_backward_input(
                     &mut dact,
                     &dy,
@@ -711,7 +740,7 @@ impl<B: Backend> Model<'_, B> {
         let MoeCombined { dout, dweight } = combined;
         expect_len("input gradients", got.len(), group.size)?;
         expect_len("output gradient", B::len(&dout), n * c)?;
-        let mut dln = self.b.zeros(n * c)?;
+        let mut dln = self.zeros(n * c)?;
         for (p, chunk) in got.iter().enumerate() {
             let experts = group.experts_of(e, p);
             let want: usize = experts.clone().map(|x| r.rows[x].len() * c).sum();
@@ -731,7 +760,7 @@ impl<B: Backend> Model<'_, B> {
         // softmax, to the router logits.
         let f = choice_shares(r, d);
         let aux = cache.routed.aux_coef as f32 * e as f32 * loss_scale;
-        let mut dlogits = self.b.zeros(n * e)?;
+        let mut dlogits = self.zeros(n * e)?;
         self.b.router_backward(
             &mut dlogits,
             &cache.routed.probs,

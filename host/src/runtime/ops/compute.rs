@@ -57,13 +57,16 @@ pub(super) fn with_peers<B: Backend, R>(
                 .into_iter()
                 .map(|c| b.download_owned(c))
                 .collect::<Result<Vec<_>, _>>()?;
-            let got = ctx
-                .comm
-                .all_to_all(what, key(phase)?, members, dev.id, host)
-                .map_err(|e| BackendError::Exchange(e.to_string()))?;
-            got.into_iter()
-                .map(|c| b.upload(Arc::unwrap_or_clone(c)))
-                .collect()
+            let got = packed::all_to_all(
+                ctx.comm,
+                (what, key(phase)?),
+                members,
+                dev.id,
+                host,
+                dev.act,
+            )
+            .map_err(|e| BackendError::Exchange(e.to_string()))?;
+            got.into_iter().map(|c| b.upload_as(c, dev.act)).collect()
         };
         let peers = Peers::Experts {
             group,

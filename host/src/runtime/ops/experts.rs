@@ -13,6 +13,7 @@ use crate::dag::Pass;
 use crate::model::Part;
 use crate::runtime::backend::{Backend, BackendError, ParamMap};
 use crate::runtime::buffers::{Buf, MoePart};
+use crate::runtime::comm::packed;
 use crate::runtime::device::{params_here, Device};
 use crate::runtime::error::{label, RuntimeError};
 use crate::runtime::model::moe::{ExpertGroup, MoeCache, MoeDims};
@@ -37,13 +38,19 @@ pub(super) fn all_to_all<B: Backend>(
         .map(|c| dev.b.download_owned(c))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| dev.backend_error(op, e))?;
-    let got = ctx
-        .comm
-        .all_to_all("expert all-to-all", op.node, group, dev.id, host)
-        .map_err(|e| comm_error(dev, op, e))?;
+    // On the wire and held in the activation dtype.
+    let got = packed::all_to_all(
+        ctx.comm,
+        ("expert all-to-all", op.node),
+        group,
+        dev.id,
+        host,
+        dev.act,
+    )
+    .map_err(|e| comm_error(dev, op, e))?;
     let got = got
         .into_iter()
-        .map(|c| dev.b.upload(Arc::unwrap_or_clone(c)))
+        .map(|c| dev.b.upload_as(c, dev.act))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| dev.backend_error(op, e))?;
     dev.bufs
@@ -107,7 +114,7 @@ pub(super) fn phase<B: Backend>(
     let b = ctx.batch.b / op.batch_div.max(1) as usize;
     let dims = Dims::new(ctx.cfg, b);
     let d = MoeDims::new(moe, dims.n(), dims.t, dims.c);
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let fail = |e: BackendError| dev.backend_error(op, e);
     let phase = op.phase.ok_or_else(|| plan_error("no phase"))?;
     match (pass, phase) {
@@ -218,7 +225,7 @@ fn backward_phase<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let plan_error = |m: &str| plan_error(dev, op, m);
     let fail = |e: BackendError| dev.backend_error(op, e);
-    let model = Model::new(&dev.b, &dev.table);
+    let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let fused = op.kind() == OpKind::B;
     let cache = moe_cache(dev, op, &saved)?;
     match phase {
