@@ -32,7 +32,7 @@ thread_local! {
 }
 
 /// `f` on `n` floats of `cell`'s buffer (contents unspecified).
-fn scratch<R>(
+pub(super) fn scratch<R>(
     cell: &'static LocalKey<RefCell<Vec<f32>>>,
     n: usize,
     f: impl FnOnce(&mut [f32]) -> R,

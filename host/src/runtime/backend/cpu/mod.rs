@@ -15,6 +15,7 @@ pub mod adamw;
 pub mod attention;
 pub mod elementwise;
 pub mod embedding;
+pub mod flash;
 pub mod lanes;
 pub mod layernorm;
 pub mod loss;

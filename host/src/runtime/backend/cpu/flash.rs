@@ -1,0 +1,353 @@
+//! Memory-efficient causal attention (FlashAttention-2's algorithm) from
+//! the same packed `qkv[B,T,3C]` as [`super::attention`]: per (sequence,
+//! head) the queries go in blocks of [`BLOCK`] rows, each block walks the
+//! key blocks at or below the diagonal with an online softmax (a running
+//! row maximum and sum, the output rescaled as the maximum grows), and only
+//! the output and each row's log-sum-exp `lse[B,NH,T]` are kept: O(T) a
+//! head where the probabilities are O(T²). The backward recomputes each
+//! tile's probabilities from `lse` (`P = exp(s − lse)`), with `D = Σ dO ⊙ O`
+//! per row standing in for the softmax's `Σ P ⊙ dP`; blocks above the
+//! diagonal are never computed, in either direction. The (sequence, head)
+//! pairs run in parallel, each into buffers of its own, then copied or
+//! added into the packed outputs by rows.
+//!
+//! Equal to the probability-keeping kernel within fp32 rounding (the sums
+//! run in another order): `super::tests` compares the two.
+
+use super::attention::scratch;
+use super::elementwise::exp_small;
+use super::lanes;
+use super::matmul::matmul_strided;
+use super::par;
+use std::cell::RefCell;
+
+/// Query rows per tile (the causal skipping's grain).
+const BLOCK: usize = 64;
+/// Key rows per tile: wider tiles make fewer, larger products. A multiple
+/// of [`BLOCK`], so a query block lies wholly at or below a key block's
+/// start or wholly above it.
+const KEYS: usize = 4 * BLOCK;
+
+thread_local! {
+    /// Per (sequence, head) outputs or gradients, kept between calls.
+    static ITEMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// One tile's scores, probabilities and their gradients, and a query
+    /// block's running statistics and output.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The blocks of `size` rows of `t`: `(first, end)`.
+fn blocks(t: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..t.div_ceil(size)).map(move |i| (i * size, ((i + 1) * size).min(t)))
+}
+
+/// Keys at or before query `q` among the keys `c0..c0 + nc`.
+fn live(q: usize, c0: usize, nc: usize) -> usize {
+    (q + 1).saturating_sub(c0).min(nc)
+}
+
+/// Forward: `out[B,T,C]` and the rows' log-sum-exp `lse[B,NH,T]` (of the
+/// scaled scores).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_forward(
+    out: &mut [f32],
+    lse: &mut [f32],
+    qkv: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    let _k = super::profile::span("flash_forward");
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let c3 = 3 * c;
+    scratch(&ITEMS, b * nh * t * hs, |outs| {
+        let mut items: Vec<(&mut [f32], &mut [f32])> = outs
+            .chunks_mut(t * hs)
+            .zip(lse[..b * nh * t].chunks_mut(t))
+            .collect();
+        par::each_mut(&mut items, |k, (o, l)| {
+            let (bi, h) = (k / nh, k % nh);
+            let qo = bi * t * c3 + h * hs;
+            let tile = BLOCK * KEYS + 2 * BLOCK;
+            scratch(&TILE, tile, |buf| {
+                let (s, stats) = buf.split_at_mut(BLOCK * KEYS);
+                let (m, sum) = stats.split_at_mut(BLOCK);
+                for (r0, r1) in blocks(t, BLOCK) {
+                    let nr = r1 - r0;
+                    // The block's output accumulates in place, rescaled.
+                    let acc = &mut o[r0 * hs..r1 * hs];
+                    acc.fill(0.0);
+                    m[..nr].fill(f32::NEG_INFINITY);
+                    sum[..nr].fill(0.0);
+                    for (c0, c1) in blocks(t, KEYS).take_while(|(c0, _)| *c0 < r1) {
+                        // Keys past the block's last query are never live.
+                        let nc = c1.min(r1) - c0;
+                        // s = q[r0..r1]·k[c0..c1]ᵀ
+                        matmul_strided(
+                            nr,
+                            nc,
+                            hs,
+                            (s, nc),
+                            false,
+                            &qkv[qo + r0 * c3..],
+                            (c3, 1),
+                            &qkv[qo + c + c0 * c3..],
+                            (1, c3),
+                        );
+                        for i in 0..nr {
+                            let row = &mut s[i * nc..(i + 1) * nc];
+                            let (keys, masked) = row.split_at_mut(live(r0 + i, c0, nc));
+                            for v in keys.iter_mut() {
+                                *v *= scale;
+                            }
+                            let m_new = m[i].max(lanes::max(keys));
+                            for v in keys.iter_mut() {
+                                *v = exp_small((*v - m_new).max(-80.0));
+                            }
+                            masked.fill(0.0);
+                            let alpha = exp_small((m[i] - m_new).max(-80.0));
+                            sum[i] = sum[i] * alpha + lanes::sum(keys);
+                            m[i] = m_new;
+                            for x in &mut acc[i * hs..(i + 1) * hs] {
+                                *x *= alpha;
+                            }
+                        }
+                        // acc += p·v[c0..c1]
+                        matmul_strided(
+                            nr,
+                            hs,
+                            nc,
+                            (acc, hs),
+                            true,
+                            s,
+                            (nc, 1),
+                            &qkv[qo + 2 * c + c0 * c3..],
+                            (c3, 1),
+                        );
+                    }
+                    for i in 0..nr {
+                        let inv = 1.0 / sum[i];
+                        for x in &mut acc[i * hs..(i + 1) * hs] {
+                            *x *= inv;
+                        }
+                        l[r0 + i] = m[i] + sum[i].ln();
+                    }
+                }
+            })
+        });
+        let items = &items;
+        par::rows_mut(&mut out[..b * t * c], c, |r0, block| {
+            for (i, row) in block.chunks_exact_mut(c).enumerate() {
+                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+                for (h, dst) in row.chunks_exact_mut(hs).enumerate() {
+                    dst.copy_from_slice(&items[bi * nh + h].0[ti * hs..][..hs]);
+                }
+            }
+        });
+    })
+}
+
+/// Backward: `dqkv += ∂out/∂qkv · dout`, from the forward's `out` and `lse`.
+#[allow(clippy::too_many_arguments)]
+pub fn flash_backward(
+    dqkv: &mut [f32],
+    dout: &[f32],
+    qkv: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    b: usize,
+    t: usize,
+    c: usize,
+    nh: usize,
+) {
+    let _k = super::profile::span("flash_backward");
+    let hs = c / nh;
+    let scale = 1.0 / (hs as f32).sqrt();
+    let c3 = 3 * c;
+    scratch(&ITEMS, b * nh * 3 * t * hs, |grads| {
+        let mut items: Vec<&mut [f32]> = grads.chunks_mut(3 * t * hs).collect();
+        par::each_mut(&mut items, |k, item| {
+            let (bi, h) = (k / nh, k % nh);
+            item.fill(0.0);
+            let (dv, rest) = item.split_at_mut(t * hs);
+            let (dq, dk) = rest.split_at_mut(t * hs);
+            let qo = bi * t * c3 + h * hs;
+            let dof = bi * t * c + h * hs;
+            let l = &lse[(bi * nh + h) * t..][..t];
+            scratch(&TILE, 2 * BLOCK * KEYS + t, |buf| {
+                let (p, rest) = buf.split_at_mut(BLOCK * KEYS);
+                let (dp, d) = rest.split_at_mut(BLOCK * KEYS);
+                // D = Σ dO ⊙ O per row.
+                for (ti, di) in d.iter_mut().enumerate() {
+                    let (g, o) = (&dout[dof + ti * c..][..hs], &out[dof + ti * c..][..hs]);
+                    *di = lanes::dot(g, o);
+                }
+                for (c0, c1) in blocks(t, KEYS) {
+                    for (r0, r1) in blocks(t, BLOCK).skip_while(|(_, r1)| *r1 <= c0) {
+                        let (nr, nc) = (r1 - r0, c1.min(r1) - c0);
+                        // p = exp(q·kᵀ·scale − lse), zero above the diagonal.
+                        matmul_strided(
+                            nr,
+                            nc,
+                            hs,
+                            (p, nc),
+                            false,
+                            &qkv[qo + r0 * c3..],
+                            (c3, 1),
+                            &qkv[qo + c + c0 * c3..],
+                            (1, c3),
+                        );
+                        for i in 0..nr {
+                            let row = &mut p[i * nc..(i + 1) * nc];
+                            let (keys, masked) = row.split_at_mut(live(r0 + i, c0, nc));
+                            let li = l[r0 + i];
+                            for v in keys.iter_mut() {
+                                *v = exp_small((*v * scale - li).max(-80.0));
+                            }
+                            masked.fill(0.0);
+                        }
+                        // dv[c0..c1] += pᵀ·dout[r0..r1]
+                        matmul_strided(
+                            nc,
+                            hs,
+                            nr,
+                            (&mut dv[c0 * hs..], hs),
+                            true,
+                            p,
+                            (1, nc),
+                            &dout[dof + r0 * c..],
+                            (c, 1),
+                        );
+                        // dp = dout[r0..r1]·v[c0..c1]ᵀ
+                        matmul_strided(
+                            nr,
+                            nc,
+                            hs,
+                            (dp, nc),
+                            false,
+                            &dout[dof + r0 * c..],
+                            (c, 1),
+                            &qkv[qo + 2 * c + c0 * c3..],
+                            (1, c3),
+                        );
+                        // ds = p ⊙ (dp − D)·scale, into dp.
+                        for i in 0..nr {
+                            let di = d[r0 + i];
+                            let (pr, dr) = (&p[i * nc..][..nc], &mut dp[i * nc..][..nc]);
+                            for (g, &x) in dr.iter_mut().zip(pr) {
+                                *g = x * (*g - di) * scale;
+                            }
+                        }
+                        // dq[r0..r1] += ds·k[c0..c1]
+                        matmul_strided(
+                            nr,
+                            hs,
+                            nc,
+                            (&mut dq[r0 * hs..], hs),
+                            true,
+                            dp,
+                            (nc, 1),
+                            &qkv[qo + c + c0 * c3..],
+                            (c3, 1),
+                        );
+                        // dk[c0..c1] += dsᵀ·q[r0..r1]
+                        matmul_strided(
+                            nc,
+                            hs,
+                            nr,
+                            (&mut dk[c0 * hs..], hs),
+                            true,
+                            dp,
+                            (1, nc),
+                            &qkv[qo + r0 * c3..],
+                            (c3, 1),
+                        );
+                    }
+                }
+            })
+        });
+        let items = &items;
+        par::rows_mut(&mut dqkv[..b * t * c3], c3, |r0, block| {
+            for (i, row) in block.chunks_exact_mut(c3).enumerate() {
+                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+                for (part, dst) in row.chunks_exact_mut(hs).enumerate() {
+                    let (which, h) = (part / nh, part % nh);
+                    let item = &items[bi * nh + h];
+                    let src = &item[[1, 2, 0][which] * t * hs..][..t * hs];
+                    for (x, y) in dst.iter_mut().zip(&src[ti * hs..][..hs]) {
+                        *x += y;
+                    }
+                }
+            }
+        });
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::attention::{attention_backward, attention_forward};
+    use super::*;
+
+    /// Deterministic values in about ±2 (a scale where softmax is peaked).
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).max(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32 - 0.5) * 4.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn equals_the_probability_keeping_kernel_forward_and_backward() {
+        // Lengths off the tiles (1, 63, 65, 150), on them (128), and over
+        // several key tiles (600), with heads of 16.
+        for (b, t, c, nh) in [
+            (1, 1, 32, 2),
+            (2, 63, 64, 4),
+            (1, 65, 32, 2),
+            (2, 150, 64, 4),
+            (1, 128, 48, 3),
+            (1, 600, 32, 2),
+        ] {
+            let qkv = values(b * t * 3 * c, t as u32);
+            let dout = values(b * t * c, 7 + t as u32);
+            let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
+            attention_forward(&mut out, &mut att, &qkv, b, t, c, nh);
+            let (mut fout, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
+            flash_forward(&mut fout, &mut lse, &qkv, b, t, c, nh);
+            let close = |what: &str, x: &[f32], y: &[f32], tol: f32| {
+                for (i, (a, e)) in x.iter().zip(y).enumerate() {
+                    assert!(
+                        (a - e).abs() <= tol * (1.0 + e.abs()),
+                        "T {t}: {what}[{i}] {a} vs {e}"
+                    );
+                }
+            };
+            close("out", &fout, &out, 1e-5);
+            // The log-sum-exp gives back each kept probability.
+            let hs = c / nh;
+            let scale = 1.0 / (hs as f32).sqrt();
+            let (bi, h, ti) = (b - 1, nh - 1, t - 1);
+            let q = &qkv[bi * t * 3 * c + ti * 3 * c + h * hs..][..hs];
+            let k0 = &qkv[bi * t * 3 * c + c + h * hs..][..hs];
+            let p0 = ((lanes::dot(q, k0) * scale) - lse[(bi * nh + h) * t + ti]).exp();
+            close(
+                "p[last, 0]",
+                &[p0],
+                &[att[(bi * nh + h) * t * t + ti * t]],
+                1e-5,
+            );
+            let mut want = vec![0.5; b * t * 3 * c];
+            let mut got = want.clone();
+            attention_backward(&mut want, &dout, &qkv, &att, b, t, c, nh);
+            flash_backward(&mut got, &dout, &qkv, &fout, &lse, b, t, c, nh);
+            close("dqkv", &got, &want, 1e-4);
+        }
+    }
+}
