@@ -238,17 +238,16 @@ fn a_first_runs_rough_edges_read_cleanly() {
         &["train", "--precision", "fp8"],
         "unknown precision `fp8`: choose one of fp32, bf16",
     );
+    let bf16_reduce = h.join("bf16-reduce.toml");
+    std::fs::write(
+        &bf16_reduce,
+        "model = \"tiny\"\ndevices = 2\n[[strategy]]\nname = \"dp\"\n\
+         [precision]\nparams = \"bf16\"\nreduce = \"bf16\"\n",
+    )
+    .unwrap();
     check(
-        &[
-            "train",
-            "--precision",
-            "bf16",
-            "--devices",
-            "2",
-            "--strategy",
-            "zero:stage=1",
-        ],
-        "precision bf16 (fp32 reduce, fp32 master): ZeRO (`zero`) cannot train in bf16 yet",
+        &["train", "--config", bf16_reduce.to_str().unwrap()],
+        "precision params bf16, reduce bf16, master fp32: a bf16 gradient reduction (reduce = \"bf16\") cannot train in bf16 yet",
     );
     let missing = h.join("no-such-corpus.txt");
     let err = check(

@@ -82,6 +82,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let (b, s) = (cfg.precision.act_bytes() as f64, F32_BYTES as f64);
     let hidden = n * d * b; // one (tokens × d_model) tensor
     let attn_flops = 4.0 * n * t * d; // QKᵀ and AV
+    let (p, recompute) = probs(cfg, h, t, b, s, 0.5 * attn_flops);
     let (fwd, wgrad_share, saved, stash, act_in, act_out) = match part {
         Part::Embedding => (
             n * d,
@@ -95,8 +96,9 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             2.0 * n * 12.0 * d * d + attn_flops,
             0.5,
             // x, ln1, qkv, attention out, residual, ln2, fc, gelu (15 d),
-            // attention probabilities (h t), layernorm mean/rstd ×2
-            (15.0 * d + h * t) * n * b + 4.0 * n * s,
+            // attention probabilities (h t; or the log-sum-exp), layernorm
+            // mean/rstd ×2
+            (15.0 * d + p) * n * b + 4.0 * n * s,
             // weight pass: x, ln1, attention out, residual, ln2, gelu (9 d)
             // + mean/rstd ×2, and the gradients of out, fc, ln2, residual,
             // qkv, ln1 (11 d)
@@ -108,7 +110,7 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             2.0 * n * 4.0 * d * d + attn_flops,
             0.5,
             // x, ln1, qkv, attention out (6 d), probabilities, mean/rstd
-            (6.0 * d + h * t) * n * b + 2.0 * n * s,
+            (6.0 * d + p) * n * b + 2.0 * n * s,
             // weight pass: x, ln1, attention out + mean/rstd, and the
             // gradients of out, qkv, ln1 (5 d)
             8.0 * d * n * b + 2.0 * n * s,
@@ -144,15 +146,36 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     // Selective recompute drops the layernorm outputs, the attention
     // probabilities and GELU's output, and reruns the attention core.
     let (dropped, rerun) = match part {
-        Part::Block(_) => ((6.0 * d + h * t) * n * b, attn_flops),
-        Part::Attention(_) => ((d + h * t) * n * b, attn_flops),
+        Part::Block(_) => ((6.0 * d + p) * n * b, attn_flops),
+        Part::Attention(_) => ((d + p) * n * b, attn_flops),
         _ => (0.0, 0.0),
     };
-    selective(
+    let pc = selective(
         finish(cfg, part, (fwd, wgrad_share, saved, stash, act_in, act_out)),
         dropped,
         rerun,
-    )
+    );
+    with_recompute(pc, part, recompute)
+}
+
+/// What the attention core keeps a token for its backward, in activation
+/// elements, and the FLOPs its backward adds: the probabilities (`h·t`),
+/// or with the memory-efficient kernel one fp32 log-sum-exp a head (`h·s/b`)
+/// and the scores' product computed again (`qk`, half the core's FLOPs).
+fn probs(cfg: &ModelConfig, h: f64, t: f64, b: f64, s: f64, qk: f64) -> (f64, f64) {
+    match cfg.flash_attention() {
+        true => (h * s / b, qk),
+        false => (h * t, 0.0),
+    }
+}
+
+/// An attention part's backward with the memory-efficient kernel's
+/// recomputed scores.
+fn with_recompute(mut pc: PartCost, part: Part, flops: f64) -> PartCost {
+    if matches!(part, Part::Block(_) | Part::Attention(_)) {
+        pc.bwd_flops += flops;
+    }
+    pc
 }
 
 /// A part's cost with what selective recompute drops and reruns.
@@ -206,12 +229,15 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let (b, s) = (cfg.precision.act_bytes() as f64, F32_BYTES as f64);
     let hidden = n * d * b;
     let qk = if a.qk_norm { 1.0 } else { 0.0 };
+    let core = 4.0 * n * t * qw;
+    let (p, recompute) = probs(cfg, h, t, b, s, 0.5 * core);
     // Attention half: projections, QKᵀ and AV, rotary and norms.
-    let attn_fwd = 2.0 * n * d * (2.0 * qw + 2.0 * kvw) + 4.0 * n * t * qw;
+    let attn_fwd = 2.0 * n * d * (2.0 * qw + 2.0 * kvw) + core;
     // x, norm out, rstd; q, k before their norms and their rstds (qk_norm);
-    // the packed rotated q/k/v (3 qw), probabilities (h t), attention out.
+    // the packed rotated q/k/v (3 qw), probabilities (h t; or the
+    // log-sum-exp), attention out.
     let attn_saved =
-        (2.0 * d + qk * (qw + kvw) + 4.0 * qw + h * t) * n * b + (1.0 + qk * (h + kvh)) * n * s;
+        (2.0 * d + qk * (qw + kvw) + 4.0 * qw + p) * n * b + (1.0 + qk * (h + kvh)) * n * s;
     // weight pass: x, norm out, rstd, attention out (+ q/k and rstds); the
     // gradients of out, q, k, v, norm out (+ q/k after their norms).
     let attn_stash =
@@ -261,17 +287,17 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
     let share = if part == Part::Embedding { 1.0 } else { 0.5 };
     // Selective recompute drops the norm outputs, the probabilities and
     // SwiGLU's output, and reruns the attention core.
-    let core = 4.0 * n * t * qw;
     let (dropped, rerun) = match part {
-        Part::Block(_) => ((2.0 * d + h * t + hid) * n * b, core),
-        Part::Attention(_) => ((d + h * t) * n * b, core),
+        Part::Block(_) => ((2.0 * d + p + hid) * n * b, core),
+        Part::Attention(_) => ((d + p) * n * b, core),
         _ => (0.0, 0.0),
     };
-    selective(
+    let pc = selective(
         finish(cfg, part, (fwd, share, saved, stash, act_in, act_out)),
         dropped,
         rerun,
-    )
+    );
+    with_recompute(pc, part, recompute)
 }
 
 /// How an expert segment's work divides between the phases `shard` splits

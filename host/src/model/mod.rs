@@ -198,11 +198,40 @@ pub struct ModelConfig {
     /// LayerNorm always uses 1e-5.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub norm_eps: Option<f64>,
+    /// Which attention kernel trains it: `auto` (default), `probs` or
+    /// `flash` (see [`Attention`]).
+    #[serde(default, skip_serializing_if = "Attention::is_auto")]
+    pub attention: Attention,
     /// The run's precision policy: a run setting (`--precision`, the run
     /// config's `[precision]` table), not a model file's, carried here
     /// because every byte figure of the flow follows it.
     #[serde(skip)]
     pub precision: Precision,
+}
+
+/// The attention kernel: the one that keeps each head's T×T probabilities
+/// for the backward (`probs`), or the memory-efficient one that keeps a
+/// log-sum-exp a row and recomputes them (`flash`, FlashAttention's
+/// algorithm: O(T) memory a head, a fifth more FLOPs in the backward).
+/// `auto` takes `probs` up to [`Attention::AUTO_FLASH_ABOVE`] tokens (on the
+/// CPU it is the faster: flash runs at 0.72–0.89 of its speed there) and
+/// `flash` beyond, where the probabilities outgrow everything else a
+/// layer keeps (Llama-3-8B at 8192: 4 GiB a layer and sequence in bf16).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Attention {
+    #[default]
+    Auto,
+    Probs,
+    Flash,
+}
+
+impl Attention {
+    /// Sequences longer than this train with `flash` under `auto`.
+    pub const AUTO_FLASH_ABOVE: u32 = 1024;
+    pub fn is_auto(&self) -> bool {
+        *self == Attention::Auto
+    }
 }
 
 /// What a TOML file leaves out: the serde defaults (`custom`, one layer
@@ -229,6 +258,7 @@ impl Default for ModelConfig {
             tie_embeddings: None,
             qk_norm: false,
             norm_eps: None,
+            attention: Attention::Auto,
             precision: Precision::FP32,
         }
     }
@@ -416,6 +446,16 @@ impl ModelConfig {
 
     /// Check that the numbers describe a model that can be built: every
     /// count at least 1 and at most its cap, products that fit.
+    /// Does the memory-efficient attention kernel train this model (see
+    /// [`Attention`])?
+    pub fn flash_attention(&self) -> bool {
+        match self.attention {
+            Attention::Flash => true,
+            Attention::Probs => false,
+            Attention::Auto => self.seq_len > Attention::AUTO_FLASH_ABOVE,
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ModelError> {
         self.precision.check().map_err(|m| self.invalid(m))?;
         for (field, v) in [

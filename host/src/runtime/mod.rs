@@ -443,10 +443,24 @@ impl Trainer {
         if let Some(what) = bf16_not_built(&plan, opts.backend) {
             return Err(RuntimeError::Plan(format!(
                 "precision {}: {what} cannot train in bf16 yet; bf16 trains on the CPU \
-                 backend on one device, with pipelines, plain data parallelism (`dp`) and \
-                 tensor parallelism (`tp`), and every layout plans, simulates and searches \
-                 in bf16",
+                 backend under every bundled strategy, and every layout plans, simulates \
+                 and searches in bf16",
                 plan.precision
+            )));
+        }
+        if cfg.flash_attention() && !matches!(opts.backend, backend::BackendKind::Cpu) {
+            return Err(RuntimeError::Plan(format!(
+                "model `{}`: the memory-efficient attention kernel (attention = \"{}\"; \
+                 `auto` takes it above {} tokens, this model has {}) is not built for the {} \
+                 backend yet; set attention = \"probs\" in the model file",
+                cfg.name,
+                match cfg.attention {
+                    crate::model::Attention::Flash => "flash",
+                    _ => "auto",
+                },
+                crate::model::Attention::AUTO_FLASH_ABOVE,
+                cfg.seq_len,
+                opts.backend.name()
             )));
         }
         crate::compile::check_deadlock(&plan.devices)

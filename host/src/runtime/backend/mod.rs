@@ -519,6 +519,33 @@ pub trait Backend: Send + Sync + Sized + 'static {
         c: usize,
         nh: usize,
     );
+    /// Memory-efficient causal attention (FlashAttention's algorithm):
+    /// `out[b,t,c]` and each row's log-sum-exp of its scaled scores
+    /// `lse[b,nh,t]` (fp32), never the probabilities.
+    fn flash_attention_forward(
+        &self,
+        out: &mut Self::Tensor,
+        lse: &mut Self::Tensor,
+        qkv: &Self::Tensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
+    /// Accumulates `dqkv += ∂out/∂qkv · dout` from the forward's `out` and
+    /// `lse`, recomputing the probabilities.
+    fn flash_attention_backward(
+        &self,
+        dqkv: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        qkv: &Self::Tensor,
+        out: &Self::Tensor,
+        lse: &Self::Tensor,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    );
     /// Grouped-query attention's packed input: `qkv[n, 3·nh·hd]` from
     /// `q[n, nh·hd]` and `k`, `v[n, kvh·hd]`, query head `h` reading kv head
     /// `h / (nh / kvh)`.

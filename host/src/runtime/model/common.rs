@@ -31,6 +31,10 @@ pub struct Dims {
     pub sp: bool,
     /// The architecture (the Llama family's shapes and constants).
     pub arch: Arch,
+    /// The memory-efficient attention kernel (see [`crate::model::Attention`]):
+    /// attention keeps a log-sum-exp `[b, heads, t]` (fp32) instead of the
+    /// probabilities.
+    pub flash: bool,
 }
 
 impl Dims {
@@ -45,6 +49,7 @@ impl Dims {
             tp: 1,
             sp: false,
             arch: cfg.arch(),
+            flash: cfg.flash_attention(),
         }
     }
     pub fn n(&self) -> usize {
@@ -183,6 +188,49 @@ impl<'a, B: Backend> Model<'a, B> {
     /// `n` zeros in the activation dtype.
     pub(super) fn zeros(&self, n: usize) -> Result<B::Tensor, BackendError> {
         self.b.zeros_as(n, self.act)
+    }
+
+    /// Causal attention of `nh` heads of `qkv[b·t, 3c]` into `out[b·t, c]`;
+    /// what its backward reads besides them: the probabilities, or with
+    /// `dims.flash` the rows' log-sum-exp (fp32).
+    pub(super) fn attention(
+        &self,
+        out: &mut B::Tensor,
+        qkv: &B::Tensor,
+        (b, t, c, nh): (usize, usize, usize, usize),
+        flash: bool,
+    ) -> Result<B::Tensor, BackendError> {
+        if flash {
+            let mut lse = self.b.zeros(b * nh * t)?;
+            self.b
+                .flash_attention_forward(out, &mut lse, qkv, b, t, c, nh);
+            return Ok(lse);
+        }
+        let mut att = self.zeros(b * nh * t * t)?;
+        self.b.attention_forward(out, &mut att, qkv, b, t, c, nh);
+        Ok(att)
+    }
+
+    /// [`Model::attention`]'s backward: `dqkv += ∂out/∂qkv · dout`, from
+    /// what it kept (`kept`) and its output.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_backward(
+        &self,
+        dqkv: &mut B::Tensor,
+        dout: &B::Tensor,
+        qkv: &B::Tensor,
+        (out, kept): (&B::Tensor, &B::Tensor),
+        (b, t, c, nh): (usize, usize, usize, usize),
+        flash: bool,
+    ) {
+        match flash {
+            true => self
+                .b
+                .flash_attention_backward(dqkv, dout, qkv, out, kept, b, t, c, nh),
+            false => self
+                .b
+                .attention_backward(dqkv, dout, qkv, kept, b, t, c, nh),
+        }
     }
 
     /// The linear layer `(W, b)` on `inp[n, ic]`: `inp · Wᵀ (+ b)`, `[n, oc]`.

@@ -118,11 +118,8 @@ impl<B: Backend> Model<'_, B> {
             let ln1 = self.table.layer(a.layer).attn.ln1;
             (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
         }
-        let mut att = self.zeros(b * nhl * t * t)?;
         let mut atty = self.zeros(n * cl)?;
-        self.b
-            .attention_forward(&mut atty, &mut att, &a.qkv, b, t, cl, nhl);
-        a.att = att;
+        a.att = self.attention(&mut atty, &a.qkv, (b, t, cl, nhl), dims.flash)?;
         Ok(())
     }
 
@@ -166,10 +163,8 @@ impl<B: Backend> Model<'_, B> {
         let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, dims.rows(), c)?;
         let ln1_out = self.gathered_norm(ln1_out, dims.sp, reduce.as_deref_mut())?;
         let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
-        let mut att = self.zeros(b * nhl * t * t)?;
         let mut atty = self.zeros(n * cl)?;
-        self.b
-            .attention_forward(&mut atty, &mut att, &qkv_out, b, t, cl, nhl);
+        let att = self.attention(&mut atty, &qkv_out, (b, t, cl, nhl), dims.flash)?;
         let x2 = self.onto_residual(
             params,
             (proj.weight, Some(proj.bias)),
@@ -282,8 +277,9 @@ impl<B: Backend> Model<'_, B> {
             false,
         );
         let mut dqkv = self.zeros(n * 3 * cl)?;
-        self.b
-            .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, cl, nhl);
+        let shape = (b, t, cl, nhl);
+        let kept = (&k.atty, &k.att);
+        self.attention_backward(&mut dqkv, &datty, &k.qkv, kept, shape, dims.flash);
         let mut dln1 = self.zeros(n * c)?;
         self.b.matmul_backward_input(
             &mut dln1,

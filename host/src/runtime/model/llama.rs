@@ -257,10 +257,8 @@ impl<B: Backend> Model<'_, B> {
         let mut qkv = self.zeros(n * 3 * qw)?;
         self.b.qkv_pack(&mut qkv, &q, &k, &v, n, lc.nh, lc.kvh, hd);
         drop((q, k, v));
-        let mut att = self.zeros(b * lc.nh * t * t)?;
         let mut atty = self.zeros(n * qw)?;
-        self.b
-            .attention_forward(&mut atty, &mut att, &qkv, b, t, qw, lc.nh);
+        let att = self.attention(&mut atty, &qkv, (b, t, qw, lc.nh), dims.flash)?;
         let shape = (n, qw, c);
         let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, shape, dims.sp, reduce)?;
         Ok((
@@ -298,11 +296,8 @@ impl<B: Backend> Model<'_, B> {
         if !dims.sp {
             (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
         }
-        let mut att = self.zeros(b * lc.nh * t * t)?;
         let mut atty = self.zeros(n * qw)?;
-        self.b
-            .attention_forward(&mut atty, &mut att, &a.qkv, b, t, qw, lc.nh);
-        a.att = att;
+        a.att = self.attention(&mut atty, &a.qkv, (b, t, qw, lc.nh), dims.flash)?;
         Ok(())
     }
 
@@ -382,8 +377,9 @@ impl<B: Backend> Model<'_, B> {
         self.b
             .matmul_backward_input(&mut datty, dsrc, param(params, ids.o)?, n, qw, c, false);
         let mut dqkv = self.zeros(n * 3 * qw)?;
-        self.b
-            .attention_backward(&mut dqkv, &datty, &k.qkv, &k.att, b, t, qw, lc.nh);
+        let shape = (b, t, qw, lc.nh);
+        let kept = (&k.atty, &k.att);
+        self.attention_backward(&mut dqkv, &datty, &k.qkv, kept, shape, dims.flash);
         drop(datty);
         let (mut dq, mut dk, mut dv) = (
             self.zeros(n * qw)?,

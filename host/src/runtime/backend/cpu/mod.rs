@@ -457,6 +457,34 @@ impl Backend for Cpu {
         let (dout, qkv, att) = (dout.f32(), qkv.f32(), att.f32());
         dqkv.with_f32(|d| attention::attention_backward(d, &dout, &qkv, &att, b, t, c, nh))
     }
+    fn flash_attention_forward(
+        &self,
+        out: &mut T,
+        lse: &mut T,
+        qkv: &T,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        let qkv = qkv.f32();
+        out.with_f32(|o| lse.with_f32(|l| flash::flash_forward(o, l, &qkv, b, t, c, nh)))
+    }
+    fn flash_attention_backward(
+        &self,
+        dqkv: &mut T,
+        dout: &T,
+        qkv: &T,
+        out: &T,
+        lse: &T,
+        b: usize,
+        t: usize,
+        c: usize,
+        nh: usize,
+    ) {
+        let (dout, qkv, out, lse) = (dout.f32(), qkv.f32(), out.f32(), lse.f32());
+        dqkv.with_f32(|d| flash::flash_backward(d, &dout, &qkv, &out, &lse, b, t, c, nh))
+    }
 
     fn qkv_pack(
         &self,

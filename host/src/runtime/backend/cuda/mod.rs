@@ -262,6 +262,11 @@ fn i32n(n: usize) -> i32 {
 }
 
 /// The CUDA backend stores fp32 only so far.
+/// The runtime refuses a plan that needs it before a step; this is the
+/// backstop.
+const FLASH_NOT_BUILT: &str =
+    "the memory-efficient attention kernel is not built for CUDA yet (set the model's attention = \"probs\")";
+
 fn bf16_not_built() -> BackendError {
     BackendError::Device("bf16 storage is not built in the CUDA backend yet (fp32 only)".into())
 }
@@ -1038,6 +1043,32 @@ impl Backend for Cuda {
         );
     }
 
+    fn flash_attention_forward(
+        &self,
+        _out: &mut GpuTensor,
+        _lse: &mut GpuTensor,
+        _qkv: &GpuTensor,
+        _b: usize,
+        _t: usize,
+        _c: usize,
+        _nh: usize,
+    ) {
+        self.fail("flash_attention_forward", FLASH_NOT_BUILT);
+    }
+    fn flash_attention_backward(
+        &self,
+        _dqkv: &mut GpuTensor,
+        _dout: &GpuTensor,
+        _qkv: &GpuTensor,
+        _out: &GpuTensor,
+        _lse: &GpuTensor,
+        _b: usize,
+        _t: usize,
+        _c: usize,
+        _nh: usize,
+    ) {
+        self.fail("flash_attention_backward", FLASH_NOT_BUILT);
+    }
     fn qkv_pack(
         &self,
         qkv: &mut GpuTensor,
