@@ -448,21 +448,6 @@ impl Trainer {
                 plan.precision
             )));
         }
-        if cfg.flash_attention() && !matches!(opts.backend, backend::BackendKind::Cpu) {
-            return Err(RuntimeError::Plan(format!(
-                "model `{}`: the memory-efficient attention kernel (attention = \"{}\"; \
-                 `auto` takes it above {} tokens, this model has {}) is not built for the {} \
-                 backend yet; set attention = \"probs\" in the model file",
-                cfg.name,
-                match cfg.attention {
-                    crate::model::Attention::Flash => "flash",
-                    _ => "auto",
-                },
-                crate::model::Attention::AUTO_FLASH_ABOVE,
-                cfg.seq_len,
-                opts.backend.name()
-            )));
-        }
         crate::compile::check_deadlock(&plan.devices)
             .map_err(|e| RuntimeError::Plan(e.to_string()))?;
         let table = Arc::new(ParamTable::new(cfg));

@@ -422,6 +422,44 @@ fn layer_kernels<R: Backend, B: Backend>(
         |g| g.attention_backward(&mut dqkv.b, &dout.b, &qkv.b, &att.b, bb, t, c, nh),
     )?;
     k.record("attention_backward", FP32, &[&dqkv])?;
+    // The memory-efficient kernel on the same inputs (the CPU's tiles of
+    // 64 queries: t = 70 crosses one).
+    let (mut fl_out, mut lse) = (k.pair(&vec![0.0; n * c])?, k.pair(&vec![0.0; bb * nh * t])?);
+    k.run(
+        |r| r.flash_attention_forward(&mut fl_out.r, &mut lse.r, &qkv.r, bb, t, c, nh),
+        |g| g.flash_attention_forward(&mut fl_out.b, &mut lse.b, &qkv.b, bb, t, c, nh),
+    )?;
+    k.record("flash_attention_forward", FP32, &[&fl_out, &lse])?;
+    let mut fl_dqkv = k.pair(&rng.vec(n * 3 * c, 0.5))?;
+    k.run(
+        |r| {
+            r.flash_attention_backward(
+                &mut fl_dqkv.r,
+                &dout.r,
+                &qkv.r,
+                &fl_out.r,
+                &lse.r,
+                bb,
+                t,
+                c,
+                nh,
+            )
+        },
+        |g| {
+            g.flash_attention_backward(
+                &mut fl_dqkv.b,
+                &dout.b,
+                &qkv.b,
+                &fl_out.b,
+                &lse.b,
+                bb,
+                t,
+                c,
+                nh,
+            )
+        },
+    )?;
+    k.record("flash_attention_backward", FP32, &[&fl_dqkv])?;
 
     // Elementwise.
     let mut ge = k.pair(&vec![0.0; n * c])?;

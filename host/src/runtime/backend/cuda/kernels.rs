@@ -213,6 +213,9 @@ pub struct Kernels {
     pub attention_split_backward: CudaFunction,
     pub causal_softmax: CudaFunction,
     pub causal_softmax_backward: CudaFunction,
+    pub flash_forward: CudaFunction,
+    pub flash_backward_dq: CudaFunction,
+    pub flash_backward_dkv: CudaFunction,
     pub moe_softmax_rows: CudaFunction,
     pub moe_gather_rows: CudaFunction,
     pub moe_scatter_add_rows: CudaFunction,
@@ -269,6 +272,9 @@ impl Kernels {
             attention_split_backward: f("attention", "attention_split_backward")?,
             causal_softmax: f("attention", "causal_softmax")?,
             causal_softmax_backward: f("attention", "causal_softmax_backward")?,
+            flash_forward: f("attention", "flash_forward")?,
+            flash_backward_dq: f("attention", "flash_backward_dq")?,
+            flash_backward_dkv: f("attention", "flash_backward_dkv")?,
             moe_softmax_rows: f("moe", "moe_softmax_rows")?,
             moe_gather_rows: f("moe", "moe_gather_rows")?,
             moe_scatter_add_rows: f("moe", "moe_scatter_add_rows")?,
@@ -341,7 +347,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 40);
+        assert_eq!(kernels, 2 * 43);
     }
 
     /// One kernel as ptxas assembled it.
@@ -437,7 +443,7 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(kernels, 2 * 40);
+        assert_eq!(kernels, 2 * 43);
     }
 
     /// The report's parser reads registers and spills per entry.
@@ -490,7 +496,7 @@ ptxas info    : Used 18 registers, used 1 barriers\n";
                 }
             }
         }
-        assert_eq!(kernels, 2 * 40);
+        assert_eq!(kernels, 2 * 43);
         let e = compile_cubin(
             "broken",
             "extern \"C\" __global__ void f(float* x) { x[0] = y; }",

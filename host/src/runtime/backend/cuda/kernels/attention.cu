@@ -152,3 +152,136 @@ extern "C" __global__ void qkv_unpack_backward(float* dq, float* dk, float* dv, 
         }
     }
 }
+
+// Memory-efficient causal attention (the CPU's `cpu::flash`, as a row per
+// block): nothing T x T is stored. Each kernel takes one row (a query, or
+// a key) of one (sequence, head) per block of BLOCK threads; the other
+// side's rows go by in chunks of BLOCK, a thread per row computing its
+// score from q and k in global memory, the chunk's probabilities (and
+// their gradients) in shared memory, then a thread per channel (hs <=
+// BLOCK, checked by the caller) adding the chunk into its sum. Sums run in
+// a fixed order: the same bits every run.
+
+// scale * q_i . k_j of head h of sequence bi.
+__device__ float flash_score(const float* qkv, int bi, int h, int i, int j, int t, int c, int hs,
+                             float scale) {
+    const float* q = qkv + ((i64)bi * t + i) * 3 * c + h * hs;
+    const float* k = qkv + ((i64)bi * t + j) * 3 * c + c + h * hs;
+    float s = 0.0f;
+    for (int d = 0; d < hs; d++) s += q[d] * k[d];
+    return s * scale;
+}
+
+// dO_i . v_j, or dO_i . O_i with `v` = out.
+__device__ float flash_dot(const float* a, const float* b, int hs) {
+    float s = 0.0f;
+    for (int d = 0; d < hs; d++) s += a[d] * b[d];
+    return s;
+}
+
+// out[b,t,c] and lse[b,nh,t]: a block per (sequence, head, query).
+extern "C" __global__ void flash_forward(float* out, float* lse, const float* qkv, int t, int nh,
+                                         int hs) {
+    __shared__ float p[BLOCK];
+    i64 row = blockIdx.x;
+    int i = (int)(row % t), bh = (int)(row / t), bi = bh / nh, h = bh % nh, c = nh * hs;
+    float scale = 1.0f / sqrtf((float)hs);
+    float mx = NEG_INF;
+    for (int j = threadIdx.x; j <= i; j += BLOCK)
+        mx = fmaxf(mx, flash_score(qkv, bi, h, i, j, t, c, hs, scale));
+    mx = block_max(mx);
+    float s = 0.0f;
+    for (int j = threadIdx.x; j <= i; j += BLOCK)
+        s += exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) - mx, -80.0f));
+    float l = mx + logf(block_sum(s));
+    float acc = 0.0f;
+    for (int j0 = 0; j0 <= i; j0 += BLOCK) {
+        int j = j0 + threadIdx.x;
+        p[threadIdx.x] =
+            j <= i ? exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) - l, -80.0f))
+                   : 0.0f;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, i + 1 - j0);
+            for (int jj = 0; jj < n; jj++)
+                acc += p[jj] * qkv[((i64)bi * t + j0 + jj) * 3 * c + 2 * c + h * hs + threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) out[((i64)bi * t + i) * c + h * hs + threadIdx.x] = acc;
+    if (threadIdx.x == 0) lse[row] = l;
+}
+
+// dqkv's query part += dq_i: a block per (sequence, head, query).
+extern "C" __global__ void flash_backward_dq(float* dqkv, const float* dout, const float* qkv,
+                                             const float* out, const float* lse, int t, int nh,
+                                             int hs) {
+    __shared__ float ds[BLOCK];
+    i64 row = blockIdx.x;
+    int i = (int)(row % t), bh = (int)(row / t), bi = bh / nh, h = bh % nh, c = nh * hs;
+    float scale = 1.0f / sqrtf((float)hs);
+    const float* g = dout + ((i64)bi * t + i) * c + h * hs;
+    float dd = flash_dot(g, out + ((i64)bi * t + i) * c + h * hs, hs);
+    float l = lse[row];
+    float acc = 0.0f;
+    for (int j0 = 0; j0 <= i; j0 += BLOCK) {
+        int j = j0 + threadIdx.x;
+        float v = 0.0f;
+        if (j <= i) {
+            float pj = exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) - l, -80.0f));
+            float dp = flash_dot(g, qkv + ((i64)bi * t + j) * 3 * c + 2 * c + h * hs, hs);
+            v = pj * (dp - dd) * scale;
+        }
+        ds[threadIdx.x] = v;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, i + 1 - j0);
+            for (int jj = 0; jj < n; jj++)
+                acc += ds[jj] * qkv[((i64)bi * t + j0 + jj) * 3 * c + c + h * hs + threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) dqkv[((i64)bi * t + i) * 3 * c + h * hs + threadIdx.x] += acc;
+}
+
+// dqkv's key and value parts += dk_j, dv_j: a block per (sequence, head, key).
+extern "C" __global__ void flash_backward_dkv(float* dqkv, const float* dout, const float* qkv,
+                                              const float* out, const float* lse, int t, int nh,
+                                              int hs) {
+    __shared__ float p[BLOCK];
+    __shared__ float ds[BLOCK];
+    i64 row = blockIdx.x;
+    int j = (int)(row % t), bh = (int)(row / t), bi = bh / nh, h = bh % nh, c = nh * hs;
+    float scale = 1.0f / sqrtf((float)hs);
+    const float* vj = qkv + ((i64)bi * t + j) * 3 * c + 2 * c + h * hs;
+    float dk = 0.0f, dv = 0.0f;
+    for (int i0 = j; i0 < t; i0 += BLOCK) {
+        int i = i0 + threadIdx.x;
+        float pi = 0.0f, dsi = 0.0f;
+        if (i < t) {
+            const float* g = dout + ((i64)bi * t + i) * c + h * hs;
+            float dd = flash_dot(g, out + ((i64)bi * t + i) * c + h * hs, hs);
+            pi = exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) -
+                                     lse[(i64)bh * t + i],
+                                 -80.0f));
+            dsi = pi * (flash_dot(g, vj, hs) - dd) * scale;
+        }
+        p[threadIdx.x] = pi;
+        ds[threadIdx.x] = dsi;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, t - i0);
+            for (int ii = 0; ii < n; ii++) {
+                i64 at = ((i64)bi * t + i0 + ii);
+                dk += ds[ii] * qkv[at * 3 * c + h * hs + threadIdx.x];
+                dv += p[ii] * dout[at * c + h * hs + threadIdx.x];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) {
+        i64 at = ((i64)bi * t + j) * 3 * c + h * hs + threadIdx.x;
+        dqkv[at + c] += dk;
+        dqkv[at + 2 * c] += dv;
+    }
+}
