@@ -1484,3 +1484,135 @@ fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit(
     );
     let _ = std::fs::remove_dir_all(&h);
 }
+
+/// Every `piper …` command the README and the docs show (in code blocks,
+/// and in inline code that names a command) parses with this CLI: a
+/// renamed flag or subcommand fails here, naming the file and line.
+/// Placeholders (`DIR`, `N`, `<…>`, `…`) are left out, and prose may name a
+/// command without its required arguments (`piper plugin new`).
+#[test]
+fn every_piper_command_in_the_docs_parses() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = vec![root.join("README.md")];
+    for e in std::fs::read_dir(root.join("docs")).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "md") {
+            files.push(p);
+        }
+    }
+    let (mut checked, mut failed) = (0, Vec::new());
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        for (line, cmd, inline) in doc_commands(&text) {
+            let Some(args) = shell_words(&cmd) else {
+                continue;
+            };
+            let at = args.iter().position(|a| a == "piper").unwrap();
+            let args = &args[at..];
+            let placeholder = |a: &String| {
+                a.contains('…')
+                    || a.contains("...")
+                    || a.contains('<')
+                    || a.contains('[')
+                    || a.contains('|')
+                    || (a.len() > 1 && a.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+            };
+            if args.iter().any(placeholder) {
+                continue;
+            }
+            checked += 1;
+            if let Err(e) = piper::cli::parses(args) {
+                let fragment = e.contains("required arguments were not provided")
+                    || e.contains("a value is required");
+                if inline && fragment {
+                    continue;
+                }
+                let first = e.lines().next().unwrap_or("").to_string();
+                failed.push(format!(
+                    "{}:{line}: `{}`: {first}",
+                    f.display(),
+                    args.join(" ")
+                ));
+            }
+        }
+    }
+    assert!(checked > 40, "only {checked} commands found");
+    assert!(
+        failed.is_empty(),
+        "{} of {checked} commands do not parse:\n{}",
+        failed.len(),
+        failed.join("\n")
+    );
+}
+
+/// `(line, command, inline)` of each `piper` command: the lines of shell
+/// code blocks (continuations joined, comments dropped) and inline code
+/// spans that start with `piper ` and a subcommand.
+fn doc_commands(text: &str) -> Vec<(usize, String, bool)> {
+    let mut out = Vec::new();
+    let (mut in_code, mut shell, mut pending): (bool, bool, Option<(usize, String)>) =
+        (false, false, None);
+    for (i, l) in text.lines().enumerate() {
+        let t = l.trim_start();
+        if t.starts_with("```") {
+            in_code = !in_code;
+            let lang = t.trim_start_matches('`');
+            shell = in_code && matches!(lang, "" | "sh" | "bash" | "shell" | "console");
+            continue;
+        }
+        if in_code {
+            if !shell {
+                continue;
+            }
+            let body = match t.find(" #") {
+                Some(k) if !t[..k].contains('"') && !t[..k].contains('\'') => &t[..k],
+                _ => t,
+            };
+            let (line, mut cmd) = pending.take().unwrap_or((i + 1, String::new()));
+            cmd.push_str(body.trim_end_matches('\\'));
+            cmd.push(' ');
+            if body.trim_end().ends_with('\\') {
+                pending = Some((line, cmd));
+            } else if cmd.split_whitespace().any(|w| w == "piper") && !cmd.contains("cargo ") {
+                out.push((line, cmd, false));
+            }
+            continue;
+        }
+        for (k, span) in l.split('`').enumerate() {
+            if k % 2 == 1 && span.starts_with("piper ") && span.split_whitespace().count() > 2 {
+                out.push((i + 1, span.to_string(), true));
+            }
+        }
+    }
+    out
+}
+
+/// A shell line's words (single and double quotes; no expansions): `None`
+/// for a line with pipes, redirections or variables.
+fn shell_words(line: &str) -> Option<Vec<String>> {
+    if line.contains('$') || line.contains('>') || line.contains("&&") || line.contains(';') {
+        return None;
+    }
+    let (mut words, mut cur, mut quote, mut any) = (Vec::new(), String::new(), None, false);
+    for ch in line.chars() {
+        match (quote, ch) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), c) => cur.push(c),
+            (None, '"' | '\'') => {
+                quote = Some(ch);
+                any = true;
+            }
+            (None, c) if c.is_whitespace() => {
+                if any || !cur.is_empty() {
+                    words.push(std::mem::take(&mut cur));
+                    any = false;
+                }
+            }
+            (None, c) => cur.push(c),
+        }
+    }
+    if any || !cur.is_empty() {
+        words.push(cur);
+    }
+    (quote.is_none() && words.iter().any(|w| w == "piper")).then_some(words)
+}

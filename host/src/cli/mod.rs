@@ -275,6 +275,19 @@ enum PluginCommand {
 }
 
 /// Entry point of the binary.
+/// Does `args` (the program name first) parse as a `piper` command line?
+/// Clap's message when not. Nothing runs: the docs' commands are checked
+/// against the CLI with it.
+pub fn parses<I, T>(args: I) -> Result<(), String>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    Cli::try_parse_from(args)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = if cli.verbose {
