@@ -54,6 +54,42 @@ pub(super) struct Ctx<'a> {
     /// Split dimensions and their sizes, outermost first.
     pub split_sizes: &'a [(TagKey, u32)],
     pub microbatches: u32,
+    /// Per segment, of what it saves, stashes and keeps, the shares tensor
+    /// parallelism leaves whole on every rank (see [`tp_whole`]).
+    pub tp_whole: &'a [[(f64, f64); 3]],
+}
+
+/// Of each segment's saved, stashed and kept bytes, the shares tensor
+/// parallelism does not split: `(always, unless sequence-parallel)`. All
+/// of the embedding's and the head's (every rank runs them whole, on the
+/// gathered residual), and a quarter of a block's (its inputs, norm
+/// outputs and residual; heads and MLP units split), half of which
+/// sequence parallelism splits by rows (the residual stream and the norm
+/// statistics; the norm outputs are kept gathered).
+pub(super) fn tp_whole(dag: &TrainingDag) -> Vec<[(f64, f64); 3]> {
+    use crate::model::Part;
+    let cfg = dag.model();
+    dag.segments()
+        .iter()
+        .map(|seg| {
+            let (mut all, mut ends, mut blocks) = ([0.0f64; 3], [0.0f64; 3], [0.0f64; 3]);
+            for part in &seg.parts {
+                let c = crate::model::part_cost(cfg, *part);
+                let kinds = [c.saved_bytes, c.stash_bytes, c.kept_bytes];
+                for (k, b) in kinds.iter().enumerate() {
+                    all[k] += *b as f64;
+                    match part {
+                        Part::Embedding | Part::Head => ends[k] += *b as f64,
+                        _ => blocks[k] += 0.25 * *b as f64,
+                    }
+                }
+            }
+            std::array::from_fn(|k| match all[k] > 0.0 {
+                true => (ends[k] / all[k], blocks[k] / all[k]),
+                false => (0.0, 0.25),
+            })
+        })
+        .collect()
 }
 
 /// Ops wait in a small buffer and move to their streams in bursts: an `Arc`
@@ -506,10 +542,10 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
         } else {
             bytes
         };
-        // Tensor parallelism splits about three quarters of what a
-        // segment saves and stashes (heads, MLP units); sequence
-        // parallelism half of the rest (the residual stream and the norm
-        // statistics; the norm outputs are kept gathered).
+        // Tensor parallelism splits what the segment's heads and MLP units
+        // hold and leaves the rest whole (`Ctx::tp_whole`: the embedding's
+        // and the head's, and a block's whole quarter, which sequence
+        // parallelism halves).
         if let Some(tp) = n.tensor_parallel.filter(|_| {
             matches!(
                 tensor,
@@ -517,13 +553,27 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
             )
         }) {
             let t = n.tp_degree() as u64;
-            let whole = b / 4;
-            let whole = if tp.sequence {
-                whole / 2 + (whole - whole / 2) / t
-            } else {
-                whole
+            let kind = match tensor {
+                TensorKind::Saved => 0,
+                TensorKind::Stash => 1,
+                _ => 2,
             };
-            b = whole + (b - b / 4) / t;
+            let (ends, blocks) = match &n.kind {
+                NodeKind::Compute { segment, .. } => cx
+                    .tp_whole
+                    .get(*segment as usize)
+                    .map_or((0.0, 0.25), |w| w[kind]),
+                _ => (0.0, 0.25),
+            };
+            let (ends, blocks) = ((b as f64 * ends) as u64, (b as f64 * blocks) as u64);
+            let split = b - ends - blocks;
+            let blocks = if tp.sequence {
+                blocks / 2 + (blocks - blocks / 2) / t
+            } else {
+                blocks
+            };
+            let whole = ends + blocks;
+            b = whole + split / t;
         }
         let slot = &mut by_kind[tensor as usize];
         *slot = (*slot).max(b);

@@ -651,6 +651,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         .iter()
         .map(|k| (*k, extents.get(dag.tag_name(*k)).copied().unwrap_or(1)))
         .collect();
+    let tp_whole = build::tp_whole(dag);
     let cx = build::Ctx {
         dag,
         flat: &flat,
@@ -668,6 +669,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         groups: &groups,
         split_sizes: &split_sizes,
         microbatches: split_sizes.iter().map(|(_, s)| *s).product(),
+        tp_whole: &tp_whole,
     };
     let mut built: Vec<Option<build::Built>> = (0..nchunks)
         .into_par_iter()
