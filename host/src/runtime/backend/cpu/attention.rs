@@ -134,6 +134,50 @@ pub fn qkv_unpack_backward(
     );
 }
 
+/// Each (sequence, head) item's `[t, hs]` output (`head(k)` for item
+/// `bi·nh + h`) copied into its head's columns of `out[b·t, c]`, by rows in
+/// parallel (each element gets one value).
+pub(super) fn merge_heads<'a>(
+    out: &mut [f32],
+    head: impl Fn(usize) -> &'a [f32] + Sync,
+    (b, t, c, nh): (usize, usize, usize, usize),
+) {
+    let hs = c / nh;
+    par::rows_mut(&mut out[..b * t * c], c, |r0, block| {
+        for (i, row) in block.chunks_exact_mut(c).enumerate() {
+            let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+            for (h, dst) in row.chunks_exact_mut(hs).enumerate() {
+                dst.copy_from_slice(&head(bi * nh + h)[ti * hs..][..hs]);
+            }
+        }
+    });
+}
+
+/// Each (sequence, head) item's gradients (its dv, dq and dk in turn, `[t,
+/// hs]` each) added into the packed `dqkv[b·t, 3c]`, by rows in parallel
+/// (each element gets one item's value).
+pub(super) fn add_head_grads(
+    dqkv: &mut [f32],
+    items: &[&mut [f32]],
+    (b, t, c, nh): (usize, usize, usize, usize),
+) {
+    let (hs, c3) = (c / nh, 3 * c);
+    par::rows_mut(&mut dqkv[..b * t * c3], c3, |r0, block| {
+        for (i, row) in block.chunks_exact_mut(c3).enumerate() {
+            let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
+            for (part, dst) in row.chunks_exact_mut(hs).enumerate() {
+                // q, k, v parts in turn, each `nh` heads wide.
+                let (which, h) = (part / nh, part % nh);
+                let item = &items[bi * nh + h];
+                let src = &item[[1, 2, 0][which] * t * hs..][..t * hs];
+                for (x, y) in dst.iter_mut().zip(&src[ti * hs..][..hs]) {
+                    *x += y;
+                }
+            }
+        }
+    });
+}
+
 /// Forward. `att[B,NH,T,T]` receives the probabilities (zero above the diagonal).
 pub fn attention_forward(
     out: &mut [f32],
@@ -201,15 +245,7 @@ pub fn attention_forward(
                 );
             }
         });
-        let items = &items;
-        par::rows_mut(&mut out[..b * t * c], c, |r0, block| {
-            for (i, row) in block.chunks_exact_mut(c).enumerate() {
-                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
-                for (h, dst) in row.chunks_exact_mut(hs).enumerate() {
-                    dst.copy_from_slice(&items[bi * nh + h].1[ti * hs..][..hs]);
-                }
-            }
-        });
+        merge_heads(out, |k| &*items[k].1, (b, t, c, nh));
     })
 }
 
@@ -305,22 +341,6 @@ pub fn attention_backward(
                 }
             })
         });
-        // Each element of dqkv gets one item's value: rows in parallel.
-        let items = &items;
-        par::rows_mut(&mut dqkv[..b * t * c3], c3, |r0, block| {
-            for (i, row) in block.chunks_exact_mut(c3).enumerate() {
-                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
-                for (part, dst) in row.chunks_exact_mut(hs).enumerate() {
-                    // q, k, v parts in turn, each `nh` heads wide.
-                    let (which, h) = (part / nh, part % nh);
-                    let item = &items[bi * nh + h];
-                    // Each item holds its dv, dq and dk in turn.
-                    let src = &item[[1, 2, 0][which] * t * hs..][..t * hs];
-                    for (x, y) in dst.iter_mut().zip(&src[ti * hs..][..hs]) {
-                        *x += y;
-                    }
-                }
-            }
-        });
+        add_head_grads(dqkv, &items, (b, t, c, nh));
     })
 }

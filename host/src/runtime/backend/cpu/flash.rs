@@ -14,7 +14,7 @@
 //! Equal to the probability-keeping kernel within fp32 rounding (the sums
 //! run in another order): `super::tests` compares the two.
 
-use super::attention::scratch;
+use super::attention::{add_head_grads, merge_heads, scratch};
 use super::elementwise::exp_small;
 use super::lanes;
 use super::matmul::matmul_strided;
@@ -137,15 +137,7 @@ pub fn flash_forward(
                 }
             })
         });
-        let items = &items;
-        par::rows_mut(&mut out[..b * t * c], c, |r0, block| {
-            for (i, row) in block.chunks_exact_mut(c).enumerate() {
-                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
-                for (h, dst) in row.chunks_exact_mut(hs).enumerate() {
-                    dst.copy_from_slice(&items[bi * nh + h].0[ti * hs..][..hs]);
-                }
-            }
-        });
+        merge_heads(out, |k| &*items[k].0, (b, t, c, nh));
     })
 }
 
@@ -268,20 +260,7 @@ pub fn flash_backward(
                 }
             })
         });
-        let items = &items;
-        par::rows_mut(&mut dqkv[..b * t * c3], c3, |r0, block| {
-            for (i, row) in block.chunks_exact_mut(c3).enumerate() {
-                let (bi, ti) = ((r0 + i) / t, (r0 + i) % t);
-                for (part, dst) in row.chunks_exact_mut(hs).enumerate() {
-                    let (which, h) = (part / nh, part % nh);
-                    let item = &items[bi * nh + h];
-                    let src = &item[[1, 2, 0][which] * t * hs..][..t * hs];
-                    for (x, y) in dst.iter_mut().zip(&src[ti * hs..][..hs]) {
-                        *x += y;
-                    }
-                }
-            }
-        });
+        add_head_grads(dqkv, &items, (b, t, c, nh));
     })
 }
 
