@@ -36,6 +36,7 @@ const BUNDLED: &[(&str, &str, &str)] = &[
     ("dualpipe", "piper-plugin-dualpipe", "piper_plugin_dualpipe"),
     ("ep", "piper-plugin-ep", "piper_plugin_ep"),
     ("tp", "piper-plugin-tp", "piper_plugin_tp"),
+    ("cp", "piper-plugin-cp", "piper_plugin_cp"),
     (
         "recompute",
         "piper-plugin-recompute",
@@ -49,6 +50,7 @@ const TESTING: &[&str] = &[
     "piper-testing-extra-import",
     "piper-testing-wit-0-1",
     "piper-testing-wit-0-2",
+    "piper-testing-wit-0-3",
 ];
 
 fn main() -> ExitCode {

@@ -71,8 +71,19 @@ fn main() {
             }));
             new = new.min(pool.install(|| {
                 time(|| {
-                    flash::flash_forward(&mut fout, &mut lse, &qkv, b, t, c, nh);
-                    flash::flash_backward(&mut dqkv, &dout, &qkv, &fout, &lse, b, t, c, nh);
+                    flash::flash_forward(&mut fout, &mut lse, &qkv, b, t, c, nh, &[(0, t)]);
+                    flash::flash_backward(
+                        &mut dqkv,
+                        &dout,
+                        &qkv,
+                        &fout,
+                        &lse,
+                        b,
+                        t,
+                        c,
+                        nh,
+                        &[(0, t)],
+                    );
                 })
             }));
         }

@@ -333,7 +333,7 @@ fn plugin_info_and_list() {
     assert!(ok, "{err}");
     assert!(
         out.contains("1f1b 0.1.0")
-            && out.contains("piper:strategy@0.3.0")
+            && out.contains("piper:strategy@0.4.0")
             && out.contains("sha256:"),
         "{out}"
     );

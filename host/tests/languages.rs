@@ -683,8 +683,8 @@ fn plugin_check_reports_the_wit_imports_exports_and_info_without_applying() {
     let wasm = Path::new(&p.origin);
     let out = ok(piper().args(["plugin", "check"]).arg(wasm));
     for want in [
-        "wit:     piper:strategy@0.3.0 (this host accepts piper:strategy@0.1.x, 0.2.x or 0.3.x)",
-        "piper:strategy/dag@0.3.0",
+        "wit:     piper:strategy@0.4.0 (this host accepts piper:strategy@0.1.x, 0.2.x, 0.3.x or 0.4.x)",
+        "piper:strategy/dag@0.4.0",
         "exports: info, apply",
         "1f1b-c 0.1.0",
         "microbatches",
@@ -708,7 +708,7 @@ fn plugin_check_reports_the_wit_imports_exports_and_info_without_applying() {
     assert!(!o.status.success());
     assert!(text.contains("accepted: no"), "{text}");
     assert!(
-        text.contains("this host accepts piper:strategy@0.1.x, 0.2.x or 0.3.x"),
+        text.contains("this host accepts piper:strategy@0.1.x, 0.2.x, 0.3.x or 0.4.x"),
         "{text}"
     );
 }

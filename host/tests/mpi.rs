@@ -222,6 +222,46 @@ fn bf16_on_2_ranks_is_one_process() {
     );
 }
 
+/// Context parallelism across ranks: each attention's q/k/v all-gathers
+/// and gradient reduce-scatters span both ranks (cp 2 × dp 2 on 4 devices,
+/// and tp 2 × cp 2 with the cp group split over the ranks), one process's
+/// bits.
+#[test]
+fn context_parallel_on_2_ranks_is_one_process() {
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/models/tiny-cp.toml"
+    );
+    same_as_one_process(
+        "cp2-dp2",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "4",
+            "--strategy",
+            "cp:cp=2",
+            "--strategy",
+            "dp",
+        ],
+    );
+    same_as_one_process(
+        "tp2-cp2",
+        2,
+        &[
+            "--model",
+            model,
+            "--devices",
+            "4",
+            "--strategy",
+            "tp:tp=2",
+            "--strategy",
+            "cp:cp=2",
+        ],
+    );
+}
+
 #[test]
 fn dualpipev_on_2_and_4_ranks() {
     // DualPipeV needs microbatches ≥ 2 × devices.

@@ -294,7 +294,7 @@ fn bundled_1f1b_plugin_produces_the_textbook_orders() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     let plugin = host.load("1f1b").unwrap();
     assert_eq!(plugin.info.name, "1f1b");
-    assert_eq!(plugin.wit_version, "0.3.0");
+    assert_eq!(plugin.wit_version, "0.4.0");
     let mut dag = tiny(4);
     let report = host
         .apply(&plugin, &mut dag, &opts(&[("microbatches", "8")]))
@@ -483,7 +483,7 @@ fn a_plugin_built_against_another_major_wit_version_is_refused() {
         .to_string();
     assert!(
         err.contains(
-            "built against piper:strategy@1.0.0, but this host accepts piper:strategy@0.1.x, 0.2.x or 0.3.x"
+            "built against piper:strategy@1.0.0, but this host accepts piper:strategy@0.1.x, 0.2.x, 0.3.x or 0.4.x"
         ),
         "{err}"
     );
@@ -566,6 +566,36 @@ fn a_plugin_built_against_wit_0_2_loads_and_plans_like_its_directives_called_nat
         .to_string();
     assert!(
         err.contains("device-out-of-range: directive `place({PP:0}, devices [4], stream \"pp\")`"),
+        "{err}"
+    );
+}
+
+/// A component built from source against `piper:strategy@0.3.0` (before
+/// `context-parallel`) loads through the 0.3 bindings and plans exactly as
+/// its directives called natively (`sequence-parallel`, the 0.3 addition,
+/// included); a directive's error comes back with the host's message.
+#[test]
+fn a_plugin_built_against_wit_0_3_loads_and_plans_like_its_directives_called_natively() {
+    use piper::dag::Filter;
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let old = host.load_file(&wasm("piper_testing_wit_0_3")).unwrap();
+    assert_eq!(old.wit_version, "0.3.0");
+    assert_eq!(old.info.name, "wit-0-3");
+    let mut dag = tiny(2);
+    host.apply(&old, &mut dag, &opts(&[])).unwrap();
+    let mut native = tiny(2);
+    native.shard_tensor(&Filter::all(), &[0, 1], "tp").unwrap();
+    native.sequence_parallel(&Filter::all()).unwrap();
+    let (a, b) = (compile(&dag).unwrap(), compile(&native).unwrap());
+    assert_eq!(a.hash, b.hash);
+    let err = host
+        .apply(&old, &mut tiny(2), &opts(&[("fail", "true")]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(
+            "device-out-of-range: directive `shard-tensor({}, devices [2], stream \"tp\")`"
+        ),
         "{err}"
     );
 }

@@ -260,7 +260,7 @@ fn publish_pull_inspect_list_remove_round_trip_and_plain_oci_clients_read_it() {
         .arg("--insecure"));
     let v: serde_json::Value = serde_json::from_str(&inspect).unwrap();
     assert_eq!(v["component"], digest(&bytes));
-    assert_eq!(v["wit"], "piper:strategy@0.3.0");
+    assert_eq!(v["wit"], "piper:strategy@0.4.0");
     assert_eq!(v["info"]["name"], "1f1b");
     let manifest_digest = v["digest"].as_str().unwrap().to_string();
 
@@ -299,7 +299,7 @@ fn publish_pull_inspect_list_remove_round_trip_and_plain_oci_clients_read_it() {
     assert_eq!(exports, ["info", "apply"]);
     assert!(config["component"]["imports"]
         .to_string()
-        .contains("piper:strategy/dag@0.3.0"));
+        .contains("piper:strategy/dag@0.4.0"));
     let (status, _, blob) = http_get(
         reg.port,
         &format!("/v2/team/one-f-one-b/blobs/{}", digest(&bytes)),

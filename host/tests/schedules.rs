@@ -272,6 +272,8 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             param_bytes: 0,
             tp: 1,
             sp: false,
+            cp: 1,
+            cp_bytes: 0,
         }),
         waits: Default::default(),
         inputs: Default::default(),

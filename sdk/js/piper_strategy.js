@@ -11,7 +11,7 @@
 // any bug) reaches the user as the plugin's error: its name, message and
 // stack, with the plugin's name added by the host.
 
-import { log as hostLog } from 'piper:strategy/log@0.3.0';
+import { log as hostLog } from 'piper:strategy/log@0.4.0';
 
 export const Pass = Object.freeze({
   F: 'F', B: 'B', BI: 'BI', BW: 'BW', UPDATE: 'update', SEND: 'send', RECV: 'recv',
@@ -100,6 +100,15 @@ export class Dag {
    * tensor-parallel nodes; apply it after shardTensor. Returns how many segments it covers.
    */
   sequenceParallel(filter) { return call(() => this.d.sequenceParallel(filter.toWit())); }
+  /**
+   * Context parallelism (WIT 0.4.0): each replica of the matched nodes becomes `degree`
+   * replicas that split its sequences into 2·degree chunks (two each), attention gathering
+   * the group's keys and values on `stream`. Apply after shardTensor, before shard and
+   * recompute. Returns how many nodes it changed.
+   */
+  contextParallel(filter, degree, stream = 'cp') {
+    return call(() => this.d.contextParallel(filter.toWit(), degree, stream));
+  }
   /** Run group i before group i+1 on one device; each group is an array of filters. */
   order(groups) { call(() => this.d.order(groups.map((g) => g.map((f) => f.toWit())))); }
   query(filter) { return call(() => this.d.query(filter.toWit())); }

@@ -167,6 +167,14 @@ class Dag:
         how many segments it covers."""
         return _call(self._d.sequence_parallel, filter.to_wit())
 
+    def context_parallel(self, filter, degree, stream="cp"):
+        """Context parallelism (WIT 0.4.0): each replica of the matched nodes
+        becomes `degree` replicas that split its sequences into 2*degree
+        chunks (two each), attention gathering the group's keys and values
+        on `stream`. Apply it after shard_tensor, before shard and recompute.
+        Returns how many nodes it changed."""
+        return _call(self._d.context_parallel, filter.to_wit(), degree, stream)
+
     def order(self, groups):
         """Run group i before group i+1 on one device; each group is a list of filters."""
         _call(self._d.order, [[f.to_wit() for f in g] for g in groups])

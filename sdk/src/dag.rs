@@ -169,6 +169,18 @@ pub trait Dag {
     /// reduce-scatter after the tensor-parallel layers. Apply it after
     /// `shard_tensor`. Returns how many segments it covers.
     fn sequence_parallel(&mut self, filter: &Filter) -> Result<u32, DagError>;
+    /// Context parallelism (WIT 0.4.0): each replica of the matched nodes
+    /// becomes `degree` replicas, `tp` devices apart, that split its
+    /// sequences into `2·degree` chunks (two each) and gather each other's
+    /// keys and values for attention on `stream`. Apply it after
+    /// `shard_tensor`, before `shard` and `recompute`. Returns how many
+    /// nodes it changed.
+    fn context_parallel(
+        &mut self,
+        filter: &Filter,
+        degree: u32,
+        stream: &str,
+    ) -> Result<u32, DagError>;
     /// On one device: group i runs before group i+1.
     fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError>;
     fn query(&mut self, filter: &Filter) -> Result<Vec<NodeInfo>, DagError>;
@@ -305,6 +317,16 @@ impl Dag for WitDag<'_> {
     }
     fn sequence_parallel(&mut self, filter: &Filter) -> Result<u32, DagError> {
         self.0.sequence_parallel(&filter.to_wit()).map_err(err)
+    }
+    fn context_parallel(
+        &mut self,
+        filter: &Filter,
+        degree: u32,
+        stream: &str,
+    ) -> Result<u32, DagError> {
+        self.0
+            .context_parallel(&filter.to_wit(), degree, stream)
+            .map_err(err)
     }
     fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
         let groups: Vec<Vec<wit::Filter>> = groups
@@ -497,6 +519,14 @@ mod native {
         }
         fn sequence_parallel(&mut self, f: &Filter) -> Result<u32, DagError> {
             host::TrainingDag::sequence_parallel(self, &filter(f)).map_err(err)
+        }
+        fn context_parallel(
+            &mut self,
+            f: &Filter,
+            degree: u32,
+            stream: &str,
+        ) -> Result<u32, DagError> {
+            host::TrainingDag::context_parallel(self, &filter(f), degree, stream).map_err(err)
         }
         fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
             let groups: Vec<Vec<host::Filter>> = groups

@@ -417,6 +417,11 @@ fn describe<'a>(
             },
             sp: matches!(n.kind, NodeKind::Compute { .. })
                 && n.tensor_parallel.is_some_and(|t| t.sequence),
+            cp: match n.kind {
+                NodeKind::Compute { .. } => n.cp_degree(),
+                _ => 1,
+            },
+            cp_bytes: cost.cp_bytes,
         }),
         inputs,
         spread_groups: match spread {
@@ -1028,7 +1033,8 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             common: desc.common.clone(),
             waits: waits_list,
             inputs,
-            // A tensor-parallel group runs one batch share: its replica's.
+            // A tensor-parallel group runs one batch share: its replica's
+            // (a context-parallel group of replicas, one share together).
             replica: i as u32 / desc.common.tp.max(1),
             out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
                 desc.readers.out_bytes
@@ -1203,14 +1209,33 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
     let gbase = cx.pos_base[id.ix().index()];
     // A tensor-parallel mesh meets in one group per replica.
     let within = i / desc.spread_size.max(1) as usize;
+    let cp = match n.kind {
+        NodeKind::Compute { .. } => n.cp_degree(),
+        _ => 1,
+    };
     let (kind, key, need) = match desc.spread {
+        // A context-parallel op meets its tensor- and context-parallel
+        // groups: the check sees their whole block as one collective.
+        _ if cp > 1 => {
+            let block = n.tp_degree() * cp;
+            let at = i as u32 / block;
+            (Kind::Collective, gbase + at, block)
+        }
         Some(_) => (Kind::Collective, gbase + within as u32, desc.spread_size),
         None => (Kind::Local, 0, 0),
     };
     let comm = match &n.kind {
         NodeKind::Compute { pass, .. } => {
             let group = desc.spread_groups.get(within).cloned();
-            let act = Act::Compute { pass: *pass, group };
+            let context = (cp > 1).then(|| {
+                let g = crate::dag::Node::cp_group(&n.devices, n.tp_degree(), cp, i);
+                id_list(&g)
+            });
+            let act = Act::Compute {
+                pass: *pass,
+                group,
+                context,
+            };
             return Link {
                 act,
                 kind,

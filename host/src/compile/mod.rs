@@ -111,6 +111,10 @@ pub enum CompileError {
     },
     #[error("{node} is sequence-parallel over tensor-parallel groups of {tp}, but a microbatch replica holds {tokens} tokens, which do not divide by {tp}: give a batch or sequence length whose tokens per replica divide by tp")]
     SequenceTokens { node: String, tokens: u64, tp: u32 },
+    #[error("{node} is context-parallel over {cp} replicas, but its sequences of {seq} tokens do not split into 2 × {cp} equal chunks: give a sequence length divisible by {}", 2 * .cp)]
+    ContextChunks { node: String, seq: u32, cp: u32 },
+    #[error("{node} is context-parallel, which runs the memory-efficient attention kernel: set `attention = \"flash\"` in the model config (`auto` chooses it above {} tokens)", crate::model::Attention::AUTO_FLASH_ABOVE)]
+    ContextAttention { node: String },
     #[error(transparent)]
     Deadlock(#[from] DeadlockError),
 }
@@ -222,7 +226,22 @@ fn validate(
                     devices: ids(&n.devices),
                 });
             }
-            let div = dag.batch_share_div(id);
+            // A context-parallel group of replicas shares one batch piece.
+            let cp = u64::from(n.cp_degree());
+            let div = dag.batch_share_div(id) / cp;
+            let seq = dag.model().seq_len;
+            if cp > 1 && !u64::from(seq).is_multiple_of(2 * cp) {
+                return Some(CompileError::ContextChunks {
+                    node: dag.label(id),
+                    seq,
+                    cp: cp as u32,
+                });
+            }
+            if cp > 1 && !dag.model().flash_attention() {
+                return Some(CompileError::ContextAttention {
+                    node: dag.label(id),
+                });
+            }
             if !batch.is_multiple_of(div) {
                 return Some(CompileError::Indivisible {
                     node: dag.label(id),
@@ -233,7 +252,7 @@ fn validate(
             if let Some(e) = tensor_parallel_experts(dag, id, n, batch / div) {
                 return Some(e);
             }
-            let tokens = batch / div * u64::from(dag.model().seq_len);
+            let tokens = batch / div * u64::from(seq) / cp;
             let tp = n.tp_degree();
             if n.tensor_parallel.is_some_and(|t| t.sequence)
                 && !tokens.is_multiple_of(u64::from(tp))

@@ -115,6 +115,15 @@ pub struct OpCommon {
     /// Compute ops of a `Tensor` spread: sequence parallelism (the residual
     /// stream and norms split along the tokens over the group).
     pub sp: bool,
+    /// Compute ops: the context-parallel degree (1: none). Each group of
+    /// `cp` consecutive replicas runs one batch share, replica `r` holding
+    /// chunks `r mod cp` and `2·cp − 1 − r mod cp` of each sequence (of
+    /// `2·cp`), its attention meeting the others' keys and values.
+    pub cp: u32,
+    /// Compute ops: the bytes a device sends for its context-parallel
+    /// exchanges inside the op (see `dag::NodeCost::cp_bytes`). Derived:
+    /// not hashed.
+    pub cp_bytes: u64,
 }
 
 impl std::ops::Deref for Op {
@@ -141,6 +150,8 @@ pub enum Act {
     Compute {
         pass: Pass,
         group: Option<Arc<[u32]>>,
+        /// The context-parallel group (this device included), in rank order.
+        context: Option<Arc<[u32]>>,
     },
     /// Hand the node's tensor to device `to`; its `recv` names the same
     /// `pair` (the send node's id).
@@ -274,6 +285,13 @@ impl Op {
         match &self.act {
             Act::Compute { group, .. } => group.as_ref(),
             Act::Collective { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+    /// A context-parallel compute pass's group (this device included).
+    pub fn context_group(&self) -> Option<&Arc<[u32]>> {
+        match &self.act {
+            Act::Compute { context, .. } => context.as_ref(),
             _ => None,
         }
     }
@@ -466,6 +484,12 @@ struct FlatOp<'a> {
     tp: u32,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     sp: bool,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    cp: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    cp_bytes: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    context: Option<Arc<[u32]>>,
 }
 
 /// A wait in JSON: the stream by its name.
@@ -511,6 +535,9 @@ impl<'a> FlatOp<'a> {
             out_bytes: o.out_bytes,
             tp: c.tp,
             sp: c.sp,
+            cp: c.cp,
+            cp_bytes: c.cp_bytes,
+            context: o.context_group().cloned(),
         }
     }
 
@@ -545,6 +572,7 @@ impl<'a> FlatOp<'a> {
                 (Some(pass), _) => Act::Compute {
                     pass,
                     group: self.group,
+                    context: self.context,
                 },
                 (None, Some(op)) => {
                     let purpose = self.purpose.ok_or_else(|| lacks("purpose"))?;
@@ -576,6 +604,8 @@ impl<'a> FlatOp<'a> {
                 param_bytes: self.param_bytes,
                 tp: self.tp,
                 sp: self.sp,
+                cp: self.cp,
+                cp_bytes: self.cp_bytes,
             }),
             waits,
             inputs: self.inputs,
@@ -824,8 +854,14 @@ impl StableHasher {
             if o.tp > 1 {
                 self.word(u64::from(o.tp) | u64::from(o.sp) << 32);
             }
+            if o.cp > 1 {
+                self.word(u64::from(o.cp) << 40);
+            }
         }
         self.words(o.group().map_or(&[][..], |g| &g[..]));
+        if let Some(g) = o.context_group() {
+            self.words(g);
+        }
         self.word(waits.len() as u64);
         for (s, i) in waits {
             self.word(pair(s, i));
@@ -841,8 +877,8 @@ impl Plan {
     /// Bytes each device sends per step by this plan, as the runtime's
     /// transports move them: its sends, (N−1)/N of each reduce-scatter's,
     /// all-gather's and all-to-all's buffer over N members, twice that for
-    /// an all-reduce. Exchanges inside tensor- and expert-parallel compute
-    /// ops are not in it.
+    /// an all-reduce; the exchanges inside tensor-, context- and
+    /// expert-parallel compute ops as their hints count them.
     pub fn predicted_sent_bytes(&self) -> Vec<u64> {
         self.devices
             .iter()
@@ -852,25 +888,30 @@ impl Plan {
                     let n = op.group().map_or(1, |g| g.len()).max(1) as f64;
                     op.bytes as f64 * (n - 1.0) / n
                 };
-                ops.map(|op| match op.kind() {
-                    OpKind::Send => op.bytes as f64,
-                    // A tensor-parallel pass sums over its group inside the op
-                    // (a sequence-parallel weight pass, its norms' gradients).
-                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI | OpKind::BW
-                        if op.spread == Some(Spread::Tensor) =>
-                    {
-                        2.0 * part(op)
-                    }
-                    // An expert pass exchanging inside its op: its two
-                    // all-to-alls (and a sequence split's gather).
-                    OpKind::F | OpKind::R | OpKind::B | OpKind::BI
-                        if op.spread == Some(Spread::Experts) && op.phase.is_none() =>
-                    {
-                        2.0 * part(op)
-                    }
-                    OpKind::AllReduce => 2.0 * part(op),
-                    OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => part(op),
-                    _ => 0.0,
+                ops.map(|op| {
+                    op.cp_bytes as f64
+                        + match op.kind() {
+                            OpKind::Send => op.bytes as f64,
+                            // A tensor-parallel pass sums over its group inside the op
+                            // (a sequence-parallel weight pass, its norms' gradients).
+                            OpKind::F | OpKind::R | OpKind::B | OpKind::BI | OpKind::BW
+                                if op.spread == Some(Spread::Tensor) =>
+                            {
+                                2.0 * part(op)
+                            }
+                            // An expert pass exchanging inside its op: its two
+                            // all-to-alls (and a sequence split's gather).
+                            OpKind::F | OpKind::R | OpKind::B | OpKind::BI
+                                if op.spread == Some(Spread::Experts) && op.phase.is_none() =>
+                            {
+                                2.0 * part(op)
+                            }
+                            OpKind::AllReduce => 2.0 * part(op),
+                            OpKind::ReduceScatter | OpKind::AllGather | OpKind::AllToAll => {
+                                part(op)
+                            }
+                            _ => 0.0,
+                        }
                 })
                 .sum::<f64>()
                 .round() as u64

@@ -7,8 +7,8 @@
 use super::error::{list, quote, DagError, DagErrorKind};
 use super::filter::{Filter, Label};
 use super::{
-    Comm, CommOp, CommPurpose, DeviceId, EdgeKind, ExpertPhase, Node, NodeId, NodeKind, Pass,
-    ReplicaSpec, StreamId, TensorKind, TensorParallel, TrainingDag,
+    Comm, CommOp, CommPurpose, ContextParallel, DeviceId, EdgeKind, ExpertPhase, Node, NodeId,
+    NodeKind, Pass, ReplicaSpec, StreamId, TensorKind, TensorParallel, TrainingDag,
 };
 use foldhash::{HashSet, HashSetExt};
 use petgraph::visit::{EdgeIndexable, EdgeRef, IntoEdgeReferences, NodeIndexable};
@@ -559,16 +559,18 @@ impl TrainingDag {
         };
         // A tensor-parallel node keeps its group's shape on every replica:
         // replica i's group starts at `devices[i]`.
+        // (A context-parallel node: its whole tp × cp block.)
         let meshes = compute
             .iter()
             .map(|&id| {
                 let n = &self.graph[id.ix()];
-                match n.tensor_parallel {
-                    Some(tp) => {
-                        let first = &n.devices[..(tp.degree as usize).min(n.devices.len())];
+                let block = (n.tp_degree() * n.cp_degree()) as usize;
+                match block > 1 {
+                    true => {
+                        let first = &n.devices[..block.min(n.devices.len())];
                         self.lay_mesh(id, &devs, first, &call)
                     }
-                    None => Ok(devs.clone()),
+                    false => Ok(devs.clone()),
                 }
             })
             .collect::<Result<Vec<_>, _>>()?;
@@ -999,6 +1001,15 @@ impl TrainingDag {
                 self.label(*id)
             ));
         }
+        if let Some(id) = compute
+            .iter()
+            .find(|id| self.graph[id.ix()].context_parallel.is_some())
+        {
+            return invalid(format!(
+                "{} is already context-parallel: shard-tensor before context-parallel (`tp` first, then `cp`: tensor-parallel groups are the mesh's innermost axis)",
+                self.label(*id)
+            ));
+        }
         if let Some(id) = compute.iter().find(|id| {
             let node = &self.graph[id.ix()];
             node.replica.is_some() && node.tensor_parallel.is_some()
@@ -1038,6 +1049,162 @@ impl TrainingDag {
         }
         self.touch();
         Ok(())
+    }
+
+    /// **context-parallel** (Megatron's and torchtitan's context
+    /// parallelism): each replica of the matched compute nodes (its
+    /// tensor-parallel group, or its device) becomes `degree` replicas that
+    /// run one batch share together, each holding two of `2·degree` chunks
+    /// of every sequence (chunks `r` and `2·degree − 1 − r`: the causal
+    /// triangle's work evenly spread). Attention gathers the group's keys
+    /// and values (an all-gather of the packed q/k/v in forward, again in
+    /// backward, whose key and value gradients are reduce-scattered back);
+    /// everything else is per token. Positions (learned or rotary) are the
+    /// chunks' own; the loss sums every member's tokens.
+    ///
+    /// Replica `r`'s new replicas sit `tp` devices apart after it (the
+    /// mesh's axes from the fastest: tp, cp, then pipeline and data
+    /// parallelism: tp 2 × cp 2 on [0, 1] gives [0, 1, 2, 3]). Gradients
+    /// are reduced, or ZeRO-sharded, over the data- and context-parallel
+    /// replicas together (Megatron's dp × cp group); on a node not yet
+    /// replicated, `context-parallel` adds that reduction (bucketed at 25
+    /// MiB on `stream`), and `replicate` afterwards (`dp`, `zero`) lays the
+    /// whole tp × cp block on each of its replicas and sets its own.
+    /// Apply after `shard-tensor` and before `shard` and `recompute`;
+    /// `stream` names where the exchanges belong (they run inside the
+    /// attention, as tensor parallelism's do). Returns how many nodes it
+    /// changed. The sequence must split into `2·degree` chunks and the
+    /// model must run the memory-efficient attention (checked when the plan
+    /// is compiled).
+    pub fn context_parallel(
+        &mut self,
+        f: &Filter,
+        degree: u32,
+        stream: &str,
+    ) -> Result<u32, DagError> {
+        let call = format!("context-parallel({f}, {degree}, stream {})", quote(stream));
+        self.check_not_recomputed(&call)?;
+        Self::check_stream(stream, "stream", &call)?;
+        self.check_names(&call, &[], &[stream])?;
+        let ids = self.select(f, &call)?;
+        let compute = self.compute_only(f, ids, &call)?;
+        let invalid = |m: String| {
+            Err(DagError::new(
+                call.clone(),
+                DagErrorKind::InvalidArgument(m),
+            ))
+        };
+        let cluster = self.cluster_info().devices;
+        if degree == 0 || degree > cluster {
+            return invalid(format!(
+                "a context-parallel degree of {degree} on {cluster} devices: give 1 to {cluster}"
+            ));
+        }
+        let seq = self.model.seq_len;
+        if !seq.is_multiple_of(2 * degree) {
+            return invalid(format!(
+                "sequences of {seq} tokens do not split into 2 × {degree} equal chunks: give a sequence length divisible by {}",
+                2 * degree
+            ));
+        }
+        let widest = compute
+            .iter()
+            .map(|id| self.graph[id.ix()].devices.len().max(1))
+            .max()
+            .unwrap_or(1);
+        self.charge_rewire(&call, &compute, widest.saturating_mul(degree as usize))?;
+        self.check_paired(&call, &compute)?;
+        let ep = self.find_tag("EP");
+        for id in &compute {
+            let node = &self.graph[id.ix()];
+            if node.context_parallel.is_some() {
+                return invalid(format!(
+                    "{} is already context-parallel over {} replicas: apply context-parallel once",
+                    self.label(*id),
+                    node.cp_degree()
+                ));
+            }
+            let experts = ep.is_some_and(|t| node.tags.get(t).is_some())
+                || node
+                    .replica
+                    .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some());
+            if experts {
+                return invalid(format!(
+                    "{} is an expert segment: context parallelism with expert parallelism is not built yet (filter the attention and dense segments, or leave cp out)",
+                    self.label(*id)
+                ));
+            }
+        }
+        if degree == 1 {
+            return Ok(0);
+        }
+        // Each replica (tensor-parallel group) gets `degree − 1` copies of
+        // its shape, `tp` devices apart.
+        // A node not placed yet starts from device 0.
+        let mut meshes = Vec::with_capacity(compute.len());
+        for &id in &compute {
+            let node = &self.graph[id.ix()];
+            let tp = node.tp_degree() as usize;
+            let mut seen = HashSet::new();
+            let mut mesh = Vec::with_capacity(node.devices.len() * degree as usize);
+            let unplaced = [DeviceId(0)];
+            let units = match node.devices.is_empty() {
+                true => &unplaced[..],
+                false => &node.devices[..],
+            };
+            for unit in units.chunks(tp) {
+                for k in 0..degree as usize {
+                    for d in unit {
+                        let at = d.0 as usize + k * tp;
+                        if at >= cluster as usize || !seen.insert(at) {
+                            let why = match at >= cluster as usize {
+                                true => {
+                                    format!("device {at} does not exist, the cluster has {cluster}")
+                                }
+                                false => format!("device {at} twice"),
+                            };
+                            return invalid(format!(
+                                "{}: {degree} context-parallel replicas of each of its groups {} ({tp} devices apart) give {why}: tp × cp must fit between its data-parallel replicas (apply cp before a pipeline, and give dp a stride of tp × cp or leave room)",
+                                self.label(id),
+                                self.devices_label(id)
+                            ));
+                        }
+                        mesh.push(DeviceId(at as u32));
+                    }
+                }
+            }
+            meshes.push(mesh);
+        }
+        let s = self.stream_id(stream);
+        let spec = ReplicaSpec {
+            zero: 0,
+            bucket_bytes: 25 << 20,
+            reduce_stream: s,
+            gather_stream: s,
+            reshard_after_forward: false,
+            expert_parallel: None,
+        };
+        let p2p_stream = self.tied_stream;
+        for (&id, mesh) in compute.iter().zip(meshes) {
+            if self.graph[id.ix()].replica.is_none() {
+                let rep = match self.specs.iter().position(|x| *x == spec) {
+                    Some(i) => i as u32,
+                    None => {
+                        self.specs.push(spec.clone());
+                        (self.specs.len() - 1) as u32
+                    }
+                };
+                self.graph[id.ix()].replica = Some(rep);
+            }
+            let node = &mut self.graph[id.ix()];
+            node.devices = mesh;
+            node.context_parallel = Some(ContextParallel { stream: s, degree });
+        }
+        for &id in &compute {
+            self.rewire_p2p(id, p2p_stream);
+        }
+        self.touch();
+        Ok(compute.len() as u32)
     }
 
     /// **sequence-parallel** (Megatron-SP): inside the segments of the
@@ -1576,6 +1743,7 @@ impl TrainingDag {
                 // Every rank of a tensor-parallel group sends (receives) its
                 // replica's whole activation: one batch share per group.
                 node.tensor_parallel = base.tensor_parallel;
+                node.context_parallel = base.context_parallel;
                 node
             };
             let (send, recv) = (

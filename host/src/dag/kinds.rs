@@ -333,6 +333,10 @@ pub struct Node {
     /// its slice of the heads and MLP units); the stream named is where
     /// their reductions belong. See [`Node::tp_groups`].
     pub tensor_parallel: Option<TensorParallel>,
+    /// `context-parallel`: each `degree` consecutive replicas (of
+    /// `tp_degree` devices each) split their batch share's sequences
+    /// instead of holding a batch share each. See [`Node::cp_degree`].
+    pub context_parallel: Option<ContextParallel>,
     /// Identity of a derived node across rebuilds; `None` for core nodes.
     pub(crate) derived: Option<u64>,
     /// A strategy changed this derived node (stream, priority, temporal edge):
@@ -352,7 +356,33 @@ pub struct TensorParallel {
     pub sequence: bool,
 }
 
+/// A node's context parallelism (`context-parallel`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextParallel {
+    /// Where the group's exchanges belong.
+    pub stream: StreamId,
+    /// Replicas per context-parallel group.
+    pub degree: u32,
+}
+
 impl Node {
+    /// Replicas per context-parallel group (1 when not context-parallel).
+    pub fn cp_degree(&self) -> u32 {
+        self.context_parallel.map_or(1, |c| c.degree.max(1))
+    }
+
+    /// The context-parallel group of the node's `i`-th device: the devices
+    /// at its tensor-parallel rank in the `cp` replicas of its group, in
+    /// rank order (with `tp` 2 and `cp` 2 on [0..8): device 5 meets [5, 7]).
+    pub fn cp_group(devices: &[DeviceId], tp: u32, cp: u32, i: usize) -> Vec<DeviceId> {
+        let (tp, cp) = (tp.max(1) as usize, cp.max(1) as usize);
+        let (unit, j) = (i / tp, i % tp);
+        let first = unit - unit % cp;
+        (first..first + cp)
+            .filter_map(|u| devices.get(u * tp + j).copied())
+            .collect()
+    }
+
     /// Devices per tensor-parallel group (1 when not tensor-parallel).
     pub fn tp_degree(&self) -> u32 {
         self.tensor_parallel.map_or(1, |t| t.degree.max(1))
@@ -399,6 +429,7 @@ impl Node {
             batch_div,
             replica: None,
             tensor_parallel: None,
+            context_parallel: None,
             derived: None,
             tweaked: false,
         }

@@ -20,6 +20,15 @@ pub struct NodeCost {
     pub saved_bytes: u64,
     /// Bytes a communication node moves per device.
     pub comm_bytes: u64,
+    /// Bytes a context-parallel compute pass sends for its attention's
+    /// exchanges (the all-gathers of q/k/v and the reduce-scatter of
+    /// their gradients), per device.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub cp_bytes: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 /// What a strategy can read about a node.
@@ -582,7 +591,35 @@ impl TrainingDag {
                 // (layernorms and the embedding, replicated, are small).
                 let tp = n.tp_degree() as f64;
                 let experts_split = seg.expert_block.is_some() && tp > 1.0;
+                // Context parallelism: each attention half all-gathers
+                // the packed q/k/v of this device's tokens (`cp − 1` times
+                // their bytes sent) in forward, and in backward again,
+                // reduce-scattering their gradients (as much).
+                let cp = u64::from(n.cp_degree());
+                let cp_bytes = match pass {
+                    _ if cp < 2 => 0,
+                    super::Pass::BW => 0,
+                    super::Pass::F | super::Pass::R => 1,
+                    super::Pass::B | super::Pass::BI => 2,
+                } * {
+                    let m = &self.model;
+                    let attn = (seg.parts.iter())
+                        .filter(|p| {
+                            matches!(
+                                p,
+                                crate::model::Part::Block(_) | crate::model::Part::Attention(_)
+                            )
+                        })
+                        .count() as u64;
+                    // The packed q/k/v: every query head's (grouped keys
+                    // and values repeated), this device's heads of them.
+                    let width = 3 * u64::from(m.arch().q_width());
+                    let qkv =
+                        m.batch_size as u64 * m.seq_len as u64 * width / u64::from(n.tp_degree());
+                    attn * (cp.saturating_sub(1)) * qkv * prec.act_bytes() / div
+                };
                 NodeCost {
+                    cp_bytes,
                     flops: flops / div as f64 / tp,
                     param_bytes: (seg.param_elems + seg.tied_elems) * prec.act_bytes(),
                     act_in_bytes: c.act_in_bytes / div,

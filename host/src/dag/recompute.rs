@@ -198,6 +198,7 @@ impl TrainingDag {
         r.priority = fwd.priority;
         r.replica = fwd.replica;
         r.tensor_parallel = fwd.tensor_parallel;
+        r.context_parallel = fwd.context_parallel;
         let kept = self.segments()[segment as usize].cost.kept_bytes;
         let r = self.add_node(r);
         match policy {

@@ -436,6 +436,18 @@ impl wdag::HostTrainingDag for PluginState {
         let r = self.dag().sequence_parallel(&f);
         self.done(r)
     }
+    fn context_parallel(
+        &mut self,
+        h: Resource<DagHandle>,
+        f: wit::Filter,
+        degree: u32,
+        stream: String,
+    ) -> R<u32> {
+        check!(self.enter(&h, Args::default().filter(&f).string(&stream)));
+        let f = check!(self.done(filter(f, "context-parallel")));
+        let r = self.dag().context_parallel(&f, degree, &stream);
+        self.done(r)
+    }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f)));
         let f = check!(self.done(filter(f, "set-priority")));

@@ -100,6 +100,7 @@ use older_world;
 
 mod v01;
 mod v02;
+mod v03;
 
 pub use cache::CompileCache;
 pub use limits::{LimitsError, SandboxLimits};
@@ -131,10 +132,11 @@ pub(crate) mod bindings {
 }
 
 /// The `piper:strategy` version the SDKs and `piper plugin new` target.
-pub const WIT_VERSION: &str = "0.3.0";
+pub const WIT_VERSION: &str = "0.4.0";
 /// The versions this host links, each with its own bindings: the current
-/// ones above, 0.1.x through `v01.rs`, 0.2.x through `v02.rs`.
-const WIT_ACCEPTS: &str = "0.1.x, 0.2.x or 0.3.x";
+/// ones above, 0.1.x through `v01.rs`, 0.2.x through `v02.rs`, 0.3.x
+/// through `v03.rs`.
+const WIT_ACCEPTS: &str = "0.1.x, 0.2.x, 0.3.x or 0.4.x";
 
 /// Which bindings a component's `piper:strategy` version instantiates with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +144,7 @@ enum Contract {
     V01,
     V02,
     V03,
+    V04,
 }
 
 impl Contract {
@@ -152,7 +155,9 @@ impl Contract {
                 .strip_prefix(minor)
                 .is_some_and(|p| p.parse::<u32>().is_ok())
         };
-        if patch("0.3.") {
+        if patch("0.4.") {
+            Some(Contract::V04)
+        } else if patch("0.3.") {
             Some(Contract::V03)
         } else if patch("0.2.") {
             Some(Contract::V02)
@@ -168,7 +173,8 @@ impl Contract {
 enum Instance {
     V01(v01::bindings::Strategy),
     V02(v02::bindings::Strategy),
-    V03(bindings::Strategy),
+    V03(v03::bindings::Strategy),
+    V04(bindings::Strategy),
 }
 
 /// Strategy components bundled into the binary at build time: (name, wasm).
@@ -382,6 +388,8 @@ impl PluginHost {
         v01::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
         v02::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
+            .map_err(|e| fail(format!("{e:#}")))?;
+        v03::bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
         bindings::Strategy::add_to_linker::<_, HasSelf<PluginState>>(&mut linker, |s| s)
             .map_err(|e| fail(format!("{e:#}")))?;
@@ -730,7 +738,11 @@ impl PluginHost {
                 v02::bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
                     .map_err(load)?,
             ),
-            _ => Instance::V03(
+            Some(Contract::V03) => Instance::V03(
+                v03::bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
+                    .map_err(load)?,
+            ),
+            _ => Instance::V04(
                 bindings::Strategy::instantiate(store, &plugin.component, &self.linker)
                     .map_err(load)?,
             ),
@@ -742,7 +754,8 @@ impl PluginHost {
         let info = match self.instantiate(&mut store, plugin)? {
             Instance::V01(i) => i.call_info(&mut store).map(v01::plugin_info),
             Instance::V02(i) => i.call_info(&mut store).map(v02::plugin_info),
-            Instance::V03(i) => i.call_info(&mut store),
+            Instance::V03(i) => i.call_info(&mut store).map(v03::plugin_info),
+            Instance::V04(i) => i.call_info(&mut store),
         }
         .map_err(|e| self.cause(&mut store, &stderr, e))?;
         Ok(PluginInfo {
@@ -796,7 +809,8 @@ impl PluginHost {
         let result = match inst {
             Instance::V01(i) => i.call_apply(&mut store, handle, &v01::options(&entries)),
             Instance::V02(i) => i.call_apply(&mut store, handle, &v02::options(&entries)),
-            Instance::V03(i) => i.call_apply(&mut store, handle, &entries),
+            Instance::V03(i) => i.call_apply(&mut store, handle, &v03::options(&entries)),
+            Instance::V04(i) => i.call_apply(&mut store, handle, &entries),
         };
         let fuel_used = self.limits.fuel - store.get_fuel().unwrap_or(0);
         let max_err = self.limits.max_error_bytes;

@@ -152,6 +152,7 @@ pub fn memory_lower_bound(model: &ModelConfig, shape: &Shape) -> u64 {
         shape.pp,
         shape.chunks,
         shape.tp,
+        shape.cp,
     ]
     .iter()
     .map(|x| f64::from((*x).max(1)))
@@ -170,7 +171,8 @@ pub fn states_lower_bound(model: &ModelConfig, shape: &Shape) -> u64 {
         .map(|s| s.param_elems)
         .sum();
     let dense = model.param_count().saturating_sub(expert);
-    let dp = f64::from(shape.dp.max(1));
+    // ZeRO shards over the data- and context-parallel replicas together.
+    let dp = f64::from(shape.dp.max(1)) * f64::from(shape.cp.max(1));
     let shard = |stage: u8| if shape.zero >= stage { dp } else { 1.0 };
     let b = model.precision.state_bytes();
     let per_elem = b.params as f64 / shard(3)
@@ -447,6 +449,7 @@ mod tests {
             dp,
             zero,
             tp,
+            cp: 1,
             ep: 1,
             pp,
             copies: 1,

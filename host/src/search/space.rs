@@ -81,6 +81,8 @@ pub struct Shape {
     pub dp: u32,
     pub zero: u8,
     pub tp: u32,
+    /// Context-parallel degree (1 without `cp`).
+    pub cp: u32,
     /// Expert-parallel degree (1 without `ep`).
     pub ep: u32,
     /// Pipeline positions (devices ÷ dp ÷ tp).
@@ -375,12 +377,30 @@ pub fn enumerate(
             }
         }
         tensor.extend(user(Role::Tensor).into_iter().map(|s| (Some(s), None)));
+        // Context parallelism next to tp (the mesh: tp × cp × pp × dp), on
+        // models that run the memory-efficient attention, dense ones (cp
+        // with expert parallelism is not built).
+        // (tp step, cp degree, tp degree, pipeline positions)
+        type Context = (Option<Step>, u32, Option<u32>, Option<u32>);
+        let mut contexts: Vec<Context> = Vec::new();
         for (tp_step, tp) in &tensor {
             let positions = match (rest, tp) {
                 (Some(r), Some(t)) if r % t == 0 => Some(r / t),
                 (Some(_), Some(_)) => continue,
                 _ => None,
             };
+            contexts.push((tp_step.clone(), 1, *tp, positions));
+            if bundled && !moe && model.flash_attention() {
+                for c in divisors(positions.unwrap_or(1)) {
+                    if c > 1 && model.seq_len.is_multiple_of(2 * c) {
+                        contexts.push((tp_step.clone(), c, *tp, positions.map(|p| p / c)));
+                    }
+                }
+            }
+        }
+        for (tp_step, cp, tp, positions) in &contexts {
+            let (tp_step, cp, tp, positions) = (tp_step, *cp, tp, *positions);
+            let cp_step = (cp > 1).then(|| Step::new("cp", &[("cp", cp.to_string())]));
             // Expert parallelism over the data-parallel group (or every
             // device; with tensor parallelism, the dp × tp mesh, which
             // tensor-parallel experts need), MoE models only.
@@ -408,7 +428,7 @@ pub fn enumerate(
                     (true, Some(1), Some(_)) if tp_step.is_none() => Some(1),
                     (_, _, p) => p,
                 };
-                let head: Vec<Step> = [rep, tp_step, ep_step]
+                let head: Vec<Step> = [rep, tp_step, &cp_step, ep_step]
                     .into_iter()
                     .flatten()
                     .cloned()
@@ -418,6 +438,7 @@ pub fn enumerate(
                         dp: d,
                         zero: z,
                         tp: t,
+                        cp,
                         ep: *ep,
                         pp,
                         copies,
@@ -665,12 +686,53 @@ mod tests {
                 dp: 2,
                 zero: 2,
                 tp: 1,
+                cp: 1,
                 ep: 1,
                 pp: 2,
                 copies: 1,
                 microbatches: 4,
                 chunks: 1,
             })
+        );
+    }
+
+    /// Context parallelism is a role on models that run the memory-efficient
+    /// attention: next to tp, inside each replica, with degrees whose
+    /// 2·cp chunks divide the sequence; never on the probability kernel.
+    #[test]
+    fn context_parallelism_joins_the_space_on_flash_attention_models() {
+        let probs = ModelConfig::tiny();
+        let labels = |m: &ModelConfig| -> Vec<String> {
+            enumerate(m, 8, 8, None)
+                .iter()
+                .map(Candidate::label)
+                .collect()
+        };
+        assert!(!labels(&probs).iter().any(|l| l.contains("cp:")));
+        let flash = ModelConfig {
+            attention: crate::model::Attention::Flash,
+            ..ModelConfig::tiny()
+        };
+        let all = enumerate(&flash, 8, 8, None);
+        let labels: Vec<String> = all.iter().map(Candidate::label).collect();
+        for want in [
+            "cp:cp=8",
+            "zero:stage=1,dp=2+tp:tp=2+cp:cp=2",
+            "zero:stage=3,dp=2+cp:cp=2+1f1b:microbatches=4",
+        ] {
+            let cps: Vec<&String> = labels.iter().filter(|l| l.contains("cp:")).collect();
+            assert!(
+                labels.contains(&want.to_string()),
+                "{want} missing: {cps:?}"
+            );
+        }
+        let c = all
+            .iter()
+            .find(|c| c.label() == "zero:stage=1,dp=2+tp:tp=2+cp:cp=2")
+            .unwrap();
+        assert_eq!(
+            c.shape.map(|s| (s.dp, s.tp, s.cp, s.pp)),
+            Some((2, 2, 2, 1))
         );
     }
 

@@ -17,6 +17,11 @@ pub trait CostModel {
     /// op (an expert pass exchanging its tokens inside the op: `shard` on
     /// `compute`). Reported as exposed communication, since the op waits on it.
     fn in_op_exchange(&self, op: &Op) -> f64;
+    /// Of [`CostModel::in_op_exchange`], context parallelism's exchanges
+    /// inside attention (reported on their own).
+    fn in_op_context(&self, _op: &Op) -> f64 {
+        0.0
+    }
     /// Whether a node's devices share its compute (virtual devices on the
     /// cores of one machine), and how; `None`: each device computes on its
     /// own (GPUs).
@@ -47,24 +52,19 @@ impl CostModel for Cluster {
     }
 
     fn in_op_exchange(&self, op: &Op) -> f64 {
-        // An expert pass exchanging inside its op waits for its two
-        // all-to-alls (`shard` on `compute`; split passes have their own);
-        // a tensor-parallel pass for its sums (as one ring all-reduce of
-        // all their bytes: one latency, not one per sum).
-        match (op.kind(), op.group(), op.spread, op.phase) {
-            (
-                OpKind::F | OpKind::R | OpKind::B | OpKind::BI,
-                Some(g),
-                Some(Spread::Experts),
-                None,
-            ) if op.bytes > 0 => 2.0 * self.all_to_all(op.bytes, g),
-            (OpKind::F | OpKind::R | OpKind::B | OpKind::BI, Some(g), Some(Spread::Tensor), _)
-                if op.bytes > 0 && g.len() > 1 =>
-            {
+        self.in_op_context(op) + self.in_op_spread(op)
+    }
+
+    /// A context-parallel pass waits for its attention's all-gathers (and
+    /// reduce-scatter): ring collectives over its group, sending
+    /// `cp_bytes` in all, a latency per step of each.
+    fn in_op_context(&self, op: &Op) -> f64 {
+        match op.context_group() {
+            Some(g) if op.cp_bytes > 0 && g.len() > 1 => {
                 let n = g.len() as f64;
                 let one_node = g.iter().all(|d| self.same_node(*d, g[0]));
                 let (beta, alpha) = self.link(one_node);
-                2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta
+                (n - 1.0) * alpha + op.cp_bytes as f64 / beta
             }
             _ => 0.0,
         }
@@ -78,7 +78,6 @@ impl CostModel for Cluster {
                 slots,
             })
     }
-
     fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {
         if from == to {
             return 0.0;
@@ -111,6 +110,30 @@ impl CostModel for Cluster {
 }
 
 impl Cluster {
+    fn in_op_spread(&self, op: &Op) -> f64 {
+        // An expert pass exchanging inside its op waits for its two
+        // all-to-alls (`shard` on `compute`; split passes have their own);
+        // a tensor-parallel pass for its sums (as one ring all-reduce of
+        // all their bytes: one latency, not one per sum).
+        match (op.kind(), op.group(), op.spread, op.phase) {
+            (
+                OpKind::F | OpKind::R | OpKind::B | OpKind::BI,
+                Some(g),
+                Some(Spread::Experts),
+                None,
+            ) if op.bytes > 0 => 2.0 * self.all_to_all(op.bytes, g),
+            (OpKind::F | OpKind::R | OpKind::B | OpKind::BI, Some(g), Some(Spread::Tensor), _)
+                if op.bytes > 0 && g.len() > 1 =>
+            {
+                let n = g.len() as f64;
+                let one_node = g.iter().all(|d| self.same_node(*d, g[0]));
+                let (beta, alpha) = self.link(one_node);
+                2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta
+            }
+            _ => 0.0,
+        }
+    }
+
     /// Ring-style exchange of `bytes` per device over `group` (reduce-scatter,
     /// all-gather and all-to-all alike): `(n−1)/n` of it leaves each device.
     fn all_to_all(&self, bytes: u64, group: &[u32]) -> f64 {

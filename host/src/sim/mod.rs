@@ -603,7 +603,14 @@ fn finish(
     // Exchanges inside compute ops are communication the device waits on.
     for (dp, summary) in plan.devices.iter().zip(&mut sim.devices) {
         for o in dp.streams.iter().flat_map(|s| &s.ops) {
-            let waited = costs.in_op_exchange(o);
+            let context = costs.in_op_context(o);
+            let waited = costs.in_op_exchange(o) - context;
+            if context > 0.0 {
+                *summary
+                    .exposed_comm
+                    .entry(IN_OP_CP.to_string())
+                    .or_default() += context;
+            }
             if waited > 0.0 {
                 let key = match o.spread {
                     Some(Spread::Tensor) => IN_OP_TP_SUMS,
@@ -645,6 +652,9 @@ pub const IN_OP_EXCHANGE: &str = "all-to-all in op";
 /// run inside its compute ops (the next matmul needs them, as in Megatron):
 /// all of it is exposed.
 pub const IN_OP_TP_SUMS: &str = "tp sums in op";
+/// The exposed-communication key of context parallelism's exchanges
+/// inside attention (its q/k/v all-gathers and gradient reduce-scatters).
+pub const IN_OP_CP: &str = "cp exchanges in op";
 
 /// Spans and per-device figures from every op's (start, end), in
 /// [`OpIndex`] order: the same for a simulated and a measured step.

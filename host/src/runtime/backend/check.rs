@@ -11,7 +11,7 @@
 //! its outputs.
 
 use super::routing::{route, MoeDims};
-use super::{AdamW, Backend, BackendError, Routing};
+use super::{AdamW, Backend, BackendError, Routing, SeqRows};
 use crate::model::MoeConfig;
 
 /// One kernel's comparison.
@@ -425,9 +425,10 @@ fn layer_kernels<R: Backend, B: Backend>(
     // The memory-efficient kernel on the same inputs (the CPU's tiles of
     // 64 queries: t = 70 crosses one).
     let (mut fl_out, mut lse) = (k.pair(&vec![0.0; n * c])?, k.pair(&vec![0.0; bb * nh * t])?);
+    let all = SeqRows::all(t);
     k.run(
-        |r| r.flash_attention_forward(&mut fl_out.r, &mut lse.r, &qkv.r, bb, t, c, nh),
-        |g| g.flash_attention_forward(&mut fl_out.b, &mut lse.b, &qkv.b, bb, t, c, nh),
+        |r| r.flash_attention_forward(&mut fl_out.r, &mut lse.r, &qkv.r, bb, t, c, nh, all),
+        |g| g.flash_attention_forward(&mut fl_out.b, &mut lse.b, &qkv.b, bb, t, c, nh, all),
     )?;
     k.record("flash_attention_forward", FP32, &[&fl_out, &lse])?;
     let mut fl_dqkv = k.pair(&rng.vec(n * 3 * c, 0.5))?;
@@ -443,6 +444,7 @@ fn layer_kernels<R: Backend, B: Backend>(
                 t,
                 c,
                 nh,
+                all,
             )
         },
         |g| {
@@ -456,10 +458,63 @@ fn layer_kernels<R: Backend, B: Backend>(
                 t,
                 c,
                 nh,
+                all,
             )
         },
     )?;
     k.record("flash_attention_backward", FP32, &[&fl_dqkv])?;
+    // Context parallelism's chunks: rank 1 of 2 holds positions 17..34
+    // and 51..68 of t = 70 (chunks of 17).
+    let held = SeqRows::balanced(68, 2, 1);
+    let tr = held.len();
+    let (mut cp_out, mut cp_lse) = (
+        k.pair(&vec![0.0; bb * tr * c])?,
+        k.pair(&vec![0.0; bb * nh * tr])?,
+    );
+    k.run(
+        |r| r.flash_attention_forward(&mut cp_out.r, &mut cp_lse.r, &qkv.r, bb, t, c, nh, held),
+        |g| g.flash_attention_forward(&mut cp_out.b, &mut cp_lse.b, &qkv.b, bb, t, c, nh, held),
+    )?;
+    k.record(
+        "flash_attention_forward (chunks)",
+        FP32,
+        &[&cp_out, &cp_lse],
+    )?;
+    let cp_dout = k.pair(&rng.vec(bb * tr * c, 0.5))?;
+    let mut cp_dqkv = k.pair(&rng.vec(n * 3 * c, 0.5))?;
+    k.run(
+        |r| {
+            let kept = (&cp_out.r, &cp_lse.r);
+            r.flash_attention_backward(
+                &mut cp_dqkv.r,
+                &cp_dout.r,
+                &qkv.r,
+                kept.0,
+                kept.1,
+                bb,
+                t,
+                c,
+                nh,
+                held,
+            )
+        },
+        |g| {
+            let kept = (&cp_out.b, &cp_lse.b);
+            g.flash_attention_backward(
+                &mut cp_dqkv.b,
+                &cp_dout.b,
+                &qkv.b,
+                kept.0,
+                kept.1,
+                bb,
+                t,
+                c,
+                nh,
+                held,
+            )
+        },
+    )?;
+    k.record("flash_attention_backward (chunks)", FP32, &[&cp_dqkv])?;
 
     // Elementwise.
     let mut ge = k.pair(&vec![0.0; n * c])?;

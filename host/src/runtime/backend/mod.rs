@@ -81,6 +81,67 @@ pub enum BackendError {
     Device(String),
 }
 
+/// The rows of each sequence an attention call computes, as positions in
+/// the whole sequence: all of them, or context parallelism's two chunks
+/// (Megatron's causal load balancing: rank `r` of `cp` holds chunks `r`
+/// and `2·cp − 1 − r` of `2·cp`, so every rank gets the same share of
+/// the causal triangle).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqRows {
+    /// Rows per chunk.
+    pub chunk: usize,
+    /// Where each chunk starts in the whole sequence.
+    pub starts: [usize; 2],
+    /// Chunks held: 1 (the whole sequence) or 2.
+    pub chunks: usize,
+}
+
+impl SeqRows {
+    /// Every row of a `t`-long sequence.
+    pub fn all(t: usize) -> Self {
+        SeqRows {
+            chunk: t,
+            starts: [0, 0],
+            chunks: 1,
+        }
+    }
+    /// Rank `rank`'s chunks of a `t`-long sequence split over `cp`
+    /// (`t` divides by `2·cp`, as the plan checks).
+    pub fn balanced(t: usize, cp: usize, rank: usize) -> Self {
+        if cp <= 1 {
+            return Self::all(t);
+        }
+        let chunk = t / (2 * cp);
+        SeqRows {
+            chunk,
+            starts: [rank * chunk, (2 * cp - 1 - rank) * chunk],
+            chunks: 2,
+        }
+    }
+    /// Rows held per sequence.
+    pub fn len(&self) -> usize {
+        self.chunk * self.chunks
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The chunks as `(first, end)` positions, in the order held.
+    pub fn ranges(&self) -> Vec<(usize, usize)> {
+        self.starts[..self.chunks.min(2)]
+            .iter()
+            .map(|&s| (s, s + self.chunk))
+            .collect()
+    }
+    /// The position of held row `r`.
+    pub fn position(&self, r: usize) -> usize {
+        self.starts[(r / self.chunk.max(1)).min(1)] + r % self.chunk.max(1)
+    }
+    /// Does it hold every row of a `t`-long sequence, in order?
+    pub fn is_all(&self, t: usize) -> bool {
+        self.chunks == 1 && self.starts[0] == 0 && self.chunk == t
+    }
+}
+
 /// AdamW's hyper-parameters (decoupled weight decay, as GPT-2 training uses
 /// it).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -519,9 +580,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
         c: usize,
         nh: usize,
     );
-    /// Memory-efficient causal attention (FlashAttention's algorithm):
-    /// `out[b,t,c]` and each row's log-sum-exp of its scaled scores
-    /// `lse[b,nh,t]` (fp32), never the probabilities.
+    /// Memory-efficient causal attention (FlashAttention's algorithm) of
+    /// the query rows `rows` of each `t`-long sequence of `qkv[b,t,3c]`:
+    /// `out[b,r,c]` and each row's log-sum-exp of its scaled scores
+    /// `lse[b,nh,r]` (fp32), never the probabilities (`r` = `rows.len()`;
+    /// a row attends to the keys at or before its position).
     fn flash_attention_forward(
         &self,
         out: &mut Self::Tensor,
@@ -531,9 +594,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
         t: usize,
         c: usize,
         nh: usize,
+        rows: SeqRows,
     );
-    /// Accumulates `dqkv += ∂out/∂qkv · dout` from the forward's `out` and
-    /// `lse`, recomputing the probabilities.
+    /// Accumulates `dqkv[b,t,3c] += ∂out/∂qkv · dout` from the forward's
+    /// `out` and `lse` (of the rows `rows`), recomputing the probabilities.
     fn flash_attention_backward(
         &self,
         dqkv: &mut Self::Tensor,
@@ -545,6 +609,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         t: usize,
         c: usize,
         nh: usize,
+        rows: SeqRows,
     );
     /// Grouped-query attention's packed input: `qkv[n, 3·nh·hd]` from
     /// `q[n, nh·hd]` and `k`, `v[n, kvh·hd]`, query head `h` reading kv head

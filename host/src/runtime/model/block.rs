@@ -35,6 +35,7 @@ pub trait Half<B: Backend>: Send + Sync {
         m: &Model<'_, B>,
         params: &ParamMap<B::Tensor>,
         dims: Dims,
+        group: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError>;
     /// Drop what the weight pass does not read.
     fn keep_for_weights(&mut self);
@@ -103,8 +104,9 @@ macro_rules! half {
                 m: &Model<'_, B>,
                 params: &ParamMap<B::Tensor>,
                 dims: Dims,
+                group: Option<&mut Reduce<'_, B>>,
             ) -> Result<(), BackendError> {
-                m.$rebuild(params, self, dims)
+                m.$rebuild(params, self, dims, group)
             }
             fn keep_for_weights(&mut self) {
                 $(self.$skip = Default::default();)+

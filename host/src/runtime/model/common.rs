@@ -11,7 +11,9 @@
 
 use crate::model::params::{Norm, ParamId, ParamTable};
 use crate::model::{Arch, Dtype, ModelConfig, MoeConfig};
-use crate::runtime::backend::{grad_mut, grad_pair, param, Backend, BackendError, ParamMap};
+use crate::runtime::backend::{
+    grad_mut, grad_pair, param, Backend, BackendError, ParamMap, SeqRows,
+};
 
 /// The dimensions of one piece of work: `b` sequences of `t` tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -35,6 +37,12 @@ pub struct Dims {
     /// attention keeps a log-sum-exp `[b, heads, t]` (fp32) instead of the
     /// probabilities.
     pub flash: bool,
+    /// The whole sequence's length (`t` unless context-parallel).
+    pub seq: usize,
+    /// Which of the sequence's positions this device's `t` rows are:
+    /// under context parallelism its two chunks (attention gathers the
+    /// others' keys and values over the group), otherwise all of them.
+    pub held: SeqRows,
 }
 
 impl Dims {
@@ -50,7 +58,35 @@ impl Dims {
             sp: false,
             arch: cfg.arch(),
             flash: cfg.flash_attention(),
+            seq: cfg.seq_len as usize,
+            held: SeqRows::all(cfg.seq_len as usize),
         }
+    }
+    /// Rank `rank` of a context-parallel group of `cp`: its two chunks of
+    /// each sequence (see [`SeqRows::balanced`]).
+    pub fn with_context(self, cp: usize, rank: usize) -> Self {
+        let held = SeqRows::balanced(self.seq, cp, rank);
+        Dims {
+            t: held.len(),
+            held,
+            ..self
+        }
+    }
+    /// Context-parallel: this device holds part of each sequence.
+    pub fn context(&self) -> bool {
+        !self.held.is_all(self.seq)
+    }
+    /// The whole-batch row (`sequence × seq + position`) of each row held.
+    pub fn held_rows(&self) -> Vec<u32> {
+        (0..self.b * self.t)
+            .map(|i| (i / self.t * self.seq + self.held.position(i % self.t)) as u32)
+            .collect()
+    }
+    /// The position of each row held.
+    pub fn held_positions(&self) -> Vec<u32> {
+        (0..self.b * self.t)
+            .map(|i| self.held.position(i % self.t) as u32)
+            .collect()
     }
     pub fn n(&self) -> usize {
         self.b * self.t
@@ -98,6 +134,13 @@ pub enum Coll {
     /// Sequence parallelism: this member's rows of a whole tensor every
     /// member holds (no exchange).
     Shard,
+    /// Context parallelism: the whole sequences `[b, seq, w]` from each
+    /// context-parallel member's rows `[b, t, w]` (its chunks), in
+    /// position order.
+    ContextGather,
+    /// Context parallelism: the sum over the context-parallel group of a
+    /// whole-sequence tensor `[b, seq, w]`, this member's rows of it.
+    ContextScatter,
 }
 
 /// A tensor-parallel group's collectives ([`Coll`]) on this member's tensor.
@@ -124,6 +167,11 @@ impl<B: Backend> Peers<'_, '_, B> {
             Peers::Experts { .. } => None,
         }
     }
+}
+
+/// A spread computation that met no group.
+fn no_group(what: &str) -> BackendError {
+    BackendError::Exchange(format!("{what} runs without its group"))
 }
 
 /// Device bytes of the given tensors.
@@ -198,12 +246,25 @@ impl<'a, B: Backend> Model<'a, B> {
         out: &mut B::Tensor,
         qkv: &B::Tensor,
         (b, t, c, nh): (usize, usize, usize, usize),
-        flash: bool,
+        dims: &Dims,
+        group: Option<&mut Reduce<'_, B>>,
     ) -> Result<B::Tensor, BackendError> {
-        if flash {
+        if dims.context() {
+            // The group's chunks make whole sequences; this device's
+            // queries attend to every key before them.
+            let g = group.ok_or_else(|| no_group("context-parallel attention"))?;
+            let whole = g(Coll::ContextGather, self.b.duplicate(qkv)?)?;
             let mut lse = self.b.zeros(b * nh * t)?;
+            let seq = dims.seq;
             self.b
-                .flash_attention_forward(out, &mut lse, qkv, b, t, c, nh);
+                .flash_attention_forward(out, &mut lse, &whole, b, seq, c, nh, dims.held);
+            return Ok(lse);
+        }
+        if dims.flash {
+            let mut lse = self.b.zeros(b * nh * t)?;
+            let all = SeqRows::all(t);
+            self.b
+                .flash_attention_forward(out, &mut lse, qkv, b, t, c, nh, all);
             return Ok(lse);
         }
         let mut att = self.zeros(b * nh * t * t)?;
@@ -213,6 +274,8 @@ impl<'a, B: Backend> Model<'a, B> {
 
     /// [`Model::attention`]'s backward: `dqkv += ∂out/∂qkv · dout`, from
     /// what it kept (`kept`) and its output.
+    /// Under context parallelism the keys' and values' gradients of the
+    /// whole sequences are summed over the group onto their holders.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_backward(
         &self,
@@ -221,16 +284,74 @@ impl<'a, B: Backend> Model<'a, B> {
         qkv: &B::Tensor,
         (out, kept): (&B::Tensor, &B::Tensor),
         (b, t, c, nh): (usize, usize, usize, usize),
-        flash: bool,
-    ) {
-        match flash {
-            true => self
-                .b
-                .flash_attention_backward(dqkv, dout, qkv, out, kept, b, t, c, nh),
+        dims: &Dims,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(), BackendError> {
+        if dims.context() {
+            let g = group.ok_or_else(|| no_group("context-parallel attention"))?;
+            let whole = g(Coll::ContextGather, self.b.duplicate(qkv)?)?;
+            let seq = dims.seq;
+            let mut dwhole = self.zeros(b * seq * 3 * c)?;
+            self.b.flash_attention_backward(
+                &mut dwhole,
+                dout,
+                &whole,
+                out,
+                kept,
+                b,
+                seq,
+                c,
+                nh,
+                dims.held,
+            );
+            drop(whole);
+            let mine = g(Coll::ContextScatter, dwhole)?;
+            self.b.add(dqkv, &mine);
+            return Ok(());
+        }
+        match dims.flash {
+            true => self.b.flash_attention_backward(
+                dqkv,
+                dout,
+                qkv,
+                out,
+                kept,
+                b,
+                t,
+                c,
+                nh,
+                SeqRows::all(t),
+            ),
             false => self
                 .b
                 .attention_backward(dqkv, dout, qkv, kept, b, t, c, nh),
         }
+        Ok(())
+    }
+
+    /// Rotary embeddings of `x[b·t, heads·hd]` at the positions of the rows
+    /// held (under context parallelism, through the whole sequences: the
+    /// rows placed at their positions, rotated, taken back).
+    pub(super) fn rope_held(
+        &self,
+        x: &mut B::Tensor,
+        dims: &Dims,
+        (heads, hd): (usize, usize),
+        inverse: bool,
+    ) -> Result<(), BackendError> {
+        let theta = dims.arch.rope_theta;
+        if !dims.context() {
+            self.b.rope(x, dims.b, dims.t, heads, hd, theta, inverse);
+            return Ok(());
+        }
+        let w = heads * hd;
+        let rows = dims.held_rows();
+        let mut whole = self.zeros(dims.b * dims.seq * w)?;
+        self.b.scatter_add_rows(&mut whole, x, 0, &rows, 1, w);
+        self.b
+            .rope(&mut whole, dims.b, dims.seq, heads, hd, theta, inverse);
+        self.b.gather_rows(x, 0, &whole, &rows, 1, w);
+        Ok(())
     }
 
     /// The linear layer `(W, b)` on `inp[n, ic]`: `inp · Wᵀ (+ b)`, `[n, oc]`.

@@ -108,6 +108,7 @@ impl<B: Backend> Model<'_, B> {
         params: &ParamMap<B::Tensor>,
         a: &mut AttnCache<B>,
         dims: Dims,
+        reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError> {
         let Dims {
             b, t, c, nh, tp, ..
@@ -119,7 +120,13 @@ impl<B: Backend> Model<'_, B> {
             (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
         }
         let mut atty = self.zeros(n * cl)?;
-        a.att = self.attention(&mut atty, &a.qkv, (b, t, cl, nhl), dims.flash)?;
+        a.att = self.attention(
+            &mut atty,
+            &a.qkv,
+            (b, t, cl, nhl),
+            &dims,
+            reduce,
+        )?;
         Ok(())
     }
 
@@ -129,6 +136,7 @@ impl<B: Backend> Model<'_, B> {
         params: &ParamMap<B::Tensor>,
         m: &mut MlpCache<B>,
         dims: Dims,
+        _reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError> {
         let (c, n) = (dims.c, dims.n());
         let hl = 4 * c / dims.tp;
@@ -164,7 +172,13 @@ impl<B: Backend> Model<'_, B> {
         let ln1_out = self.gathered_norm(ln1_out, dims.sp, reduce.as_deref_mut())?;
         let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
         let mut atty = self.zeros(n * cl)?;
-        let att = self.attention(&mut atty, &qkv_out, (b, t, cl, nhl), dims.flash)?;
+        let att = self.attention(
+            &mut atty,
+            &qkv_out,
+            (b, t, cl, nhl),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let x2 = self.onto_residual(
             params,
             (proj.weight, Some(proj.bias)),
@@ -279,7 +293,15 @@ impl<B: Backend> Model<'_, B> {
         let mut dqkv = self.zeros(n * 3 * cl)?;
         let shape = (b, t, cl, nhl);
         let kept = (&k.atty, &k.att);
-        self.attention_backward(&mut dqkv, &datty, &k.qkv, kept, shape, dims.flash);
+        self.attention_backward(
+            &mut dqkv,
+            &datty,
+            &k.qkv,
+            kept,
+            shape,
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let mut dln1 = self.zeros(n * c)?;
         self.b.matmul_backward_input(
             &mut dln1,

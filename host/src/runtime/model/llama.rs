@@ -252,13 +252,19 @@ impl<B: Backend> Model<'_, B> {
             k_raw = std::mem::replace(&mut k, ko);
             (q_rstd, k_rstd) = (qr, kr);
         }
-        self.b.rope(&mut q, b, t, lc.nh, hd, a.rope_theta, false);
-        self.b.rope(&mut k, b, t, lc.kvh, hd, a.rope_theta, false);
+        self.rope_held(&mut q, &dims, (lc.nh, hd), false)?;
+        self.rope_held(&mut k, &dims, (lc.kvh, hd), false)?;
         let mut qkv = self.zeros(n * 3 * qw)?;
         self.b.qkv_pack(&mut qkv, &q, &k, &v, n, lc.nh, lc.kvh, hd);
         drop((q, k, v));
         let mut atty = self.zeros(n * qw)?;
-        let att = self.attention(&mut atty, &qkv, (b, t, qw, lc.nh), dims.flash)?;
+        let att = self.attention(
+            &mut atty,
+            &qkv,
+            (b, t, qw, lc.nh),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let shape = (n, qw, c);
         let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, shape, dims.sp, reduce)?;
         Ok((
@@ -286,6 +292,7 @@ impl<B: Backend> Model<'_, B> {
         params: &ParamMap<B::Tensor>,
         a: &mut LlamaAttnCache<B>,
         dims: Dims,
+        reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError> {
         let ids = self.llama_attn_ids(a.layer)?;
         let Dims { b, t, c, .. } = dims;
@@ -297,7 +304,13 @@ impl<B: Backend> Model<'_, B> {
             (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
         }
         let mut atty = self.zeros(n * qw)?;
-        a.att = self.attention(&mut atty, &a.qkv, (b, t, qw, lc.nh), dims.flash)?;
+        a.att = self.attention(
+            &mut atty,
+            &a.qkv,
+            (b, t, qw, lc.nh),
+            &dims,
+            reduce,
+        )?;
         Ok(())
     }
 
@@ -308,6 +321,7 @@ impl<B: Backend> Model<'_, B> {
         params: &ParamMap<B::Tensor>,
         m: &mut SwiGluCache<B>,
         dims: Dims,
+        _reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError> {
         let (norm, _) = self.swiglu_ids(m.layer)?;
         let (n, c) = (dims.n(), dims.c);
@@ -368,7 +382,6 @@ impl<B: Backend> Model<'_, B> {
         let ids = self.llama_attn_ids(k.layer)?;
         let Dims { b, t, c, .. } = dims;
         let n = dims.n();
-        let a = dims.arch;
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
         let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
@@ -379,7 +392,15 @@ impl<B: Backend> Model<'_, B> {
         let mut dqkv = self.zeros(n * 3 * qw)?;
         let shape = (b, t, qw, lc.nh);
         let kept = (&k.atty, &k.att);
-        self.attention_backward(&mut dqkv, &datty, &k.qkv, kept, shape, dims.flash);
+        self.attention_backward(
+            &mut dqkv,
+            &datty,
+            &k.qkv,
+            kept,
+            shape,
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         drop(datty);
         let (mut dq, mut dk, mut dv) = (
             self.zeros(n * qw)?,
@@ -389,8 +410,8 @@ impl<B: Backend> Model<'_, B> {
         self.b
             .qkv_unpack_backward(&mut dq, &mut dk, &mut dv, &dqkv, n, lc.nh, lc.kvh, hd);
         drop(dqkv);
-        self.b.rope(&mut dq, b, t, lc.nh, hd, a.rope_theta, true);
-        self.b.rope(&mut dk, b, t, lc.kvh, hd, a.rope_theta, true);
+        self.rope_held(&mut dq, &dims, (lc.nh, hd), true)?;
+        self.rope_held(&mut dk, &dims, (lc.kvh, hd), true)?;
         let (mut dqn, mut dkn, mut qk_grads) = (Default::default(), Default::default(), None);
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let mut dq_raw = self.zeros(n * qw)?;

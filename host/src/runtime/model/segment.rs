@@ -216,12 +216,14 @@ impl<B: Backend> Model<'_, B> {
         &self,
         params: &ParamMap<B::Tensor>,
         mut cache: SegmentCache<B>,
+        mut peers: Option<Peers<'_, '_, B>>,
     ) -> Result<SegmentCache<B>, BackendError> {
         let dims = cache.dims;
         for p in &mut cache.parts {
             if let PartCache::Halves(hs) = p {
                 for h in hs {
-                    h.rebuild(self, params, dims)?;
+                    let group = peers.as_mut().and_then(|s| s.reduce());
+                    h.rebuild(self, params, dims, group)?;
                 }
             }
         }
@@ -298,15 +300,18 @@ impl<B: Backend> Model<'_, B> {
                         Some((wpe, _)) => Some(param(params, wpe)?),
                         None => None,
                     };
-                    self.b.embedding_forward(
-                        &mut x,
-                        &ids,
-                        param(params, self.table.wte)?,
-                        wpe,
-                        b,
-                        t,
-                        c,
-                    );
+                    let wte = param(params, self.table.wte)?;
+                    match wpe {
+                        // Context parallelism: the positions of the rows held.
+                        Some(wpe) if dims.context() => {
+                            self.b.embedding_forward(&mut x, &ids, wte, None, b, t, c);
+                            let mut pe = self.zeros(n * c)?;
+                            let at = dims.held_positions();
+                            self.b.gather_rows(&mut pe, 0, wpe, &at, 1, c);
+                            self.b.add(&mut x, &pe);
+                        }
+                        _ => self.b.embedding_forward(&mut x, &ids, wte, wpe, b, t, c),
+                    }
                     caches.push(PartCache::Embedding { tokens: ids });
                 }
                 Part::Block(l) | Part::Attention(l) => {
@@ -530,6 +535,13 @@ impl<B: Backend> Model<'_, B> {
             match (pc, st) {
                 (PartCache::Embedding { tokens }, PartStash::Embedding { dout }) => {
                     match self.table.gpt2_ends() {
+                        Some((wpe, _)) if cache.dims.context() => {
+                            let (dwte, dwpe) = grad_pair(grads, self.table.wte, wpe)?;
+                            self.b
+                                .embedding_backward_weight(dwte, None, dout, tokens, b, t, c);
+                            let at = cache.dims.held_positions();
+                            self.b.scatter_add_rows(dwpe, dout, 0, &at, 1, c);
+                        }
                         Some((wpe, _)) => {
                             let (dwte, dwpe) = grad_pair(grads, self.table.wte, wpe)?;
                             self.b.embedding_backward_weight(

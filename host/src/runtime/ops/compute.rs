@@ -8,7 +8,7 @@ use super::StepCtx;
 use crate::compile::plan::{Op, OpKind, TensorKind};
 use crate::dag::Pass;
 use crate::model::{Dtype, Segment};
-use crate::runtime::backend::{Backend, BackendError, ParamMap};
+use crate::runtime::backend::{Backend, BackendError, ParamMap, SeqRows};
 use crate::runtime::buffers::Buf;
 use crate::runtime::comm::{in_op_key, packed};
 use crate::runtime::device::{params_here, Device, SequenceSplit};
@@ -74,9 +74,21 @@ pub(super) fn with_peers<B: Backend, R>(
         };
         return f(Some(peers)).map_err(fail);
     }
-    if let Some(&(_, rank)) = dev.spreads.tensor.get(&seg) {
+    let tensor = dev.spreads.tensor.get(&seg).copied();
+    let context = op.context_group().filter(|_| op.cp > 1);
+    if tensor.is_some() || context.is_some() {
+        let rank = tensor.map_or(0, |(_, r)| r);
+        // Context parallelism's shape: the replica's rows and the whole
+        // sequence (each member holds its chunks of each).
+        let (rows, seq) = (rows_of(op, ctx.batch.b).len(), ctx.cfg.seq_len as usize);
         let mut phase = 0u32;
         let mut reduce = |how: Coll, part: B::Tensor| {
+            let context_coll = matches!(how, Coll::ContextGather | Coll::ContextScatter);
+            if members.len() < 2 && !context_coll {
+                // A context-parallel group alone: its tensor-parallel
+                // collectives have one member.
+                return Ok(part);
+            }
             let exchange =
                 |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
             // On the wire and held in the member's tensor's dtype (summed
@@ -90,6 +102,36 @@ pub(super) fn with_peers<B: Backend, R>(
             let comm = ctx.comm;
             let n = members.len();
             let out = match how {
+                Coll::ContextGather | Coll::ContextScatter => {
+                    let cm = context.ok_or_else(|| {
+                        BackendError::Exchange(
+                            "context-parallel attention without its group".into(),
+                        )
+                    })?;
+                    let cp = cm.len();
+                    let key = (
+                        match how {
+                            Coll::ContextGather => "context-parallel all-gather",
+                            _ => "context-parallel reduce-scatter",
+                        },
+                        next_key()?,
+                    );
+                    let layout = ContextLayout { cp, rows, seq };
+                    match how {
+                        Coll::ContextGather => {
+                            let lens = vec![mine.len(); cp];
+                            let all = packed::all_gather(comm, key, cm, dev.id, mine, &lens, dtype)
+                                .map_err(exchange)?;
+                            layout.whole(&all)?
+                        }
+                        _ => {
+                            let by_member = layout.by_member(&mine)?;
+                            let lens = vec![mine.len() / cp; cp];
+                            packed::reduce_scatter(comm, key, cm, dev.id, by_member, &lens, dtype)
+                                .map_err(exchange)?
+                        }
+                    }
+                }
                 Coll::Shard => mine[rows_of_member(mine.len(), n, rank)?].to_vec(),
                 Coll::Sum => {
                     let what = "tensor-parallel all-reduce";
@@ -158,13 +200,88 @@ fn rows_of_member(
 }
 
 /// The rows of a global batch of `b` a forward op trains on: piece
-/// `microbatch × DP degree + replica` of `batch_div`.
+/// `microbatch × DP degree + replica` of `batch_div` (a context-parallel
+/// group of replicas shares one piece: `batch_div` counts its members).
 pub(in crate::runtime) fn rows_of(op: &Op, b: usize) -> std::ops::Range<usize> {
-    let div = (op.batch_div as usize).max(1);
+    let cp = op.cp.max(1) as usize;
+    let div = (op.batch_div as usize / cp).max(1);
     let rows = b / div;
     let dp = div / op.microbatches.max(1) as usize;
-    let piece = op.microbatch as usize * dp + op.replica as usize;
+    let piece = op.microbatch as usize * dp + op.replica as usize / cp;
     piece * rows..(piece + 1) * rows
+}
+
+/// Context parallelism's layout of a tensor over its group: `cp` members
+/// each holding `[rows, t, w]`, their chunks of `rows` sequences of `seq`
+/// positions ([`SeqRows::balanced`]).
+struct ContextLayout {
+    cp: usize,
+    rows: usize,
+    seq: usize,
+}
+
+impl ContextLayout {
+    /// Row width of a member's tensor of `len` values, checked.
+    fn width(&self, len: usize, whole: bool) -> Result<usize, BackendError> {
+        let per = if whole {
+            self.seq
+        } else {
+            self.seq / self.cp.max(1)
+        };
+        let cells = self.rows * per;
+        if cells == 0 || !len.is_multiple_of(cells) || !self.seq.is_multiple_of(2 * self.cp) {
+            return Err(BackendError::Exchange(format!(
+                "{len} values are not {} sequences of {per} positions split over a context-parallel group of {}",
+                self.rows, self.cp
+            )));
+        }
+        Ok(len / cells)
+    }
+
+    /// Every member's rows (`all`, the members' tensors one after the
+    /// other) placed at their positions: `[rows, seq, w]`.
+    fn whole(&self, all: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let w = self.width(all.len(), true)?;
+        let t = self.seq / self.cp;
+        let mut out = vec![0.0; all.len()];
+        for m in 0..self.cp {
+            let held = SeqRows::balanced(self.seq, self.cp, m);
+            let part = &all[m * self.rows * t * w..][..self.rows * t * w];
+            for s in 0..self.rows {
+                for r in 0..t {
+                    let to = (s * self.seq + held.position(r)) * w;
+                    out[to..to + w].copy_from_slice(&part[(s * t + r) * w..][..w]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// A whole-sequence tensor `[rows, seq, w]` as the members' rows, one
+    /// member after the other (what a reduce-scatter hands out).
+    fn by_member(&self, whole: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let w = self.width(whole.len(), true)?;
+        let t = self.seq / self.cp;
+        let mut out = Vec::with_capacity(whole.len());
+        for m in 0..self.cp {
+            let held = SeqRows::balanced(self.seq, self.cp, m);
+            for s in 0..self.rows {
+                for r in 0..t {
+                    let from = (s * self.seq + held.position(r)) * w;
+                    out.extend_from_slice(&whole[from..from + w]);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The tokens (or targets) a context-parallel member holds of `rows`
+/// whole sequences of `seq`: its chunks of each ([`Dims::held_rows`]).
+fn held_of(all: &[u32], dims: &Dims) -> Vec<u32> {
+    (0..dims.b * dims.t)
+        .map(|i| all[i / dims.t * dims.seq + dims.held.position(i % dims.t)])
+        .collect()
 }
 
 /// `F`, or its recompute `R`: the same kernels on the same inputs (so the
@@ -191,6 +308,7 @@ pub(super) fn forward<B: Backend>(
             &format!("batch rows {rows:?} (not read by this process)"),
         )
     })?;
+    let cp = op.cp.max(1) as usize;
     let mut input = dev.tensor_of(op, dev.bufs.take(op, TensorKind::Activation)?)?;
     if let Some(q) = split {
         input = input.map(|x| share_of(dev, op, q, x)).transpose()?;
@@ -205,6 +323,15 @@ pub(super) fn forward<B: Backend>(
             .map_or(1, |(t, _)| *t),
         sp: dev.spreads.sequence_parallel.contains(&op.segments[0]),
         ..Dims::new(ctx.cfg, b)
+    }
+    .with_context(cp, op.replica as usize % cp);
+    let held;
+    let (tokens, targets) = match dims.context() {
+        true => {
+            held = (held_of(tokens, &dims), held_of(targets, &dims));
+            (&held.0[..], &held.1[..])
+        }
+        false => (tokens, targets),
     };
     let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let (out, cache, loss) = with_params(dev, op, |params| {
@@ -265,9 +392,7 @@ pub(super) fn recompute<B: Backend>(
     let cache = owned_cache(dev, op, kept, what)?;
     let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let full = with_params(dev, op, |params| {
-        model
-            .rebuild(params, cache)
-            .map_err(|e| dev.backend_error(op, e))
+        with_peers(dev, op, ctx, |peers| model.rebuild(params, cache, peers))
     })?;
     dev.bufs.put(op, TensorKind::Saved, Buf::Saved(full))
 }

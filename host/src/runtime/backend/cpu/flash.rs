@@ -46,8 +46,24 @@ fn live(q: usize, c0: usize, nc: usize) -> usize {
     (q + 1).saturating_sub(c0).min(nc)
 }
 
-/// Forward: `out[B,T,C]` and the rows' log-sum-exp `lse[B,NH,T]` (of the
-/// scaled scores).
+/// The query blocks of the rows `rows` (ranges of positions, taken in
+/// order): `(first, end, local first)`, a block never crossing a range.
+fn query_blocks(rows: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
+    let mut local = 0;
+    let mut out = Vec::new();
+    for &(g0, g1) in rows {
+        for (r0, r1) in blocks(g1 - g0, BLOCK) {
+            out.push((g0 + r0, g0 + r1, local + r0));
+        }
+        local += g1 - g0;
+    }
+    out
+}
+
+/// Forward: for the query rows at the positions `rows` of each sequence of
+/// `qkv[B,T,3C]` (all of them, or context parallelism's chunks), `out[B,R,C]`
+/// and the rows' log-sum-exp `lse[B,NH,R]` (of the scaled scores), `R` the
+/// rows' count; each attends to the keys at or before its position.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_forward(
     out: &mut [f32],
@@ -57,15 +73,18 @@ pub fn flash_forward(
     t: usize,
     c: usize,
     nh: usize,
+    rows: &[(usize, usize)],
 ) {
     let _k = super::profile::span("flash_forward");
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
-    scratch(&ITEMS, b * nh * t * hs, |outs| {
+    let tr: usize = rows.iter().map(|(a, e)| e - a).sum();
+    let qblocks = query_blocks(rows);
+    scratch(&ITEMS, b * nh * tr * hs, |outs| {
         let mut items: Vec<(&mut [f32], &mut [f32])> = outs
-            .chunks_mut(t * hs)
-            .zip(lse[..b * nh * t].chunks_mut(t))
+            .chunks_mut(tr * hs)
+            .zip(lse[..b * nh * tr].chunks_mut(tr))
             .collect();
         par::each_mut(&mut items, |k, (o, l)| {
             let (bi, h) = (k / nh, k % nh);
@@ -74,10 +93,10 @@ pub fn flash_forward(
             scratch(&TILE, tile, |buf| {
                 let (s, stats) = buf.split_at_mut(BLOCK * KEYS);
                 let (m, sum) = stats.split_at_mut(BLOCK);
-                for (r0, r1) in blocks(t, BLOCK) {
+                for &(r0, r1, lr) in &qblocks {
                     let nr = r1 - r0;
                     // The block's output accumulates in place, rescaled.
-                    let acc = &mut o[r0 * hs..r1 * hs];
+                    let acc = &mut o[lr * hs..(lr + nr) * hs];
                     acc.fill(0.0);
                     m[..nr].fill(f32::NEG_INFINITY);
                     sum[..nr].fill(0.0);
@@ -132,16 +151,19 @@ pub fn flash_forward(
                         for x in &mut acc[i * hs..(i + 1) * hs] {
                             *x *= inv;
                         }
-                        l[r0 + i] = m[i] + sum[i].ln();
+                        l[lr + i] = m[i] + sum[i].ln();
                     }
                 }
             })
         });
-        merge_heads(out, |k| &*items[k].0, (b, t, c, nh));
+        merge_heads(out, |k| &*items[k].0, (b, tr, c, nh));
     })
 }
 
-/// Backward: `dqkv += ∂out/∂qkv · dout`, from the forward's `out` and `lse`.
+/// Backward: `dqkv[B,T,3C] += ∂out/∂qkv · dout`, from the forward's `out`
+/// and `lse` (`dout`, `out`, `lse` hold the rows `rows`, as
+/// [`flash_forward`] made them; the query gradients of other rows stay
+/// as they are).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_backward(
     dqkv: &mut [f32],
@@ -153,11 +175,14 @@ pub fn flash_backward(
     t: usize,
     c: usize,
     nh: usize,
+    rows: &[(usize, usize)],
 ) {
     let _k = super::profile::span("flash_backward");
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
+    let tr: usize = rows.iter().map(|(a, e)| e - a).sum();
+    let qblocks = query_blocks(rows);
     scratch(&ITEMS, b * nh * 3 * t * hs, |grads| {
         let mut items: Vec<&mut [f32]> = grads.chunks_mut(3 * t * hs).collect();
         par::each_mut(&mut items, |k, item| {
@@ -166,9 +191,9 @@ pub fn flash_backward(
             let (dv, rest) = item.split_at_mut(t * hs);
             let (dq, dk) = rest.split_at_mut(t * hs);
             let qo = bi * t * c3 + h * hs;
-            let dof = bi * t * c + h * hs;
-            let l = &lse[(bi * nh + h) * t..][..t];
-            scratch(&TILE, 2 * BLOCK * KEYS + t, |buf| {
+            let dof = bi * tr * c + h * hs;
+            let l = &lse[(bi * nh + h) * tr..][..tr];
+            scratch(&TILE, 2 * BLOCK * KEYS + tr, |buf| {
                 let (p, rest) = buf.split_at_mut(BLOCK * KEYS);
                 let (dp, d) = rest.split_at_mut(BLOCK * KEYS);
                 // D = Σ dO ⊙ O per row.
@@ -177,7 +202,7 @@ pub fn flash_backward(
                     *di = lanes::dot(g, o);
                 }
                 for (c0, c1) in blocks(t, KEYS) {
-                    for (r0, r1) in blocks(t, BLOCK).skip_while(|(_, r1)| *r1 <= c0) {
+                    for &(r0, r1, lr) in qblocks.iter().filter(|(_, r1, _)| *r1 > c0) {
                         let (nr, nc) = (r1 - r0, c1.min(r1) - c0);
                         // p = exp(q·kᵀ·scale − lse), zero above the diagonal.
                         matmul_strided(
@@ -194,7 +219,7 @@ pub fn flash_backward(
                         for i in 0..nr {
                             let row = &mut p[i * nc..(i + 1) * nc];
                             let (keys, masked) = row.split_at_mut(live(r0 + i, c0, nc));
-                            let li = l[r0 + i];
+                            let li = l[lr + i];
                             for v in keys.iter_mut() {
                                 *v = exp_small((*v * scale - li).max(-80.0));
                             }
@@ -209,7 +234,7 @@ pub fn flash_backward(
                             true,
                             p,
                             (1, nc),
-                            &dout[dof + r0 * c..],
+                            &dout[dof + lr * c..],
                             (c, 1),
                         );
                         // dp = dout[r0..r1]·v[c0..c1]ᵀ
@@ -219,14 +244,14 @@ pub fn flash_backward(
                             hs,
                             (dp, nc),
                             false,
-                            &dout[dof + r0 * c..],
+                            &dout[dof + lr * c..],
                             (c, 1),
                             &qkv[qo + 2 * c + c0 * c3..],
                             (1, c3),
                         );
                         // ds = p ⊙ (dp − D)·scale, into dp.
                         for i in 0..nr {
-                            let di = d[r0 + i];
+                            let di = d[lr + i];
                             let (pr, dr) = (&p[i * nc..][..nc], &mut dp[i * nc..][..nc]);
                             for (g, &x) in dr.iter_mut().zip(pr) {
                                 *g = x * (*g - di) * scale;
@@ -299,7 +324,7 @@ mod tests {
             let (mut out, mut att) = (vec![0.0; b * t * c], vec![0.0; b * nh * t * t]);
             attention_forward(&mut out, &mut att, &qkv, b, t, c, nh);
             let (mut fout, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
-            flash_forward(&mut fout, &mut lse, &qkv, b, t, c, nh);
+            flash_forward(&mut fout, &mut lse, &qkv, b, t, c, nh, &[(0, t)]);
             let close = |what: &str, x: &[f32], y: &[f32], tol: f32| {
                 for (i, (a, e)) in x.iter().zip(y).enumerate() {
                     assert!(
@@ -325,8 +350,65 @@ mod tests {
             let mut want = vec![0.5; b * t * 3 * c];
             let mut got = want.clone();
             attention_backward(&mut want, &dout, &qkv, &att, b, t, c, nh);
-            flash_backward(&mut got, &dout, &qkv, &fout, &lse, b, t, c, nh);
+            flash_backward(&mut got, &dout, &qkv, &fout, &lse, b, t, c, nh, &[(0, t)]);
             close("dqkv", &got, &want, 1e-4);
+        }
+    }
+
+    #[test]
+    fn context_parallel_chunks_give_the_whole_sequence_rows_and_gradients() {
+        // Each of cp ranks holds chunks r and 2·cp − 1 − r of 2·cp
+        // (Megatron's causal balancing); chunks off the tiles too (T 150
+        // over 2·2: 37.5 is not whole, so 152).
+        for (b, t, c, nh, cp) in [(2, 152, 64, 4, 2), (1, 128, 32, 2, 4), (1, 600, 32, 2, 2)] {
+            let qkv = values(b * t * 3 * c, t as u32 + 1);
+            let dout = values(b * t * c, 9 + t as u32);
+            let (mut out, mut lse) = (vec![0.0; b * t * c], vec![0.0; b * nh * t]);
+            flash_forward(&mut out, &mut lse, &qkv, b, t, c, nh, &[(0, t)]);
+            let mut whole = vec![0.0; b * t * 3 * c];
+            flash_backward(&mut whole, &dout, &qkv, &out, &lse, b, t, c, nh, &[(0, t)]);
+            let chunk = t / (2 * cp);
+            let mut summed = vec![0.0; b * t * 3 * c];
+            for r in 0..cp {
+                let rows = [
+                    (r * chunk, (r + 1) * chunk),
+                    ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk),
+                ];
+                let tr = 2 * chunk;
+                let local = |full: &[f32], w: usize| -> Vec<f32> {
+                    (0..b)
+                        .flat_map(|bi| rows.iter().map(move |&(a, e)| (bi, a, e)))
+                        .flat_map(|(bi, a, e)| full[(bi * t + a) * w..(bi * t + e) * w].to_vec())
+                        .collect()
+                };
+                let (mut o, mut l) = (vec![0.0; b * tr * c], vec![0.0; b * nh * tr]);
+                flash_forward(&mut o, &mut l, &qkv, b, t, c, nh, &rows);
+                let want = local(&out, c);
+                for (i, (x, y)) in o.iter().zip(&want).enumerate() {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                        "cp {cp} rank {r}: out[{i}] {x} vs {y}"
+                    );
+                }
+                flash_backward(
+                    &mut summed,
+                    &local(&dout, c),
+                    &qkv,
+                    &o,
+                    &l,
+                    b,
+                    t,
+                    c,
+                    nh,
+                    &rows,
+                );
+            }
+            for (i, (x, y)) in summed.iter().zip(&whole).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                    "cp {cp}: dqkv[{i}] {x} vs {y}"
+                );
+            }
         }
     }
 }

@@ -33,7 +33,7 @@ mod llama_tests;
 #[cfg(test)]
 mod tests;
 
-use super::{AdamW, Backend, BackendError, Routing, Trace};
+use super::{AdamW, Backend, BackendError, Routing, SeqRows, Trace};
 use crate::model::Dtype;
 use std::ops::Range;
 pub use tensor::CpuTensor;
@@ -466,9 +466,10 @@ impl Backend for Cpu {
         t: usize,
         c: usize,
         nh: usize,
+        rows: SeqRows,
     ) {
-        let qkv = qkv.f32();
-        out.with_f32(|o| lse.with_f32(|l| flash::flash_forward(o, l, &qkv, b, t, c, nh)))
+        let (qkv, rows) = (qkv.f32(), rows.ranges());
+        out.with_f32(|o| lse.with_f32(|l| flash::flash_forward(o, l, &qkv, b, t, c, nh, &rows)))
     }
     fn flash_attention_backward(
         &self,
@@ -481,9 +482,11 @@ impl Backend for Cpu {
         t: usize,
         c: usize,
         nh: usize,
+        rows: SeqRows,
     ) {
         let (dout, qkv, out, lse) = (dout.f32(), qkv.f32(), out.f32(), lse.f32());
-        dqkv.with_f32(|d| flash::flash_backward(d, &dout, &qkv, &out, &lse, b, t, c, nh))
+        let rows = rows.ranges();
+        dqkv.with_f32(|d| flash::flash_backward(d, &dout, &qkv, &out, &lse, b, t, c, nh, &rows))
     }
 
     fn qkv_pack(

@@ -26,7 +26,7 @@ mod blas;
 pub mod kernels;
 pub mod setup;
 
-use super::{AdamW, Backend, BackendError, Routing, Trace};
+use super::{AdamW, Backend, BackendError, Routing, SeqRows, Trace};
 use crate::model::Dtype;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use std::cell::RefCell;
@@ -259,6 +259,17 @@ fn i64n(n: usize) -> i64 {
 /// A shape as the kernels' `int` (the model's shapes fit: checked by the plan).
 fn i32n(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// The attention kernels' held-row arguments: rows held, rows per chunk,
+/// and the chunks' first positions.
+fn seq_rows(h: SeqRows) -> (i32, i32, i32, i32) {
+    (
+        i32n(h.len()),
+        i32n(h.chunk),
+        i32n(h.starts[0]),
+        i32n(h.starts[1]),
+    )
 }
 
 /// The CUDA backend stores fp32 only so far.
@@ -1047,8 +1058,9 @@ impl Backend for Cuda {
         t: usize,
         c: usize,
         nh: usize,
+        held: SeqRows,
     ) {
-        if b * t == 0 {
+        if b * held.len() == 0 {
             return;
         }
         let hs = c / nh;
@@ -1060,12 +1072,24 @@ impl Backend for Cuda {
         }
         let q = self.q();
         let (ti, nhi, hsi) = (i32n(t), i32n(nh), i32n(hs));
+        let (tr, ch, s0, s1) = seq_rows(held);
         launch!(
             self,
             q,
             flash_forward,
-            rows(b * nh * t),
-            [sm(out), sm(lse), s(qkv), &ti, &nhi, &hsi]
+            rows(b * nh * held.len()),
+            [
+                sm(out),
+                sm(lse),
+                s(qkv),
+                &ti,
+                &nhi,
+                &hsi,
+                &tr,
+                &ch,
+                &s0,
+                &s1
+            ]
         );
     }
     fn flash_attention_backward(
@@ -1079,8 +1103,9 @@ impl Backend for Cuda {
         t: usize,
         c: usize,
         nh: usize,
+        held: SeqRows,
     ) {
-        if b * t == 0 {
+        if b * held.len() == 0 {
             return;
         }
         let hs = c / nh;
@@ -1092,19 +1117,46 @@ impl Backend for Cuda {
         }
         let q = self.q();
         let (ti, nhi, hsi) = (i32n(t), i32n(nh), i32n(hs));
+        let (tr, ch, s0, s1) = seq_rows(held);
         launch!(
             self,
             q,
             flash_backward_dq,
-            rows(b * nh * t),
-            [sm(dqkv), s(dout), s(qkv), s(out), s(lse), &ti, &nhi, &hsi]
+            rows(b * nh * held.len()),
+            [
+                sm(dqkv),
+                s(dout),
+                s(qkv),
+                s(out),
+                s(lse),
+                &ti,
+                &nhi,
+                &hsi,
+                &tr,
+                &ch,
+                &s0,
+                &s1
+            ]
         );
         launch!(
             self,
             q,
             flash_backward_dkv,
             rows(b * nh * t),
-            [sm(dqkv), s(dout), s(qkv), s(out), s(lse), &ti, &nhi, &hsi]
+            [
+                sm(dqkv),
+                s(dout),
+                s(qkv),
+                s(out),
+                s(lse),
+                &ti,
+                &nhi,
+                &hsi,
+                &tr,
+                &ch,
+                &s0,
+                &s1
+            ]
         );
     }
     fn qkv_pack(

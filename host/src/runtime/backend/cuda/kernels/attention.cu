@@ -179,12 +179,21 @@ __device__ float flash_dot(const float* a, const float* b, int hs) {
     return s;
 }
 
-// out[b,t,c] and lse[b,nh,t]: a block per (sequence, head, query).
+// The position of held query row r: context parallelism holds two chunks
+// of `chunk` rows starting at s0 and s1 (the whole sequence: one, chunk =
+// t, s0 = 0).
+__device__ int flash_pos(int r, int chunk, int s0, int s1) {
+    return r < chunk ? s0 + r : s1 + r - chunk;
+}
+
+// out[b,tr,c] and lse[b,nh,tr] of the held rows (tr of each t-long
+// sequence): a block per (sequence, head, held query).
 extern "C" __global__ void flash_forward(float* out, float* lse, const float* qkv, int t, int nh,
-                                         int hs) {
+                                         int hs, int tr, int chunk, int s0, int s1) {
     __shared__ float p[BLOCK];
     i64 row = blockIdx.x;
-    int i = (int)(row % t), bh = (int)(row / t), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int r = (int)(row % tr), bh = (int)(row / tr), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int i = flash_pos(r, chunk, s0, s1);
     float scale = 1.0f / sqrtf((float)hs);
     float mx = NEG_INF;
     for (int j = threadIdx.x; j <= i; j += BLOCK)
@@ -208,20 +217,21 @@ extern "C" __global__ void flash_forward(float* out, float* lse, const float* qk
         }
         __syncthreads();
     }
-    if (threadIdx.x < hs) out[((i64)bi * t + i) * c + h * hs + threadIdx.x] = acc;
+    if (threadIdx.x < hs) out[((i64)bi * tr + r) * c + h * hs + threadIdx.x] = acc;
     if (threadIdx.x == 0) lse[row] = l;
 }
 
-// dqkv's query part += dq_i: a block per (sequence, head, query).
+// dqkv's query part += dq_i: a block per (sequence, head, held query).
 extern "C" __global__ void flash_backward_dq(float* dqkv, const float* dout, const float* qkv,
                                              const float* out, const float* lse, int t, int nh,
-                                             int hs) {
+                                             int hs, int tr, int chunk, int s0, int s1) {
     __shared__ float ds[BLOCK];
     i64 row = blockIdx.x;
-    int i = (int)(row % t), bh = (int)(row / t), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int r = (int)(row % tr), bh = (int)(row / tr), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int i = flash_pos(r, chunk, s0, s1);
     float scale = 1.0f / sqrtf((float)hs);
-    const float* g = dout + ((i64)bi * t + i) * c + h * hs;
-    float dd = flash_dot(g, out + ((i64)bi * t + i) * c + h * hs, hs);
+    const float* g = dout + ((i64)bi * tr + r) * c + h * hs;
+    float dd = flash_dot(g, out + ((i64)bi * tr + r) * c + h * hs, hs);
     float l = lse[row];
     float acc = 0.0f;
     for (int j0 = 0; j0 <= i; j0 += BLOCK) {
@@ -244,10 +254,11 @@ extern "C" __global__ void flash_backward_dq(float* dqkv, const float* dout, con
     if (threadIdx.x < hs) dqkv[((i64)bi * t + i) * 3 * c + h * hs + threadIdx.x] += acc;
 }
 
-// dqkv's key and value parts += dk_j, dv_j: a block per (sequence, head, key).
+// dqkv's key and value parts += dk_j, dv_j from the held queries at or
+// after position j: a block per (sequence, head, key).
 extern "C" __global__ void flash_backward_dkv(float* dqkv, const float* dout, const float* qkv,
                                               const float* out, const float* lse, int t, int nh,
-                                              int hs) {
+                                              int hs, int tr, int chunk, int s0, int s1) {
     __shared__ float p[BLOCK];
     __shared__ float ds[BLOCK];
     i64 row = blockIdx.x;
@@ -255,26 +266,32 @@ extern "C" __global__ void flash_backward_dkv(float* dqkv, const float* dout, co
     float scale = 1.0f / sqrtf((float)hs);
     const float* vj = qkv + ((i64)bi * t + j) * 3 * c + 2 * c + h * hs;
     float dk = 0.0f, dv = 0.0f;
-    for (int i0 = j; i0 < t; i0 += BLOCK) {
-        int i = i0 + threadIdx.x;
+    // Held rows before this key's position never see it: the whole
+    // sequence starts at j, two chunks at the first live row.
+    int first = chunk >= tr ? max(0, j - s0) : 0;
+    for (int r0 = first; r0 < tr; r0 += BLOCK) {
+        int r = r0 + threadIdx.x;
         float pi = 0.0f, dsi = 0.0f;
-        if (i < t) {
-            const float* g = dout + ((i64)bi * t + i) * c + h * hs;
-            float dd = flash_dot(g, out + ((i64)bi * t + i) * c + h * hs, hs);
-            pi = exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) -
-                                     lse[(i64)bh * t + i],
-                                 -80.0f));
-            dsi = pi * (flash_dot(g, vj, hs) - dd) * scale;
+        if (r < tr) {
+            int i = flash_pos(r, chunk, s0, s1);
+            if (i >= j) {
+                const float* g = dout + ((i64)bi * tr + r) * c + h * hs;
+                float dd = flash_dot(g, out + ((i64)bi * tr + r) * c + h * hs, hs);
+                pi = exp_small(fmaxf(flash_score(qkv, bi, h, i, j, t, c, hs, scale) -
+                                         lse[(i64)bh * tr + r],
+                                     -80.0f));
+                dsi = pi * (flash_dot(g, vj, hs) - dd) * scale;
+            }
         }
         p[threadIdx.x] = pi;
         ds[threadIdx.x] = dsi;
         __syncthreads();
         if (threadIdx.x < hs) {
-            int n = min(BLOCK, t - i0);
+            int n = min(BLOCK, tr - r0);
             for (int ii = 0; ii < n; ii++) {
-                i64 at = ((i64)bi * t + i0 + ii);
-                dk += ds[ii] * qkv[at * 3 * c + h * hs + threadIdx.x];
-                dv += p[ii] * dout[at * c + h * hs + threadIdx.x];
+                int i = flash_pos(r0 + ii, chunk, s0, s1);
+                dk += ds[ii] * qkv[((i64)bi * t + i) * 3 * c + h * hs + threadIdx.x];
+                dv += p[ii] * dout[((i64)bi * tr + r0 + ii) * c + h * hs + threadIdx.x];
             }
         }
         __syncthreads();
