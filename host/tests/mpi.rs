@@ -222,10 +222,9 @@ fn bf16_on_2_ranks_is_one_process() {
     );
 }
 
-/// Context parallelism across ranks: each attention's q/k/v all-gathers
-/// and gradient reduce-scatters span both ranks (cp 2 × dp 2 on 4 devices,
-/// and tp 2 × cp 2 with the cp group split over the ranks), one process's
-/// bits.
+/// Context parallelism across ranks: each attention's ring (cp 2 × dp 2 on
+/// 4 devices) and all-gathers and reduce-scatters (tp 2 × cp 2) span both
+/// ranks, one process's bits.
 #[test]
 fn context_parallel_on_2_ranks_is_one_process() {
     let model = concat!(

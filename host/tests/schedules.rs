@@ -273,6 +273,7 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             tp: 1,
             sp: false,
             cp: 1,
+            cp_ring: false,
             cp_bytes: 0,
         }),
         waits: Default::default(),

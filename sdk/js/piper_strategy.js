@@ -102,12 +102,13 @@ export class Dag {
   sequenceParallel(filter) { return call(() => this.d.sequenceParallel(filter.toWit())); }
   /**
    * Context parallelism (WIT 0.4.0): each replica of the matched nodes becomes `degree`
-   * replicas that split its sequences into 2·degree chunks (two each), attention gathering
-   * the group's keys and values on `stream`. Apply after shardTensor, before shard and
-   * recompute. Returns how many nodes it changed.
+   * replicas that split its sequences into 2·degree chunks (two each), attention meeting
+   * the group's keys and values around a ring ('ring') or all-gathered ('all-gather') on
+   * `stream`. Apply after shardTensor, before shard and recompute. Returns how many nodes
+   * it changed.
    */
-  contextParallel(filter, degree, stream = 'cp') {
-    return call(() => this.d.contextParallel(filter.toWit(), degree, stream));
+  contextParallel(filter, degree, exchange = 'ring', stream = 'cp') {
+    return call(() => this.d.contextParallel(filter.toWit(), degree, exchange, stream));
   }
   /** Run group i before group i+1 on one device; each group is an array of filters. */
   order(groups) { call(() => this.d.order(groups.map((g) => g.map((f) => f.toWit())))); }

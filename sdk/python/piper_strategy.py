@@ -167,13 +167,17 @@ class Dag:
         how many segments it covers."""
         return _call(self._d.sequence_parallel, filter.to_wit())
 
-    def context_parallel(self, filter, degree, stream="cp"):
+    def context_parallel(self, filter, degree, exchange="ring", stream="cp"):
         """Context parallelism (WIT 0.4.0): each replica of the matched nodes
         becomes `degree` replicas that split its sequences into 2*degree
-        chunks (two each), attention gathering the group's keys and values
-        on `stream`. Apply it after shard_tensor, before shard and recompute.
-        Returns how many nodes it changed."""
-        return _call(self._d.context_parallel, filter.to_wit(), degree, stream)
+        chunks (two each), attention meeting the group's keys and values
+        around a ring ("ring") or all-gathered ("all-gather") on `stream`.
+        Apply it after shard_tensor, before shard and recompute. Returns how
+        many nodes it changed."""
+        ways = {"ring": _dag.KvExchange.RING, "all-gather": _dag.KvExchange.ALL_GATHER}
+        if exchange not in ways:
+            raise DagError("invalid-argument", "exchange %r is not ring or all-gather" % (exchange,))
+        return _call(self._d.context_parallel, filter.to_wit(), degree, ways[exchange], stream)
 
     def order(self, groups):
         """Run group i before group i+1 on one device; each group is a list of filters."""

@@ -179,6 +179,7 @@ pub trait Dag {
         &mut self,
         filter: &Filter,
         degree: u32,
+        exchange: KvExchange,
         stream: &str,
     ) -> Result<u32, DagError>;
     /// On one device: group i runs before group i+1.
@@ -198,6 +199,26 @@ pub trait Dag {
     /// before the backward. Apply it after every split, place, replicate,
     /// shard and shard-tensor. Returns how many forwards got one.
     fn recompute(&mut self, filter: &Filter, policy: RecomputePolicy) -> Result<u32, DagError>;
+}
+
+/// How context parallelism's ranks meet each other's keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvExchange {
+    /// Around a ring, overlapped with the attention of the block in hand.
+    Ring,
+    /// All-gathered into whole sequences.
+    AllGather,
+}
+
+impl KvExchange {
+    /// `ring` or `all-gather`, as options spell it.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "ring" => Some(KvExchange::Ring),
+            "all-gather" => Some(KvExchange::AllGather),
+            _ => None,
+        }
+    }
 }
 
 /// What `recompute` keeps of a forward.
@@ -322,10 +343,15 @@ impl Dag for WitDag<'_> {
         &mut self,
         filter: &Filter,
         degree: u32,
+        exchange: KvExchange,
         stream: &str,
     ) -> Result<u32, DagError> {
+        let exchange = match exchange {
+            KvExchange::Ring => wdag::KvExchange::Ring,
+            KvExchange::AllGather => wdag::KvExchange::AllGather,
+        };
         self.0
-            .context_parallel(&filter.to_wit(), degree, stream)
+            .context_parallel(&filter.to_wit(), degree, exchange, stream)
             .map_err(err)
     }
     fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
@@ -524,9 +550,15 @@ mod native {
             &mut self,
             f: &Filter,
             degree: u32,
+            exchange: KvExchange,
             stream: &str,
         ) -> Result<u32, DagError> {
-            host::TrainingDag::context_parallel(self, &filter(f), degree, stream).map_err(err)
+            let exchange = match exchange {
+                KvExchange::Ring => host::KvExchange::Ring,
+                KvExchange::AllGather => host::KvExchange::AllGather,
+            };
+            host::TrainingDag::context_parallel(self, &filter(f), degree, exchange, stream)
+                .map_err(err)
         }
         fn order(&mut self, groups: &[Vec<Filter>]) -> Result<(), DagError> {
             let groups: Vec<Vec<host::Filter>> = groups

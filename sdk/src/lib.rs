@@ -131,8 +131,8 @@ pub mod pipeline;
 pub mod recompute;
 
 pub use dag::{
-    ClusterInfo, Dag, DagError, DagErrorKind, EdgeKind, Neighbour, Neighbours, NodeCost, NodeInfo,
-    RecomputePolicy, ReplicateOptions,
+    ClusterInfo, Dag, DagError, DagErrorKind, EdgeKind, KvExchange, Neighbour, Neighbours,
+    NodeCost, NodeInfo, RecomputePolicy, ReplicateOptions,
 };
 pub use filter::{Filter, Pass, TagMatch};
 pub use info::{OptionSpec, OptionType, PluginInfo};

@@ -421,6 +421,9 @@ fn describe<'a>(
                 NodeKind::Compute { .. } => n.cp_degree(),
                 _ => 1,
             },
+            cp_ring: matches!(n.kind, NodeKind::Compute { .. })
+                && n.context_parallel
+                    .is_some_and(|c| c.exchange == crate::dag::KvExchange::Ring),
             cp_bytes: cost.cp_bytes,
         }),
         inputs,

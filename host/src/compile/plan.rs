@@ -120,6 +120,9 @@ pub struct OpCommon {
     /// chunks `r mod cp` and `2·cp − 1 − r mod cp` of each sequence (of
     /// `2·cp`), its attention meeting the others' keys and values.
     pub cp: u32,
+    /// Compute ops of a context-parallel node: the keys and values go
+    /// around a ring (else all-gathered).
+    pub cp_ring: bool,
     /// Compute ops: the bytes a device sends for its context-parallel
     /// exchanges inside the op (see `dag::NodeCost::cp_bytes`). Derived:
     /// not hashed.
@@ -486,6 +489,8 @@ struct FlatOp<'a> {
     sp: bool,
     #[serde(default = "one", skip_serializing_if = "is_one")]
     cp: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    cp_ring: bool,
     #[serde(default, skip_serializing_if = "is_zero")]
     cp_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -536,6 +541,7 @@ impl<'a> FlatOp<'a> {
             tp: c.tp,
             sp: c.sp,
             cp: c.cp,
+            cp_ring: c.cp_ring,
             cp_bytes: c.cp_bytes,
             context: o.context_group().cloned(),
         }
@@ -605,6 +611,7 @@ impl<'a> FlatOp<'a> {
                 tp: self.tp,
                 sp: self.sp,
                 cp: self.cp,
+                cp_ring: self.cp_ring,
                 cp_bytes: self.cp_bytes,
             }),
             waits,
@@ -855,7 +862,7 @@ impl StableHasher {
                 self.word(u64::from(o.tp) | u64::from(o.sp) << 32);
             }
             if o.cp > 1 {
-                self.word(u64::from(o.cp) << 40);
+                self.word(u64::from(o.cp) << 40 | u64::from(o.cp_ring) << 39);
             }
         }
         self.words(o.group().map_or(&[][..], |g| &g[..]));

@@ -7,8 +7,8 @@
 use super::error::{list, quote, DagError, DagErrorKind};
 use super::filter::{Filter, Label};
 use super::{
-    Comm, CommOp, CommPurpose, ContextParallel, DeviceId, EdgeKind, ExpertPhase, Node, NodeId,
-    NodeKind, Pass, ReplicaSpec, StreamId, TensorKind, TensorParallel, TrainingDag,
+    Comm, CommOp, CommPurpose, ContextParallel, DeviceId, EdgeKind, ExpertPhase, KvExchange, Node,
+    NodeId, NodeKind, Pass, ReplicaSpec, StreamId, TensorKind, TensorParallel, TrainingDag,
 };
 use foldhash::{HashSet, HashSetExt};
 use petgraph::visit::{EdgeIndexable, EdgeRef, IntoEdgeReferences, NodeIndexable};
@@ -1056,11 +1056,15 @@ impl TrainingDag {
     /// tensor-parallel group, or its device) becomes `degree` replicas that
     /// run one batch share together, each holding two of `2·degree` chunks
     /// of every sequence (chunks `r` and `2·degree − 1 − r`: the causal
-    /// triangle's work evenly spread). Attention gathers the group's keys
-    /// and values (an all-gather of the packed q/k/v in forward, again in
-    /// backward, whose key and value gradients are reduce-scattered back);
-    /// everything else is per token. Positions (learned or rotary) are the
-    /// chunks' own; the loss sums every member's tokens.
+    /// triangle's work evenly spread). Attention meets the group's keys and
+    /// values by `exchange`: around a ring (each block passed on while the
+    /// one in hand is attended to, partial outputs merged by their
+    /// log-sum-exp; in backward the key and value gradients travel with
+    /// their block back to its holder) or all-gathered (the packed q/k/v
+    /// gathered in forward and again in backward, the gradients
+    /// reduce-scattered back). Everything else is per token. Positions
+    /// (learned or rotary) are the chunks' own; the loss sums every
+    /// member's tokens.
     ///
     /// Replica `r`'s new replicas sit `tp` devices apart after it (the
     /// mesh's axes from the fastest: tp, cp, then pipeline and data
@@ -1080,9 +1084,17 @@ impl TrainingDag {
         &mut self,
         f: &Filter,
         degree: u32,
+        exchange: KvExchange,
         stream: &str,
     ) -> Result<u32, DagError> {
-        let call = format!("context-parallel({f}, {degree}, stream {})", quote(stream));
+        let how = match exchange {
+            KvExchange::Ring => "ring",
+            KvExchange::AllGather => "all-gather",
+        };
+        let call = format!(
+            "context-parallel({f}, {degree}, {how}, stream {})",
+            quote(stream)
+        );
         self.check_not_recomputed(&call)?;
         Self::check_stream(stream, "stream", &call)?;
         self.check_names(&call, &[], &[stream])?;
@@ -1198,7 +1210,11 @@ impl TrainingDag {
             }
             let node = &mut self.graph[id.ix()];
             node.devices = mesh;
-            node.context_parallel = Some(ContextParallel { stream: s, degree });
+            node.context_parallel = Some(ContextParallel {
+                stream: s,
+                degree,
+                exchange,
+            });
         }
         for &id in &compute {
             self.rewire_p2p(id, p2p_stream);

@@ -363,6 +363,21 @@ pub struct ContextParallel {
     pub stream: StreamId,
     /// Replicas per context-parallel group.
     pub degree: u32,
+    /// How the group's keys and values meet.
+    pub exchange: KvExchange,
+}
+
+/// How context parallelism's ranks meet each other's keys and values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum KvExchange {
+    /// Around a ring: each rank's block passes to the next while the
+    /// attention of the block in hand runs; partial outputs merge by their
+    /// log-sum-exp; in backward the key and value gradients travel with
+    /// their block back to its holder.
+    Ring,
+    /// All-gathered into whole sequences (the gradients reduce-scattered).
+    AllGather,
 }
 
 impl Node {

@@ -591,17 +591,25 @@ impl TrainingDag {
                 // (layernorms and the embedding, replicated, are small).
                 let tp = n.tp_degree() as f64;
                 let experts_split = seg.expert_block.is_some() && tp > 1.0;
-                // Context parallelism: each attention half all-gathers
-                // the packed q/k/v of this device's tokens (`cp − 1` times
-                // their bytes sent) in forward, and in backward again,
-                // reduce-scattering their gradients (as much).
+                // Context parallelism: each attention half sends its
+                // rows' packed q/k/v `cp − 1` times in forward (round the
+                // ring, or to each member of the all-gather); in backward
+                // the all-gather again and the reduce-scatter of the
+                // gradients (as much), or round the ring the block again
+                // and its gradients once more (back to its holder).
                 let cp = u64::from(n.cp_degree());
-                let cp_bytes = match pass {
-                    _ if cp < 2 => 0,
-                    super::Pass::BW => 0,
-                    super::Pass::F | super::Pass::R => 1,
-                    super::Pass::B | super::Pass::BI => 2,
-                } * {
+                let ring = n
+                    .context_parallel
+                    .is_some_and(|c| c.exchange == super::KvExchange::Ring);
+                // (The gradients travel in fp32.)
+                let (blocks, grad_blocks) = match pass {
+                    _ if cp < 2 => (0, 0),
+                    super::Pass::BW => (0, 0),
+                    super::Pass::F | super::Pass::R => (cp - 1, 0),
+                    super::Pass::B | super::Pass::BI if ring => (cp - 1, cp),
+                    super::Pass::B | super::Pass::BI => (cp - 1, cp - 1),
+                };
+                let qkv_elems = {
                     let m = &self.model;
                     let attn = (seg.parts.iter())
                         .filter(|p| {
@@ -614,10 +622,12 @@ impl TrainingDag {
                     // The packed q/k/v: every query head's (grouped keys
                     // and values repeated), this device's heads of them.
                     let width = 3 * u64::from(m.arch().q_width());
-                    let qkv =
-                        m.batch_size as u64 * m.seq_len as u64 * width / u64::from(n.tp_degree());
-                    attn * (cp.saturating_sub(1)) * qkv * prec.act_bytes() / div
+                    attn * m.batch_size as u64 * m.seq_len as u64 * width
+                        / u64::from(n.tp_degree())
+                        / div
                 };
+                let cp_bytes =
+                    qkv_elems * (blocks * prec.act_bytes() + grad_blocks * crate::model::F32_BYTES);
                 NodeCost {
                     cp_bytes,
                     flops: flops / div as f64 / tp,

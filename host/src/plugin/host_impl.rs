@@ -441,11 +441,16 @@ impl wdag::HostTrainingDag for PluginState {
         h: Resource<DagHandle>,
         f: wit::Filter,
         degree: u32,
+        exchange: wdag::KvExchange,
         stream: String,
     ) -> R<u32> {
         check!(self.enter(&h, Args::default().filter(&f).string(&stream)));
         let f = check!(self.done(filter(f, "context-parallel")));
-        let r = self.dag().context_parallel(&f, degree, &stream);
+        let exchange = match exchange {
+            wdag::KvExchange::Ring => dag::KvExchange::Ring,
+            wdag::KvExchange::AllGather => dag::KvExchange::AllGather,
+        };
+        let r = self.dag().context_parallel(&f, degree, exchange, &stream);
         self.done(r)
     }
     fn set_priority(&mut self, h: Resource<DagHandle>, f: wit::Filter, priority: i32) -> R<u32> {

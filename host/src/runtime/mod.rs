@@ -119,6 +119,14 @@ fn bf16_not_built(plan: &Plan, backend: backend::BackendKind) -> Option<String> 
     None
 }
 
+/// Does any op pass context parallelism's keys and values around a ring?
+fn ring_planned(plan: &Plan) -> bool {
+    plan.devices
+        .iter()
+        .flat_map(|d| d.streams.iter().flat_map(|s| s.ops.iter()))
+        .any(|o| o.cp_ring)
+}
+
 /// Kernel threads per device when none are asked for: this machine's cores
 /// shared among the devices of this process and the processes of this job
 /// on this machine (Open MPI's and MPICH's local rank count), at least 1.
@@ -446,6 +454,13 @@ impl Trainer {
                  backend under every bundled strategy, and every layout plans, simulates \
                  and searches in bf16",
                 plan.precision
+            )));
+        }
+        if !matches!(opts.backend, backend::BackendKind::Cpu) && ring_planned(&plan) {
+            return Err(RuntimeError::Plan(format!(
+                "context parallelism's ring runs on the CPU backend so far, not the {} \
+                 backend: give `cp:exchange=all-gather`",
+                opts.backend.name()
             )));
         }
         crate::compile::check_deadlock(&plan.devices)

@@ -36,35 +36,33 @@ pub(super) const ADAMW_PASSES: f64 = 7.0;
 
 impl CostModel for Cluster {
     fn compute(&self, op: &Op) -> f64 {
-        let pass = match op.act {
-            Act::Compute { pass, .. } => pass,
-            Act::Update => return ADAMW_PASSES * op.param_bytes as f64 / self.memory_bytes_per_s,
-            Act::Send { .. } | Act::Recv { .. } | Act::Collective { .. } => return 0.0,
-        };
-        let (eff, fixed) = match pass {
-            // A recompute is its forward again, at the forward's rate.
-            Pass::F | Pass::R => (self.efficiency.f, self.op_overhead_s.f),
-            Pass::B => (self.efficiency.b, self.op_overhead_s.b),
-            Pass::BI => (self.efficiency.bi, self.op_overhead_s.bi),
-            Pass::BW => (self.efficiency.bw, self.op_overhead_s.bw),
-        };
-        fixed + op.flops / (self.peak_flops * eff) + self.in_op_exchange(op)
+        if let Act::Update = op.act {
+            return ADAMW_PASSES * op.param_bytes as f64 / self.memory_bytes_per_s;
+        }
+        self.arithmetic(op) + self.in_op_exchange(op)
     }
 
     fn in_op_exchange(&self, op: &Op) -> f64 {
         self.in_op_context(op) + self.in_op_spread(op)
     }
 
-    /// A context-parallel pass waits for its attention's all-gathers (and
-    /// reduce-scatter): ring collectives over its group, sending
-    /// `cp_bytes` in all, a latency per step of each.
+    /// A context-parallel pass: all-gathered keys and values are waited
+    /// for (ring collectives over its group sending `cp_bytes` in all, a
+    /// latency per step); around the ring each block is passed on while
+    /// the one in hand is attended to, so the transfers hide behind the
+    /// op's arithmetic (the whole op's, an upper bound on the attention's)
+    /// but for a latency per step.
     fn in_op_context(&self, op: &Op) -> f64 {
         match op.context_group() {
             Some(g) if op.cp_bytes > 0 && g.len() > 1 => {
                 let n = g.len() as f64;
                 let one_node = g.iter().all(|d| self.same_node(*d, g[0]));
                 let (beta, alpha) = self.link(one_node);
-                (n - 1.0) * alpha + op.cp_bytes as f64 / beta
+                let transfer = op.cp_bytes as f64 / beta;
+                match op.cp_ring {
+                    true => (n - 1.0) * alpha + (transfer - self.arithmetic(op)).max(0.0),
+                    false => (n - 1.0) * alpha + transfer,
+                }
             }
             _ => 0.0,
         }
@@ -110,6 +108,22 @@ impl CostModel for Cluster {
 }
 
 impl Cluster {
+    /// A compute op's arithmetic: its fixed overhead and its FLOPs at its
+    /// pass's efficiency (0 for what is not compute).
+    fn arithmetic(&self, op: &Op) -> f64 {
+        let Act::Compute { pass, .. } = op.act else {
+            return 0.0;
+        };
+        let (eff, fixed) = match pass {
+            // A recompute is its forward again, at the forward's rate.
+            Pass::F | Pass::R => (self.efficiency.f, self.op_overhead_s.f),
+            Pass::B => (self.efficiency.b, self.op_overhead_s.b),
+            Pass::BI => (self.efficiency.bi, self.op_overhead_s.bi),
+            Pass::BW => (self.efficiency.bw, self.op_overhead_s.bw),
+        };
+        fixed + op.flops / (self.peak_flops * eff)
+    }
+
     fn in_op_spread(&self, op: &Op) -> f64 {
         // An expert pass exchanging inside its op waits for its two
         // all-to-alls (`shard` on `compute`; split passes have their own);

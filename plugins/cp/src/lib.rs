@@ -3,9 +3,11 @@
 //! tensor-parallel group, or its device) becomes `cp` replicas, `tp` devices
 //! apart, that run one batch share together: every sequence is cut into
 //! `2·cp` chunks and replica `r` holds chunks `r` and `2·cp − 1 − r` (the
-//! causal triangle's work spread evenly). Attention gathers the group's keys
-//! and values; the key and value gradients go back by reduce-scatter;
-//! everything else runs on the replica's own tokens. Gradients are reduced
+//! causal triangle's work spread evenly). Attention meets the group's keys
+//! and values around a ring (`exchange=ring`, the default: each block passed
+//! on while the one in hand is attended to) or all-gathered
+//! (`exchange=all-gather`); everything else runs on the replica's own
+//! tokens. Gradients are reduced
 //! over the data- and context-parallel replicas together.
 //!
 //! Composes on the device mesh of `piper_sdk::mesh`: apply `tp` first (its
@@ -16,7 +18,8 @@
 //! sequence length divide by `2·cp`.
 
 use piper_sdk::{
-    export_strategy, mesh, Dag, Error, Filter, OptionSpec, Options, PluginInfo, Strategy,
+    export_strategy, mesh, Dag, Error, Filter, KvExchange, OptionSpec, Options, PluginInfo,
+    Strategy,
 };
 
 pub struct ContextParallel;
@@ -32,6 +35,11 @@ impl Strategy for ContextParallel {
             "cp",
             None,
             "context-parallel degree (default: every device the model's group leaves)",
+        ))
+        .option(OptionSpec::str(
+            "exchange",
+            Some("ring"),
+            "how the ranks meet each other's keys and values: `ring` (passed on while the block in hand is attended to) or `all-gather`",
         ))
         .option(OptionSpec::str(
             "stream",
@@ -54,7 +62,11 @@ impl Strategy for ContextParallel {
         // 2. Each replica's sequences over `degree` replicas, laid `tp`
         //    devices apart by the host.
         let stream = options.str("stream")?.unwrap_or("cp");
-        dag.context_parallel(&Filter::all(), degree, stream)?;
+        let how = options.str("exchange")?.unwrap_or("ring");
+        let exchange = KvExchange::parse(how).ok_or_else(|| {
+            Error::msg(format!("exchange = {how:?}: give `ring` or `all-gather`"))
+        })?;
+        dag.context_parallel(&Filter::all(), degree, exchange, stream)?;
         Ok(())
     }
 }

@@ -611,6 +611,43 @@ pub trait Backend: Send + Sync + Sized + 'static {
         nh: usize,
         rows: SeqRows,
     );
+    /// Context parallelism's ring, one forward step: into `out[b,r,c]` and
+    /// `lse[b,nh,r]` (the rows `qrows` of `q[b,r,3c]`; `first`: nothing
+    /// merged yet) the attention over the keys and values of
+    /// `kv[b,k,3c]` at positions `krows`, merged by log-sum-exp (a row that
+    /// sees none of them is left as it was).
+    #[allow(clippy::too_many_arguments)]
+    fn flash_ring_forward(
+        &self,
+        out: &mut Self::Tensor,
+        lse: &mut Self::Tensor,
+        q: &Self::Tensor,
+        kv: &Self::Tensor,
+        b: usize,
+        c: usize,
+        nh: usize,
+        rows: (SeqRows, SeqRows),
+        first: bool,
+    );
+    /// Context parallelism's ring, one backward step: from the rows' final
+    /// `out` and `lse` and `dout[b,r,c]`, accumulates into the query part of
+    /// `dq[b,r,3c]` and the key and value parts of `dkv[b,k,3c]` the
+    /// gradients through the block `kv` at positions `rows.1`.
+    #[allow(clippy::too_many_arguments)]
+    fn flash_ring_backward(
+        &self,
+        dq: &mut Self::Tensor,
+        dkv: &mut Self::Tensor,
+        dout: &Self::Tensor,
+        q: &Self::Tensor,
+        kv: &Self::Tensor,
+        out: &Self::Tensor,
+        lse: &Self::Tensor,
+        b: usize,
+        c: usize,
+        nh: usize,
+        rows: (SeqRows, SeqRows),
+    );
     /// Grouped-query attention's packed input: `qkv[n, 3·nh·hd]` from
     /// `q[n, nh·hd]` and `k`, `v[n, kvh·hd]`, query head `h` reading kv head
     /// `h / (nh / kvh)`.

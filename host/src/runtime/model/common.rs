@@ -39,6 +39,11 @@ pub struct Dims {
     pub flash: bool,
     /// The whole sequence's length (`t` unless context-parallel).
     pub seq: usize,
+    /// Context parallelism: the group's size and this member's rank, and
+    /// whether its keys and values go around a ring (else all-gathered).
+    pub cp: usize,
+    pub cp_rank: usize,
+    pub ring: bool,
     /// Which of the sequence's positions this device's `t` rows are:
     /// under context parallelism its two chunks (attention gathers the
     /// others' keys and values over the group), otherwise all of them.
@@ -60,15 +65,22 @@ impl Dims {
             flash: cfg.flash_attention(),
             seq: cfg.seq_len as usize,
             held: SeqRows::all(cfg.seq_len as usize),
+            cp: 1,
+            cp_rank: 0,
+            ring: false,
         }
     }
-    /// Rank `rank` of a context-parallel group of `cp`: its two chunks of
-    /// each sequence (see [`SeqRows::balanced`]).
-    pub fn with_context(self, cp: usize, rank: usize) -> Self {
+    /// Rank `rank` of a context-parallel group of `cp` (`ring`: its keys
+    /// and values go around a ring): its two chunks of each sequence (see
+    /// [`SeqRows::balanced`]).
+    pub fn with_context(self, cp: usize, rank: usize, ring: bool) -> Self {
         let held = SeqRows::balanced(self.seq, cp, rank);
         Dims {
             t: held.len(),
             held,
+            cp: cp.max(1),
+            cp_rank: rank,
+            ring,
             ..self
         }
     }
@@ -138,6 +150,12 @@ pub enum Coll {
     /// context-parallel member's rows `[b, t, w]` (its chunks), in
     /// position order.
     ContextGather,
+    /// Context parallelism's ring: hand the tensor to the next member
+    /// (returns nothing; never blocks).
+    ContextSend,
+    /// Context parallelism's ring: the previous member's tensor of this
+    /// member's oldest send not yet matched (the argument is not read).
+    ContextRecv,
     /// Context parallelism: the sum over the context-parallel group of a
     /// whole-sequence tensor `[b, seq, w]`, this member's rows of it.
     ContextScatter,
@@ -249,6 +267,40 @@ impl<'a, B: Backend> Model<'a, B> {
         dims: &Dims,
         group: Option<&mut Reduce<'_, B>>,
     ) -> Result<B::Tensor, BackendError> {
+        if dims.context() && dims.ring {
+            // Each member's block in turn (its own first), passed on
+            // before it is attended to, merged into the rows' output.
+            let g = group.ok_or_else(|| no_group("context-parallel attention"))?;
+            // The merged output stays fp32 until the last block.
+            let (cp, rank) = (dims.cp, dims.cp_rank);
+            let mut lse = self.b.zeros(b * nh * t)?;
+            let mut merged = self.b.zeros(b * t * c)?;
+            let mut cur: Option<B::Tensor> = None;
+            for s in 0..cp {
+                let src = (rank + cp - s) % cp;
+                let block = cur.as_ref().unwrap_or(qkv);
+                if s + 1 < cp {
+                    g(Coll::ContextSend, self.b.duplicate(block)?)?;
+                }
+                let rows = (dims.held, SeqRows::balanced(dims.seq, cp, src));
+                self.b.flash_ring_forward(
+                    &mut merged,
+                    &mut lse,
+                    qkv,
+                    block,
+                    b,
+                    c,
+                    nh,
+                    rows,
+                    s == 0,
+                );
+                if s + 1 < cp {
+                    cur = Some(g(Coll::ContextRecv, Default::default())?);
+                }
+            }
+            *out = self.b.cast(&merged, B::dtype(out))?;
+            return Ok(lse);
+        }
         if dims.context() {
             // The group's chunks make whole sequences; this device's
             // queries attend to every key before them.
@@ -287,11 +339,42 @@ impl<'a, B: Backend> Model<'a, B> {
         dims: &Dims,
         group: Option<&mut Reduce<'_, B>>,
     ) -> Result<(), BackendError> {
+        if dims.context() && dims.ring {
+            // Each member's block in turn, its key and value gradients
+            // (fp32) travelling with it back to its holder.
+            let g = group.ok_or_else(|| no_group("context-parallel attention"))?;
+            let (cp, rank) = (dims.cp, dims.cp_rank);
+            let mut dq = self.b.zeros(b * t * 3 * c)?;
+            let mut dkv = self.b.zeros(b * t * 3 * c)?;
+            let mut cur: Option<B::Tensor> = None;
+            for s in 0..cp {
+                let src = (rank + cp - s) % cp;
+                let block = cur.as_ref().unwrap_or(qkv);
+                if s + 1 < cp {
+                    g(Coll::ContextSend, self.b.duplicate(block)?)?;
+                }
+                let rows = (dims.held, SeqRows::balanced(dims.seq, cp, src));
+                self.b.flash_ring_backward(
+                    &mut dq, &mut dkv, dout, qkv, block, out, kept, b, c, nh, rows,
+                );
+                g(Coll::ContextSend, dkv)?;
+                if s + 1 < cp {
+                    cur = Some(g(Coll::ContextRecv, Default::default())?);
+                }
+                dkv = g(Coll::ContextRecv, Default::default())?;
+            }
+            // Back home: this member's own keys' and values' gradients.
+            self.b.add(&mut dq, &dkv);
+            let dq = self.b.cast(&dq, B::dtype(dqkv))?;
+            self.b.add(dqkv, &dq);
+            return Ok(());
+        }
         if dims.context() {
             let g = group.ok_or_else(|| no_group("context-parallel attention"))?;
             let whole = g(Coll::ContextGather, self.b.duplicate(qkv)?)?;
             let seq = dims.seq;
-            let mut dwhole = self.zeros(b * seq * 3 * c)?;
+            // fp32 gradients, summed over the group before one rounding.
+            let mut dwhole = self.b.zeros(b * seq * 3 * c)?;
             self.b.flash_attention_backward(
                 &mut dwhole,
                 dout,
@@ -306,6 +389,7 @@ impl<'a, B: Backend> Model<'a, B> {
             );
             drop(whole);
             let mine = g(Coll::ContextScatter, dwhole)?;
+            let mine = self.b.cast(&mine, B::dtype(dqkv))?;
             self.b.add(dqkv, &mine);
             return Ok(());
         }

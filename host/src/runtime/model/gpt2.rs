@@ -120,13 +120,7 @@ impl<B: Backend> Model<'_, B> {
             (a.ln1, _, _) = self.layernorm(params, ln1, &a.x, n, c)?;
         }
         let mut atty = self.zeros(n * cl)?;
-        a.att = self.attention(
-            &mut atty,
-            &a.qkv,
-            (b, t, cl, nhl),
-            &dims,
-            reduce,
-        )?;
+        a.att = self.attention(&mut atty, &a.qkv, (b, t, cl, nhl), &dims, reduce)?;
         Ok(())
     }
 

@@ -304,13 +304,7 @@ impl<B: Backend> Model<'_, B> {
             (a.ln1, _) = self.rmsnorm(params, ids.norm, &a.x, n, c, dims.arch.norm_eps)?;
         }
         let mut atty = self.zeros(n * qw)?;
-        a.att = self.attention(
-            &mut atty,
-            &a.qkv,
-            (b, t, qw, lc.nh),
-            &dims,
-            reduce,
-        )?;
+        a.att = self.attention(&mut atty, &a.qkv, (b, t, qw, lc.nh), &dims, reduce)?;
         Ok(())
     }
 

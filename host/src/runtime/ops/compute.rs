@@ -82,15 +82,40 @@ pub(super) fn with_peers<B: Backend, R>(
         // sequence (each member holds its chunks of each).
         let (rows, seq) = (rows_of(op, ctx.batch.b).len(), ctx.cfg.seq_len as usize);
         let mut phase = 0u32;
+        // The ring's sends not yet matched by a receive: (key, dtype).
+        let mut ring: std::collections::VecDeque<(u32, Dtype)> = Default::default();
         let mut reduce = |how: Coll, part: B::Tensor| {
+            let exchange =
+                |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
+            if let Coll::ContextSend | Coll::ContextRecv = how {
+                let cm = context.ok_or_else(|| {
+                    BackendError::Exchange("context-parallel attention without its group".into())
+                })?;
+                let me = cm.iter().position(|d| *d == dev.id).unwrap_or(0);
+                let (next, prev) = (cm[(me + 1) % cm.len()], cm[(me + cm.len() - 1) % cm.len()]);
+                if how == Coll::ContextSend {
+                    let dtype = B::dtype(&part);
+                    phase += 1;
+                    let k = key(phase - 1)?;
+                    ring.push_back((k, dtype));
+                    let mine = b.download_owned(part)?;
+                    packed::send(ctx.comm, k, (dev.id, next), mine, dtype).map_err(exchange)?;
+                    return Ok(Default::default());
+                }
+                let (k, dtype) = ring.pop_front().ok_or_else(|| {
+                    BackendError::Exchange("a context-parallel ring receive before its send".into())
+                })?;
+                let what = "context-parallel ring block";
+                let got =
+                    packed::recv(ctx.comm, k, (prev, dev.id), what, dtype).map_err(exchange)?;
+                return b.upload_as(got, dtype);
+            }
             let context_coll = matches!(how, Coll::ContextGather | Coll::ContextScatter);
             if members.len() < 2 && !context_coll {
                 // A context-parallel group alone: its tensor-parallel
                 // collectives have one member.
                 return Ok(part);
             }
-            let exchange =
-                |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
             // On the wire and held in the member's tensor's dtype (summed
             // in fp32).
             let dtype = B::dtype(&part);
@@ -102,6 +127,9 @@ pub(super) fn with_peers<B: Backend, R>(
             let comm = ctx.comm;
             let n = members.len();
             let out = match how {
+                Coll::ContextSend | Coll::ContextRecv => {
+                    return Err(BackendError::Exchange("a ring step out of place".into()))
+                }
                 Coll::ContextGather | Coll::ContextScatter => {
                     let cm = context.ok_or_else(|| {
                         BackendError::Exchange(
@@ -324,7 +352,7 @@ pub(super) fn forward<B: Backend>(
         sp: dev.spreads.sequence_parallel.contains(&op.segments[0]),
         ..Dims::new(ctx.cfg, b)
     }
-    .with_context(cp, op.replica as usize % cp);
+    .with_context(cp, op.replica as usize % cp, op.cp_ring);
     let held;
     let (tokens, targets) = match dims.context() {
         true => {

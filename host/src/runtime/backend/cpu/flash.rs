@@ -22,33 +22,33 @@ use super::par;
 use std::cell::RefCell;
 
 /// Query rows per tile (the causal skipping's grain).
-const BLOCK: usize = 64;
+pub(super) const BLOCK: usize = 64;
 /// Key rows per tile: wider tiles make fewer, larger products. A multiple
 /// of [`BLOCK`], so a query block lies wholly at or below a key block's
 /// start or wholly above it.
-const KEYS: usize = 4 * BLOCK;
+pub(super) const KEYS: usize = 4 * BLOCK;
 
 thread_local! {
     /// Per (sequence, head) outputs or gradients, kept between calls.
-    static ITEMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    pub(super) static ITEMS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// One tile's scores, probabilities and their gradients, and a query
     /// block's running statistics and output.
-    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    pub(super) static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The blocks of `size` rows of `t`: `(first, end)`.
-fn blocks(t: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+pub(super) fn blocks(t: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(size)).map(move |i| (i * size, ((i + 1) * size).min(t)))
 }
 
 /// Keys at or before query `q` among the keys `c0..c0 + nc`.
-fn live(q: usize, c0: usize, nc: usize) -> usize {
+pub(super) fn live(q: usize, c0: usize, nc: usize) -> usize {
     (q + 1).saturating_sub(c0).min(nc)
 }
 
 /// The query blocks of the rows `rows` (ranges of positions, taken in
 /// order): `(first, end, local first)`, a block never crossing a range.
-fn query_blocks(rows: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
+pub(super) fn query_blocks(rows: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
     let mut local = 0;
     let mut out = Vec::new();
     for &(g0, g1) in rows {
@@ -103,48 +103,9 @@ pub fn flash_forward(
                     for (c0, c1) in blocks(t, KEYS).take_while(|(c0, _)| *c0 < r1) {
                         // Keys past the block's last query are never live.
                         let nc = c1.min(r1) - c0;
-                        // s = q[r0..r1]·k[c0..c1]ᵀ
-                        matmul_strided(
-                            nr,
-                            nc,
-                            hs,
-                            (s, nc),
-                            false,
-                            &qkv[qo + r0 * c3..],
-                            (c3, 1),
-                            &qkv[qo + c + c0 * c3..],
-                            (1, c3),
-                        );
-                        for i in 0..nr {
-                            let row = &mut s[i * nc..(i + 1) * nc];
-                            let (keys, masked) = row.split_at_mut(live(r0 + i, c0, nc));
-                            for v in keys.iter_mut() {
-                                *v *= scale;
-                            }
-                            let m_new = m[i].max(lanes::max(keys));
-                            for v in keys.iter_mut() {
-                                *v = exp_small((*v - m_new).max(-80.0));
-                            }
-                            masked.fill(0.0);
-                            let alpha = exp_small((m[i] - m_new).max(-80.0));
-                            sum[i] = sum[i] * alpha + lanes::sum(keys);
-                            m[i] = m_new;
-                            for x in &mut acc[i * hs..(i + 1) * hs] {
-                                *x *= alpha;
-                            }
-                        }
-                        // acc += p·v[c0..c1]
-                        matmul_strided(
-                            nr,
-                            hs,
-                            nc,
-                            (acc, hs),
-                            true,
-                            s,
-                            (nc, 1),
-                            &qkv[qo + 2 * c + c0 * c3..],
-                            (c3, 1),
-                        );
+                        let (k, v) = (&qkv[qo + c + c0 * c3..], &qkv[qo + 2 * c + c0 * c3..]);
+                        let src = (&qkv[qo + r0 * c3..], k, v);
+                        forward_tile(s, (m, sum), acc, src, (nr, nc, hs, c3), (r0, c0), scale);
                     }
                     for i in 0..nr {
                         let inv = 1.0 / sum[i];
@@ -204,83 +165,16 @@ pub fn flash_backward(
                 for (c0, c1) in blocks(t, KEYS) {
                     for &(r0, r1, lr) in qblocks.iter().filter(|(_, r1, _)| *r1 > c0) {
                         let (nr, nc) = (r1 - r0, c1.min(r1) - c0);
-                        // p = exp(q·kᵀ·scale − lse), zero above the diagonal.
-                        matmul_strided(
-                            nr,
-                            nc,
-                            hs,
-                            (p, nc),
-                            false,
+                        let src = (
                             &qkv[qo + r0 * c3..],
-                            (c3, 1),
                             &qkv[qo + c + c0 * c3..],
-                            (1, c3),
-                        );
-                        for i in 0..nr {
-                            let row = &mut p[i * nc..(i + 1) * nc];
-                            let (keys, masked) = row.split_at_mut(live(r0 + i, c0, nc));
-                            let li = l[lr + i];
-                            for v in keys.iter_mut() {
-                                *v = exp_small((*v * scale - li).max(-80.0));
-                            }
-                            masked.fill(0.0);
-                        }
-                        // dv[c0..c1] += pᵀ·dout[r0..r1]
-                        matmul_strided(
-                            nc,
-                            hs,
-                            nr,
-                            (&mut dv[c0 * hs..], hs),
-                            true,
-                            p,
-                            (1, nc),
-                            &dout[dof + lr * c..],
-                            (c, 1),
-                        );
-                        // dp = dout[r0..r1]·v[c0..c1]ᵀ
-                        matmul_strided(
-                            nr,
-                            nc,
-                            hs,
-                            (dp, nc),
-                            false,
-                            &dout[dof + lr * c..],
-                            (c, 1),
                             &qkv[qo + 2 * c + c0 * c3..],
-                            (1, c3),
+                            &dout[dof + lr * c..],
                         );
-                        // ds = p ⊙ (dp − D)·scale, into dp.
-                        for i in 0..nr {
-                            let di = d[lr + i];
-                            let (pr, dr) = (&p[i * nc..][..nc], &mut dp[i * nc..][..nc]);
-                            for (g, &x) in dr.iter_mut().zip(pr) {
-                                *g = x * (*g - di) * scale;
-                            }
-                        }
-                        // dq[r0..r1] += ds·k[c0..c1]
-                        matmul_strided(
-                            nr,
-                            hs,
-                            nc,
-                            (&mut dq[r0 * hs..], hs),
-                            true,
-                            dp,
-                            (nc, 1),
-                            &qkv[qo + c + c0 * c3..],
-                            (c3, 1),
-                        );
-                        // dk[c0..c1] += dsᵀ·q[r0..r1]
-                        matmul_strided(
-                            nc,
-                            hs,
-                            nr,
-                            (&mut dk[c0 * hs..], hs),
-                            true,
-                            dp,
-                            (1, nc),
-                            &qkv[qo + r0 * c3..],
-                            (c3, 1),
-                        );
+                        let grads = (&mut dq[r0 * hs..], &mut dk[c0 * hs..], &mut dv[c0 * hs..]);
+                        let stats = (&d[lr..], &l[lr..]);
+                        let shape = (nr, nc, hs, c3, c);
+                        backward_tile((p, dp), stats, src, grads, shape, (r0, c0), scale);
                     }
                 }
             })
@@ -289,13 +183,102 @@ pub fn flash_backward(
     })
 }
 
+/// One forward tile: the `nr` query rows at `q` (positions from `r0`)
+/// against the `nc` keys at `k` (positions from `k0`; their values at `v`),
+/// merged into the rows' running maximum `m`, sum `sum` and output `acc`
+/// (`hs` wide; rows `c3` apart in the packed tensors). A row that sees no
+/// key of the tile is left as it was.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn forward_tile(
+    s: &mut [f32],
+    (m, sum): (&mut [f32], &mut [f32]),
+    acc: &mut [f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (nr, nc, hs, c3): (usize, usize, usize, usize),
+    (r0, k0): (usize, usize),
+    scale: f32,
+) {
+    // s = q·kᵀ
+    matmul_strided(nr, nc, hs, (s, nc), false, q, (c3, 1), k, (1, c3));
+    for i in 0..nr {
+        let row = &mut s[i * nc..(i + 1) * nc];
+        let n = live(r0 + i, k0, nc);
+        let (keys, masked) = row.split_at_mut(n);
+        masked.fill(0.0);
+        if n == 0 {
+            continue;
+        }
+        for x in keys.iter_mut() {
+            *x *= scale;
+        }
+        let m_new = m[i].max(lanes::max(keys));
+        for x in keys.iter_mut() {
+            *x = exp_small((*x - m_new).max(-80.0));
+        }
+        // Nothing merged yet (m = −∞): the old terms weigh nothing.
+        let alpha = match m[i].is_finite() {
+            true => exp_small((m[i] - m_new).max(-80.0)),
+            false => 0.0,
+        };
+        sum[i] = sum[i] * alpha + lanes::sum(keys);
+        m[i] = m_new;
+        for x in &mut acc[i * hs..(i + 1) * hs] {
+            *x *= alpha;
+        }
+    }
+    // acc += p·v
+    matmul_strided(nr, hs, nc, (acc, hs), true, s, (nc, 1), v, (c3, 1));
+}
+
+/// One backward tile: the `nr` query rows at `q` (positions from `r0`,
+/// their `D = Σ dO ⊙ O` and log-sum-exp in `d` and `l`, their output
+/// gradient at `dout`, rows `c` apart) against the `nc` keys at `k`
+/// (positions from `k0`, values at `v`): the probabilities recomputed,
+/// `dq` += ds·k, `dk` += dsᵀ·q, `dv` += pᵀ·dout (each `hs` wide).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn backward_tile(
+    (p, dp): (&mut [f32], &mut [f32]),
+    (d, l): (&[f32], &[f32]),
+    (q, k, v, dout): (&[f32], &[f32], &[f32], &[f32]),
+    (dq, dk, dv): (&mut [f32], &mut [f32], &mut [f32]),
+    (nr, nc, hs, c3, c): (usize, usize, usize, usize, usize),
+    (r0, k0): (usize, usize),
+    scale: f32,
+) {
+    // p = exp(q·kᵀ·scale − lse), zero where not live.
+    matmul_strided(nr, nc, hs, (p, nc), false, q, (c3, 1), k, (1, c3));
+    for i in 0..nr {
+        let row = &mut p[i * nc..(i + 1) * nc];
+        let (keys, masked) = row.split_at_mut(live(r0 + i, k0, nc));
+        for x in keys.iter_mut() {
+            *x = exp_small((*x * scale - l[i]).max(-80.0));
+        }
+        masked.fill(0.0);
+    }
+    // dv += pᵀ·dout
+    matmul_strided(nc, hs, nr, (dv, hs), true, p, (1, nc), dout, (c, 1));
+    // dp = dout·vᵀ
+    matmul_strided(nr, nc, hs, (dp, nc), false, dout, (c, 1), v, (1, c3));
+    // ds = p ⊙ (dp − D)·scale, into dp.
+    for i in 0..nr {
+        let (pr, dr) = (&p[i * nc..][..nc], &mut dp[i * nc..][..nc]);
+        for (g, &x) in dr.iter_mut().zip(pr) {
+            *g = x * (*g - d[i]) * scale;
+        }
+    }
+    // dq += ds·k
+    matmul_strided(nr, hs, nc, (dq, hs), true, dp, (nc, 1), k, (c3, 1));
+    // dk += dsᵀ·q
+    matmul_strided(nc, hs, nr, (dk, hs), true, dp, (1, nc), q, (c3, 1));
+}
+
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::super::attention::{attention_backward, attention_forward};
     use super::*;
 
     /// Deterministic values in about ±2 (a scale where softmax is peaked).
-    fn values(n: usize, seed: u32) -> Vec<f32> {
+    pub(in crate::runtime::backend::cpu) fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut x = seed.wrapping_mul(2_654_435_761).max(1);
         (0..n)
             .map(|_| {

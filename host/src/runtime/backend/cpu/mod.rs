@@ -24,6 +24,7 @@ pub mod memory;
 pub mod moe;
 pub mod par;
 pub mod profile;
+pub mod ring;
 pub mod rmsnorm;
 pub mod rope;
 pub mod tensor;
@@ -487,6 +488,56 @@ impl Backend for Cpu {
         let (dout, qkv, out, lse) = (dout.f32(), qkv.f32(), out.f32(), lse.f32());
         let rows = rows.ranges();
         dqkv.with_f32(|d| flash::flash_backward(d, &dout, &qkv, &out, &lse, b, t, c, nh, &rows))
+    }
+
+    fn flash_ring_forward(
+        &self,
+        out: &mut T,
+        lse: &mut T,
+        q: &T,
+        kv: &T,
+        b: usize,
+        c: usize,
+        nh: usize,
+        (qrows, krows): (SeqRows, SeqRows),
+        first: bool,
+    ) {
+        let (q, kv) = (q.f32(), kv.f32());
+        let (qr, kr) = (qrows.ranges(), krows.ranges());
+        out.with_f32(|o| {
+            lse.with_f32(|l| ring::ring_forward(o, l, &q, &kv, (b, c, nh), &qr, &kr, first))
+        })
+    }
+    fn flash_ring_backward(
+        &self,
+        dq: &mut T,
+        dkv: &mut T,
+        dout: &T,
+        q: &T,
+        kv: &T,
+        out: &T,
+        lse: &T,
+        b: usize,
+        c: usize,
+        nh: usize,
+        (qrows, krows): (SeqRows, SeqRows),
+    ) {
+        let (dout, q, kv, out, lse) = (dout.f32(), q.f32(), kv.f32(), out.f32(), lse.f32());
+        let (qr, kr) = (qrows.ranges(), krows.ranges());
+        dq.with_f32(|dq| {
+            dkv.with_f32(|dkv| {
+                ring::ring_backward(
+                    dq,
+                    dkv,
+                    &dout,
+                    (&q, &kv),
+                    (&out, &lse),
+                    (b, c, nh),
+                    &qr,
+                    &kr,
+                )
+            })
+        })
     }
 
     fn qkv_pack(

@@ -272,6 +272,12 @@ fn seq_rows(h: SeqRows) -> (i32, i32, i32, i32) {
     )
 }
 
+/// Context parallelism's ring kernels are the CPU backend's so far.
+fn ring_not_built() -> String {
+    "context parallelism's ring runs on the CPU backend so far: give `cp:exchange=all-gather`"
+        .into()
+}
+
 /// The CUDA backend stores fp32 only so far.
 fn bf16_not_built() -> BackendError {
     BackendError::Device("bf16 storage is not built in the CUDA backend yet (fp32 only)".into())
@@ -1158,6 +1164,36 @@ impl Backend for Cuda {
                 &s1
             ]
         );
+    }
+    fn flash_ring_forward(
+        &self,
+        _out: &mut GpuTensor,
+        _lse: &mut GpuTensor,
+        _q: &GpuTensor,
+        _kv: &GpuTensor,
+        _b: usize,
+        _c: usize,
+        _nh: usize,
+        _rows: (SeqRows, SeqRows),
+        _first: bool,
+    ) {
+        self.fail("flash_ring_forward", ring_not_built());
+    }
+    fn flash_ring_backward(
+        &self,
+        _dq: &mut GpuTensor,
+        _dkv: &mut GpuTensor,
+        _dout: &GpuTensor,
+        _q: &GpuTensor,
+        _kv: &GpuTensor,
+        _out: &GpuTensor,
+        _lse: &GpuTensor,
+        _b: usize,
+        _c: usize,
+        _nh: usize,
+        _rows: (SeqRows, SeqRows),
+    ) {
+        self.fail("flash_ring_backward", ring_not_built());
     }
     fn qkv_pack(
         &self,
