@@ -136,10 +136,6 @@ impl SeqRows {
     pub fn position(&self, r: usize) -> usize {
         self.starts[(r / self.chunk.max(1)).min(1)] + r % self.chunk.max(1)
     }
-    /// Does it hold every row of a `t`-long sequence, in order?
-    pub fn is_all(&self, t: usize) -> bool {
-        self.chunks == 1 && self.starts[0] == 0 && self.chunk == t
-    }
 }
 
 /// AdamW's hyper-parameters (decoupled weight decay, as GPT-2 training uses

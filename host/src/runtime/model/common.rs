@@ -44,10 +44,6 @@ pub struct Dims {
     pub cp: usize,
     pub cp_rank: usize,
     pub ring: bool,
-    /// Which of the sequence's positions this device's `t` rows are:
-    /// under context parallelism its two chunks (attention gathers the
-    /// others' keys and values over the group), otherwise all of them.
-    pub held: SeqRows,
 }
 
 impl Dims {
@@ -64,7 +60,6 @@ impl Dims {
             arch: cfg.arch(),
             flash: cfg.flash_attention(),
             seq: cfg.seq_len as usize,
-            held: SeqRows::all(cfg.seq_len as usize),
             cp: 1,
             cp_rank: 0,
             ring: false,
@@ -74,30 +69,39 @@ impl Dims {
     /// and values go around a ring): its two chunks of each sequence (see
     /// [`SeqRows::balanced`]).
     pub fn with_context(self, cp: usize, rank: usize, ring: bool) -> Self {
-        let held = SeqRows::balanced(self.seq, cp, rank);
-        Dims {
-            t: held.len(),
-            held,
+        let d = Dims {
             cp: cp.max(1),
             cp_rank: rank,
             ring,
             ..self
+        };
+        Dims {
+            t: d.held().len(),
+            ..d
         }
+    }
+    /// Which of the sequence's positions this device's `t` rows are:
+    /// under context parallelism its two chunks (attention meets the
+    /// others' keys and values over the group), otherwise all of them.
+    pub fn held(&self) -> SeqRows {
+        SeqRows::balanced(self.seq, self.cp, self.cp_rank)
     }
     /// Context-parallel: this device holds part of each sequence.
     pub fn context(&self) -> bool {
-        !self.held.is_all(self.seq)
+        self.cp > 1
     }
     /// The whole-batch row (`sequence × seq + position`) of each row held.
     pub fn held_rows(&self) -> Vec<u32> {
+        let held = self.held();
         (0..self.b * self.t)
-            .map(|i| (i / self.t * self.seq + self.held.position(i % self.t)) as u32)
+            .map(|i| (i / self.t * self.seq + held.position(i % self.t)) as u32)
             .collect()
     }
     /// The position of each row held.
     pub fn held_positions(&self) -> Vec<u32> {
+        let held = self.held();
         (0..self.b * self.t)
-            .map(|i| self.held.position(i % self.t) as u32)
+            .map(|i| held.position(i % self.t) as u32)
             .collect()
     }
     pub fn n(&self) -> usize {
@@ -282,7 +286,7 @@ impl<'a, B: Backend> Model<'a, B> {
                 if s + 1 < cp {
                     g(Coll::ContextSend, self.b.duplicate(block)?)?;
                 }
-                let rows = (dims.held, SeqRows::balanced(dims.seq, cp, src));
+                let rows = (dims.held(), SeqRows::balanced(dims.seq, cp, src));
                 self.b.flash_ring_forward(
                     &mut merged,
                     &mut lse,
@@ -309,7 +313,7 @@ impl<'a, B: Backend> Model<'a, B> {
             let mut lse = self.b.zeros(b * nh * t)?;
             let seq = dims.seq;
             self.b
-                .flash_attention_forward(out, &mut lse, &whole, b, seq, c, nh, dims.held);
+                .flash_attention_forward(out, &mut lse, &whole, b, seq, c, nh, dims.held());
             return Ok(lse);
         }
         if dims.flash {
@@ -353,7 +357,7 @@ impl<'a, B: Backend> Model<'a, B> {
                 if s + 1 < cp {
                     g(Coll::ContextSend, self.b.duplicate(block)?)?;
                 }
-                let rows = (dims.held, SeqRows::balanced(dims.seq, cp, src));
+                let rows = (dims.held(), SeqRows::balanced(dims.seq, cp, src));
                 self.b.flash_ring_backward(
                     &mut dq, &mut dkv, dout, qkv, block, out, kept, b, c, nh, rows,
                 );
@@ -385,7 +389,7 @@ impl<'a, B: Backend> Model<'a, B> {
                 seq,
                 c,
                 nh,
-                dims.held,
+                dims.held(),
             );
             drop(whole);
             let mine = g(Coll::ContextScatter, dwhole)?;

@@ -91,7 +91,12 @@ pub(super) fn with_peers<B: Backend, R>(
                 let cm = context.ok_or_else(|| {
                     BackendError::Exchange("context-parallel attention without its group".into())
                 })?;
-                let me = cm.iter().position(|d| *d == dev.id).unwrap_or(0);
+                let me = cm.iter().position(|d| *d == dev.id).ok_or_else(|| {
+                    BackendError::Exchange(format!(
+                        "device {} is not in its context-parallel group {cm:?}",
+                        dev.id
+                    ))
+                })?;
                 let (next, prev) = (cm[(me + 1) % cm.len()], cm[(me + cm.len() - 1) % cm.len()]);
                 if how == Coll::ContextSend {
                     let dtype = B::dtype(&part);
@@ -249,18 +254,14 @@ struct ContextLayout {
 }
 
 impl ContextLayout {
-    /// Row width of a member's tensor of `len` values, checked.
-    fn width(&self, len: usize, whole: bool) -> Result<usize, BackendError> {
-        let per = if whole {
-            self.seq
-        } else {
-            self.seq / self.cp.max(1)
-        };
-        let cells = self.rows * per;
+    /// Row width of a whole-sequence tensor (`[rows, seq, w]`, or the
+    /// members' rows one after the other) of `len` values, checked.
+    fn width(&self, len: usize) -> Result<usize, BackendError> {
+        let cells = self.rows * self.seq;
         if cells == 0 || !len.is_multiple_of(cells) || !self.seq.is_multiple_of(2 * self.cp) {
             return Err(BackendError::Exchange(format!(
-                "{len} values are not {} sequences of {per} positions split over a context-parallel group of {}",
-                self.rows, self.cp
+                "{len} values are not {} sequences of {} positions split over a context-parallel group of {}",
+                self.rows, self.seq, self.cp
             )));
         }
         Ok(len / cells)
@@ -269,7 +270,7 @@ impl ContextLayout {
     /// Every member's rows (`all`, the members' tensors one after the
     /// other) placed at their positions: `[rows, seq, w]`.
     fn whole(&self, all: &[f32]) -> Result<Vec<f32>, BackendError> {
-        let w = self.width(all.len(), true)?;
+        let w = self.width(all.len())?;
         let t = self.seq / self.cp;
         let mut out = vec![0.0; all.len()];
         for m in 0..self.cp {
@@ -288,7 +289,7 @@ impl ContextLayout {
     /// A whole-sequence tensor `[rows, seq, w]` as the members' rows, one
     /// member after the other (what a reduce-scatter hands out).
     fn by_member(&self, whole: &[f32]) -> Result<Vec<f32>, BackendError> {
-        let w = self.width(whole.len(), true)?;
+        let w = self.width(whole.len())?;
         let t = self.seq / self.cp;
         let mut out = Vec::with_capacity(whole.len());
         for m in 0..self.cp {
@@ -307,8 +308,9 @@ impl ContextLayout {
 /// The tokens (or targets) a context-parallel member holds of `rows`
 /// whole sequences of `seq`: its chunks of each ([`Dims::held_rows`]).
 fn held_of(all: &[u32], dims: &Dims) -> Vec<u32> {
-    (0..dims.b * dims.t)
-        .map(|i| all[i / dims.t * dims.seq + dims.held.position(i % dims.t)])
+    dims.held_rows()
+        .into_iter()
+        .map(|r| all[r as usize])
         .collect()
 }
 

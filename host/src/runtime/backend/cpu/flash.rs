@@ -37,7 +37,7 @@ thread_local! {
 }
 
 /// The blocks of `size` rows of `t`: `(first, end)`.
-pub(super) fn blocks(t: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
+fn blocks(t: usize, size: usize) -> impl Iterator<Item = (usize, usize)> {
     (0..t.div_ceil(size)).map(move |i| (i * size, ((i + 1) * size).min(t)))
 }
 
@@ -46,18 +46,23 @@ pub(super) fn live(q: usize, c0: usize, nc: usize) -> usize {
     (q + 1).saturating_sub(c0).min(nc)
 }
 
-/// The query blocks of the rows `rows` (ranges of positions, taken in
+/// The blocks of `size` rows of the ranges `rows` (positions, taken in
 /// order): `(first, end, local first)`, a block never crossing a range.
-pub(super) fn query_blocks(rows: &[(usize, usize)]) -> Vec<(usize, usize, usize)> {
+pub(super) fn blocks_of(rows: &[(usize, usize)], size: usize) -> Vec<(usize, usize, usize)> {
     let mut local = 0;
     let mut out = Vec::new();
     for &(g0, g1) in rows {
-        for (r0, r1) in blocks(g1 - g0, BLOCK) {
+        for (r0, r1) in blocks(g1 - g0, size) {
             out.push((g0 + r0, g0 + r1, local + r0));
         }
         local += g1 - g0;
     }
     out
+}
+
+/// How many rows the ranges `rows` hold.
+pub(super) fn count(rows: &[(usize, usize)]) -> usize {
+    rows.iter().map(|(a, e)| e - a).sum()
 }
 
 /// Forward: for the query rows at the positions `rows` of each sequence of
@@ -79,8 +84,7 @@ pub fn flash_forward(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
-    let tr: usize = rows.iter().map(|(a, e)| e - a).sum();
-    let qblocks = query_blocks(rows);
+    let (tr, qblocks) = (count(rows), blocks_of(rows, BLOCK));
     scratch(&ITEMS, b * nh * tr * hs, |outs| {
         let mut items: Vec<(&mut [f32], &mut [f32])> = outs
             .chunks_mut(tr * hs)
@@ -142,8 +146,7 @@ pub fn flash_backward(
     let hs = c / nh;
     let scale = 1.0 / (hs as f32).sqrt();
     let c3 = 3 * c;
-    let tr: usize = rows.iter().map(|(a, e)| e - a).sum();
-    let qblocks = query_blocks(rows);
+    let (tr, qblocks) = (count(rows), blocks_of(rows, BLOCK));
     scratch(&ITEMS, b * nh * 3 * t * hs, |grads| {
         let mut items: Vec<&mut [f32]> = grads.chunks_mut(3 * t * hs).collect();
         par::each_mut(&mut items, |k, item| {
@@ -290,6 +293,30 @@ pub(super) mod tests {
             .collect()
     }
 
+    /// Rank `r` of `cp`'s chunks of a `t`-long sequence (Megatron's
+    /// causal balancing, as context parallelism holds them).
+    pub(in crate::runtime::backend::cpu) fn chunks(
+        t: usize,
+        cp: usize,
+        r: usize,
+    ) -> Vec<(usize, usize)> {
+        crate::runtime::backend::SeqRows::balanced(t, cp, r).ranges()
+    }
+
+    /// The rows `rows` (positions) of each of the `b` sequences of
+    /// `full[b·t, w]`, one sequence after the other.
+    pub(in crate::runtime::backend::cpu) fn rows_of(
+        full: &[f32],
+        w: usize,
+        (b, t): (usize, usize),
+        rows: &[(usize, usize)],
+    ) -> Vec<f32> {
+        (0..b)
+            .flat_map(|bi| rows.iter().map(move |&(a, e)| (bi, a, e)))
+            .flat_map(|(bi, a, e)| full[(bi * t + a) * w..(bi * t + e) * w].to_vec())
+            .collect()
+    }
+
     #[test]
     fn equals_the_probability_keeping_kernel_forward_and_backward() {
         // Lengths off the tiles (1, 63, 65, 150), on them (128), and over
@@ -353,17 +380,9 @@ pub(super) mod tests {
             let chunk = t / (2 * cp);
             let mut summed = vec![0.0; b * t * 3 * c];
             for r in 0..cp {
-                let rows = [
-                    (r * chunk, (r + 1) * chunk),
-                    ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk),
-                ];
+                let rows = chunks(t, cp, r);
                 let tr = 2 * chunk;
-                let local = |full: &[f32], w: usize| -> Vec<f32> {
-                    (0..b)
-                        .flat_map(|bi| rows.iter().map(move |&(a, e)| (bi, a, e)))
-                        .flat_map(|(bi, a, e)| full[(bi * t + a) * w..(bi * t + e) * w].to_vec())
-                        .collect()
-                };
+                let local = |full: &[f32], w: usize| rows_of(full, w, (b, t), &rows);
                 let (mut o, mut l) = (vec![0.0; b * tr * c], vec![0.0; b * nh * tr]);
                 flash_forward(&mut o, &mut l, &qkv, b, t, c, nh, &rows);
                 let want = local(&out, c);

@@ -11,27 +11,9 @@
 //! [`super::flash`]'s; the (sequence, head) pairs run in parallel.
 
 use super::attention::scratch;
-use super::flash::{backward_tile, blocks, forward_tile, BLOCK, ITEMS, KEYS, TILE};
+use super::flash::{backward_tile, blocks_of, count, forward_tile, BLOCK, ITEMS, KEYS, TILE};
 use super::lanes;
 use super::par;
-
-/// The blocks of `size` rows of the ranges `rows` (positions, taken in
-/// order): `(first, end, local first)`, a block never crossing a range.
-fn blocks_of(rows: &[(usize, usize)], size: usize) -> Vec<(usize, usize, usize)> {
-    let mut local = 0;
-    let mut out = Vec::new();
-    for &(g0, g1) in rows {
-        for (r0, r1) in blocks(g1 - g0, size) {
-            out.push((g0 + r0, g0 + r1, local + r0));
-        }
-        local += g1 - g0;
-    }
-    out
-}
-
-fn count(rows: &[(usize, usize)]) -> usize {
-    rows.iter().map(|(a, e)| e - a).sum()
-}
 
 /// One forward ring step: into `out[B,R,C]` and `lse[B,NH,R]` (the query
 /// rows `qrows` of `q[B,R,3C]`; `first`: nothing merged yet) the attention
@@ -225,7 +207,7 @@ pub fn ring_backward(
 
 #[cfg(test)]
 mod tests {
-    use super::super::flash::tests::values;
+    use super::super::flash::tests::{chunks, rows_of, values};
     use super::super::flash::{flash_backward, flash_forward};
     use super::*;
 
@@ -242,19 +224,9 @@ mod tests {
             let mut whole = vec![0.0; b * t * 3 * c];
             flash_backward(&mut whole, &dout, &qkv, &out, &lse, b, t, c, nh, &[(0, t)]);
             let chunk = t / (2 * cp);
-            let rows_of = |r: usize| {
-                [
-                    (r * chunk, (r + 1) * chunk),
-                    ((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk),
-                ]
-            };
             let tr = 2 * chunk;
-            let local = |full: &[f32], w: usize, r: usize| -> Vec<f32> {
-                (0..b)
-                    .flat_map(|bi| rows_of(r).map(move |(a, e)| (bi, a, e)))
-                    .flat_map(|(bi, a, e)| full[(bi * t + a) * w..(bi * t + e) * w].to_vec())
-                    .collect()
-            };
+            let local =
+                |full: &[f32], w: usize, r: usize| rows_of(full, w, (b, t), &chunks(t, cp, r));
             let mut grads: Vec<Vec<f32>> = (0..cp).map(|_| vec![0.0; b * tr * 3 * c]).collect();
             for r in 0..cp {
                 let mine = local(&qkv, 3 * c, r);
@@ -269,8 +241,8 @@ mod tests {
                         &mine,
                         &kv,
                         shape,
-                        &rows_of(r),
-                        &rows_of(src),
+                        &chunks(t, cp, r),
+                        &chunks(t, cp, src),
                         s == 0,
                     );
                 }
@@ -293,8 +265,8 @@ mod tests {
                         (&mine, &kv),
                         (&o, &l),
                         (b, c, nh),
-                        &rows_of(r),
-                        &rows_of(src),
+                        &chunks(t, cp, r),
+                        &chunks(t, cp, src),
                     );
                 }
                 for (x, y) in grads[r].iter_mut().zip(&dq) {
