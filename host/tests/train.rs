@@ -1494,7 +1494,8 @@ fn bf16_trains_pipelines_dp_and_tp_at_one_devices_losses_and_follows_fp32() {
     // (name, devices, strategy, whether its fp32 plan predicts the
     // measured peak within 3%: the split-backward and V schedules' plans
     // hold ~10% more than they measure in fp32 too, tensor parallelism's
-    // first stages ~5%, ZeRO-3 under a pipeline ±4%.)
+    // first stages ~5%, ZeRO-3 under a pipeline up to a gathered segment:
+    // the plan counts the one gather ahead the runtime may hold.)
     let cases: [(&str, u32, Strategy, bool); 11] = [
         ("dp", 2, &[("dp", &[])], true),
         ("zero-1", 2, &[("zero", &[("stage", "1")])], true),
@@ -1855,12 +1856,7 @@ fn context_parallel_trains_at_one_devices_losses_and_gradients_in_every_composit
                 );
             }
             // ZB-H1's last stage is planned above what it holds (as without
-            // cp). ZeRO-3 inside a pipeline is left out: what its devices
-            // hold depends on how far the gathers run ahead (5–14% above
-            // the plan, with or without cp: a known gap of the plan's).
-            if name.contains("zero-3") {
-                continue;
-            }
+            // cp).
             for (d, (measured, p)) in run.peak_bytes.iter().zip(&plan.devices).enumerate() {
                 let ratio = *measured as f64 / p.peak_bytes as f64;
                 assert!(

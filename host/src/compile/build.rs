@@ -15,6 +15,7 @@
 use super::deadlock::{Kind, Step, StreamSteps, NO_STREAM};
 use super::flat::Flat;
 use super::groups::Groups;
+use super::is_param_gather;
 use super::plan::{self, Act, Collective, Input, Op, OpCommon, StreamIx, Wait};
 use crate::dag::{
     CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Spread, TagKey, Tags,
@@ -210,6 +211,8 @@ struct Dev {
     lists: Vec<(Vec<Op>, plan::StreamHasher, StreamSteps)>,
     /// Per stream (in `counts` order): the order index of its last op so far.
     last_k: Vec<u32>,
+    /// The last compute op so far: (stream id, op index).
+    last_compute: Option<(u16, u32)>,
     live: u64,
     peak: u64,
     /// The bytes in use at each of the device's ops so far.
@@ -721,6 +724,7 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
                     first: Vec::new(),
                     lists: Vec::new(),
                     last_k: Vec::new(),
+                    last_compute: None,
                     live: 0,
                     peak: 0,
                     marks: Marks::default(),
@@ -942,6 +946,21 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             a.1.clear();
         }
         let (slots, acc) = (&self.slots, &mut self.acc);
+        // A parameter gather has no inputs: left alone its stream would run
+        // every gather of the step at once, each buffer held until its
+        // reader. It waits for the compute op before it on its device, so
+        // it runs at most one compute op ahead of its place in the order
+        // and the memory walk's interleaving bounds what the device holds.
+        if self.preds.is_empty() && is_param_gather(cx.dag, id.ix().index()) {
+            for (h, &(_, d)) in here_ix.iter().enumerate() {
+                let dl = cx.rank[d as usize] as usize - self.ranks.start;
+                let own = slots[kbase + here_ix[h].0 as usize].0;
+                match self.devs[dl].last_compute {
+                    Some(w) if w.0 != own => acc[h].0.push(w),
+                    _ => {}
+                }
+            }
+        }
         for (pe, &(pbase, same)) in self.preds.iter().zip(&self.pred_at) {
             let input = (!desc.single_device_inputs).then(|| input_of(pe)).flatten();
             let mut visit = |h: usize, (ps, pidx): (u16, u32)| {
@@ -1076,6 +1095,9 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         };
         let dv = &mut self.devs[dl];
         dv.last_k[si] = k;
+        if matches!(n.kind, NodeKind::Compute { .. }) {
+            dv.last_compute = Some((sid, dv.lists[si].2.steps.len() as u32 - 1));
+        }
         let staged = before.saturating_add(desc.staging);
         if on_dev > 0 {
             dv.live += desc.readers.out_bytes;

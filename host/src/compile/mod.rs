@@ -11,7 +11,7 @@
 //! 2. **Order**: one global list schedule (among ready nodes the lowest
 //!    depth first, then the higher priority, then the lower id; a node with
 //!    no predecessor is keyed just before its first consumer, so prefetches
-//!    run late, not all at once; an unordered recompute `R` waits for every
+//!    run late, not all at once, a parameter gather one op earlier; an unordered recompute `R` waits for every
 //!    other input of its backward, `flat.rs`). Each device's per-stream
 //!    order is this order restricted to it, so every edge is respected.
 //! 3. **Build** (`build.rs`, per chunk of devices in parallel): each op with
@@ -814,6 +814,14 @@ pub(crate) fn segment_states(
 /// before it in (key, priority, id) order: that order *is* the list
 /// schedule, and a sort gives it without a heap. A node left unvisited by
 /// the depth pass is on a cycle: the order then has fewer nodes than the DAG.
+/// A ZeRO-3 parameter gather (a node whose only edges go to its readers).
+pub(super) fn is_param_gather(dag: &TrainingDag, i: usize) -> bool {
+    matches!(
+        &dag.graph[NodeIndex::new(i)].kind,
+        NodeKind::Comm(c) if c.purpose == CommPurpose::ParamGather
+    )
+}
+
 fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
     let g = &dag.graph;
     let bound = g.node_bound();
@@ -837,11 +845,15 @@ fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
             }
         }
     }
-    // Sources are keyed just before their first consumer (prefetch late).
+    // Sources are keyed just before their first consumer (prefetch late); a
+    // parameter gather one op earlier, so the op it waits for (`build.rs`,
+    // the op before it on its device) is the one before its reader's
+    // predecessor, and it overlaps that predecessor (FSDP's one gather
+    // ahead).
     let mut key = depth;
     for &i in &sources {
         if let Some(m) = flat.succs(i).iter().map(|&(t, _)| key[t as usize]).min() {
-            key[i] = m.saturating_sub(1);
+            key[i] = m.saturating_sub(1 + u32::from(is_param_gather(dag, i)));
         }
     }
     // Higher priority first: `Reverse` on the priority itself, never its

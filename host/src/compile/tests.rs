@@ -290,3 +290,65 @@ fn communication_nodes_that_cannot_become_ops_are_refused_by_name() {
         assert!(msg.contains(says) && msg.contains("cannot run"), "{msg}");
     }
 }
+
+/// A ZeRO-3 parameter gather has no inputs, so it waits for the compute op
+/// before it on its device (FSDP's rate limit): every gather waits for a
+/// compute op before its reader, but those ordered before the device's
+/// first compute op, which open their stream. Without the wait a gather
+/// stream ran every gather of the step at once, each buffer held until its
+/// reader, past what the memory walk counts.
+#[test]
+fn a_parameter_gather_waits_for_the_compute_op_before_it() {
+    let mut dag = zero3_pipeline();
+    dag.sync();
+    let plan = compile(&dag).unwrap();
+    let (mut waiting, mut free) = (0, 0);
+    for dp in &plan.devices {
+        let d = dp.device;
+        let compute = dp
+            .streams
+            .iter()
+            .position(|s| s.ops.iter().any(|o| matches!(o.act, Act::Compute { .. })))
+            .unwrap();
+        for s in &dp.streams {
+            let mut opening = true;
+            for op in &s.ops {
+                let gather = op.kind() == OpKind::AllGather
+                    && op.tensor == Some(crate::dag::TensorKind::Param);
+                if !gather {
+                    opening = false;
+                    continue;
+                }
+                let reader = dp.streams[compute]
+                    .ops
+                    .iter()
+                    .position(|o| o.inputs.iter().any(|i| i.node == op.node))
+                    .unwrap_or_else(|| panic!("device {d}: gather {} has no reader", op.node));
+                match op.waits.iter().find(|w| w.stream.0 as usize == compute) {
+                    Some(w) => {
+                        waiting += 1;
+                        opening = false;
+                        assert!(
+                            w.op < reader,
+                            "device {d}: gather {} waits for compute op {}, its reader is op {reader}",
+                            op.node,
+                            w.op
+                        );
+                    }
+                    None => {
+                        free += 1;
+                        assert!(
+                            opening,
+                            "device {d}: gather {} (reader op {reader}) waits for nothing",
+                            op.node
+                        );
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        waiting > free && free > 0,
+        "{waiting} gathers wait, {free} do not"
+    );
+}
