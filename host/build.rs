@@ -34,6 +34,12 @@ const BUNDLED: &[(&str, &str, &str)] = &[
         "piper_plugin_dualpipev",
     ),
     ("dualpipe", "piper-plugin-dualpipe", "piper_plugin_dualpipe"),
+    ("zbv", "piper-plugin-zbv", "piper_plugin_zbv"),
+    (
+        "interleaved-zb",
+        "piper-plugin-interleaved-zb",
+        "piper_plugin_interleaved_zb",
+    ),
     ("ep", "piper-plugin-ep", "piper_plugin_ep"),
     ("tp", "piper-plugin-tp", "piper_plugin_tp"),
     ("cp", "piper-plugin-cp", "piper_plugin_cp"),

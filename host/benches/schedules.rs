@@ -130,6 +130,12 @@ fn main() {
             ),
             ("zb-h1", "zb-h1", vec![("microbatches", ms.clone())]),
             (
+                "interleaved-zb (v=2)",
+                "interleaved-zb",
+                vec![("microbatches", ms.clone()), ("virtual", "2".into())],
+            ),
+            ("zbv (4 stages)", "zbv", vec![("microbatches", ms.clone())]),
+            (
                 "dualpipev (4 stages)",
                 "dualpipev",
                 vec![("microbatches", ms.clone())],

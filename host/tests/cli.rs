@@ -367,6 +367,8 @@ fn plugin_info_and_list() {
         "1f1b",
         "interleaved-1f1b",
         "zb-h1",
+        "zbv",
+        "interleaved-zb",
         "dualpipev",
         "dualpipe",
     ] {
@@ -1261,6 +1263,8 @@ fn plugin_verify_passes_the_bundled_strategies_and_fails_a_plan_that_changes_the
         "1f1b",
         "interleaved-1f1b",
         "zb-h1",
+        "zbv",
+        "interleaved-zb",
         "dualpipe",
         "dualpipev",
         "tp",

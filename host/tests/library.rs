@@ -1,5 +1,6 @@
 //! The strategy library (the bundled plugins `dp`, `zero`, `gpipe`, `1f1b`,
-//! `interleaved-1f1b`, `zb-h1`, `dualpipev`, `dualpipe`) and its
+//! `interleaved-1f1b`, `zb-h1`, `zbv`, `interleaved-zb`, `dualpipev`,
+//! `dualpipe`) and its
 //! compositions: each trains `tiny` to the losses of one device on the CPU
 //! runtime, each schedule matches the published order written out by hand,
 //! memory follows the papers, and every precondition fails with its numbers.
@@ -34,7 +35,7 @@ fn every_library_plugin_trains_tiny_to_the_losses_of_one_device() {
         "one device learns: {:?}",
         base.losses
     );
-    let cases: [(&str, u32, Strategy); 8] = [
+    let cases: [(&str, u32, Strategy); 10] = [
         ("dp", 2, &[("dp", &[])]),
         ("zero(2)", 2, &[("zero", &[("stage", "2")])]),
         ("gpipe", 4, &[("gpipe", &[("microbatches", "8")])]),
@@ -48,6 +49,12 @@ fn every_library_plugin_trains_tiny_to_the_losses_of_one_device() {
             )],
         ),
         ("zb-h1", 4, &[("zb-h1", &[("microbatches", "8")])]),
+        ("zbv", 4, &[("zbv", &[("microbatches", "8")])]),
+        (
+            "interleaved-zb",
+            4,
+            &[("interleaved-zb", &[("virtual", "2"), ("microbatches", "8")])],
+        ),
         ("dualpipev", 4, &[("dualpipev", &[("microbatches", "8")])]),
         ("dualpipe", 4, &[("dualpipe", &[("microbatches", "8")])]),
     ];
@@ -110,7 +117,39 @@ fn compositions_train_tiny_to_the_losses_of_one_device() {
         kept.peak_bytes[0],
         zero_peaks[2]
     );
-    let cases: [(&str, u32, Strategy); 4] = [
+    let cases: [(&str, u32, Strategy); 8] = [
+        (
+            "tp+sp+zbv",
+            4,
+            &[
+                ("tp", &[("tp", "2"), ("sequence-parallel", "true")]),
+                ("zbv", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero(1)+zbv",
+            4,
+            &[
+                ("zero", &[("stage", "1"), ("dp", "2")]),
+                ("zbv", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zero(3)+interleaved-zb",
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("interleaved-zb", &[("microbatches", "4")]),
+            ],
+        ),
+        (
+            "zbv+recompute",
+            2,
+            &[
+                ("zbv", &[("microbatches", "4")]),
+                ("recompute", &[("policy", "full")]),
+            ],
+        ),
         (
             "dp+interleaved-1f1b",
             4,
@@ -292,6 +331,60 @@ fn zb_h1_matches_the_zero_bubble_papers_schedule() {
     );
 }
 
+/// `zbv` and `interleaved-zb` run PyTorch's own orders
+/// (`ScheduleZBVZeroBubble`, `ScheduleInterleavedZeroBubble`), read from
+/// `tests/data/pytorch-schedule-orders.txt` (taken from torch 2.11.0's code
+/// by `scripts/pytorch-schedule-orders.py`): every device of the compiled
+/// plan, action by action, where tiny's 8 regions cut evenly into the stages
+/// and its 32 rows into the microbatches.
+#[test]
+fn zbv_and_interleaved_zb_run_pytorchs_orders() {
+    let table = include_str!("data/pytorch-schedule-orders.txt");
+    let mut checked = 0;
+    for line in table.lines().filter(|l| !l.starts_with('#')) {
+        let (head, want) = line.split_once(": ").unwrap();
+        let mut words = head.split(' ');
+        let name = words.next().unwrap();
+        let num = |k: &str| -> Option<u32> {
+            head.split(' ')
+                .find_map(|w| w.strip_prefix(k)?.strip_prefix('='))
+                .map(|v| v.parse().unwrap())
+        };
+        let (p, m, rank) = (num("p").unwrap(), num("m").unwrap(), num("rank").unwrap());
+        let v = num("v").unwrap_or(2);
+        let stages = p * v;
+        if p < 2 || 8 % stages != 0 || 32 % m != 0 {
+            continue;
+        }
+        let (ms, vs) = (m.to_string(), v.to_string());
+        let plan = match name {
+            "zbv" => plan(p, &[("zbv", &[("microbatches", &ms)])]),
+            _ => plan(
+                p,
+                &[("interleaved-zb", &[("virtual", &vs), ("microbatches", &ms)])],
+            ),
+        }
+        .unwrap();
+        let per = 8 / stages;
+        let stage = move |r: u32| r / per;
+        let expected: Vec<String> = want
+            .split(' ')
+            .map(|a| {
+                let at = a.find(['F', 'I', 'W']).unwrap();
+                let pass = match &a[at..at + 1] {
+                    "F" => "F",
+                    "I" => "BI",
+                    _ => "BW",
+                };
+                format!("{pass}{}s{}", &a[at + 1..], &a[..at])
+            })
+            .collect();
+        assert_order(&plan, rank as usize, &stage, &expected.join(" "));
+        checked += 1;
+    }
+    assert!(checked >= 20, "{checked} device orders checked");
+}
+
 #[test]
 fn dualpipev_matches_deepseeks_reference_schedule() {
     // DeepSeek's dualpipev.py, 2 devices, 4 microbatches: device 0 holds
@@ -372,7 +465,17 @@ fn refused(devices: u32, strategy: Strategy) -> String {
 
 #[test]
 fn every_precondition_fails_with_the_numbers() {
-    let cases: [(u32, Strategy, &str); 9] = [
+    let cases: [(u32, Strategy, &str); 11] = [
+        (
+            4,
+            &[("interleaved-zb", &[("microbatches", "9")])],
+            "interleaved-zb needs max(1, microbatches ÷ devices) rounds to divide the microbatches (as PyTorch's schedule): got 9 microbatches for 4 devices",
+        ),
+        (
+            4,
+            &[("zbv", &[("stages", "3")])],
+            "zbv needs an even number of stages (2 per device): got 3",
+        ),
         (
             4,
             &[("dualpipev", &[("microbatches", "6")])],

@@ -976,3 +976,38 @@ fn a_bf16_plan_holds_megatrons_bytes_per_parameter_and_sends_half_the_activation
     );
     assert!(pb.render_table().contains("precision bf16"));
 }
+
+/// The zero-bubble family completed: ZB-V (two stages a device in a V) and
+/// the interleaved zero-bubble schedule idle less than ZB-H1 and interleaved
+/// 1F1B with the same work a device (ZB-H1's stages of two layers, the
+/// others' of one, every op `F`, `B = BI + W`, `W` units). With the
+/// published setting F = BI = W, ZB-V idles half of ZB-H1's
+/// (p − 1)(F + B − 2W) of its two-layer stages: (p − 1)(F + B − 2W).
+#[test]
+fn zbv_and_interleaved_zb_idle_less_than_zb_h1_and_interleaved_1f1b() {
+    let most = |s: &Simulation| idles(s).into_iter().fold(0.0, f64::max);
+    for (p, m) in [(2u32, 4u32), (2, 8), (4, 8), (4, 16)] {
+        for (f, b, w) in [(1.0, 2.0, 1.0), (2.0, 3.0, 1.0)] {
+            let ms = m.to_string();
+            let run = |name: &str| {
+                let plan = plan_of(2 * p, p, &[(name, &[("microbatches", &ms)])]);
+                most(&simulate(&plan, &unit(f, b, w)).unwrap())
+            };
+            let (zbh1, zbv) = (run("zb-h1"), run("zbv"));
+            let (i1f1b, izb) = (run("interleaved-1f1b"), run("interleaved-zb"));
+            let at = format!("p={p} m={m} F={f} B={b} W={w}");
+            assert!(zbv < zbh1, "{at}: zbv idles {zbv}, zb-h1 {zbh1}");
+            assert!(
+                izb < i1f1b && izb < zbh1,
+                "{at}: interleaved-zb idles {izb}, interleaved-1f1b {i1f1b}, zb-h1 {zbh1}"
+            );
+            if b - w == f && w == f {
+                let want = (p - 1) as f64 * (f + b - 2.0 * w);
+                assert!(
+                    (zbv - want).abs() < 1e-9 && (zbh1 - 2.0 * want).abs() < 1e-9,
+                    "{at}: zbv {zbv}, zb-h1 {zbh1}"
+                );
+            }
+        }
+    }
+}

@@ -511,18 +511,19 @@ fn pipelines(
             }
         }
         if regions >= 2 * p && m >= 2 * p {
-            out.push((Step::new("dualpipev", std::slice::from_ref(&mb)), m, 2));
+            for name in ["dualpipev", "zbv"] {
+                out.push((Step::new(name, std::slice::from_ref(&mb)), m, 2));
+            }
         }
         for v in [2u32, 4] {
             if regions >= p * v {
-                out.push((
-                    Step::new(
-                        "interleaved-1f1b",
-                        &[("virtual", v.to_string()), mb.clone()],
-                    ),
-                    m,
-                    v,
-                ));
+                for name in ["interleaved-1f1b", "interleaved-zb"] {
+                    out.push((
+                        Step::new(name, &[("virtual", v.to_string()), mb.clone()]),
+                        m,
+                        v,
+                    ));
+                }
             }
         }
     }
@@ -616,9 +617,8 @@ pub fn balanced(c: &Candidate, model: &ModelConfig) -> Option<Candidate> {
     let last = c.steps.last()?;
     let stages = match last.plugin.as_str() {
         "dualpipe" => shape.pp,
-        "gpipe" | "1f1b" | "zb-h1" | "dualpipev" | "interleaved-1f1b" => {
-            shape.pp.checked_mul(shape.chunks)?
-        }
+        "gpipe" | "1f1b" | "zb-h1" | "zbv" | "dualpipev" | "interleaved-1f1b"
+        | "interleaved-zb" => shape.pp.checked_mul(shape.chunks)?,
         _ => return None,
     };
     if last.options.iter().any(|(k, _)| k == "boundaries") {
@@ -653,7 +653,9 @@ mod tests {
             "tp:tp=4",
             "1f1b:microbatches=16",
             "dualpipev:microbatches=8",
+            "zbv:microbatches=8",
             "interleaved-1f1b:virtual=2,microbatches=4",
+            "interleaved-zb:virtual=2,microbatches=4",
         ] {
             assert!(
                 labels.contains(&want.to_string()),
