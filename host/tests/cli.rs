@@ -1496,14 +1496,7 @@ fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit(
 /// command without its required arguments (`piper plugin new`).
 #[test]
 fn every_piper_command_in_the_docs_parses() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-    let mut files = vec![root.join("README.md")];
-    for e in std::fs::read_dir(root.join("docs")).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "md") {
-            files.push(p);
-        }
-    }
+    let files = doc_files();
     let (mut checked, mut failed) = (0, Vec::new());
     for f in &files {
         let text = std::fs::read_to_string(f).unwrap();
@@ -1547,6 +1540,122 @@ fn every_piper_command_in_the_docs_parses() {
         failed.len(),
         failed.join("\n")
     );
+}
+
+/// The README and every Markdown page of the book (`docs/`, its
+/// subdirectories too).
+fn doc_files() -> Vec<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut files = vec![root.join("README.md")];
+    let mut dirs = vec![root.join("docs")];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                dirs.push(p);
+            } else if p.extension().is_some_and(|x| x == "md") {
+                files.push(p);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+/// The CLI reference page is the CLI's own: `docs/reference/cli.md` is
+/// what `piper::cli::reference` generates from clap's model of the CLI, so
+/// a flag added, renamed or re-documented without the page fails here.
+/// `PIPER_WRITE_DOCS=1` rewrites the page instead.
+#[test]
+fn the_cli_reference_is_the_clis_own() {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/reference/cli.md");
+    let want = piper::cli::reference();
+    if std::env::var_os("PIPER_WRITE_DOCS").is_some() {
+        std::fs::write(&path, &want).unwrap();
+    }
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        have == want,
+        "{} is not the CLI's reference: regenerate it with PIPER_WRITE_DOCS=1 cargo test -p piper --test cli the_cli_reference",
+        path.display()
+    );
+    // Every command is in it, with its flags.
+    for want in ["## `piper train`", "`--strategy <NAME[:k=v,...]>`", "## `piper plugin verify`"] {
+        assert!(have.contains(want), "{want} missing");
+    }
+}
+
+/// Every relative link in the README and the book leads somewhere: the
+/// file or directory exists, and an anchor names a heading of the page it
+/// points into (GitHub's and mdBook's ids: lower case, spaces to `-`,
+/// punctuation dropped).
+#[test]
+fn every_internal_link_in_the_docs_resolves() {
+    let slug = |h: &str| -> String {
+        h.trim()
+            .to_lowercase()
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                _ => None,
+            })
+            .collect()
+    };
+    let anchors = |text: &str| -> Vec<String> {
+        let mut in_code = false;
+        let mut out = Vec::new();
+        for l in text.lines() {
+            if l.trim_start().starts_with("```") {
+                in_code = !in_code;
+            } else if !in_code && l.starts_with('#') {
+                out.push(slug(l.trim_start_matches('#')));
+            }
+        }
+        out
+    };
+    let (mut checked, mut broken) = (0, Vec::new());
+    for f in doc_files() {
+        let text = std::fs::read_to_string(&f).unwrap();
+        let mut in_code = false;
+        for (i, l) in text.lines().enumerate() {
+            if l.trim_start().starts_with("```") {
+                in_code = !in_code;
+                continue;
+            }
+            if in_code {
+                continue;
+            }
+            let mut rest = l;
+            while let Some(at) = rest.find("](") {
+                rest = &rest[at + 2..];
+                let Some(end) = rest.find(')') else { break };
+                let target = &rest[..end];
+                rest = &rest[end..];
+                if target.contains("://") || target.starts_with("mailto:") || target.contains(' ') {
+                    continue;
+                }
+                checked += 1;
+                let (file, anchor) = target.split_once('#').unwrap_or((target, ""));
+                let dest = if file.is_empty() {
+                    f.clone()
+                } else {
+                    f.parent().unwrap().join(file)
+                };
+                let at = format!("{}:{}: ({target})", f.display(), i + 1);
+                if !dest.exists() {
+                    broken.push(format!("{at}: no such file"));
+                } else if !anchor.is_empty() {
+                    let page = std::fs::read_to_string(&dest).unwrap_or_default();
+                    if !anchors(&page).iter().any(|a| a == anchor) {
+                        broken.push(format!("{at}: no heading with that id"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 30, "only {checked} links found");
+    assert!(broken.is_empty(), "{} broken links:\n{}", broken.len(), broken.join("\n"));
 }
 
 /// `(line, command, inline)` of each `piper` command: the lines of shell

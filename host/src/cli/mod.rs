@@ -288,6 +288,88 @@ where
         .map_err(|e| e.to_string())
 }
 
+/// The CLI reference in Markdown (`docs/reference/cli.md`): every command
+/// with its description, usage and options, read from clap's own model of
+/// this CLI (default features), so the reference cannot drift from it.
+pub fn reference() -> String {
+    use clap::CommandFactory;
+    let mut root = Cli::command();
+    root.build();
+    let mut out = String::from(
+        "# The `piper` command\n\n\
+         Every command and flag, generated from the CLI itself (`piper::cli::reference`; \
+         `host/tests/cli.rs` fails when this page and the CLI differ, and \
+         `PIPER_WRITE_DOCS=1 cargo test -p piper --test cli the_cli_reference` rewrites it). \
+         `-v`/`--verbose` works with every command.\n",
+    );
+    reference_of(&root, "piper", &mut out);
+    out
+}
+
+/// One command's section, then its subcommands'.
+fn reference_of(cmd: &clap::Command, path: &str, out: &mut String) {
+    use std::fmt::Write;
+    let one_line = |s: String| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let _ = write!(out, "\n## `{path}`\n\n");
+    if let Some(about) = cmd.get_long_about().or(cmd.get_about()) {
+        let _ = write!(out, "{}\n\n", one_line(about.to_string()));
+    }
+    let usage = cmd.clone().render_usage().to_string();
+    let usage = usage.trim_start_matches("Usage: ").trim();
+    let _ = write!(out, "```text\n{usage}\n```\n");
+    let args: Vec<&clap::Arg> = cmd
+        .get_arguments()
+        .filter(|a| !a.is_hide_set() && !a.is_global_set())
+        .filter(|a| !matches!(a.get_id().as_str(), "help" | "version"))
+        .collect();
+    if !args.is_empty() {
+        out.push_str("\n| argument | what it does |\n|---|---|\n");
+        for a in args {
+            let value = a
+                .get_value_names()
+                .map(|v| v.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
+                .unwrap_or_else(|| format!("<{}>", a.get_id().as_str().to_uppercase()));
+            let takes = a.get_action().takes_values();
+            let name = match (a.get_long(), a.get_short()) {
+                (Some(l), Some(s)) if takes => format!("`-{s}`, `--{l} {value}`"),
+                (Some(l), Some(s)) => format!("`-{s}`, `--{l}`"),
+                (Some(l), None) if takes => format!("`--{l} {value}`"),
+                (Some(l), None) => format!("`--{l}`"),
+                (None, Some(s)) if takes => format!("`-{s} {value}`"),
+                (None, Some(s)) => format!("`-{s}`"),
+                (None, None) => format!("`{value}`"),
+            };
+            let mut help = a
+                .get_long_help()
+                .or(a.get_help())
+                .map(|h| one_line(h.to_string()))
+                .unwrap_or_default();
+            let possible: Vec<String> = a
+                .get_possible_values()
+                .iter()
+                .filter(|p| !p.is_hide_set())
+                .map(|p| format!("`{}`", p.get_name()))
+                .collect();
+            if !possible.is_empty() && takes {
+                let _ = write!(help, " (one of {})", possible.join(", "));
+            }
+            let defaults: Vec<String> = a
+                .get_default_values()
+                .iter()
+                .map(|d| d.to_string_lossy().into_owned())
+                .collect();
+            if !defaults.is_empty() && takes {
+                let _ = write!(help, " [default: {}]", defaults.join(", "));
+            }
+            let cell = |s: &str| s.replace('|', "\\|");
+            let _ = writeln!(out, "| {} | {} |", cell(&name), cell(&help));
+        }
+    }
+    for sub in cmd.get_subcommands().filter(|c| c.get_name() != "help") {
+        reference_of(sub, &format!("{path} {}", sub.get_name()), out);
+    }
+}
+
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let level = if cli.verbose {
