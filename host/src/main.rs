@@ -1,7 +1,6 @@
 //! The `piper` command.
 
-/// mimalloc: the planner's many small allocations (docs/design-notes.md,
-/// "Plan compile at scale"); the benches use it too.
+/// mimalloc: the planner's many small allocations (docs/performance/plans-at-scale.md); the benches use it too.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

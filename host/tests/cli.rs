@@ -1580,7 +1580,11 @@ fn the_cli_reference_is_the_clis_own() {
         path.display()
     );
     // Every command is in it, with its flags.
-    for want in ["## `piper train`", "`--strategy <NAME[:k=v,...]>`", "## `piper plugin verify`"] {
+    for want in [
+        "## `piper train`",
+        "`--strategy <NAME[:k=v,...]>`",
+        "## `piper plugin verify`",
+    ] {
         assert!(have.contains(want), "{want} missing");
     }
 }
@@ -1655,7 +1659,75 @@ fn every_internal_link_in_the_docs_resolves() {
         }
     }
     assert!(checked > 30, "only {checked} links found");
-    assert!(broken.is_empty(), "{} broken links:\n{}", broken.len(), broken.join("\n"));
+    assert!(
+        broken.is_empty(),
+        "{} broken links:\n{}",
+        broken.len(),
+        broken.join("\n")
+    );
+}
+
+/// The configuration reference (`docs/reference/config.md`) is what Piper
+/// reads: its run config, model and cluster blocks parse with Piper's own
+/// readers (each rejects a key it does not know), and its `[sandbox]` and
+/// cluster blocks name every key those readers have.
+#[test]
+fn the_configuration_reference_is_what_piper_reads() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(root.join("docs/reference/config.md")).unwrap();
+    let block = |heading: &str| -> String {
+        let at = page
+            .find(&format!("## {heading}\n"))
+            .unwrap_or_else(|| panic!("no {heading}"));
+        let start = page[at..].find("```toml\n").unwrap() + at + 8;
+        let end = page[start..].find("```").unwrap() + start;
+        page[start..end].to_string()
+    };
+    let keys = |v: &toml::Value| -> Vec<String> {
+        let mut k: Vec<String> = v.as_table().unwrap().keys().cloned().collect();
+        k.sort();
+        k
+    };
+    let dir = std::env::temp_dir().join(format!("piper-config-ref-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The run config, read as `--config` reads it.
+    let run = block("Run config");
+    let path = dir.join("run.toml");
+    std::fs::write(&path, &run).unwrap();
+    let config = piper::session::RunConfig::resolve(&piper::session::Overrides {
+        config: Some(path.clone()),
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("the run config block: {e:#}"));
+    assert_eq!(config.devices, Some(8));
+    assert_eq!(config.strategies.len(), 2);
+    assert_eq!(
+        config.sandbox,
+        piper::plugin::SandboxLimits::default(),
+        "[sandbox] shows the defaults"
+    );
+    let sandbox: toml::Value = toml::from_str::<toml::Value>(&run).unwrap()["sandbox"].clone();
+    let all = toml::Value::try_from(piper::plugin::SandboxLimits::default()).unwrap();
+    assert_eq!(keys(&sandbox), keys(&all), "[sandbox] keys");
+    // The model file.
+    let model = piper::model::ModelConfig::from_toml_str(&block("Model file"), "config.md")
+        .unwrap_or_else(|e| panic!("the model block: {e}"));
+    assert!(model.moe.is_some() && model.qk_norm);
+    // The cluster file, every key of the preset's (and `compute_slots`).
+    let cluster = block("Cluster file");
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, &cluster).unwrap();
+    piper::sim::Cluster::from_file(&path).unwrap_or_else(|e| panic!("the cluster block: {e}"));
+    let mut all = toml::Value::try_from(piper::sim::Cluster::h100_8x()).unwrap();
+    all.as_table_mut()
+        .unwrap()
+        .insert("compute_slots".into(), toml::Value::Float(2.0));
+    assert_eq!(
+        keys(&toml::from_str(&cluster).unwrap()),
+        keys(&all),
+        "cluster keys"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// `(line, command, inline)` of each `piper` command: the lines of shell

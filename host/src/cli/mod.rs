@@ -327,7 +327,12 @@ fn reference_of(cmd: &clap::Command, path: &str, out: &mut String) {
         for a in args {
             let value = a
                 .get_value_names()
-                .map(|v| v.iter().map(|n| format!("<{n}>")).collect::<Vec<_>>().join(" "))
+                .map(|v| {
+                    v.iter()
+                        .map(|n| format!("<{n}>"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
                 .unwrap_or_else(|| format!("<{}>", a.get_id().as_str().to_uppercase()));
             let takes = a.get_action().takes_values();
             let name = match (a.get_long(), a.get_short()) {

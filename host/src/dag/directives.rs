@@ -959,7 +959,7 @@ impl TrainingDag {
     /// with the node's group. Gradients are then reduced (or ZeRO-sharded)
     /// over the data-parallel group of each tensor-parallel rank ([0, 4]
     /// and [1, 5]). `stream` names where the reductions belong (today they
-    /// run inside the compute op; see docs/design-notes.md). A pipeline
+    /// run inside the compute op; see docs/internals/runtime.md). A pipeline
     /// applied after moves the groups as `place` does.
     ///
     /// Expert segments (a MoE layer's expert half) on a tensor-parallel

@@ -4,7 +4,7 @@
 //! nothing else here; `dag/`'s builder turns a config into the initial global
 //! training DAG.
 //!
-//! Decisions recorded here (see also `docs/design-notes.md`):
+//! Decisions recorded here (see also `docs/internals/model.md`):
 //! - `batch_size` is the *global* batch in sequences. The micro-batch size a
 //!   device runs is `batch_size / (DP degree × microbatches)`; the compiler
 //!   checks that it divides.

@@ -9,7 +9,7 @@ use std::time::Duration;
 /// may spend on the plugin's behalf — DAG size, names, argument sizes, log
 /// and error bytes, and predicted host work). Defaults are generous for every
 /// bundled strategy at PP=16 × 256 microbatches with ZeRO-3 × 8 (measured
-/// margins in `docs/design-notes.md`, "Host budget"); override them in the run
+/// margins in `docs/internals/plugins.md`, "Host budget"); override them in the run
 /// config's `[sandbox]` table. `piper plugin info` prints the ones in force.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
