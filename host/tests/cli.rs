@@ -1730,6 +1730,120 @@ fn the_configuration_reference_is_what_piper_reads() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The plan file's reference (`docs/reference/plan-json.md`) names every
+/// key `piper plan --json` writes, and nothing it does not: plans of a
+/// pipeline, ZeRO-3, tensor (+ sequence) parallelism, experts, context
+/// parallelism and bf16 together write every key once.
+#[test]
+fn the_plan_file_reference_names_every_key_a_plan_writes() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let page = std::fs::read_to_string(root.join("docs/reference/plan-json.md")).unwrap();
+    // The first column of the table under `## {heading}`.
+    let documented = |heading: &str| -> std::collections::BTreeSet<String> {
+        let at = page.find(&format!("## {heading}\n")).unwrap();
+        let mut keys = std::collections::BTreeSet::new();
+        for l in page[at..]
+            .lines()
+            .skip(1)
+            .skip_while(|l| !l.starts_with('|'))
+        {
+            if !l.starts_with('|') {
+                break;
+            }
+            let cell = l.split('|').nth(1).unwrap();
+            keys.extend(cell.split('`').skip(1).step_by(2).map(String::from));
+        }
+        keys.remove("key");
+        keys
+    };
+    let h = std::env::temp_dir().join(format!("piper-plan-ref-{}", std::process::id()));
+    let mut seen = [(); 3].map(|_| std::collections::BTreeSet::new());
+    let models = root.join("examples/models");
+    let moe = models.join("tiny-moe.toml");
+    let cp = models.join("tiny-cp.toml");
+    let runs: [&[&str]; 6] = [
+        &[
+            "--model",
+            "tiny",
+            "--devices",
+            "2",
+            "--strategy",
+            "1f1b:microbatches=2",
+        ],
+        &[
+            "--model",
+            "tiny",
+            "--devices",
+            "4",
+            "--strategy",
+            "zero:stage=3,dp=2",
+            "--strategy",
+            "1f1b:microbatches=2",
+        ],
+        &[
+            "--model",
+            "tiny",
+            "--devices",
+            "2",
+            "--strategy",
+            "tp:tp=2,sequence-parallel=true",
+            "--precision",
+            "bf16",
+        ],
+        &[
+            "--model",
+            moe.to_str().unwrap(),
+            "--devices",
+            "2",
+            "--strategy",
+            "ep",
+        ],
+        &[
+            "--model",
+            cp.to_str().unwrap(),
+            "--devices",
+            "2",
+            "--strategy",
+            "cp:cp=2",
+        ],
+        &[
+            "--model",
+            "tiny",
+            "--devices",
+            "2",
+            "--strategy",
+            "zbv:microbatches=2",
+            "--strategy",
+            "recompute",
+        ],
+    ];
+    for args in runs {
+        let mut all = vec!["plan"];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let (ok, out, err) = piper(&h, &all);
+        assert!(ok, "{all:?}: {err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        seen[0].extend(v.as_object().unwrap().keys().cloned());
+        for d in v["devices"].as_array().unwrap() {
+            seen[1].extend(d.as_object().unwrap().keys().cloned());
+            for s in d["streams"].as_array().unwrap() {
+                for op in s["ops"].as_array().unwrap() {
+                    seen[2].extend(op.as_object().unwrap().keys().cloned());
+                }
+            }
+        }
+    }
+    for (heading, seen) in ["The plan", "A device", "An op"].iter().zip(&seen) {
+        assert_eq!(
+            &documented(heading),
+            seen,
+            "{heading}: documented keys vs the keys plans write"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&h);
+}
+
 /// `(line, command, inline)` of each `piper` command: the lines of shell
 /// code blocks (continuations joined, comments dropped) and inline code
 /// spans that start with `piper ` and a subcommand.
