@@ -977,6 +977,31 @@ fn a_bf16_plan_holds_megatrons_bytes_per_parameter_and_sends_half_the_activation
     assert!(pb.render_table().contains("precision bf16"));
 }
 
+/// On gpt2-small over 4 simulated H100s (8 microbatches, each schedule's
+/// even cut): ZB-V's bubble is lower than ZB-H1's with no device holding
+/// more than ZB-H1's fullest, and the interleaved zero-bubble schedule's
+/// lower than interleaved 1F1B's.
+#[test]
+fn on_gpt2_small_zbv_has_less_bubble_than_zb_h1_at_no_more_memory() {
+    let gpt2 = ModelConfig::gpt2_small();
+    let run = |name: &str| {
+        let plan = plan_model(&gpt2, 4, &[(name, &[("microbatches", "8")])]);
+        let s = simulate(&plan, &Cluster::h100_8x()).unwrap();
+        let peak = s.devices.iter().map(|d| d.peak_bytes).max().unwrap();
+        (s.bubble, peak)
+    };
+    let (zbh1, zbv) = (run("zb-h1"), run("zbv"));
+    assert!(
+        zbv.0 < zbh1.0 && zbv.1 <= zbh1.1,
+        "zbv (bubble, peak) {zbv:?}, zb-h1 {zbh1:?}"
+    );
+    let (i1f1b, izb) = (run("interleaved-1f1b"), run("interleaved-zb"));
+    assert!(
+        izb.0 < i1f1b.0,
+        "interleaved-zb {izb:?}, interleaved-1f1b {i1f1b:?}"
+    );
+}
+
 /// The zero-bubble family completed: ZB-V (two stages a device in a V) and
 /// the interleaved zero-bubble schedule idle less than ZB-H1 and interleaved
 /// 1F1B with the same work a device (ZB-H1's stages of two layers, the
