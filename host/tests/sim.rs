@@ -1036,3 +1036,84 @@ fn zbv_and_interleaved_zb_idle_less_than_zb_h1_and_interleaved_1f1b() {
         }
     }
 }
+
+/// A collective over several nodes is costed in two levels, as NCCL runs
+/// it with a NIC per GPU: reduce-scatter inside the node over NVLink, each
+/// member's 1/g share across the nodes over its own NIC, all-gather inside
+/// the node — not a flat ring at one NIC's rate. Inside one node nothing
+/// changes.
+#[test]
+fn a_collective_over_nodes_runs_in_two_levels_at_every_nic_at_once() {
+    use piper::compile::plan::{Act, Collective};
+    use piper::sim::CostModel;
+    let two = Cluster::h100_cluster(2);
+    let find = |strategies: &[(&str, &[(&str, &str)])], what: Collective| {
+        let plan = plan_of(4, 16, strategies);
+        let ops = plan.devices[0].streams.iter().flat_map(|s| s.ops.iter());
+        ops.filter(|o| matches!(o.act, Act::Collective { what: w, .. } if w == what))
+            .max_by_key(|o| o.bytes)
+            .cloned()
+            .unwrap()
+    };
+    let (bi, ai, bx, ax) = (
+        two.intra_bytes_per_s,
+        two.intra_latency_s,
+        two.inter_bytes_per_s,
+        two.inter_latency_s,
+    );
+    // 16 devices on 2 nodes: g = 8 members a node, k = 2 nodes.
+    let level = |s: f64| 7.0 * ai + 7.0 / 8.0 * s / bi + ax + 0.5 * (s / 8.0) / bx;
+    let ar = find(
+        &[("dp", &[("degree", "16")])],
+        Collective::GradSync { scatter: false },
+    );
+    let group = ar.group().unwrap().to_vec();
+    assert_eq!(group.len(), 16);
+    let s = ar.bytes as f64;
+    let got = two.collective(&ar, &group);
+    assert!(
+        (got - 2.0 * level(s)).abs() < 1e-12,
+        "all-reduce {got} vs {}",
+        2.0 * level(s)
+    );
+    let flat = 2.0 * 15.0 * ax + 2.0 * 15.0 / 16.0 * s / bx;
+    assert!(got < flat / 4.0, "{got} vs a flat ring's {flat}");
+    let rs = find(
+        &[("zero", &[("stage", "2"), ("dp", "16")])],
+        Collective::GradSync { scatter: true },
+    );
+    let s = rs.bytes as f64;
+    let got = two.collective(&rs, rs.group().unwrap());
+    assert!(
+        (got - level(s)).abs() < 1e-12,
+        "reduce-scatter {got} vs {}",
+        level(s)
+    );
+    // Inside one node: the ring (or tree) as before.
+    let one = Cluster::h100_8x();
+    let ar8 = {
+        let plan = plan_of(4, 8, &[("dp", &[("degree", "8")])]);
+        let ops = plan.devices[0].streams.iter().flat_map(|s| s.ops.iter());
+        ops.filter(|o| {
+            matches!(
+                o.act,
+                Act::Collective {
+                    what: Collective::GradSync { .. },
+                    ..
+                }
+            )
+        })
+        .max_by_key(|o| o.bytes)
+        .cloned()
+        .unwrap()
+    };
+    let s = ar8.bytes as f64;
+    let ring = 2.0 * 7.0 * ai + 2.0 * 7.0 / 8.0 * s / bi;
+    let tree = 2.0 * 3.0 * ai + 2.0 * s / bi;
+    let got = one.collective(&ar8, ar8.group().unwrap());
+    assert!(
+        (got - ring.min(tree)).abs() < 1e-12,
+        "{got} vs {}",
+        ring.min(tree)
+    );
+}

@@ -95,14 +95,20 @@ impl CostModel for Cluster {
         // Ring: all-reduce moves 2(n−1)/n of the buffer over n−1 steps each
         // way; reduce-scatter, all-gather and all-to-all half of that.
         // Tree (double binary, as NCCL for all-reduce): 2·log2(n) latencies,
-        // the buffer twice at link speed.
-        match op.kind() {
+        // the buffer twice at link speed. Over several nodes the
+        // hierarchical form too (`hierarchical`); the fastest is taken, as
+        // NCCL's tuner does.
+        let flat = match op.kind() {
             OpKind::AllReduce => {
                 let ring = 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * s / beta;
                 let tree = 2.0 * n.log2().ceil() * alpha + 2.0 * s / beta;
                 ring.min(tree)
             }
             _ => self.all_to_all(op.bytes, group),
+        };
+        match (one_node, op.kind()) {
+            (true, _) | (false, OpKind::AllToAll) => flat,
+            (false, kind) => flat.min(self.hierarchical(kind == OpKind::AllReduce, s, group)),
         }
     }
 }
@@ -145,6 +151,36 @@ impl Cluster {
                 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta
             }
             _ => 0.0,
+        }
+    }
+
+    /// A collective over several nodes in two levels, as NCCL runs it with
+    /// a NIC per GPU: inside each node a reduce-scatter over NVLink, then
+    /// each member's `1/g` share reduced among the members of the same local
+    /// rank on the other nodes, each over its own NIC, then an all-gather
+    /// inside the node (an all-reduce does all three; a reduce-scatter the
+    /// first two, an all-gather the last two, the same time). `g` is the
+    /// most members on one node, `k` the nodes the group spans.
+    fn hierarchical(&self, all_reduce: bool, bytes: f64, group: &[u32]) -> f64 {
+        let mut nodes: Vec<u32> = group.iter().map(|d| d / self.devices_per_node).collect();
+        nodes.sort_unstable();
+        let (mut g, mut run, mut k) = (1u32, 0u32, 0u32);
+        for (i, node) in nodes.iter().enumerate() {
+            if i == 0 || nodes[i - 1] != *node {
+                k += 1;
+                run = 0;
+            }
+            run += 1;
+            g = g.max(run);
+        }
+        let (g, k) = (f64::from(g), f64::from(k));
+        let (bi, ai) = self.link(true);
+        let (bx, ax) = self.link(false);
+        let inside = (g - 1.0) * ai + (g - 1.0) / g * bytes / bi;
+        let between = (k - 1.0) * ax + (k - 1.0) / k * (bytes / g) / bx;
+        match all_reduce {
+            true => 2.0 * (inside + between),
+            false => inside + between,
         }
     }
 
