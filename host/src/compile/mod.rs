@@ -11,8 +11,9 @@
 //! 2. **Order**: one global list schedule (among ready nodes the lowest
 //!    depth first, then the higher priority, then the lower id; a node with
 //!    no predecessor is keyed just before its first consumer, so prefetches
-//!    run late, not all at once, a parameter gather one op earlier; an unordered recompute `R` waits for every
-//!    other input of its backward, `flat.rs`). Each device's per-stream
+//!    run late, not all at once, a parameter gather one op earlier; an
+//!    unordered recompute `R` waits for every other input of its backward,
+//!    `flat.rs`). Each device's per-stream
 //!    order is this order restricted to it, so every edge is respected.
 //! 3. **Build** (`build.rs`, per chunk of devices in parallel): each op with
 //!    its events (a cross-stream dependency on one device becomes a `wait`
@@ -806,14 +807,6 @@ pub(crate) fn segment_states(
     }
 }
 
-/// The global list schedule (see the module docs): among ready nodes the
-/// lowest key first (depth; a source just before its first consumer), then
-/// the higher priority, then the lower id. Every edge goes from a lower key
-/// to a higher one (a node's depth exceeds each predecessor's, a source's key
-/// is below its consumers' depths), so all of a node's predecessors come
-/// before it in (key, priority, id) order: that order *is* the list
-/// schedule, and a sort gives it without a heap. A node left unvisited by
-/// the depth pass is on a cycle: the order then has fewer nodes than the DAG.
 /// A ZeRO-3 parameter gather (a node whose only edges go to its readers).
 pub(super) fn is_param_gather(dag: &TrainingDag, i: usize) -> bool {
     matches!(
@@ -822,6 +815,15 @@ pub(super) fn is_param_gather(dag: &TrainingDag, i: usize) -> bool {
     )
 }
 
+/// The global list schedule (see the module docs): among ready nodes the
+/// lowest key first (depth; a source just before its first consumer, a
+/// parameter gather one earlier), then
+/// the higher priority, then the lower id. Every edge goes from a lower key
+/// to a higher one (a node's depth exceeds each predecessor's, a source's key
+/// is below its consumers' depths), so all of a node's predecessors come
+/// before it in (key, priority, id) order: that order *is* the list
+/// schedule, and a sort gives it without a heap. A node left unvisited by
+/// the depth pass is on a cycle: the order then has fewer nodes than the DAG.
 fn schedule(dag: &TrainingDag, flat: &flat::Flat) -> Vec<NodeId> {
     let g = &dag.graph;
     let bound = g.node_bound();
