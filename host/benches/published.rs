@@ -81,7 +81,12 @@ fn main() {
     );
     for r in &runs.run {
         let m = model(root, r);
-        let cluster = Cluster::resolve(&r.cluster, r.devices).unwrap();
+        // A cluster file is named from the repository's root.
+        let spec = match r.cluster.ends_with(".toml") {
+            true => format!("{root}/{}", r.cluster),
+            false => r.cluster.clone(),
+        };
+        let cluster = Cluster::resolve(&spec, r.devices).unwrap();
         let candidate = Candidate {
             steps: r.strategies.iter().map(|s| step(s)).collect(),
             shape: None,

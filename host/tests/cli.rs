@@ -1727,6 +1727,19 @@ fn the_configuration_reference_is_what_piper_reads() {
         keys(&all),
         "cluster keys"
     );
+    // A device class: a `[device]` table, every key of a bundled class's.
+    let device = block("Device class");
+    let table: toml::Value = toml::from_str(&device).unwrap();
+    let class: piper::sim::device::DeviceClass = table.clone().try_into().unwrap();
+    class.validate().unwrap();
+    let bundled = piper::sim::device::DeviceClass::bundled("h100-sxm").unwrap();
+    assert_eq!(keys(&table), keys(&toml::Value::try_from(bundled).unwrap()));
+    let inline = format!("{cluster}\n[device]\n{device}")
+        .replace("device = \"h100-sxm\"", "")
+        .replace("[attention]", "[device.attention]");
+    std::fs::write(&path, inline).unwrap();
+    let read = piper::sim::Cluster::from_file(&path).unwrap();
+    assert_eq!(read.device, Some(class));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -275,6 +275,7 @@ fn op(op: OpKind, node: u32, peer: u32) -> Op {
             cp: 1,
             cp_ring: false,
             cp_bytes: 0,
+            shape: Default::default(),
         }),
         waits: Default::default(),
         inputs: Default::default(),

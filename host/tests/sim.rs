@@ -568,6 +568,9 @@ fn dualpipev_hides_expert_all_to_alls_behind_the_paired_compute() {
         seq_len: 256,
         batch_size: 64,
         moe: Some(moe),
+        // In bf16, as GPUs train: the exchanges weigh against tensor-core
+        // arithmetic (in fp32 they are a few percent of the step).
+        precision: piper::model::Precision::named("bf16").unwrap(),
         ..ModelConfig::tiny()
     };
     let h = host();
@@ -1116,4 +1119,50 @@ fn a_collective_over_nodes_runs_in_two_levels_at_every_nic_at_once() {
         "{got} vs {}",
         ring.min(tree)
     );
+}
+
+/// With a device class (`h100-8x` names H100 SXM), an op costs from its
+/// shapes: a batch of one sequence leaves most SMs idle, so a token costs
+/// more than in a batch of 64 (the same per token by FLOPs alone), and a
+/// tensor-parallel slice of gpt2-small's products costs more than its share
+/// of the FLOPs (its replicated norms and residual adds, and fewer tiles).
+#[test]
+fn ops_cost_from_their_shapes_small_and_sliced_products_run_below_the_large_rate() {
+    use piper::compile::plan::{Act, Plan};
+    use piper::sim::CostModel;
+    let shaped = Cluster::h100_8x();
+    assert!(shaped.device.is_some());
+    let flat = Cluster {
+        device: None,
+        ..Cluster::h100_8x()
+    };
+    // Compute seconds per token on device 0 (without tensor parallelism's
+    // sums inside the ops).
+    let per_token = |plan: &Plan, c: &Cluster, tokens: f64| -> f64 {
+        let ops = plan.devices[0].streams.iter().flat_map(|s| s.ops.iter());
+        let compute = ops.filter(|o| matches!(o.act, Act::Compute { .. }));
+        (compute.map(|o| c.compute(o) - c.in_op_exchange(o))).sum::<f64>() / tokens
+    };
+    let at = |batch: u32| ModelConfig {
+        batch_size: batch,
+        ..ModelConfig::gpt2_small()
+    };
+    let one = plan_model(&at(1), 1, &[("dp", &[("degree", "1")])]);
+    let many = plan_model(&at(64), 1, &[("dp", &[("degree", "1")])]);
+    let (t1, t64) = (1024.0, 64.0 * 1024.0);
+    let shaped_ratio = per_token(&one, &shaped, t1) / per_token(&many, &shaped, t64);
+    let flat_ratio = per_token(&one, &flat, t1) / per_token(&many, &flat, t64);
+    assert!((flat_ratio - 1.0).abs() < 0.01, "by FLOPs: {flat_ratio}");
+    assert!(shaped_ratio > 1.7, "by shapes: {shaped_ratio}");
+    // tp 4: each device runs a quarter of the FLOPs, on products a quarter
+    // as wide (or as deep).
+    let tp = plan_model(&at(8), 4, &[("tp", &[("tp", "4")])]);
+    let whole = plan_model(&at(8), 1, &[("dp", &[("degree", "1")])]);
+    let (t, w) = (
+        per_token(&tp, &shaped, 1.0),
+        per_token(&whole, &shaped, 1.0),
+    );
+    assert!(t * 4.0 > 1.5 * w, "tp 4: {t} s a device vs {w} s on one");
+    let (t, w) = (per_token(&tp, &flat, 1.0), per_token(&whole, &flat, 1.0));
+    assert!(t * 4.0 < 1.02 * w, "by FLOPs: {t} vs {w}");
 }

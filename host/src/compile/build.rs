@@ -428,6 +428,7 @@ fn describe<'a>(
                 && n.context_parallel
                     .is_some_and(|c| c.exchange == crate::dag::KvExchange::Ring),
             cp_bytes: cost.cp_bytes,
+            shape: super::plan::Shapes(dag.shape(id).map(Arc::new)),
         }),
         inputs,
         spread_groups: match spread {

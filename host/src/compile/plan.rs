@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 /// The IR vocabulary a plan is written in; the runtime reads it from here.
 pub use crate::dag::{CommPurpose, ExpertPhase, Spread, TensorKind};
+pub use crate::model::cost::{Gemm, OpShape};
 
 /// The compiled plan of every device.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -127,6 +128,21 @@ pub struct OpCommon {
     /// exchanges inside the op (see `dag::NodeCost::cp_bytes`). Derived:
     /// not hashed.
     pub cp_bytes: u64,
+    /// Compute ops: what the op runs in shapes, for the simulator's
+    /// shape-aware costs.
+    pub shape: Shapes,
+}
+
+/// A compute op's shapes, derived from the model: not part of the plan's
+/// identity (not hashed, not in JSON, equal whatever they hold), so a plan
+/// read back from JSON equals the one written and costs by its FLOPs alone.
+#[derive(Clone, Debug, Default)]
+pub struct Shapes(pub Option<Arc<OpShape>>);
+
+impl PartialEq for Shapes {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl std::ops::Deref for Op {
@@ -613,6 +629,7 @@ impl<'a> FlatOp<'a> {
                 cp: self.cp,
                 cp_ring: self.cp_ring,
                 cp_bytes: self.cp_bytes,
+                shape: Shapes(None),
             }),
             waits,
             inputs: self.inputs,

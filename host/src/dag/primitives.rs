@@ -560,6 +560,53 @@ impl TrainingDag {
         norms * per_norm * u64::from(self.model.d_model) * self.model.precision.grad_bytes()
     }
 
+    /// A compute node's shapes as one of its devices runs it, for the
+    /// simulator's shape-aware costs (`None` for other nodes).
+    pub fn shape(&self, id: NodeId) -> Option<crate::model::cost::OpShape> {
+        use crate::model::cost::{op_shape, Placement, Work};
+        let n = &self.graph[id.ix()];
+        let NodeKind::Compute {
+            pass,
+            segment,
+            phase,
+        } = &n.kind
+        else {
+            return None;
+        };
+        let seg = &self.segments()[*segment as usize];
+        let work = match pass {
+            super::Pass::F => Work::Forward,
+            super::Pass::R if self.reads_kept(id) => Work::Core,
+            super::Pass::R => Work::Forward,
+            super::Pass::B => Work::Backward,
+            super::Pass::BI => Work::InputGrads,
+            super::Pass::BW => Work::WeightGrads,
+        };
+        let m = &self.model;
+        let experts_spread = n
+            .replica
+            .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some());
+        let at = Placement {
+            rows: m.batch_size as f64 * m.seq_len as f64 / self.batch_share_div(id) as f64,
+            tp: f64::from(n.tp_degree()),
+            sp: n.tensor_parallel.is_some_and(|t| t.sequence),
+            ep: if experts_spread {
+                n.devices.len() as f64
+            } else {
+                1.0
+            },
+        };
+        let mut s = op_shape(m, &seg.parts, work, at);
+        // A phase of a split expert pass runs its share of the segment.
+        if let (Some(p), Some(x)) = (phase, self.expert_phases) {
+            let share = x.flop_share[p.index() as usize];
+            s.gemms.iter_mut().for_each(|g| g.count *= share);
+            s.stream_bytes *= share;
+            s.kernels *= share;
+        }
+        Some(s)
+    }
+
     /// Cost hints of a node as one of its devices runs it.
     pub fn cost(&self, id: NodeId) -> NodeCost {
         let n = &self.graph[id.ix()];

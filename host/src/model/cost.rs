@@ -347,3 +347,289 @@ pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
         experts_saved: (k * (mats * hid + d) * n * b) as u64,
     })
 }
+
+/// What a compute op runs, in shapes, for the simulator's shape-aware
+/// costs (`sim::device`): its weight products, its attention kernel's work,
+/// the bytes its memory-bound kernels stream and its kernel count. Figures
+/// for one device's op (its rows, its tensor-parallel slices).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OpShape {
+    pub gemms: Vec<Gemm>,
+    /// FLOPs of the attention kernel (causal tiles skipped), and whether
+    /// it runs forward (its rate differs by direction).
+    pub attention_flops: f64,
+    pub attention_forward: bool,
+    /// The key length the attention kernel sees.
+    pub attention_seq: f64,
+    /// Bytes read and written by the norms, activations, residual adds,
+    /// rotary, embedding lookups and the loss.
+    pub stream_bytes: f64,
+    pub kernels: f64,
+    /// Bytes of a product's operand element.
+    pub elem_bytes: f64,
+}
+
+/// `count` products of an `m × k` by a `k × n` matrix.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub m: f64,
+    pub n: f64,
+    pub k: f64,
+    pub count: f64,
+}
+
+/// Which work of a part a pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Work {
+    Forward,
+    /// A selective recompute: the attention core and the dropped
+    /// elementwise outputs again.
+    Core,
+    /// Input and weight gradients.
+    Backward,
+    InputGrads,
+    WeightGrads,
+}
+
+/// How a device runs a part: its rows (tokens), its tensor-parallel degree
+/// (with sequence parallelism or not), and the group its experts are
+/// spread over (1: all experts on every device).
+#[derive(Clone, Copy, Debug)]
+pub struct Placement {
+    pub rows: f64,
+    pub tp: f64,
+    pub sp: bool,
+    pub ep: f64,
+}
+
+/// How tensor parallelism splits a weight.
+#[derive(Clone, Copy, PartialEq)]
+enum Split {
+    /// Output columns (q/k/v, fc, gate/up, the vocabulary).
+    Col,
+    /// Input rows (attention out, fc2/down).
+    Row,
+    /// Whole on each device (the router).
+    Whole,
+    /// One per expert, `rows` assignments per token.
+    Expert,
+}
+
+/// A part's weights `(k, n, split)`, with its elementwise traffic per token
+/// in forward (elements, split into what tensor parallelism replicates and
+/// what it slices), its elementwise kernel count, and whether it attends.
+struct PartWork {
+    weights: Vec<(f64, f64, Split)>,
+    replicated: f64,
+    sliced: f64,
+    elementwise: f64,
+    attends: bool,
+    /// What a selective recompute streams again besides the attention
+    /// core: its norms (replicated) and its activation (sliced).
+    rerun: (f64, f64),
+}
+
+fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
+    let a = cfg.arch();
+    let d = f64::from(cfg.d_model);
+    let v = f64::from(cfg.vocab);
+    let (qw, kvw, hid) = (
+        f64::from(a.q_width()),
+        f64::from(a.kv_width()),
+        f64::from(a.hidden),
+    );
+    let llama = cfg.family == Family::Llama;
+    let qk = if a.qk_norm { 1.0 } else { 0.0 };
+    // Each elementwise kernel reads its inputs and writes its output once:
+    // a norm 2 rows of d, a residual add 3; rotary reads and writes q and
+    // k; GELU reads and writes the hidden row, SwiGLU reads two and writes
+    // one.
+    let attention = || -> (Vec<(f64, f64, Split)>, f64, f64, f64) {
+        match llama {
+            true => (
+                vec![
+                    (d, qw, Split::Col),
+                    (d, kvw, Split::Col),
+                    (d, kvw, Split::Col),
+                    (qw, d, Split::Row),
+                ],
+                5.0,
+                2.0 * (qw + kvw) * (1.0 + qk),
+                3.0 + 2.0 * qk,
+            ),
+            false => (
+                vec![(d, 3.0 * d, Split::Col), (d, d, Split::Row)],
+                5.0,
+                0.0,
+                2.0,
+            ),
+        }
+    };
+    let mlp = |w: f64| -> (Vec<(f64, f64, Split)>, f64, f64, f64) {
+        match llama {
+            true => (
+                vec![(d, w, Split::Col), (d, w, Split::Col), (w, d, Split::Row)],
+                5.0,
+                3.0 * w,
+                3.0,
+            ),
+            false => (
+                vec![(d, w, Split::Col), (w, d, Split::Row)],
+                5.0,
+                2.0 * w,
+                3.0,
+            ),
+        }
+    };
+    let act = if llama { 3.0 * hid } else { 2.0 * hid };
+    let pw = |(weights, rep, sliced, ew): (Vec<(f64, f64, Split)>, f64, f64, f64),
+              rerun: (f64, f64)| PartWork {
+        weights,
+        replicated: rep * d,
+        sliced,
+        elementwise: ew,
+        attends: true,
+        rerun,
+    };
+    match part {
+        Part::Embedding => PartWork {
+            weights: Vec::new(),
+            replicated: if llama { 2.0 * d } else { 3.0 * d },
+            sliced: 0.0,
+            elementwise: if llama { 1.0 } else { 2.0 },
+            attends: false,
+            rerun: (0.0, 0.0),
+        },
+        Part::Block(_) => {
+            let (mut w, r, s, e) = attention();
+            let (w2, r2, s2, e2) = mlp(hid);
+            w.extend(w2);
+            pw((w, r + r2, s + s2, e + e2), (4.0 * d, act))
+        }
+        Part::Attention(_) => pw(attention(), (2.0 * d, 0.0)),
+        Part::Experts(_) => {
+            let m = cfg.moe.as_ref();
+            let (e, k, eh) = m.map_or((1.0, 1.0, 0.0), |m| {
+                (
+                    f64::from(m.experts),
+                    f64::from(m.top_k),
+                    f64::from(m.hidden_width(cfg.d_model)),
+                )
+            });
+            let (w, _, act, ew) = mlp(eh);
+            let mut weights = vec![(d, e, Split::Whole)];
+            weights.extend(w.into_iter().map(|(a, b, _)| (a, b, Split::Expert)));
+            // norm, router softmax, the rows copied to and from their
+            // experts, the activation per assignment, the weighted sum.
+            PartWork {
+                weights,
+                replicated: 5.0 * d + 2.0 * e + k * (4.0 * d + act),
+                sliced: 0.0,
+                elementwise: ew + 4.0,
+                attends: false,
+                rerun: (0.0, 0.0),
+            }
+        }
+        Part::Head => PartWork {
+            weights: vec![(d, v, Split::Col)],
+            replicated: 2.0 * d,
+            sliced: v,
+            elementwise: 2.0,
+            attends: false,
+            rerun: (0.0, 0.0),
+        },
+    }
+}
+
+/// The shapes of `work` on `parts` as placed: the products' rows are the
+/// device's tokens (an expert's, the tokens routed to it), a
+/// tensor-parallel slice divides the columns or the rows it splits;
+/// backward runs each product twice more (`dX = dY·Wᵀ`: `m × k × n`,
+/// `dW = Xᵀ·dY`: `k × n × m`) and streams twice the forward's bytes. The
+/// attention kernel's FLOPs are the forward's `QKᵀ` and `AV` over the
+/// causal half (`2·rows·T·q_width`), 2.5 times that backward (the
+/// memory-efficient kernel recomputes the scores).
+pub fn op_shape(cfg: &ModelConfig, parts: &[Part], work: Work, at: Placement) -> OpShape {
+    let b = cfg.precision.act_bytes() as f64;
+    let t = f64::from(cfg.seq_len);
+    let q_width = f64::from(cfg.arch().q_width());
+    let (e, top_k) = cfg.moe.as_ref().map_or((1.0, 1.0), |m| {
+        (f64::from(m.experts.max(1)), f64::from(m.top_k))
+    });
+    let mut s = OpShape {
+        attention_forward: matches!(work, Work::Forward | Work::Core),
+        attention_seq: t,
+        elem_bytes: b,
+        ..OpShape::default()
+    };
+    let rep = if at.sp { at.tp } else { 1.0 };
+    for part in parts {
+        let w = part_work(cfg, *part);
+        let fwd_bytes = (w.replicated / rep + w.sliced / at.tp) * at.rows * b;
+        let (stream, gemm_passes) = match work {
+            Work::Forward => (fwd_bytes, [true, false, false]),
+            Work::Core => (
+                (w.rerun.0 / rep + w.rerun.1 / at.tp) * at.rows * b,
+                [false, false, false],
+            ),
+            Work::Backward => (2.0 * fwd_bytes, [false, true, true]),
+            Work::InputGrads => (2.0 * fwd_bytes, [false, true, false]),
+            Work::WeightGrads => (0.0, [false, false, true]),
+        };
+        s.stream_bytes += stream;
+        let mut products = 0.0;
+        for (k, n, split) in &w.weights {
+            let (m, n, k, count) = match split {
+                Split::Col => (at.rows, n / at.tp, *k, 1.0),
+                Split::Row => (at.rows, *n, k / at.tp, 1.0),
+                Split::Whole => (at.rows, *n, *k, 1.0),
+                Split::Expert => {
+                    // Each device holds e / ep experts and takes the
+                    // assignments routed to them from its group; on a
+                    // tensor-parallel mesh its share of the rows.
+                    let local = (e / at.ep).max(1.0);
+                    let rows = at.rows / at.tp * top_k * at.ep / e;
+                    (rows, *n, *k, local)
+                }
+            };
+            for (run, g) in gemm_passes.iter().zip([
+                Gemm { m, n, k, count },
+                Gemm {
+                    m,
+                    n: k,
+                    k: n,
+                    count,
+                },
+                Gemm {
+                    m: k,
+                    n,
+                    k: m,
+                    count,
+                },
+            ]) {
+                if *run {
+                    s.gemms.push(g);
+                    products += count;
+                }
+            }
+        }
+        if w.attends && work != Work::WeightGrads {
+            let fwd = 2.0 * at.rows * t * q_width / at.tp;
+            s.attention_flops += match work {
+                Work::Forward | Work::Core => fwd,
+                _ => 2.5 * fwd,
+            };
+            s.kernels += 1.0;
+        }
+        s.kernels += products
+            + match work {
+                Work::WeightGrads => 0.0,
+                Work::Backward | Work::InputGrads => 2.0 * w.elementwise,
+                Work::Forward => w.elementwise,
+                // The norms and the activation again.
+                Work::Core if w.attends => 3.0,
+                Work::Core => 0.0,
+            };
+    }
+    s
+}

@@ -16,7 +16,7 @@
 //!   the MoE block. The router sits with the experts so that the activation
 //!   between segments stays one `tokens × d_model` tensor.
 
-mod cost;
+pub mod cost;
 pub mod params;
 mod precision;
 

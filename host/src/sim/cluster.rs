@@ -18,13 +18,24 @@
 //! F = 0.0
 //! ```
 //!
+//! `device = "h100-sxm"` (or a `[device]` table) names the GPU model, so
+//! compute ops cost from their shapes (`sim/device.rs`); left out, from
+//! the per-pass efficiencies alone.
+//!
 //! `compute_slots = 2` says a node's devices share its compute (virtual
 //! devices on one machine's cores): up to 2 compute ops run at full speed
 //! at once, more share it equally. Left out, every device computes on its
 //! own, as GPUs do.
 
+use super::device::DeviceClass;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+
+/// A bundled device class (the files are part of the build; a test parses
+/// each).
+fn bundled(name: &str) -> DeviceClass {
+    DeviceClass::bundled(name).expect("bundled device classes parse")
+}
 
 /// Fraction of peak FLOP/s each op kind achieves.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -88,6 +99,15 @@ pub struct Cluster {
     /// each device has its own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compute_slots: Option<f64>,
+    /// The GPU model, for costs from op shapes (`device = "h100-sxm"`, or
+    /// a `[device]` table; see [`super::device`]); `None`: per-pass
+    /// efficiencies alone.
+    #[serde(
+        default,
+        deserialize_with = "super::device::deserialize",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub device: Option<DeviceClass>,
 }
 
 /// A cluster description that cannot be used.
@@ -103,6 +123,8 @@ pub enum ClusterError {
     },
     #[error("cluster file {path}: {message}")]
     Parse { path: String, message: String },
+    #[error(transparent)]
+    Device(#[from] super::device::DeviceError),
     #[error("cluster `{name}`: {field} = {value} must be {why}")]
     Field {
         name: String,
@@ -115,13 +137,14 @@ pub enum ClusterError {
 impl Cluster {
     /// One node of 8 H100 SXM over NVLink 4 (dense BF16 peak).
     pub fn h100_8x() -> Self {
+        let device = bundled("h100-sxm");
         Cluster {
             name: "h100-8x".into(),
             nodes: 1,
             devices_per_node: 8,
-            peak_flops: 989e12,
-            memory_bytes: 80e9,
-            memory_bytes_per_s: 3.35e12,
+            peak_flops: device.peak_flops,
+            memory_bytes: device.memory_bytes,
+            memory_bytes_per_s: device.memory_bytes_per_s,
             intra_bytes_per_s: 450e9,
             intra_latency_s: 3e-6,
             inter_bytes_per_s: 50e9,
@@ -129,6 +152,7 @@ impl Cluster {
             efficiency: Efficiency::default(),
             op_overhead_s: Overhead::default(),
             compute_slots: None,
+            device: Some(device),
         }
     }
 
@@ -143,12 +167,15 @@ impl Cluster {
 
     /// One H200 (141 GB HBM3e at 4.8 TB/s).
     pub fn h200_1() -> Self {
+        let device = bundled("h200-sxm");
         Cluster {
             name: "h200-1".into(),
             nodes: 1,
             devices_per_node: 1,
-            memory_bytes: 141e9,
-            memory_bytes_per_s: 4.8e12,
+            peak_flops: device.peak_flops,
+            memory_bytes: device.memory_bytes,
+            memory_bytes_per_s: device.memory_bytes_per_s,
+            device: Some(device),
             ..Self::h100_8x()
         }
     }
@@ -178,6 +205,7 @@ impl Cluster {
             compute_slots: Some(
                 std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
             ),
+            device: None,
         }
     }
 
@@ -265,6 +293,9 @@ impl Cluster {
         }
         if self.devices_per_node == 0 {
             return Err(field("devices_per_node", 0.0, "at least 1"));
+        }
+        if let Some(d) = &self.device {
+            d.validate()?;
         }
         Ok(())
     }

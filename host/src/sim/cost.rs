@@ -1,8 +1,9 @@
 //! Op costs: a cluster's roofline-and-links model, or unit costs per pass
 //! for checking schedules against their published bubble formulas.
 
+use super::device::DeviceClass;
 use super::Cluster;
-use crate::compile::plan::{Act, Op, OpKind, Spread};
+use crate::compile::plan::{Act, Op, OpKind, OpShape, Spread};
 use crate::dag::Pass;
 
 /// Seconds an op takes.
@@ -115,7 +116,9 @@ impl CostModel for Cluster {
 
 impl Cluster {
     /// A compute op's arithmetic: its fixed overhead and its FLOPs at its
-    /// pass's efficiency (0 for what is not compute).
+    /// pass's efficiency, or with a device class and the op's shapes, its
+    /// products, attention and memory-bound kernels as `sim::device` says
+    /// (0 for what is not compute).
     fn arithmetic(&self, op: &Op) -> f64 {
         let Act::Compute { pass, .. } = op.act else {
             return 0.0;
@@ -127,7 +130,35 @@ impl Cluster {
             Pass::BI => (self.efficiency.bi, self.op_overhead_s.bi),
             Pass::BW => (self.efficiency.bw, self.op_overhead_s.bw),
         };
-        fixed + op.flops / (self.peak_flops * eff)
+        match (&self.device, &op.shape.0) {
+            (Some(dev), Some(shape)) => fixed + self.shaped(dev, shape, eff),
+            _ => fixed + op.flops / (self.peak_flops * eff),
+        }
+    }
+
+    /// An op's time from its shapes (arithmetic at the device's peak for
+    /// the operands' dtype): each product at `eff` of peak times
+    /// the share its tiles and depth allow, no faster than its bytes over
+    /// HBM; the attention kernel at its measured rate; the memory-bound
+    /// kernels' bytes over HBM; a launch gap per kernel.
+    fn shaped(&self, dev: &DeviceClass, s: &OpShape, eff: f64) -> f64 {
+        let peak = dev.peak_for(s.elem_bytes);
+        let products: f64 = (s.gemms.iter())
+            .map(|g| {
+                let flops = 2.0 * g.m * g.n * g.k;
+                let rate = peak * eff * dev.gemm_share(g.m, g.n, g.k);
+                let bytes = (g.m * g.k + g.k * g.n + g.m * g.n) * s.elem_bytes;
+                g.count * (flops / rate).max(dev.stream_s(bytes))
+            })
+            .sum();
+        let attention = match s.attention_flops > 0.0 {
+            true => {
+                let rate = dev.attention_rate(s.attention_forward, s.attention_seq);
+                s.attention_flops / (peak * rate)
+            }
+            false => 0.0,
+        };
+        products + attention + dev.stream_s(s.stream_bytes) + s.kernels * dev.kernel_launch_s
     }
 
     fn in_op_spread(&self, op: &Op) -> f64 {

@@ -10,7 +10,9 @@
 //! device of its group has reached it and ends for all together.
 //!
 //! Costs ([`cost`]): a compute op costs its FLOPs at the device's peak times
-//! an efficiency per op kind; an optimizer step reads and writes its states
+//! an efficiency per op kind, or on a cluster with a device class
+//! ([`device`]) its products, attention and memory-bound kernels from its
+//! shapes; an optimizer step reads and writes its states
 //! at memory bandwidth; a p2p transfer costs α + bytes/β of the link it
 //! crosses (NVLink inside a node, the network between nodes); a collective
 //! the better of ring and tree over its group's slowest link.
@@ -18,6 +20,7 @@
 pub mod calibrate;
 pub mod cluster;
 pub mod cost;
+pub mod device;
 pub mod measured;
 pub mod report;
 
