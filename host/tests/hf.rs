@@ -3,7 +3,8 @@
 //! `AutoModelForCausalLM.from_pretrained` and gives Piper's loss on the same
 //! batch; a randomly initialised transformers model saved by
 //! `save_pretrained` (in shards, with its index) trains under `piper train
-//! --init-from` with transformers' step-1 loss.
+//! --init-from` with transformers' step-1 loss; checkpoints of context-
+//! parallel runs (every sequence split over 2 devices) give their loss too.
 //!
 //! Runs where Python with torch and transformers is found
 //! (`PIPER_HF_PYTHON`, else `target/hf-venv/bin/python` as
@@ -277,4 +278,54 @@ fn bf16_checkpoints_open_in_transformers_in_bf16_and_bf16_weights_train_in_bf16(
         assert!(params > 0, "{model}: the dump holds the parameters");
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// Context parallelism against transformers: a GPT-2 (`tiny-cp`) and a
+/// Qwen3-style Llama, each trained 3 steps with every sequence split over
+/// 2 devices (`cp:cp=2`, keys and values round a ring), checkpoint into
+/// models transformers opens and scores at the loss Piper's cp run computes
+/// on the next batch (1e-5). (transformers' own models start a cp run as
+/// they start any: `--init-from` reads weights before the plan.)
+#[test]
+fn context_parallel_runs_give_transformers_losses() {
+    let Some(py) = python() else { return };
+    let dir = scratch("hf-cp");
+    let home = dir.join("home");
+    let p = |s: &str| dir.join(s).display().to_string();
+    let llama = piper::model::ModelConfig {
+        name: "llama-tiny-cp".into(),
+        attention: piper::model::Attention::Flash,
+        ..piper::model::ModelConfig::llama_tiny()
+    };
+    std::fs::write(dir.join("llama.toml"), toml::to_string(&llama).unwrap()).unwrap();
+    let gpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/models/tiny-cp.toml");
+    for (model, class) in [
+        (gpt.display().to_string(), "GPT2LMHeadModel"),
+        (p("llama.toml"), "Qwen3ForCausalLM"),
+    ] {
+        let cp = ["--model", &model, "--devices", "2", "--strategy", "cp:cp=2"];
+        let ck = p("ck/step-00000003");
+        let _ = std::fs::remove_dir_all(dir.join("ck"));
+        train(
+            &home,
+            &[&cp[..], &["--steps", "3", "--checkpoint", &p("ck")]].concat(),
+        );
+        train(
+            &home,
+            &[
+                &cp[..],
+                &["--init-from", &ck, "--steps", "1", "--dump-step1", &p("d1")],
+            ]
+            .concat(),
+        );
+        let (piper_loss, _) = dump(&dir.join("d1"));
+        let got = hf(&py, &["loss", &ck, &p("d1")]);
+        assert_eq!(got["class"], class, "{model}");
+        close(
+            &format!("{model} under cp 2"),
+            piper_loss,
+            got["loss"].as_f64().unwrap(),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
 }
