@@ -1166,3 +1166,72 @@ fn ops_cost_from_their_shapes_small_and_sliced_products_run_below_the_large_rate
     let (t, w) = (per_token(&tp, &flat, 1.0), per_token(&whole, &flat, 1.0));
     assert!(t * 4.0 < 1.02 * w, "by FLOPs: {t} vs {w}");
 }
+
+/// Compute slows while its device communicates: on an H100 (device class
+/// `comm_slowdown` 0.18) a ZeRO-3 step, whose gathers and reduce-scatters
+/// overlap the passes, takes longer than with the slowdown taken away, by
+/// at most 0.18 ÷ 0.82 of the compute; with a slowdown of 0 the time-ordered
+/// run is the dependency-order run, op for op.
+#[test]
+fn compute_overlapped_by_communication_runs_slower_by_the_device_classes_share() {
+    use piper::compile::plan::{Op, Plan};
+    use piper::sim::{CostModel, Sharing};
+    /// The cluster's costs with its contention replaced.
+    struct With(Cluster, Option<f64>);
+    impl CostModel for With {
+        fn compute(&self, op: &Op) -> f64 {
+            self.0.compute(op)
+        }
+        fn p2p(&self, bytes: u64, from: u32, to: u32) -> f64 {
+            self.0.p2p(bytes, from, to)
+        }
+        fn collective(&self, op: &Op, group: &[u32]) -> f64 {
+            self.0.collective(op, group)
+        }
+        fn in_op_exchange(&self, op: &Op) -> f64 {
+            self.0.in_op_exchange(op)
+        }
+        fn shared_compute(&self) -> Option<Sharing> {
+            None
+        }
+        fn contention(&self) -> Option<f64> {
+            self.1
+        }
+    }
+    let model = ModelConfig {
+        batch_size: 16,
+        precision: piper::model::Precision::named("bf16").unwrap(),
+        ..ModelConfig::gpt2_small()
+    };
+    let cluster = Cluster::h100_8x();
+    let s = cluster.device.as_ref().unwrap().comm_slowdown;
+    assert!(s > 0.0 && cluster.contention() == Some(s));
+    let check = |plan: &Plan| {
+        let free = simulate(plan, &With(cluster.clone(), None)).unwrap();
+        let zero = simulate(plan, &With(cluster.clone(), Some(0.0))).unwrap();
+        let slow = simulate(plan, &cluster).unwrap();
+        // Slowdown 0: the same timeline.
+        assert_eq!(free.step_time, zero.step_time);
+        assert_eq!(free.spans.len(), zero.spans.len());
+        for (a, b) in free.spans.iter().zip(&zero.spans) {
+            assert_eq!(
+                (a.device, a.start, a.end),
+                (b.device, b.start, b.end),
+                "{:?}",
+                a.label
+            );
+        }
+        let busy = free.devices.iter().map(|d| d.busy).fold(0.0, f64::max);
+        (free.step_time, slow.step_time, busy)
+    };
+    let zero3 = plan_model(&model, 8, &[("zero", &[("stage", "3"), ("dp", "8")])]);
+    let (free, slow, busy) = check(&zero3);
+    assert!(
+        slow > free * 1.005 && slow <= free + busy * s / (1.0 - s) + 1e-12,
+        "ZeRO-3: {slow} s contended, {free} s free, {busy} s busy"
+    );
+    // A pipeline's sends overlap its passes too; the check holds there.
+    let pp = plan_model(&model, 4, &[("1f1b", &[("microbatches", "8")])]);
+    let (free, slow, busy) = check(&pp);
+    assert!(slow >= free && slow <= free + busy * s / (1.0 - s) + 1e-12);
+}

@@ -29,6 +29,11 @@ pub trait CostModel {
     fn shared_compute(&self) -> Option<super::Sharing> {
         None
     }
+    /// The fraction of its speed a device's compute loses while one of its
+    /// transfers or collectives is in flight; `None`: none (or not modelled).
+    fn contention(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// AdamW reads parameters, gradients and two moments and writes three of
@@ -67,6 +72,13 @@ impl CostModel for Cluster {
             }
             _ => 0.0,
         }
+    }
+
+    fn contention(&self) -> Option<f64> {
+        self.device
+            .as_ref()
+            .map(|d| d.comm_slowdown)
+            .filter(|s| *s > 0.0)
     }
 
     fn shared_compute(&self) -> Option<super::Sharing> {

@@ -16,7 +16,10 @@
 //!   scaled by `T / (T + seq_half)` for a key length `T`;
 //! - the memory-bound kernels (norms, activations, residuals, rotary,
 //!   embedding, loss) as their bytes over HBM at `memory_efficiency`;
-//! - a launch gap per kernel.
+//! - a launch gap per kernel;
+//!
+//! and while a transfer or collective of its device is in flight, compute
+//! runs `comm_slowdown` slower (the simulator's contended run).
 
 use serde::{Deserialize, Deserializer, Serialize};
 
@@ -63,6 +66,9 @@ pub struct DeviceClass {
     pub memory_efficiency: f64,
     /// Seconds between two dependent kernels on one stream.
     pub kernel_launch_s: f64,
+    /// The fraction of its speed compute loses while a transfer or a
+    /// collective of its device is in flight (NCCL's SMs and HBM traffic).
+    pub comm_slowdown: f64,
     pub attention: AttentionRate,
 }
 
@@ -121,6 +127,9 @@ impl DeviceClass {
             if !(v.is_finite() && v > 0.0 && v <= 1.0) {
                 return Err(field(f, v, "in (0, 1]"));
             }
+        }
+        if !(self.comm_slowdown.is_finite() && (0.0..1.0).contains(&self.comm_slowdown)) {
+            return Err(field("comm_slowdown", self.comm_slowdown, "in [0, 1)"));
         }
         for (f, v) in [
             ("gemm_k_overhead", self.gemm_k_overhead),

@@ -229,10 +229,14 @@ pub fn simulate(plan: &Plan, costs: &dyn CostModel) -> Result<Simulation, SimErr
         end: vec![f64::NAN; n],
         done: 0,
     };
-    match costs.shared_compute() {
+    match (costs.shared_compute(), costs.contention()) {
         // Devices of a node share its compute: ops in time order.
-        Some(share) => run_shared(&ix, plan, costs, share, &deps, &mut clock),
-        None => run_in_dependency_order(&ix, plan, costs, &deps, &mut clock),
+        (Some(share), _) => run_shared(&ix, plan, costs, share, &deps, &mut clock),
+        // Compute slows while its device communicates: in time order too.
+        (None, Some(slowdown)) => {
+            run_contended(&ix, plan, costs, slowdown, &deps, &mut clock, devices(plan))
+        }
+        (None, None) => run_in_dependency_order(&ix, plan, costs, &deps, &mut clock),
     }
     if clock.done < n {
         let g = (0..n).find(|&g| clock.end[g].is_nan()).unwrap_or(0);
@@ -539,6 +543,204 @@ impl SharedRun {
             }
             self.now = t;
         }
+    }
+}
+
+/// One past the highest device id of the plan.
+fn devices(plan: &Plan) -> usize {
+    plan.devices
+        .iter()
+        .map(|d| d.device as usize + 1)
+        .max()
+        .unwrap_or(0)
+}
+
+/// An event of [`run_contended`]: a compute op's projected end (valid while
+/// its device's rate is the one it was projected at), or the end of a
+/// transfer or collective on some devices.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Ending {
+    Compute { op: usize, version: u64 },
+    Comm { devices: Vec<u32> },
+}
+
+/// A device's running compute ops under contention.
+#[derive(Default)]
+struct Running {
+    /// (op, seconds of work left at full speed).
+    ops: Vec<(usize, f64)>,
+    /// When `ops` last progressed.
+    since: f64,
+    /// Transfers and collectives of the device in flight.
+    comm: u32,
+    /// Bumped when the rate changes: older projections are stale.
+    version: u64,
+}
+
+impl Running {
+    fn rate(&self, slowdown: f64) -> f64 {
+        if self.comm > 0 {
+            1.0 - slowdown
+        } else {
+            1.0
+        }
+    }
+    /// Progress every running op to `t` at the current rate.
+    fn progress(&mut self, t: f64, slowdown: f64) {
+        let r = self.rate(slowdown);
+        let dt = t - self.since;
+        if dt > 0.0 {
+            for (_, left) in &mut self.ops {
+                *left = (*left - dt * r).max(0.0);
+            }
+        }
+        self.since = self.since.max(t);
+    }
+}
+
+/// The time-ordered run when compute and communication share a device
+/// (the cluster's device class sets `slowdown`): a compute op progresses
+/// at `1 − slowdown` of its speed while a transfer (sender and receiver)
+/// or a collective of its device is in flight, at full speed otherwise.
+/// Communication keeps its own time. With `slowdown` 0 the timeline is
+/// [`run_in_dependency_order`]'s.
+#[allow(clippy::too_many_arguments)]
+fn run_contended(
+    ix: &OpIndex,
+    plan: &Plan,
+    costs: &dyn CostModel,
+    slowdown: f64,
+    deps: &Deps,
+    clock: &mut Clock,
+    devices: usize,
+) {
+    let at = &ix.at;
+    let mut dev: Vec<Running> = (0..devices).map(|_| Running::default()).collect();
+    let mut ready: BinaryHeap<Reverse<(Time, usize)>> = BinaryHeap::new();
+    let mut ends: BinaryHeap<Reverse<(Time, Ending)>> = BinaryHeap::new();
+    for g in (0..at.len()).filter(|&g| clock.indeg[g] == 0) {
+        ready.push(Reverse((Time(0.0), g)));
+    }
+    let mut arrived: HashMap<u32, usize> = HashMap::new();
+    // A device's rate changes at `t` by `delta` transfers in flight.
+    let change = |dev: &mut Vec<Running>,
+                  ends: &mut BinaryHeap<Reverse<(Time, Ending)>>,
+                  d: u32,
+                  t: f64,
+                  delta: i32| {
+        let Some(r) = dev.get_mut(d as usize) else {
+            return;
+        };
+        let before = r.rate(slowdown);
+        r.progress(t, slowdown);
+        r.comm = r.comm.saturating_add_signed(delta);
+        let after = r.rate(slowdown);
+        if before != after {
+            r.version += 1;
+            for &(op, left) in &r.ops {
+                let end = t + left / after;
+                ends.push(Reverse((
+                    Time(end),
+                    Ending::Compute {
+                        op,
+                        version: r.version,
+                    },
+                )));
+            }
+        }
+    };
+    loop {
+        let next_ready = ready.peek().map_or(f64::INFINITY, |r| (r.0).0 .0);
+        let next_end = ends.peek().map_or(f64::INFINITY, |e| (e.0).0 .0);
+        if next_ready.is_infinite() && next_end.is_infinite() {
+            break;
+        }
+        if next_end <= next_ready {
+            let Some(Reverse((Time(t), ending))) = ends.pop() else {
+                break;
+            };
+            match ending {
+                Ending::Comm { devices } => {
+                    for d in devices {
+                        change(&mut dev, &mut ends, d, t, -1);
+                    }
+                }
+                Ending::Compute { op, version } => {
+                    let d = at[op].0 as usize;
+                    let r = &mut dev[d];
+                    let Some(k) = r.ops.iter().position(|(g, _)| *g == op) else {
+                        continue;
+                    };
+                    if r.version != version {
+                        continue;
+                    }
+                    r.progress(t, slowdown);
+                    r.ops.swap_remove(k);
+                    clock.end[op] = t;
+                    clock.release(deps, op, |s, t| ready.push(Reverse((Time(t), s))));
+                }
+            }
+            continue;
+        }
+        let Some(Reverse((Time(now), g))) = ready.pop() else {
+            break;
+        };
+        let (_, o) = ix.op(plan, g);
+        let d = at[g].0;
+        match o.act {
+            Act::Collective { .. } => {
+                let Some(group) = deps.arrive(&mut arrived, o.node) else {
+                    continue;
+                };
+                let devs: Vec<u32> = group.iter().map(|&m| at[m].0).collect();
+                let t = costs.collective(o, &devs);
+                for &m in group {
+                    clock.start[m] = now;
+                    clock.end[m] = now + t;
+                }
+                if t > 0.0 {
+                    for &m in &devs {
+                        change(&mut dev, &mut ends, m, now, 1);
+                    }
+                    ends.push(Reverse((Time(now + t), Ending::Comm { devices: devs })));
+                }
+                for &m in group {
+                    clock.release(deps, m, |s, t| ready.push(Reverse((Time(t), s))));
+                }
+                continue;
+            }
+            Act::Send { to, .. } => {
+                let t = costs.p2p(o.bytes, d, to);
+                clock.start[g] = now;
+                clock.end[g] = now + t;
+                if t > 0.0 {
+                    let both = if to == d { vec![d] } else { vec![d, to] };
+                    for &m in &both {
+                        change(&mut dev, &mut ends, m, now, 1);
+                    }
+                    ends.push(Reverse((Time(now + t), Ending::Comm { devices: both })));
+                }
+            }
+            Act::Recv { .. } => {
+                clock.start[g] = now;
+                clock.end[g] = now.max(clock.end[deps.send_of[g]]);
+            }
+            Act::Compute { .. } | Act::Update => {
+                clock.start[g] = now;
+                let work = costs.compute(o);
+                if work > 0.0 {
+                    let r = &mut dev[d as usize];
+                    r.progress(now, slowdown);
+                    r.ops.push((g, work));
+                    let end = now + work / r.rate(slowdown);
+                    let version = r.version;
+                    ends.push(Reverse((Time(end), Ending::Compute { op: g, version })));
+                    continue;
+                }
+                clock.end[g] = now;
+            }
+        }
+        clock.release(deps, g, |s, t| ready.push(Reverse((Time(t), s))));
     }
 }
 
