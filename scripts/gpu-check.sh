@@ -20,7 +20,11 @@
 #    dualpipev and ep on the MoE model on 4 virtual devices of the GPU, tp:tp=2 on 2, each
 #    against the one-GPU losses (1e-5); then gpt2-small (batch 8 x 1024, fp32) on one GPU and
 #    under 1f1b on 4 virtual devices: tokens/s, MFU, peak memory.
-# 2. PyTorch eager and torch.compile on the same gpt2-small step (benches/reference/
+# 2. `piper calibrate --backend cuda`: dp and zb-h1 of gpt2-small on 2 virtual devices of the
+#    GPU, traced; each op fitted on its shapes to the H100's (H200's) device class: the pass
+#    efficiencies and overheads the simulator should use (OUT_DIR/gpu-local.toml, the traces
+#    in OUT_DIR/calibration for `piper calibrate --from-traces` here).
+# 3. PyTorch eager and torch.compile on the same gpt2-small step (benches/reference/
 #    torch_gpt.py), fp32 and bf16, for the side-by-side figures.
 #
 # Writes OUT_DIR/check.json (Piper's figures and every check), OUT_DIR/torch.jsonl and
@@ -67,6 +71,17 @@ if [ $status -ne 0 ] && [ "$(left 120)" -ge 20 ]; then
   command -v compute-sanitizer >/dev/null && runner=(compute-sanitizer --print-limit 20)
   CUDA_LAUNCH_BLOCKING=1 PIPER_CUDA_SYNC=1 timeout "$(left 120)" "${runner[@]}" "$bin" backend check \
       --backend cuda --steps 1 --out "$out/blocking" || true
+fi
+echo "== piper calibrate --backend cuda: the GPU's pass efficiencies from gpt2-small's measured ops"
+cluster=h100-8x
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && cluster=h200-1
+budget=$(left 60)
+if [ "$budget" -ge 20 ]; then
+  timeout "$budget" "$bin" calibrate --backend cuda --cluster $cluster --model gpt2-small \
+      --devices 2 --steps 5 --save-traces "$out/calibration" --out "$out/gpu-local.toml" \
+    || echo "calibrate: did not finish"
+else
+  echo "calibrate: skipped (${budget} s left of the deadline)"
 fi
 echo "== PyTorch on gpt2-small, batch 8 x 1024"
 : >"$out/torch.jsonl"

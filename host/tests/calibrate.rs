@@ -224,6 +224,64 @@ fn a_kept_record_that_no_longer_fits_its_plans_is_refused_naming_the_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A GPU calibration is fitted to a cluster with a device class: one
+/// without is refused before anything runs (and in a kept record), `--cluster`
+/// without `--backend cuda` is refused, and a record marked as measured on
+/// `cuda` is refitted on its ops' shapes to the H100 class (this machine's
+/// CPU traces read as an H100's: every pass below the H100's full rate for
+/// its shapes).
+#[test]
+fn a_gpu_calibration_fits_a_device_class_and_refuses_a_cluster_without_one() {
+    let dir = scratch("calibrate-gpu");
+    let home = dir.join("home");
+    let (ok, _, err) = common::piper(&home, &["calibrate", "--cluster", "h100-8x"]);
+    assert!(!ok && err.contains("goes with --backend cuda"), "{err}");
+    let args = ["calibrate", "--backend", "cuda", "--cluster", "cpu-local"];
+    let (ok, _, err) = common::piper(&home, &args);
+    assert!(
+        !ok && err.contains("`cpu-local` has no device class"),
+        "{err}"
+    );
+    let kept = dir.join("record");
+    std::fs::create_dir_all(&kept).unwrap();
+    for f in ["calibration.toml", "dp.trace.json", "zb-h1.trace.json"] {
+        std::fs::copy(record().join(f), kept.join(f)).unwrap();
+    }
+    let meta = std::fs::read_to_string(kept.join("calibration.toml")).unwrap();
+    let out = dir.join("gpu.toml");
+    let args = [
+        "calibrate",
+        "--from-traces",
+        kept.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    std::fs::write(
+        kept.join("calibration.toml"),
+        format!("{meta}backend = \"cuda\"\ncluster = \"cpu-local\"\n"),
+    )
+    .unwrap();
+    let (ok, _, err) = common::piper(&home, &args);
+    assert!(!ok && err.contains("has no device class"), "{err}");
+    std::fs::write(
+        kept.join("calibration.toml"),
+        format!("{meta}backend = \"cuda\"\ncluster = \"h100-8x\"\n"),
+    )
+    .unwrap();
+    piper(&home, &args);
+    let fitted = piper::sim::Cluster::from_file(&out).unwrap();
+    assert_eq!(
+        fitted.device.as_ref().map(|d| d.name.as_str()),
+        Some("h100-sxm")
+    );
+    let e = &fitted.efficiency;
+    assert!(
+        [e.f, e.b, e.bi, e.bw].iter().all(|x| *x > 0.0 && *x < 1.0),
+        "{e:?}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_training_report_draws_the_measured_step_beside_the_prediction() {
     let dir = scratch("calibrate-report");

@@ -1235,3 +1235,67 @@ fn compute_overlapped_by_communication_runs_slower_by_the_device_classes_share()
     let (free, slow, busy) = check(&pp);
     assert!(slow >= free && slow <= free + busy * s / (1.0 - s) + 1e-12);
 }
+
+/// `piper calibrate --backend cuda` fits a GPU's pass efficiencies on its
+/// ops' shapes: from the timelines of a dp run (F, B) and a ZB-H1 run (F,
+/// BI, BW) simulated on an H100 whose efficiencies and overheads are known,
+/// the fit on the stock H100 recovers them.
+#[test]
+fn a_gpus_efficiencies_are_recovered_from_its_measured_ops() {
+    use piper::sim::calibrate::Samples;
+    use piper::sim::cluster::{Efficiency, Overhead};
+    let model = ModelConfig {
+        batch_size: 8,
+        precision: piper::model::Precision::named("bf16").unwrap(),
+        ..ModelConfig::gpt2_small()
+    };
+    let mut truth = Cluster::h100_8x();
+    truth.efficiency = Efficiency {
+        f: 0.62,
+        b: 0.48,
+        bi: 0.44,
+        bw: 0.57,
+    };
+    truth.op_overhead_s = Overhead {
+        f: 4e-6,
+        b: 9e-6,
+        bi: 6e-6,
+        bw: 3e-6,
+    };
+    truth.device.as_mut().unwrap().comm_slowdown = 0.0;
+    let base = Cluster::h100_8x();
+    let mut samples = Samples::default();
+    for strategies in [
+        &[("dp", &[("degree", "2")][..])][..],
+        &[("zb-h1", &[("microbatches", "4")][..])][..],
+    ] {
+        let plan = plan_model(&model, 2, strategies);
+        let measured = simulate(&plan, &truth).unwrap();
+        samples
+            .add_on(&plan, std::slice::from_ref(&measured), Some(&base))
+            .unwrap();
+    }
+    let (fitted, fits) = samples.fit(&base).unwrap();
+    fitted.validate().unwrap();
+    let (e, t) = (&fitted.efficiency, &truth.efficiency);
+    for (name, got, want) in [
+        ("F", e.f, t.f),
+        ("B", e.b, t.b),
+        ("BI", e.bi, t.bi),
+        ("BW", e.bw, t.bw),
+    ] {
+        assert!(
+            (got / want - 1.0).abs() < 0.01,
+            "{name}: fitted {got}, true {want}"
+        );
+    }
+    assert!(
+        (fitted.op_overhead_s.b - 9e-6).abs() < 2e-6,
+        "{:?}",
+        fitted.op_overhead_s
+    );
+    assert!(fits.iter().all(|f| f.worst_error < 0.02), "{fits:?}");
+    // The links and the peak stay the stock cluster's.
+    assert_eq!(fitted.peak_flops, base.peak_flops);
+    assert_eq!(fitted.intra_bytes_per_s, base.intra_bytes_per_s);
+}

@@ -1,5 +1,6 @@
 //! `piper calibrate`: measure the CPU runtime on this machine and write the
-//! `cpu-local` cluster the simulator then predicts it with.
+//! `cpu-local` cluster the simulator then predicts it with; with `--backend
+//! cuda`, this machine's GPUs, fitted to a GPU cluster's device class.
 //!
 //! Two real training runs with tracing on: `dp` over the devices (forward,
 //! fused backward, gradient all-reduces, optimizer steps) and `zb-h1` over
@@ -53,8 +54,21 @@ pub struct CalibrateArgs {
     save_traces: Option<PathBuf>,
     /// Fit from runs kept by `--save-traces DIR` instead of measuring this
     /// machine: the same cluster, as often as asked, on any machine.
-    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "devices", "threads", "steps"])]
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["model", "devices", "threads", "steps", "backend", "gpus", "cluster"])]
     from_traces: Option<PathBuf>,
+    /// Measure on `cuda` (this machine's GPUs) instead of the CPU: the
+    /// ops are fitted on their shapes to `--cluster`'s device class, and the
+    /// cluster written is that one with its pass efficiencies and overheads
+    /// measured (default out: `$PIPER_HOME/gpu-local.toml`).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    backend: String,
+    /// GPUs the devices are dealt to, with `--backend cuda`.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    gpus: u32,
+    /// With `--backend cuda`: the cluster (a preset or a TOML file with a
+    /// device class) whose efficiencies to fit (default `h100-8x`).
+    #[arg(long)]
+    cluster: Option<String>,
 }
 
 /// One calibration run: the plan, its measured steps after the first, and
@@ -81,6 +95,12 @@ struct Record {
     steps: u32,
     /// The machine's memory, when the OS said.
     memory_bytes: Option<f64>,
+    /// `cuda` when a GPU was measured (absent: the CPU), and the cluster
+    /// its ops are fitted to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    backend: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    cluster: Option<String>,
 }
 
 /// The two runs calibration measures on `d` devices.
@@ -142,9 +162,12 @@ fn measure(a: &CalibrateArgs, strategy: &str) -> Result<(Run, serde_json::Value,
     let (plan, cfg) = plan_of(a.model.as_deref(), a.devices, strategy)?;
     let corpus = Corpus::builtin();
     corpus.check(cfg.vocab, cfg.seq_len as usize)?;
+    let backend =
+        crate::runtime::BackendKind::parse(&a.backend, a.gpus).map_err(anyhow::Error::msg)?;
     let opts = TrainOptions {
         trace: true,
         threads: a.threads.map(|t| t as usize),
+        backend,
         ..TrainOptions::default()
     };
     let mut trainer = Trainer::new(&cfg, plan.clone(), opts)?;
@@ -180,8 +203,8 @@ fn machine_memory() -> Option<f64> {
 fn measure_both(a: &CalibrateArgs) -> Result<(Record, Vec<Run>)> {
     let d = a.devices;
     eprintln!(
-        "calibrating the CPU runtime: {} steps each of dp and zb-h1 on {d} devices",
-        a.steps
+        "calibrating the {} runtime: {} steps each of dp and zb-h1 on {d} devices",
+        a.backend, a.steps
     );
     let mut runs = Vec::new();
     let mut threads = 1;
@@ -199,6 +222,8 @@ fn measure_both(a: &CalibrateArgs) -> Result<(Record, Vec<Run>)> {
         cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
         steps: a.steps,
         memory_bytes: machine_memory(),
+        backend: (a.backend == "cuda").then(|| a.backend.clone()),
+        cluster: (a.backend == "cuda").then(|| a.cluster.clone().unwrap_or("h100-8x".into())),
     };
     if let Some(dir) = &a.save_traces {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -257,18 +282,44 @@ fn read_back(dir: &Path) -> Result<(Record, Vec<Run>)> {
 }
 
 pub fn calibrate(a: CalibrateArgs) -> Result<()> {
-    let out = a
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::home::piper_home().join("cpu-local.toml"));
-    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    if a.backend == "cpu" && a.cluster.is_some() {
+        bail!("--cluster names the GPU cluster to fit: it goes with --backend cuda");
+    }
+    if a.backend == "cuda" {
+        // Before measuring: the cluster the GPU is fitted to.
+        gpu_base(a.cluster.as_deref().unwrap_or("h100-8x"), a.devices)?;
     }
     let (record, runs) = match &a.from_traces {
         Some(dir) => read_back(dir)?,
         None => measure_both(&a)?,
     };
+    let gpu = record.backend.as_deref() == Some("cuda");
+    let out = a.out.clone().unwrap_or_else(|| {
+        crate::home::piper_home().join(if gpu {
+            "gpu-local.toml"
+        } else {
+            "cpu-local.toml"
+        })
+    });
+    if let Some(dir) = out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     let d = record.devices;
+    if gpu {
+        let spec = record.cluster.as_deref().unwrap_or("h100-8x");
+        let base = gpu_base(spec, d)?;
+        let mut samples = Samples::default();
+        for r in &runs {
+            samples.add_on(&r.plan, &r.steps, Some(&base))?;
+        }
+        let (cluster, fits) = samples.fit(&base)?;
+        cluster.validate()?;
+        let header = format!(
+            "# GPUs measured by `piper calibrate --backend cuda` (model `{}`, {d} devices, {} steps of dp and zb-h1), fitted to `{spec}`'s device class.\n",
+            runs[0].plan.model, record.steps
+        );
+        return report_and_write(&cluster, &fits, &runs, &out, header);
+    }
     let mut samples = Samples::default();
     for r in &runs {
         samples.add(&r.plan, &r.steps)?;
@@ -291,7 +342,36 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     }
     let (cluster, fits) = samples.fit(&base)?;
     cluster.validate()?;
-    for f in &fits {
+    let model = runs[0].plan.model.clone();
+    let header = format!(
+        "# A CPU runtime measured by `piper calibrate` \
+         (model `{model}`, {d} devices at once × {} kernel thread(s), {} steps of dp and zb-h1).\n\
+         # Read by `--cluster cpu-local` when it is $PIPER_HOME/cpu-local.toml.\n",
+        threads, record.steps
+    );
+    report_and_write(&cluster, &fits, &runs, &out, header)
+}
+
+/// The cluster a GPU calibration fits: `spec` on `devices`, which must name
+/// a device class.
+fn gpu_base(spec: &str, devices: u32) -> Result<Cluster> {
+    let base = Cluster::resolve(spec, devices)?;
+    if base.device.is_none() {
+        bail!("cluster `{spec}` has no device class: a GPU is fitted on its ops' shapes (a cluster file names one: device = \"h100-sxm\")");
+    }
+    Ok(base)
+}
+
+/// Print how the fit explains each kind and the runs' steps, and write the
+/// cluster to `out` under `header`.
+fn report_and_write(
+    cluster: &Cluster,
+    fits: &[sim::calibrate::Fit],
+    runs: &[Run],
+    out: &Path,
+    header: String,
+) -> Result<()> {
+    for f in fits {
         println!(
             "  {:<6} {:>4} ops: total {:+.1}%, worst op {:.0}%",
             f.kind,
@@ -302,7 +382,7 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
     }
     println!(
         "  F {:.2} GFLOP/s + {} per op, B {:.2} GFLOP/s + {}, BI {:.2}, BW {:.2} GFLOP/s; AdamW {:.2} GB/s; transfers {} + bytes at {:.2} GB/s",
-        cluster.peak_flops / 1e9,
+        cluster.peak_flops * cluster.efficiency.f / 1e9,
         report::human_time(cluster.op_overhead_s.f),
         cluster.peak_flops * cluster.efficiency.b / 1e9,
         report::human_time(cluster.op_overhead_s.b),
@@ -313,8 +393,8 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
         cluster.intra_bytes_per_s / 1e9
     );
     // The fitted cluster on the runs it came from: whole steps, not ops.
-    for r in &runs {
-        let s = sim::simulate(&r.plan, &cluster)?;
+    for r in runs {
+        let s = sim::simulate(&r.plan, cluster)?;
         println!(
             "  {:<24} measured {} (median), simulated {} ({:+.1}%)",
             r.name,
@@ -323,15 +403,9 @@ pub fn calibrate(a: CalibrateArgs) -> Result<()> {
             100.0 * (s.step_time / r.median - 1.0)
         );
     }
-    let model = runs[0].plan.model.clone();
-    let body = toml::to_string(&cluster).context("writing the cluster as TOML")?;
-    let text = format!(
-        "# A CPU runtime measured by `piper calibrate` \
-         (model `{model}`, {d} devices at once × {} kernel thread(s), {} steps of dp and zb-h1).\n\
-         # Read by `--cluster cpu-local` when it is $PIPER_HOME/cpu-local.toml.\n{body}",
-        threads, record.steps
-    );
-    std::fs::write(&out, text).with_context(|| format!("writing {}", out.display()))?;
+    let body = toml::to_string(cluster).context("writing the cluster as TOML")?;
+    let text = format!("{header}{body}");
+    std::fs::write(out, text).with_context(|| format!("writing {}", out.display()))?;
     println!("wrote {}", out.display());
     Ok(())
 }

@@ -14,6 +14,12 @@
 //! the coefficients of the cost model (a send: 1 and 1; a ring all-reduce
 //! over n: 2(n−1) and 2(n−1)/n; the other collectives half that), so the
 //! fitted cluster costs them exactly as [`super::cost`] does.
+//!
+//! A GPU measured on a cluster with a device class (`piper calibrate
+//! --backend cuda`) is fitted on its ops' shapes instead: per pass, the
+//! measured time less what the device class costs at fixed rates
+//! (attention, memory-bound kernels, launches) is `overhead + products ÷
+//! efficiency`; peak, device class and links stay the base cluster's.
 
 use super::cluster::{Cluster, Efficiency, Overhead};
 use super::Simulation;
@@ -28,6 +34,10 @@ pub struct Samples {
     pub update: Vec<(f64, f64)>,
     /// (latency coefficient, bytes × bandwidth coefficient, seconds).
     pub comm: Vec<(f64, f64, f64)>,
+    /// On a cluster with a device class, per compute kind: (seconds of the
+    /// op's products at an efficiency of 1, seconds of the rest of its
+    /// shaped cost, measured seconds). See [`Cluster::shaped_terms`].
+    pub shaped: [Vec<(f64, f64, f64)>; 4],
 }
 
 /// How well a fitted kind explains its samples.
@@ -76,6 +86,17 @@ impl Samples {
     /// Add every op of `plan` with its trimmed mean time over `steps` (measured
     /// steps of that plan, e.g. [`super::measured::from_trace`] per step).
     pub fn add(&mut self, plan: &Plan, steps: &[Simulation]) -> Result<(), CalibrateError> {
+        self.add_on(plan, steps, None)
+    }
+
+    /// As [`Samples::add`]; on `base` with a device class (a GPU measured)
+    /// each compute op is a sample of its pass's efficiency on its shapes.
+    pub fn add_on(
+        &mut self,
+        plan: &Plan,
+        steps: &[Simulation],
+        base: Option<&Cluster>,
+    ) -> Result<(), CalibrateError> {
         if steps.is_empty() {
             return Err(CalibrateError::NoSteps);
         }
@@ -98,7 +119,10 @@ impl Samples {
                 op.kind()
             };
             if let Some(k) = KINDS.iter().position(|(k, _)| *k == kind) {
-                self.compute[k].push((op.flops, t));
+                match base.and_then(|c| c.shaped_terms(op)) {
+                    Some((products, rest)) => self.shaped[k].push((products, rest, t)),
+                    None => self.compute[k].push((op.flops, t)),
+                }
                 continue;
             }
             let n = op.group().map_or(1, |g| g.len()) as f64;
@@ -123,6 +147,9 @@ impl Samples {
     /// count) with its rates, overheads and links fitted. Also how well each
     /// fitted kind matches its samples.
     pub fn fit(&self, base: &Cluster) -> Result<(Cluster, Vec<Fit>), CalibrateError> {
+        if base.device.is_some() && !self.shaped[0].is_empty() {
+            return self.fit_shaped(base);
+        }
         let mut rates = [0.0; 4];
         let mut overheads = [0.0; 4];
         let mut fits = Vec::new();
@@ -166,18 +193,7 @@ impl Samples {
             bi: overheads[2],
             bw: overheads[3],
         };
-        let (bytes, secs) = self
-            .update
-            .iter()
-            .fold((0.0, 0.0), |a, (b, t)| (a.0 + b, a.1 + t));
-        if bytes > 0.0 && secs > 0.0 {
-            c.memory_bytes_per_s = bytes / secs;
-            let bw = c.memory_bytes_per_s;
-            fits.push(quality(
-                "update",
-                self.update.iter().map(|&(b, t)| (b / bw, t)),
-            ));
-        }
+        self.fit_update(&mut c, &mut fits);
         if !self.comm.is_empty() {
             let (alpha, inv_beta) = comm_fit(&self.comm);
             c.intra_latency_s = alpha;
@@ -194,6 +210,76 @@ impl Samples {
             ));
         }
         Ok((c, fits))
+    }
+}
+
+impl Samples {
+    /// A GPU measured on `base`'s device class: per pass `t − rest =
+    /// overhead + products ÷ efficiency` (least squares, overhead ≥ 0), the
+    /// optimizer's memory rate as on the CPU; peak, device class and links
+    /// stay `base`'s (virtual devices on one GPU measure no network).
+    fn fit_shaped(&self, base: &Cluster) -> Result<(Cluster, Vec<Fit>), CalibrateError> {
+        let mut eff = [0.0; 4];
+        let mut overheads = [0.0; 4];
+        let mut fits = Vec::new();
+        for (k, (_, name)) in KINDS.iter().enumerate() {
+            let pts: Vec<(f64, f64)> = self.shaped[k].iter().map(|&(x, r, t)| (x, t - r)).collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let (slope, c) = line_fit(&pts);
+            if !(slope.is_finite() && slope > 0.0) {
+                return Err(CalibrateError::Unmeasured(name));
+            }
+            eff[k] = 1.0 / slope;
+            overheads[k] = c;
+            let predicted = self.shaped[k]
+                .iter()
+                .map(|&(x, r, t)| (c + x * slope + r, t));
+            fits.push(quality(name, predicted));
+        }
+        for (k, name) in [(0, "F"), (1, "B")] {
+            if eff[k] == 0.0 {
+                return Err(CalibrateError::Unmeasured(name));
+            }
+        }
+        for k in [2, 3] {
+            if eff[k] == 0.0 {
+                eff[k] = eff[1];
+                overheads[k] = overheads[1];
+            }
+        }
+        let mut c = base.clone();
+        c.efficiency = Efficiency {
+            f: eff[0],
+            b: eff[1],
+            bi: eff[2],
+            bw: eff[3],
+        };
+        c.op_overhead_s = Overhead {
+            f: overheads[0],
+            b: overheads[1],
+            bi: overheads[2],
+            bw: overheads[3],
+        };
+        self.fit_update(&mut c, &mut fits);
+        Ok((c, fits))
+    }
+
+    /// The optimizer steps' memory rate: their AdamW bytes over their time.
+    fn fit_update(&self, c: &mut Cluster, fits: &mut Vec<Fit>) {
+        let (bytes, secs) = self
+            .update
+            .iter()
+            .fold((0.0, 0.0), |a, (b, t)| (a.0 + b, a.1 + t));
+        if bytes > 0.0 && secs > 0.0 {
+            c.memory_bytes_per_s = bytes / secs;
+            let bw = c.memory_bytes_per_s;
+            fits.push(quality(
+                "update",
+                self.update.iter().map(|&(b, t)| (b / bw, t)),
+            ));
+        }
     }
 }
 

@@ -163,14 +163,37 @@ impl Cluster {
                 g.count * (flops / rate).max(dev.stream_s(bytes))
             })
             .sum();
+        products + Self::unscaled(dev, s)
+    }
+
+    /// What of a shaped op the efficiencies do not scale: the attention
+    /// kernel at its measured rate, the memory-bound kernels, the launches.
+    fn unscaled(dev: &DeviceClass, s: &OpShape) -> f64 {
         let attention = match s.attention_flops > 0.0 {
             true => {
                 let rate = dev.attention_rate(s.attention_forward, s.attention_seq);
-                s.attention_flops / (peak * rate)
+                s.attention_flops / (dev.peak_for(s.elem_bytes) * rate)
             }
             false => 0.0,
         };
-        products + attention + dev.stream_s(s.stream_bytes) + s.kernels * dev.kernel_launch_s
+        attention + dev.stream_s(s.stream_bytes) + s.kernels * dev.kernel_launch_s
+    }
+
+    /// A compute op's shaped time in the two parts calibration fits it by:
+    /// its products' seconds at an efficiency of 1 (their arithmetic, the
+    /// HBM floor left out), which the pass's efficiency divides, and the
+    /// seconds it does not scale ([`Cluster::unscaled`]). `None` without a
+    /// device class or shapes.
+    pub fn shaped_terms(&self, op: &Op) -> Option<(f64, f64)> {
+        let (dev, s) = (self.device.as_ref()?, op.shape.0.as_ref()?);
+        if !matches!(op.act, Act::Compute { .. }) {
+            return None;
+        }
+        let peak = dev.peak_for(s.elem_bytes);
+        let products = (s.gemms.iter())
+            .map(|g| g.count * 2.0 * g.m * g.n * g.k / (peak * dev.gemm_share(g.m, g.n, g.k)))
+            .sum();
+        Some((products, Self::unscaled(dev, s)))
     }
 
     fn in_op_spread(&self, op: &Op) -> f64 {
