@@ -1295,7 +1295,8 @@ fn a_gpus_efficiencies_are_recovered_from_its_measured_ops() {
         fitted.op_overhead_s
     );
     assert!(fits.iter().all(|f| f.worst_error < 0.02), "{fits:?}");
-    // The links and the peak stay the stock cluster's.
+    // The links, the peak and the HBM rate stay the stock cluster's.
     assert_eq!(fitted.peak_flops, base.peak_flops);
+    assert_eq!(fitted.memory_bytes_per_s, base.memory_bytes_per_s);
     assert_eq!(fitted.intra_bytes_per_s, base.intra_bytes_per_s);
 }

@@ -187,12 +187,7 @@ impl Samples {
             bi: rates[2] / rates[0],
             bw: rates[3] / rates[0],
         };
-        c.op_overhead_s = Overhead {
-            f: overheads[0],
-            b: overheads[1],
-            bi: overheads[2],
-            bw: overheads[3],
-        };
+        c.op_overhead_s = Overhead::from(overheads);
         self.fit_update(&mut c, &mut fits);
         if !self.comm.is_empty() {
             let (alpha, inv_beta) = comm_fit(&self.comm);
@@ -217,7 +212,8 @@ impl Samples {
     /// A GPU measured on `base`'s device class: per pass `t − rest =
     /// overhead + products ÷ efficiency` (least squares, overhead ≥ 0), the
     /// optimizer's memory rate as on the CPU; peak, device class and links
-    /// stay `base`'s (virtual devices on one GPU measure no network).
+    /// stay `base`'s (virtual devices on one GPU measure no network), and so
+    /// does its HBM rate, which the fixed-rate part was costed at.
     fn fit_shaped(&self, base: &Cluster) -> Result<(Cluster, Vec<Fit>), CalibrateError> {
         let mut eff = [0.0; 4];
         let mut overheads = [0.0; 4];
@@ -256,13 +252,9 @@ impl Samples {
             bi: eff[2],
             bw: eff[3],
         };
-        c.op_overhead_s = Overhead {
-            f: overheads[0],
-            b: overheads[1],
-            bi: overheads[2],
-            bw: overheads[3],
-        };
-        self.fit_update(&mut c, &mut fits);
+        c.op_overhead_s = Overhead::from(overheads);
+        // The memory-bound kernels were taken at `base`'s HBM rate: the
+        // fitted cluster keeps it (AdamW's rate is not refitted here).
         Ok((c, fits))
     }
 

@@ -77,6 +77,13 @@ pub struct Overhead {
     pub bw: f64,
 }
 
+impl From<[f64; 4]> for Overhead {
+    /// F, B, BI, BW in that order.
+    fn from([f, b, bi, bw]: [f64; 4]) -> Self {
+        Overhead { f, b, bi, bw }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Cluster {

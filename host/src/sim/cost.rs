@@ -154,29 +154,44 @@ impl Cluster {
     /// HBM; the attention kernel at its measured rate; the memory-bound
     /// kernels' bytes over HBM; a launch gap per kernel.
     fn shaped(&self, dev: &DeviceClass, s: &OpShape, eff: f64) -> f64 {
-        let peak = dev.peak_for(s.elem_bytes);
+        let peak = self.peak_for(dev, s.elem_bytes);
         let products: f64 = (s.gemms.iter())
             .map(|g| {
                 let flops = 2.0 * g.m * g.n * g.k;
                 let rate = peak * eff * dev.gemm_share(g.m, g.n, g.k);
                 let bytes = (g.m * g.k + g.k * g.n + g.m * g.n) * s.elem_bytes;
-                g.count * (flops / rate).max(dev.stream_s(bytes))
+                g.count * (flops / rate).max(self.stream_s(dev, bytes))
             })
             .sum();
-        products + Self::unscaled(dev, s)
+        products + self.unscaled(dev, s)
+    }
+
+    /// The arithmetic peak for operands of `elem_bytes`: the cluster's
+    /// (dense BF16), or for fp32 (4) the device class's FP32 one.
+    fn peak_for(&self, dev: &DeviceClass, elem_bytes: f64) -> f64 {
+        match elem_bytes >= 4.0 {
+            true => dev.fp32_flops,
+            false => self.peak_flops,
+        }
+    }
+
+    /// Seconds to move `bytes` through HBM in streaming kernels: the
+    /// cluster's bandwidth at the class's streaming efficiency.
+    fn stream_s(&self, dev: &DeviceClass, bytes: f64) -> f64 {
+        bytes / (self.memory_bytes_per_s * dev.memory_efficiency)
     }
 
     /// What of a shaped op the efficiencies do not scale: the attention
     /// kernel at its measured rate, the memory-bound kernels, the launches.
-    fn unscaled(dev: &DeviceClass, s: &OpShape) -> f64 {
+    fn unscaled(&self, dev: &DeviceClass, s: &OpShape) -> f64 {
         let attention = match s.attention_flops > 0.0 {
             true => {
                 let rate = dev.attention_rate(s.attention_forward, s.attention_seq);
-                s.attention_flops / (dev.peak_for(s.elem_bytes) * rate)
+                s.attention_flops / (self.peak_for(dev, s.elem_bytes) * rate)
             }
             false => 0.0,
         };
-        attention + dev.stream_s(s.stream_bytes) + s.kernels * dev.kernel_launch_s
+        attention + self.stream_s(dev, s.stream_bytes) + s.kernels * dev.kernel_launch_s
     }
 
     /// A compute op's shaped time in the two parts calibration fits it by:
@@ -189,11 +204,11 @@ impl Cluster {
         if !matches!(op.act, Act::Compute { .. }) {
             return None;
         }
-        let peak = dev.peak_for(s.elem_bytes);
+        let peak = self.peak_for(dev, s.elem_bytes);
         let products = (s.gemms.iter())
             .map(|g| g.count * 2.0 * g.m * g.n * g.k / (peak * dev.gemm_share(g.m, g.n, g.k)))
             .sum();
-        Some((products, Self::unscaled(dev, s)))
+        Some((products, self.unscaled(dev, s)))
     }
 
     fn in_op_spread(&self, op: &Op) -> f64 {

@@ -48,8 +48,9 @@ pub struct AttentionRate {
 #[serde(deny_unknown_fields)]
 pub struct DeviceClass {
     pub name: String,
-    /// Dense BF16 FLOP/s, HBM bytes and bytes/s (the datasheet's; the
-    /// presets take theirs from here).
+    /// Dense BF16 FLOP/s, HBM bytes and bytes/s: the datasheet's, which the
+    /// presets take. Costs read the cluster's own (one source: a cluster
+    /// file or a calibration may set them).
     pub peak_flops: f64,
     /// FP32 FLOP/s without tensor cores: fp32 products and kernels (the
     /// CUDA backend's fp32 runs cuBLAS's default math, no TF32).
@@ -77,6 +78,8 @@ pub struct DeviceClass {
 pub enum DeviceError {
     #[error("unknown device class `{0}`: bundled are h100-sxm, h200-sxm, a100-sxm, h100-hbm2e, or write a [device] table")]
     Unknown(String),
+    #[error("the bundled device class `{name}` does not parse (a build defect): {message}")]
+    Bundled { name: String, message: String },
     #[error("device class `{name}`: {field} = {value} must be {why}")]
     Field {
         name: String,
@@ -94,7 +97,10 @@ impl DeviceClass {
             .find(|(n, _)| *n == name)
             .ok_or_else(|| DeviceError::Unknown(name.into()))?;
         // The bundled files are part of the build and tested to parse.
-        let c: DeviceClass = toml::from_str(text).map_err(|_| DeviceError::Unknown(name.into()))?;
+        let c: DeviceClass = toml::from_str(text).map_err(|e| DeviceError::Bundled {
+            name: name.into(),
+            message: e.to_string(),
+        })?;
         c.validate()?;
         Ok(c)
     }
@@ -171,19 +177,6 @@ impl DeviceClass {
             self.attention.b
         };
         r * t / (t + self.attention.seq_half)
-    }
-
-    /// The arithmetic peak for operands of `elem_bytes` (4: fp32).
-    pub fn peak_for(&self, elem_bytes: f64) -> f64 {
-        match elem_bytes >= 4.0 {
-            true => self.fp32_flops,
-            false => self.peak_flops,
-        }
-    }
-
-    /// Seconds to move `bytes` through HBM in streaming kernels.
-    pub fn stream_s(&self, bytes: f64) -> f64 {
-        bytes / (self.memory_bytes_per_s * self.memory_efficiency)
     }
 }
 
