@@ -238,16 +238,9 @@ fn a_first_runs_rough_edges_read_cleanly() {
         &["train", "--precision", "fp8"],
         "unknown precision `fp8`: choose one of fp32, bf16",
     );
-    let bf16_reduce = h.join("bf16-reduce.toml");
-    std::fs::write(
-        &bf16_reduce,
-        "model = \"tiny\"\ndevices = 2\n[[strategy]]\nname = \"dp\"\n\
-         [precision]\nparams = \"bf16\"\nreduce = \"bf16\"\n",
-    )
-    .unwrap();
     check(
-        &["train", "--config", bf16_reduce.to_str().unwrap()],
-        "precision params bf16, reduce bf16, master fp32: a bf16 gradient reduction (reduce = \"bf16\") cannot train in bf16 yet",
+        &["plan", "--global-batch", "8", "--simulate"],
+        "--global-batch, --budget and --search-space shape a --search",
     );
     let missing = h.join("no-such-corpus.txt");
     let err = check(

@@ -195,8 +195,9 @@ fn a_3d_mesh_on_2_and_4_ranks() {
 }
 
 /// bf16 across ranks: pipeline messages, tensor-parallel sums and ZeRO-3's
-/// gathers go out two values to a word, fp32 gradients beside them, and
-/// the run is one process's bits.
+/// gathers go out two values to a word, fp32 gradients beside them (and,
+/// with `reduce = "bf16"`, ZeRO-3's gradient reduce-scatters in bf16 too),
+/// and the run is one process's bits.
 #[test]
 fn bf16_on_2_ranks_is_one_process() {
     same_as_one_process(
@@ -215,10 +216,16 @@ fn bf16_on_2_ranks_is_one_process() {
             "1f1b:microbatches=4",
         ],
     );
+    let config = home("bf16-reduce-config").join("run.toml");
+    std::fs::write(
+        &config,
+        "[precision]\nparams = \"bf16\"\nreduce = \"bf16\"\n",
+    )
+    .unwrap();
     same_as_one_process(
-        "bf16-zero3",
+        "bf16-reduce-zero3",
         2,
-        &[&["--precision", "bf16"][..], &ZERO3_1F1B].concat(),
+        &[&["--config", config.to_str().unwrap()][..], &ZERO3_1F1B].concat(),
     );
 }
 

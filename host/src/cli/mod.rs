@@ -524,6 +524,14 @@ fn plan(a: PlanArgs) -> Result<()> {
     if a.search.search {
         return search::run(&a.run, &a.sim, &a.search, a.out.as_deref(), a.json);
     }
+    // clap's `requires = "search"` does not hold beside `--simulate` (which
+    // conflicts with `--search`): say so rather than plan without them.
+    if a.search.global_batch.is_some()
+        || a.search.budget.is_some()
+        || a.search.search_space.is_some()
+    {
+        bail!("--global-batch, --budget and --search-space shape a --search; one plan takes its batch from the model's `batch_size`");
+    }
     if !a.sim.simulate && (a.sim.cluster.is_some() || a.sim.report.is_some()) {
         bail!("--cluster and --report time a plan: give --simulate (or --search)");
     }

@@ -88,6 +88,9 @@ pub(crate) struct Device<B: Backend> {
     pub(super) trace: Trace,
     /// The dtype activations and parameters are stored in.
     pub(super) act: Dtype,
+    /// The dtype gradients are accumulated, held and reduced in (the
+    /// precision policy's `reduce`).
+    pub(super) grad: Dtype,
 }
 
 /// The segments a device's plan runs: each one's DP replica, and how
@@ -319,13 +322,15 @@ impl<B: Backend> Device<B> {
                 }
             }
         }
-        let zeros = |p: &ParamMap<B::Tensor>| -> Result<ParamMap<B::Tensor>, RuntimeError> {
-            p.iter()
-                .map(|(id, t)| Ok((id, b.zeros(B::len(t)).map_err(setup)?)))
-                .collect()
-        };
-        let mut grads = zeros(&params)?;
-        let (mut m, mut v) = (zeros(&params)?, zeros(&params)?);
+        let zeros =
+            |p: &ParamMap<B::Tensor>, dtype: Dtype| -> Result<ParamMap<B::Tensor>, RuntimeError> {
+                p.iter()
+                    .map(|(id, t)| Ok((id, b.zeros_as(B::len(t), dtype).map_err(setup)?)))
+                    .collect()
+            };
+        let grad = cfg.precision.reduce;
+        let mut grads = zeros(&params, grad)?;
+        let (mut m, mut v) = (zeros(&params, Dtype::F32)?, zeros(&params, Dtype::F32)?);
         // bf16 parameters: the kernels read a bf16 copy, the optimizer steps
         // the fp32 values they were made from (ZeRO shards those with the
         // moments).
@@ -354,6 +359,7 @@ impl<B: Backend> Device<B> {
                 v: &mut v,
                 norm_ids: &mut norm_ids,
                 act,
+                grad,
             },
         )
         .map_err(setup)?;
@@ -391,6 +397,7 @@ impl<B: Backend> Device<B> {
             table,
             states: States::new((params, master), grads, (m, v), buckets),
             act,
+            grad,
             spreads,
             owned,
             tp_pieces,

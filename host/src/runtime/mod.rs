@@ -102,21 +102,12 @@ pub struct TrainOptions {
 }
 
 /// What of a non-fp32 plan the runtime cannot train in its precision yet:
-/// the CUDA backend, bf16 gradient reductions. `None` for fp32 and for
-/// what it can.
+/// the CUDA backend. `None` for fp32 and for what it can.
 fn bf16_not_built(plan: &Plan, backend: backend::BackendKind) -> Option<String> {
-    use crate::model::Dtype;
-    let p = plan.precision;
-    if p.is_fp32() {
+    if plan.precision.is_fp32() || matches!(backend, backend::BackendKind::Cpu) {
         return None;
     }
-    if !matches!(backend, backend::BackendKind::Cpu) {
-        return Some(format!("the {} backend", backend.name()));
-    }
-    if p.reduce != Dtype::F32 {
-        return Some("a bf16 gradient reduction (reduce = \"bf16\")".into());
-    }
-    None
+    Some(format!("the {} backend", backend.name()))
 }
 
 /// Does any op pass context parallelism's keys and values around a ring?

@@ -102,6 +102,8 @@ pub(super) struct States<'a, T> {
     pub norm_ids: &'a mut Vec<ParamId>,
     /// The parameters' dtype (what ZeRO-3's parameter shard holds).
     pub act: crate::model::Dtype,
+    /// The gradients' dtype (what ZeRO-2/3's gradient shard holds).
+    pub grad: crate::model::Dtype,
 }
 
 /// The buckets of a device, from its gradient reductions; sharded states
@@ -162,7 +164,7 @@ pub(super) fn layout<B: Backend>(
             m: b.zeros(shard.len())?,
             v: b.zeros(shard.len())?,
             grad: if op.zero >= 2 {
-                b.zeros(shard.len())?
+                b.zeros_as(shard.len(), states.grad)?
             } else {
                 Default::default()
             },

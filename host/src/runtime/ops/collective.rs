@@ -9,8 +9,10 @@ use super::update::{local_sq, set_clip};
 use super::StepCtx;
 use super::{comm_error, missing, owned};
 use crate::compile::plan::{Collective, Op, TensorKind};
+use crate::model::Dtype;
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::{Buf, Reserved};
+use crate::runtime::comm::{in_op_key, packed};
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 
@@ -50,7 +52,7 @@ fn contribution<'d, B: Backend>(
 ) -> Result<(B::Tensor, Reserved<'d, B>), RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
     let concat = |pieces: &[&B::Tensor], total: usize| -> Result<B::Tensor, RuntimeError> {
-        let mut flat = dev.b.zeros(total).map_err(fail)?;
+        let mut flat = dev.b.zeros_as(total, dev.grad).map_err(fail)?;
         let mut at = 0;
         for t in pieces {
             dev.b.copy(&mut flat, at, t, 0..B::len(t));
@@ -150,28 +152,29 @@ pub(super) fn reduce_grads<B: Backend>(
     // shard, for a reduce-scatter).
     let (contrib, _staging) = contribution(dev, op, &ids, per_microbatch, |total| {
         let result = if scatter { own } else { total };
-        dev.bufs.reserve(op, (total as u64 + result as u64) * 4)
+        let bytes = (total as u64 + result as u64) * dev.grad.bytes();
+        dev.bufs.reserve(op, bytes)
     })?;
     let flat = dev.b.download_owned(contrib).map_err(fail)?;
+    let what = op.kind().as_str();
     if scatter {
-        let shard = ctx
-            .comm
-            .reduce_scatter(op.kind().as_str(), op.node, group, dev.id, flat, &lens)
-            .map_err(|e| comm_error(dev, op, e))?;
+        let key = scatter_key(dev, op, 0)?;
+        let shard =
+            packed::reduce_scatter(ctx.comm, (what, key), group, dev.id, flat, &lens, dev.grad)
+                .map_err(|e| comm_error(dev, op, e))?;
         return match per_microbatch {
             true => super::zero::accumulate_shard(dev, op, &shard),
             false => super::zero::write_grad_shard(dev, op, &shard),
         };
     }
-    let sum = ctx
-        .comm
-        .all_reduce(op.kind().as_str(), op.node, group, dev.id, flat)
+    let keys = (scatter_key(dev, op, 0)?, scatter_key(dev, op, 1)?);
+    let sum = packed::all_reduce(ctx.comm, what, keys, group, dev.id, flat, dev.grad)
         .map_err(|e| comm_error(dev, op, e))?;
     if per_microbatch && tied {
         // Hand the microbatch's reduced `wte` gradient to the gradient
         // reduce-scatter of its bucket.
         let mut t: ParamMap<B::Tensor> = ParamMap::new();
-        t.insert(dev.table.wte, dev.b.upload(sum.to_vec()).map_err(fail)?);
+        t.insert(dev.table.wte, dev.b.upload_as(sum, dev.grad).map_err(fail)?);
         dev.bufs.put(op, TensorKind::MicroGrad, Buf::Tied(t))?;
     } else {
         let mut grads = dev.states.grads();
@@ -184,4 +187,20 @@ pub(super) fn reduce_grads<B: Backend>(
         }
     }
     Ok(())
+}
+
+/// The key of a gradient reduction's exchange `phase`: the plan node's own
+/// in fp32 (one collective), in-op keys in bf16 (two exchanges: see
+/// `comm::packed`).
+fn scatter_key<B: Backend>(dev: &Device<B>, op: &Op, phase: u32) -> Result<u32, RuntimeError> {
+    if dev.grad == Dtype::F32 {
+        return Ok(op.node);
+    }
+    in_op_key(op.node, phase).ok_or_else(|| {
+        let why = format!(
+            "node {} is past what a bf16 reduction's keys hold (nodes < 2^20)",
+            op.node
+        );
+        dev.backend_error(op, crate::runtime::backend::BackendError::Exchange(why))
+    })
 }

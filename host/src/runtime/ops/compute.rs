@@ -498,10 +498,11 @@ pub(super) fn backward_input<B: Backend>(
 
 /// In-op exchanges of a sequence split (after the experts' four).
 const GATHER: u32 = 8;
-const GRAD_SUM: u32 = 9;
-/// Sequence parallelism's sum of the norms' gradients: the last in-op key,
+/// Its gradient sum (two keys: a bf16 sum is two exchanges).
+const GRAD_SUM: (u32, u32) = (9, 10);
+/// Sequence parallelism's sum of the norms' gradients: the last in-op keys,
 /// past the group's exchanges inside the segment (which count from 0).
-const SP_GRAD_SUM: u32 = 1023;
+const SP_GRAD_SUM: (u32, u32) = (1023, 1022);
 
 /// A sequence split needs whole sequences on every rank.
 fn check_split<B: Backend>(
@@ -614,7 +615,8 @@ fn weight_grads<B: Backend>(
     // them, a sequence split sums them over its group first.
     let mut t: ParamMap<B::Tensor> = ParamMap::new();
     for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
-        t.insert(p.id, dev.b.zeros(local_len(dev, &p)).map_err(fail)?);
+        let len = local_len(dev, &p);
+        t.insert(p.id, dev.b.zeros_as(len, dev.grad).map_err(fail)?);
     }
     model.backward_weight(&mut t, cache, stash).map_err(fail)?;
     keep_expert_grads(dev, seg, &mut t);
@@ -659,7 +661,7 @@ fn sum_over_group<B: Backend>(
     op: &Op,
     ctx: &StepCtx<B>,
     members: &[u32],
-    phase: u32,
+    phases: (u32, u32),
     t: &ParamMap<B::Tensor>,
 ) -> Result<ParamMap<B::Tensor>, RuntimeError> {
     let fail = |e| dev.backend_error(op, e);
@@ -670,10 +672,13 @@ fn sum_over_group<B: Backend>(
         lens.push((id, v.len()));
         flat.extend(v);
     }
-    let key = in_op(op, phase).map_err(fail)?;
-    let sum = ctx
-        .comm
-        .all_reduce("tensor-parallel gradient sum", key, members, dev.id, flat)
+    // In the gradients' dtype, as the data-parallel reduction after it.
+    let keys = (
+        in_op(op, phases.0).map_err(fail)?,
+        in_op(op, phases.1).map_err(fail)?,
+    );
+    let what = "tensor-parallel gradient sum";
+    let sum = packed::all_reduce(ctx.comm, what, keys, members, dev.id, flat, dev.grad)
         .map_err(|e| fail(BackendError::Exchange(e.to_string())))?;
     let mut at = 0;
     let mut summed: ParamMap<B::Tensor> = ParamMap::new();
@@ -686,7 +691,8 @@ fn sum_over_group<B: Backend>(
                 at + n
             )))
         })?;
-        summed.insert(id, dev.b.upload(part.to_vec()).map_err(fail)?);
+        let g = dev.b.upload_as(part.to_vec(), dev.grad).map_err(fail)?;
+        summed.insert(id, g);
         at += n;
     }
     Ok(summed)

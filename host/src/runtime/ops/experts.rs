@@ -284,7 +284,7 @@ fn backward_phase<B: Backend>(
                 for p in params_here(ctx.cfg, &dev.table, seg, &dev.spreads) {
                     if dev.table.expert_of(p.id).is_none() {
                         let len = dev.table.entry(p.id).numel();
-                        t.insert(p.id, dev.b.zeros(len).map_err(fail)?);
+                        t.insert(p.id, dev.b.zeros_as(len, dev.grad).map_err(fail)?);
                     }
                 }
                 model

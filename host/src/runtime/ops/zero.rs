@@ -177,7 +177,7 @@ pub(super) fn update<B: Backend>(
         for (i, b) in buckets.iter().enumerate() {
             if b.within(&op.segments) {
                 let reduced = match b.zero {
-                    1 => b.shard_of(bk, grads)?,
+                    1 => b.shard_as(bk, grads, dev.grad)?,
                     _ => bk.duplicate(&b.grad)?,
                 };
                 cap.insert(i, reduced);
@@ -196,7 +196,7 @@ pub(super) fn update<B: Backend>(
         let flat_g = if b.zero >= 2 {
             std::mem::take(&mut b.grad)
         } else {
-            b.shard_of(bk, grads)?
+            b.shard_as(bk, grads, dev.grad)?
         };
         // Per tensor piece inside the shard, for weight decay.
         let pieces = b.pieces();
@@ -233,7 +233,7 @@ pub(super) fn update<B: Backend>(
             }
         }
         if b.zero >= 2 {
-            b.grad = bk.zeros(b.shard.len())?;
+            b.grad = bk.zeros_as(b.shard.len(), dev.grad)?;
         } else {
             for (n, _) in &b.names {
                 let g = grads.get_mut(*n).ok_or(BackendError::MissingParam(*n))?;
