@@ -18,8 +18,12 @@
 #    backend on the same inputs (fp32, 1e-5 of each output's scale); `tiny` for 20 steps on
 #    one GPU against the CPU's losses (1e-4 relative); 1f1b, zero:stage=3,dp=2 + 1f1b,
 #    dualpipev and ep on the MoE model on 4 virtual devices of the GPU, tp:tp=2 on 2, each
-#    against the one-GPU losses (1e-5); then gpt2-small (batch 8 x 1024, fp32) on one GPU and
-#    under 1f1b on 4 virtual devices: tokens/s, MFU, peak memory.
+#    against the one-GPU losses (1e-5); bf16: the storage checks among the kernels (casts,
+#    copies, a bf16 linear layer through cublasGemmEx and its backward), `tiny` in bf16
+#    against the CPU's bf16 losses (1e-2) and ZeRO-3 x 1F1B with bf16 gradient reductions
+#    against one GPU (1e-3); then gpt2-small (batch 8 x 1024) on one GPU in fp32 and bf16 and
+#    under 1f1b on 4 virtual devices: tokens/s, MFU, peak memory, step-1 loss against the
+#    CPU's.
 # 2. `piper calibrate --backend cuda`: dp and zb-h1 of gpt2-small on 2 virtual devices of the
 #    GPU, traced; each op fitted on its shapes to the H100's (H200's) device class: the pass
 #    efficiencies and overheads the simulator should use (OUT_DIR/gpu-local.toml, the traces
@@ -60,7 +64,7 @@ left() { local l=$((deadline - SECONDS)); [ "$l" -lt "$1" ] && echo "$l" || echo
 echo "== piper backend info --backend cuda (versions, libraries loaded, GPUs, a kernel and an SGEMM)"
 timeout "$(left 60)" "$bin" backend info --backend cuda || true
 status=0
-echo "== piper backend check --backend cuda --bench (stages: kernels, one_device, strategies, bench)"
+echo "== piper backend check --backend cuda --bench (stages: kernels, one_device, strategies, bf16, bench)"
 start=$SECONDS
 timeout "$(left 300)" "$bin" backend check --backend cuda --bench --out "$out" || status=$?
 echo "piper's checks took $((SECONDS - start)) s (exit $status; check.json holds every stage that ended)"

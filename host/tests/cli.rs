@@ -704,6 +704,20 @@ fn backend_check_holds_the_cpu_to_itself_and_writes_its_report() {
     );
     assert_eq!(report["one_device"]["bitwise_repeat"], true);
     assert!(kernels.iter().any(|k| k["shape"] == "gpt2-small"));
+    // bf16: the storage checks among the kernels; tiny in bf16 against the
+    // CPU's (itself: the same bits) and ZeRO-3 × 1F1B with bf16 reductions
+    // against one device.
+    assert!(
+        kernels.iter().any(|k| k["kernel"] == "bf16 rounding bits"),
+        "{kernels:?}"
+    );
+    assert_eq!(report["bf16"]["worst"], 0.0, "{}", report["bf16"]);
+    let z = &report["bf16"]["zero3_1f1b_reduce_bf16"];
+    assert!(z["worst"].as_f64().unwrap() <= 1e-3, "{z}");
+    assert!(
+        stdout.contains("tiny in bf16, 2 steps on one cpu device"),
+        "{stdout}"
+    );
 }
 
 /// A stage that fails is recorded and the next one runs: on this machine
@@ -729,7 +743,7 @@ fn backend_check_records_a_failing_stage_and_runs_the_next() {
     assert!(!ok, "{stdout}");
     let report: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("check.json")).unwrap()).unwrap();
-    for stage in ["kernels", "one_device", "strategies"] {
+    for stage in ["kernels", "one_device", "strategies", "bf16"] {
         assert!(
             report["errors"][stage]
                 .as_str()
@@ -742,7 +756,9 @@ fn backend_check_records_a_failing_stage_and_runs_the_next() {
         );
     }
     assert!(
-        err.contains("3 check(s) failed: stage kernels, stage one_device, stage strategies"),
+        err.contains(
+            "4 check(s) failed: stage kernels, stage one_device, stage strategies, stage bf16"
+        ),
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");

@@ -138,6 +138,12 @@ impl WithBackend for Smoke {
 /// orders, other `exp`), and strategies against one device on one backend.
 const TRAIN_VS_CPU: f64 = 1e-4;
 const STRATEGY_VS_ONE: f64 = 1e-5;
+/// bf16 runs against the CPU's bf16 run: each store rounds fp32 results
+/// that agree up to the order of their sums, and a value near a rounding
+/// boundary may go either way, one bf16 step; over 10 steps the CPU's bf16
+/// strategies stay within 1e-3 of one device, and a backend within 1e-2.
+const BF16_VS_CPU: f64 = 1e-2;
+const BF16_STRATEGY_VS_ONE: f64 = 1e-3;
 
 /// A strategy as bundled plugins with options.
 type Strategy = &'static [(&'static str, &'static [(&'static str, &'static str)])];
@@ -327,6 +333,7 @@ pub fn check(a: CheckArgs) -> Result<()> {
     report.stage("kernels", || kernels(kind, reference, other_threads))?;
     report.stage("one_device", || one_device(&host, kind, a.steps))?;
     report.stage("strategies", || strategies(&host, kind, a.steps))?;
+    report.stage("bf16", || bf16(&host, kind, a.steps))?;
     if a.bench {
         let peak = a.peak_flops.or(match kind {
             BackendKind::Cuda { .. } => Some(67e12),
@@ -466,6 +473,63 @@ fn strategies(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage>
     Ok((json!(out), failed))
 }
 
+/// bf16 mixed precision on `kind`: `tiny` on one device against the CPU's
+/// bf16 losses, and ZeRO-3 × 1F1B with bf16 gradient reductions against
+/// its own one-device bf16-reduce run.
+fn bf16(host: &PluginHost, kind: BackendKind, steps: u32) -> Result<Stage> {
+    use crate::model::{Dtype, Precision};
+    let tiny = ModelConfig {
+        precision: Precision::BF16,
+        ..ModelConfig::tiny()
+    };
+    let cpu = train(host, &tiny, 1, ONE, BackendKind::Cpu, steps)?.losses;
+    let mine = train(host, &tiny, 1, ONE, kind, steps)?;
+    let w = worst(&mine.losses, &cpu);
+    let ok = w <= BF16_VS_CPU;
+    println!(
+        "tiny in bf16, {steps} steps on one {} device: losses {:.4} -> {:.4}, worst relative difference to the CPU's bf16 {w:.2e} (tolerance {BF16_VS_CPU:.0e}) {}; peak {} measured, {} planned",
+        kind.name(),
+        mine.losses[0],
+        mine.losses[mine.losses.len() - 1],
+        if ok { "ok" } else { "FAILED" },
+        human_bytes(mine.peaks[0]),
+        human_bytes(mine.planned[0])
+    );
+    let mut failed = Vec::new();
+    if !ok {
+        failed.push("tiny in bf16 on one device".into());
+    }
+    let wire = ModelConfig {
+        precision: Precision {
+            reduce: Dtype::Bf16,
+            ..Precision::BF16
+        },
+        ..ModelConfig::tiny()
+    };
+    let zero3: Strategy = &[
+        ("zero", &[("stage", "3"), ("dp", "2")]),
+        ("1f1b", &[("microbatches", "4")]),
+    ];
+    let base = train(host, &wire, 1, ONE, kind, steps)?.losses;
+    let run = train(host, &wire, 4, zero3, kind, steps)
+        .context("zero3+1f1b in bf16 with bf16 reductions on 4 devices")?;
+    let ws = worst(&run.losses, &base);
+    let ok = ws <= BF16_STRATEGY_VS_ONE;
+    println!(
+        "zero3+1f1b in bf16 (bf16 reductions) on 4 {} devices: worst relative difference to one device {ws:.2e} (tolerance {BF16_STRATEGY_VS_ONE:.0e}) {}",
+        kind.name(),
+        if ok { "ok" } else { "FAILED" }
+    );
+    if !ok {
+        failed.push("zero3+1f1b in bf16 on 4 devices".into());
+    }
+    Ok((
+        json!({"losses": mine.losses, "cpu_losses": cpu, "worst": w, "tolerance": BF16_VS_CPU, "peak_bytes": mine.peaks[0], "planned_bytes": mine.planned[0],
+               "zero3_1f1b_reduce_bf16": {"losses": run.losses, "one_device": base, "worst": ws, "tolerance": BF16_STRATEGY_VS_ONE}}),
+        failed,
+    ))
+}
+
 /// The step-1 loss on the CPU: the same initial weights (the same seed)
 /// on the same first batch, forward only. What the GPU's step 1 is held to.
 fn cpu_first_loss(host: &PluginHost, cfg: &ModelConfig) -> Result<f64> {
@@ -516,26 +580,50 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stag
     let ln_v = f64::from(cfg.vocab).ln();
     let mut out = Vec::new();
     let mut failed = Vec::new();
-    let runs: [(&str, u32, Strategy); 2] = [
+    let bf16_cfg = ModelConfig {
+        precision: crate::model::Precision::BF16,
+        ..cfg.clone()
+    };
+    let bf16_expected =
+        cpu_first_loss(host, &bf16_cfg).context("gpt2-small's bf16 step-1 loss on the CPU")?;
+    let runs: [(&str, u32, Strategy, bool); 3] = [
         (
             "one device",
             1,
             &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+            false,
         ),
         (
             "1f1b on 4 devices",
             4,
             &[("1f1b", &[("microbatches", "8")])],
+            false,
+        ),
+        (
+            "one device in bf16",
+            1,
+            &[("1f1b", &[("stages", "1"), ("microbatches", "1")])],
+            true,
         ),
     ];
-    for (name, devices, strategy) in runs {
+    for (name, devices, strategy, bf16) in runs {
+        let (cfg, expected, precision) = match bf16 {
+            true => (&bf16_cfg, bf16_expected, "bf16"),
+            false => (&cfg, expected, "fp32"),
+        };
+        // bf16 products run on the tensor cores: MFU against their peak
+        // (the H100's and H200's dense bf16, 989 TFLOP/s).
+        let peak = match (bf16, kind) {
+            (true, BackendKind::Cuda { .. }) => Some(989e12),
+            _ => peak,
+        };
         pool_high_water(kind, true)?;
         let Run {
             losses,
             peaks,
             mut secs,
             planned,
-        } = train(host, &cfg, devices, strategy, kind, 6)?;
+        } = train(host, cfg, devices, strategy, kind, 6)?;
         let pool = pool_high_water(kind, false)?;
         let first = losses.first().copied().unwrap_or(f64::NAN);
         let off = (first - expected).abs() / expected;
@@ -558,7 +646,7 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stag
         };
         let mfu = peak.map(|p| flops / step / (p * f64::from(physical)));
         println!(
-            "gpt2-small 8x1024 fp32, {name} ({}): {tps:.0} tokens/s, step {:.1} ms{}, peak {}",
+            "gpt2-small 8x1024 {precision}, {name} ({}): {tps:.0} tokens/s, step {:.1} ms{}, peak {}",
             kind.name(),
             step * 1e3,
             mfu.map_or(String::new(), |m| format!(", MFU {:.1}%", 100.0 * m)),
@@ -575,7 +663,7 @@ fn bench(host: &PluginHost, kind: BackendKind, peak: Option<f64>) -> Result<Stag
                 human_bytes(planned.iter().sum())
             );
         }
-        out.push(json!({"run": name, "devices": devices, "precision": "fp32", "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned, "first_loss": first, "cpu_first_loss": expected, "pool_high_water_bytes": pool}));
+        out.push(json!({"run": name, "devices": devices, "precision": precision, "tokens_per_s": tps, "step_ms": step * 1e3, "mfu": mfu, "peak_bytes": peaks, "planned_bytes": planned, "first_loss": first, "cpu_first_loss": expected, "pool_high_water_bytes": pool}));
     }
     Ok((json!(out), failed))
 }

@@ -101,15 +101,6 @@ pub struct TrainOptions {
     pub(crate) inject_panic: Option<(u32, String)>,
 }
 
-/// What of a non-fp32 plan the runtime cannot train in its precision yet:
-/// the CUDA backend. `None` for fp32 and for what it can.
-fn bf16_not_built(plan: &Plan, backend: backend::BackendKind) -> Option<String> {
-    if plan.precision.is_fp32() || matches!(backend, backend::BackendKind::Cpu) {
-        return None;
-    }
-    Some(format!("the {} backend", backend.name()))
-}
-
 /// Does any op pass context parallelism's keys and values around a ring?
 fn ring_planned(plan: &Plan) -> bool {
     plan.devices
@@ -437,14 +428,6 @@ impl Trainer {
             return Err(RuntimeError::Plan(format!(
                 "it counts bytes in precision {} but the run is set to {}",
                 plan.precision, cfg.precision
-            )));
-        }
-        if let Some(what) = bf16_not_built(&plan, opts.backend) {
-            return Err(RuntimeError::Plan(format!(
-                "precision {}: {what} cannot train in bf16 yet; bf16 trains on the CPU \
-                 backend under every bundled strategy, and every layout plans, simulates \
-                 and searches in bf16",
-                plan.precision
             )));
         }
         if !matches!(opts.backend, backend::BackendKind::Cpu) && ring_planned(&plan) {

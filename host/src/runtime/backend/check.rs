@@ -252,8 +252,122 @@ pub fn kernels<R: Backend, B: Backend>(
     k.run(|r| r.fill_zero(&mut dst.r), |g| g.fill_zero(&mut dst.b))?;
     k.record("duplicate", 0.0, &[&dup])?;
     k.record("fill_zero", 0.0, &[&dst])?;
+    bf16_storage(&mut k, &mut rng)?;
     llama_kernels(&mut k, &mut rng, (bb, t, c, v))?;
     Ok(k.out)
+}
+
+/// Outputs stored in bf16 from fp32 arithmetic that agrees up to the order
+/// of its sums: a value near a rounding boundary may round one way on one
+/// backend and the other way on the other, one bf16 step (2⁻⁸ relative).
+const BF16: f64 = 1e-2;
+
+/// bf16 storage: casts to bf16 round to nearest, ties to even (the same
+/// bits on both backends, ties, signed zero and subnormals included), casts
+/// back are exact, copies between dtypes land at their offsets, host writes
+/// and adds into bf16 round; kernels on bf16 operands (a linear layer with
+/// its bias, GELU) compute in fp32 and round their stores.
+fn bf16_storage<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+) -> Result<(), BackendError> {
+    use crate::model::Dtype::{Bf16, F32};
+    let len = 3000;
+    let mut v = rng.vec(len, 3.0);
+    // A tie that rounds to even (down), one that rounds up, -0, a
+    // subnormal, a large value.
+    v[..5].copy_from_slice(&[1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -0.0, 1e-40, 3.0e38]);
+    let x = k.pair(&v)?;
+    let (r, b) = (k.r, k.b);
+    let xb = Pair::<R, B> {
+        r: r.cast(&x.r, Bf16)?,
+        b: b.cast(&x.b, Bf16)?,
+    };
+    k.record("cast to bf16", 0.0, &[&xb])?;
+    let (want, got) = (r.download(&xb.r)?, b.download(&xb.b)?);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let same_bits = bits(&want) == bits(&got) && want[0] == 1.0 && want[1] == 1.0 + 4.0 / 256.0;
+    k.record_value(
+        "bf16 rounding bits",
+        0.0,
+        f64::from(u8::from(!same_bits)),
+        0.0,
+    );
+    k.record_value(
+        "bf16 dtype and bytes",
+        0.0,
+        (B::bytes(&xb.b) * u64::from(B::dtype(&xb.b) == Bf16)) as f64,
+        (R::bytes(&xb.r) * u64::from(R::dtype(&xb.r) == Bf16)) as f64,
+    );
+    let back = Pair::<R, B> {
+        r: r.cast(&xb.r, F32)?,
+        b: b.cast(&xb.b, F32)?,
+    };
+    k.record("cast back to fp32", 0.0, &[&back])?;
+    let host = rng.vec(300, 1.0);
+    let mut d32 = k.pair(&rng.vec(len, 1.0))?;
+    let mut d16 = Pair::<R, B> {
+        r: r.zeros_as(len, Bf16)?,
+        b: b.zeros_as(len, Bf16)?,
+    };
+    k.run(
+        |r| {
+            r.copy(&mut d32.r, 7, &xb.r, 100..900);
+            r.copy(&mut d16.r, 11, &x.r, 50..1050);
+            r.write(&mut d16.r, 1500, &host);
+            r.add_host(&mut d16.r, 2000, &host);
+            r.add(&mut d16.r, &d32.r);
+        },
+        |g| {
+            g.copy(&mut d32.b, 7, &xb.b, 100..900);
+            g.copy(&mut d16.b, 11, &x.b, 50..1050);
+            g.write(&mut d16.b, 1500, &host);
+            g.add_host(&mut d16.b, 2000, &host);
+            g.add(&mut d16.b, &d32.b);
+        },
+    )?;
+    k.record("bf16 copies, writes and adds", 0.0, &[&d32, &d16])?;
+    // A linear layer 96 -> 288 over 140 rows, then GELU, all in bf16.
+    let (n, c, oc) = (140usize, 96usize, 288usize);
+    let narrow = |k: &Bench<'_, R, B>, v: Vec<f32>| -> Result<Pair<R, B>, BackendError> {
+        Ok(Pair {
+            r: k.r.upload_as(v.clone(), Bf16)?,
+            b: k.b.upload_as(v, Bf16)?,
+        })
+    };
+    let inp = narrow(k, rng.vec(n * c, 1.0))?;
+    let w = narrow(k, rng.vec(oc * c, 0.1))?;
+    let bias = narrow(k, rng.vec(oc, 0.1))?;
+    let mut out = narrow(k, vec![0.0; n * oc])?;
+    let mut act = narrow(k, vec![0.0; n * oc])?;
+    k.run(
+        |r| {
+            r.matmul_forward(&mut out.r, &inp.r, &w.r, Some(&bias.r), n, c, oc);
+            r.gelu_forward(&mut act.r, &out.r);
+        },
+        |g| {
+            g.matmul_forward(&mut out.b, &inp.b, &w.b, Some(&bias.b), n, c, oc);
+            g.gelu_forward(&mut act.b, &out.b);
+        },
+    )?;
+    k.record("bf16 linear and GELU", BF16, &[&out, &act])?;
+    // Its backward: the input's gradient in bf16, the weight's and bias's
+    // in fp32 (fp32 reductions), from bf16 operands.
+    let dout = narrow(k, rng.vec(n * oc, 1.0))?;
+    let mut dinp = narrow(k, vec![0.0; n * c])?;
+    let (mut dw, mut db) = (k.pair(&vec![0.0; oc * c])?, k.pair(&vec![0.0; oc])?);
+    k.run(
+        |r| {
+            r.matmul_backward_input(&mut dinp.r, &dout.r, &w.r, n, c, oc, false);
+            r.matmul_backward_weight(&mut dw.r, Some(&mut db.r), &dout.r, &inp.r, n, c, oc);
+        },
+        |g| {
+            g.matmul_backward_input(&mut dinp.b, &dout.b, &w.b, n, c, oc, false);
+            g.matmul_backward_weight(&mut dw.b, Some(&mut db.b), &dout.b, &inp.b, n, c, oc);
+        },
+    )?;
+    k.record("bf16 linear backward input", BF16, &[&dinp])?;
+    k.record("bf16 linear backward weight", 1e-4, &[&dw, &db])
 }
 
 /// Shapes of the dense checks: `(sequences, tokens, d_model, heads,

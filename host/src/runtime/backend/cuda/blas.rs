@@ -4,10 +4,14 @@
 //! batched products over `[B·NH, T, HS]`. Row-major `X[r, c]` is the
 //! column-major `Xᵀ`, so each product below is written as the
 //! column-major call that computes it.
+//!
+//! A linear layer whose input and weight are both stored in bf16 reads them
+//! as they are (`cublasGemmEx`: bf16 operands, fp32 compute and output, so
+//! the caller rounds once, after its bias), the tensor cores' path.
 
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use std::ffi::c_int;
 
 const N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
@@ -70,40 +74,138 @@ fn gemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(|e| format!("cublasSgemm: {e}"))
 }
 
-/// `out[n, oc] = inp[n, c] · W[oc, c]ᵀ + beta · out`.
+/// An input matrix of a linear layer's product: fp32, or bf16 bits.
+#[derive(Clone, Copy)]
+pub enum Mat<'a> {
+    F32(&'a CudaSlice<f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+/// `c = a · b + beta · c` (column-major, as [`gemm`]) on two inputs of one
+/// dtype: fp32 through `cublasSgemm`, bf16 through `cublasGemmEx` with fp32
+/// compute into the fp32 `c`.
 #[allow(clippy::too_many_arguments)]
-pub fn linear<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+fn gemm_of(
     blas: &CudaBlas,
-    out: &mut C,
-    inp: &A,
-    w: &B,
+    stream: &CudaStream,
+    ops: (cublasOperation_t, cublasOperation_t),
+    (m, n, k): (usize, usize, usize),
+    (a, lda): (Mat<'_>, usize),
+    (b, ldb): (Mat<'_>, usize),
+    beta: f32,
+    c: &mut CudaSlice<f32>,
+    ldc: usize,
+) -> Result<(), String> {
+    let (a, b) = match (a, b) {
+        (Mat::F32(a), Mat::F32(b)) => {
+            return gemm(blas, ops, (m, n, k), a, lda, b, ldb, beta, c, ldc)
+        }
+        (Mat::Bf16(a), Mat::Bf16(b)) => (a, b),
+        _ => return Err("a product of an fp32 and a bf16 matrix (widen one first)".into()),
+    };
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+    let [m, n, k, lda, ldb, ldc] = dims([m, n, k, lda, ldb, ldc])?;
+    let (pa, _ra) = a.device_ptr(stream);
+    let (pb, _rb) = b.device_ptr(stream);
+    let (pc, _rc) = c.device_ptr_mut(stream);
+    let alpha = 1.0f32;
+    let bf16 = cudaDataType::CUDA_R_16BF;
+    // SAFETY: the handle is live on `stream`; the callers' shapes describe
+    // matrices inside the slices (checked by the plan); alpha and beta are
+    // host fp32 values, as the fp32 compute type reads them; `c` aliases
+    // neither input; the records keep the slices' stream order.
+    unsafe {
+        cudarc::cublas::result::gemm_ex(
+            *blas.handle(),
+            ops.0,
+            ops.1,
+            m,
+            n,
+            k,
+            (&alpha as *const f32).cast(),
+            pa as *const std::ffi::c_void,
+            bf16,
+            lda,
+            pb as *const std::ffi::c_void,
+            bf16,
+            ldb,
+            (&beta as *const f32).cast(),
+            pc as *mut std::ffi::c_void,
+            cudaDataType::CUDA_R_32F,
+            ldc,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+        )
+    }
+    .map_err(|e| format!("cublasGemmEx (bf16): {e}"))
+}
+
+/// `out[n, oc] = inp[n, c] · W[oc, c]ᵀ + beta · out`.
+pub fn linear(
+    (blas, stream): (&CudaBlas, &CudaStream),
+    out: &mut CudaSlice<f32>,
+    inp: Mat<'_>,
+    w: Mat<'_>,
     (n, c, oc): (usize, usize, usize),
     beta: f32,
 ) -> Result<(), String> {
-    gemm(blas, (T, N), (oc, n, c), w, c, inp, c, beta, out, oc)
+    gemm_of(
+        blas,
+        stream,
+        (T, N),
+        (oc, n, c),
+        (w, c),
+        (inp, c),
+        beta,
+        out,
+        oc,
+    )
 }
 
 /// `dinp[n, c] = dout[n, oc] · W[oc, c] + beta · dinp`.
-pub fn linear_backward_input<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
-    blas: &CudaBlas,
-    dinp: &mut C,
-    dout: &A,
-    w: &B,
+pub fn linear_backward_input(
+    (blas, stream): (&CudaBlas, &CudaStream),
+    dinp: &mut CudaSlice<f32>,
+    dout: Mat<'_>,
+    w: Mat<'_>,
     (n, c, oc): (usize, usize, usize),
     beta: f32,
 ) -> Result<(), String> {
-    gemm(blas, (N, N), (c, n, oc), w, c, dout, oc, beta, dinp, c)
+    gemm_of(
+        blas,
+        stream,
+        (N, N),
+        (c, n, oc),
+        (w, c),
+        (dout, oc),
+        beta,
+        dinp,
+        c,
+    )
 }
 
 /// `dW[oc, c] += dout[n, oc]ᵀ · inp[n, c]`.
-pub fn linear_backward_weight<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
-    blas: &CudaBlas,
-    dw: &mut C,
-    dout: &A,
-    inp: &B,
+pub fn linear_backward_weight(
+    (blas, stream): (&CudaBlas, &CudaStream),
+    dw: &mut CudaSlice<f32>,
+    dout: Mat<'_>,
+    inp: Mat<'_>,
     (n, c, oc): (usize, usize, usize),
 ) -> Result<(), String> {
-    gemm(blas, (N, T), (c, oc, n), inp, c, dout, oc, 1.0, dw, c)
+    gemm_of(
+        blas,
+        stream,
+        (N, T),
+        (c, oc, n),
+        (inp, c),
+        (dout, oc),
+        1.0,
+        dw,
+        c,
+    )
 }
 
 /// One strided batched product over `batch` matrices, each of the

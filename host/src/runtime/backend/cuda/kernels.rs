@@ -233,6 +233,8 @@ pub struct Kernels {
     pub qkv_unpack_backward: CudaFunction,
     pub token_embedding_forward: CudaFunction,
     pub token_embedding_backward_weight: CudaFunction,
+    pub bf16_widen: CudaFunction,
+    pub bf16_narrow: CudaFunction,
 }
 
 impl Kernels {
@@ -292,6 +294,8 @@ impl Kernels {
             qkv_unpack_backward: f("attention", "qkv_unpack_backward")?,
             token_embedding_forward: f("embedding", "token_embedding_forward")?,
             token_embedding_backward_weight: f("embedding", "token_embedding_backward_weight")?,
+            bf16_widen: f("elementwise", "bf16_widen")?,
+            bf16_narrow: f("elementwise", "bf16_narrow")?,
         })
     }
 }
@@ -347,7 +351,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 43);
+        assert_eq!(kernels, 2 * 45);
     }
 
     /// One kernel as ptxas assembled it.
@@ -443,7 +447,7 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(kernels, 2 * 43);
+        assert_eq!(kernels, 2 * 45);
     }
 
     /// The report's parser reads registers and spills per entry.
@@ -496,7 +500,7 @@ ptxas info    : Used 18 registers, used 1 barriers\n";
                 }
             }
         }
-        assert_eq!(kernels, 2 * 43);
+        assert_eq!(kernels, 2 * 45);
         let e = compile_cubin(
             "broken",
             "extern \"C\" __global__ void f(float* x) { x[0] = y; }",

@@ -3,8 +3,8 @@
 //! streams and memory account. Built on cudarc with the CUDA libraries
 //! loaded at run time, so it builds on machines without CUDA; matrix
 //! products go through cuBLAS (`blas`), the other kernels are CUDA C
-//! compiled with NVRTC when the device starts (`kernels`). fp32 throughout
-//! (no TF32).
+//! compiled with NVRTC when the device starts (`kernels`). fp32 arithmetic
+//! (no TF32) on fp32 or bf16 storage.
 //!
 //! - **Streams**: each plan stream is a CUDA stream with its own cuBLAS
 //!   handle; [`Backend::enter`] makes it current for the calling thread,
@@ -19,6 +19,15 @@
 //! - **Failures**: a kernel launch that fails, or a fault the device
 //!   reports later, is kept and returned by the next call that returns a
 //!   `Result` (the runtime checks after every op, so the op is named).
+//! - **bf16 storage** (the bf16 precision policy): a tensor is fp32 or bf16
+//!   ([`Store`]). A kernel reads a bf16 input through a widened fp32 copy
+//!   ([`In`]) and writes a bf16 output through a widened copy that is
+//!   rounded back, nearest even, when the kernel is done ([`Out`]): the CPU
+//!   backend's arithmetic, at the price of the copies (an op's own operands,
+//!   freed with it, not in the memory account). A linear layer whose input
+//!   and weight are both bf16 hands them to cuBLAS as they are
+//!   (`cublasGemmEx`, fp32 compute, tensor cores) into an fp32 view of its
+//!   output, which its bias joins before the one rounding.
 //! - **Host reads**: the loss (each row's term in f64, added on the host in
 //!   row order), the norm's sum of squares (per-block f64 sums), MoE routing.
 
@@ -28,7 +37,10 @@ pub mod setup;
 
 use super::{AdamW, Backend, BackendError, Routing, SeqRows, Trace};
 use crate::model::Dtype;
-use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaEvent, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
+    PushKernelArg,
+};
 use std::cell::RefCell;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
@@ -102,14 +114,116 @@ pub struct Queue {
     device: u32,
 }
 
+impl Queue {
+    /// Its cuBLAS handle and the stream the handle runs on.
+    fn on(&self) -> (&cudarc::cublas::CudaBlas, &CudaStream) {
+        (&self.blas, &self.stream)
+    }
+}
+
 thread_local! {
     /// The stream the calling thread enqueues on ([`Backend::enter`]).
     static CURRENT: RefCell<Option<Arc<Queue>>> = const { RefCell::new(None) };
 }
 
-/// f32 storage on the GPU; empty holds nothing.
+/// A tensor's storage on the GPU: fp32, or bf16 (each value's bits).
+pub enum Store {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<u16>),
+}
+
+impl Store {
+    fn len(&self) -> usize {
+        match self {
+            Store::F32(x) => x.len(),
+            Store::Bf16(x) => x.len(),
+        }
+    }
+}
+
+/// Storage on the GPU; empty holds nothing.
 #[derive(Default)]
-pub struct GpuTensor(Option<CudaSlice<f32>>);
+pub struct GpuTensor(Option<Store>);
+
+/// A kernel's fp32 view of an input tensor: the tensor itself (fp32), or
+/// a widened copy of it (bf16), which lives as long as the view.
+pub enum In<'a> {
+    Own(&'a CudaSlice<f32>),
+    Widened(CudaSlice<f32>),
+    /// An empty tensor, or a copy that could not be made (the failure is
+    /// kept, and no kernel launches after it).
+    Missing,
+}
+
+/// A kernel's fp32 view of an output tensor: the tensor itself (fp32), or
+/// a widened copy (bf16; kernels that accumulate see its value) rounded
+/// back into it when the view drops, after the kernels that wrote it.
+pub struct Out<'a> {
+    cuda: &'a Cuda,
+    t: &'a mut GpuTensor,
+    widened: Option<CudaSlice<f32>>,
+}
+
+impl Drop for Out<'_> {
+    fn drop(&mut self) {
+        let (Some(tmp), Some(Store::Bf16(dst))) = (&self.widened, &mut self.t.0) else {
+            return;
+        };
+        let q = self.cuda.q();
+        self.cuda.narrow(&q, &mut dst.slice_mut(..), &tmp.slice(..));
+    }
+}
+
+/// An input of a linear layer's product: bf16 as stored (when both inputs
+/// are: cuBLAS reads bf16 directly), or an fp32 view.
+pub enum Operand<'a> {
+    Bf16(&'a CudaSlice<u16>),
+    F32(In<'a>),
+}
+
+impl Operand<'_> {
+    fn mat(&self) -> blas::Mat<'_> {
+        match self {
+            Operand::Bf16(x) => blas::Mat::Bf16(x),
+            Operand::F32(v) => blas::Mat::F32(v.view()),
+        }
+    }
+}
+
+/// What a kernel reads as fp32.
+trait View {
+    fn view(&self) -> &CudaSlice<f32>;
+}
+/// What a kernel writes as fp32.
+trait ViewMut: View {
+    fn view_mut(&mut self) -> &mut CudaSlice<f32>;
+}
+
+impl View for In<'_> {
+    fn view(&self) -> &CudaSlice<f32> {
+        match self {
+            In::Own(x) => x,
+            In::Widened(x) => x,
+            In::Missing => panic!("a kernel's input is an allocated tensor"),
+        }
+    }
+}
+impl View for Out<'_> {
+    fn view(&self) -> &CudaSlice<f32> {
+        match (&self.widened, &self.t.0) {
+            (Some(x), _) | (None, Some(Store::F32(x))) => x,
+            _ => panic!("a kernel's output is an allocated tensor"),
+        }
+    }
+}
+impl ViewMut for Out<'_> {
+    fn view_mut(&mut self) -> &mut CudaSlice<f32> {
+        match (&mut self.widened, &mut self.t.0) {
+            (Some(x), _) | (None, Some(Store::F32(x))) => x,
+            _ => panic!("a kernel's output is an allocated tensor"),
+        }
+    }
+}
 
 /// Token ids on the GPU.
 #[derive(Default)]
@@ -121,6 +235,29 @@ pub enum Term {
     Rows(CudaSlice<f64>),
 }
 
+/// Enqueue kernel `f` on queue `q` with the arguments in order; a failure
+/// is kept (see [`Cuda::fail`]). Each argument is bound to a local first:
+/// the launch reads them through pointers, so they must outlive it.
+macro_rules! launch {
+    ($self:expr, $q:expr, $f:ident, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
+        // After a failure nothing more is enqueued: an input copy that could
+        // not be made leaves no view to launch with.
+        if !$self.broken() {
+            let queue: &Queue = &$q;
+            let mut b = queue.stream.launch_builder(&$self.gpu.k.$f);
+            $(
+                let a = $arg;
+                b.arg(a);
+            )*
+            // SAFETY: the arguments are the kernel's, in its order, with the
+            // shapes the callers' tensors have.
+            if let Err(e) = unsafe { b.launch($cfg) } {
+                $self.fail(stringify!($f), e);
+            }
+        }
+    }};
+}
+
 /// One plan device on a GPU.
 pub struct Cuda {
     device: u32,
@@ -130,6 +267,9 @@ pub struct Cuda {
     default: Arc<Queue>,
     /// The first failure not yet reported.
     failed: Mutex<Option<String>>,
+    /// Whether anything has failed: no kernel is enqueued after (a failure
+    /// is sticky for the run, as a CUDA context's faults are).
+    broken: std::sync::atomic::AtomicBool,
 }
 
 impl Cuda {
@@ -141,6 +281,7 @@ impl Cuda {
             gpu,
             default,
             failed: Mutex::new(None),
+            broken: Default::default(),
         })
     }
 
@@ -167,6 +308,7 @@ impl Cuda {
 
     /// Keep the first failure for the next call that returns a `Result`.
     fn fail(&self, what: &str, e: impl std::fmt::Display) {
+        (self.broken).store(true, std::sync::atomic::Ordering::Relaxed);
         let mut f = self.failed.lock().unwrap_or_else(|p| p.into_inner());
         if f.is_none() {
             *f = Some(format!("{what}: {e}"));
@@ -191,6 +333,74 @@ impl Cuda {
                 bytes: n as u64 * 4,
                 message: e.to_string(),
             })
+    }
+
+    fn broken(&self) -> bool {
+        self.broken.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// `src` widened into a new fp32 slice.
+    fn widen(&self, q: &Queue, src: &CudaSlice<u16>) -> Result<CudaSlice<f32>, BackendError> {
+        let n = src.len();
+        let mut out = self.alloc(q, n)?;
+        self.widen_into(q, &mut out.slice_mut(..), &src.slice(..));
+        Ok(out)
+    }
+    fn widen_into(&self, q: &Queue, out: &mut CudaViewMut<'_, f32>, src: &CudaView<'_, u16>) {
+        let n = src.len();
+        if n == 0 {
+            return;
+        }
+        launch!(self, q, bf16_widen, elems(n), [out, src, &i64n(n)]);
+    }
+    /// `dst = src` rounded to bf16 (nearest, ties to even).
+    fn narrow(&self, q: &Queue, dst: &mut CudaViewMut<'_, u16>, src: &CudaView<'_, f32>) {
+        let n = src.len();
+        if n == 0 {
+            return;
+        }
+        launch!(self, q, bf16_narrow, elems(n), [dst, src, &i64n(n)]);
+    }
+
+    /// A kernel's fp32 view of input `t` (see [`In`]).
+    fn rd<'a>(&self, t: &'a GpuTensor) -> In<'a> {
+        match &t.0 {
+            None => In::Missing,
+            Some(Store::F32(x)) => In::Own(x),
+            Some(Store::Bf16(x)) => match self.widen(&self.q(), x) {
+                Ok(w) => In::Widened(w),
+                Err(e) => {
+                    self.fail("widening a bf16 input", e);
+                    In::Missing
+                }
+            },
+        }
+    }
+    /// The two inputs of a product: bf16 as stored when both are, else
+    /// fp32 views of both.
+    fn operands<'a>(&self, a: &'a GpuTensor, b: &'a GpuTensor) -> (Operand<'a>, Operand<'a>) {
+        match (&a.0, &b.0) {
+            (Some(Store::Bf16(x)), Some(Store::Bf16(y))) => (Operand::Bf16(x), Operand::Bf16(y)),
+            _ => (Operand::F32(self.rd(a)), Operand::F32(self.rd(b))),
+        }
+    }
+    /// A kernel's fp32 view of output `t` (see [`Out`]).
+    fn wr<'a>(&'a self, t: &'a mut GpuTensor) -> Out<'a> {
+        let widened = match &t.0 {
+            Some(Store::Bf16(x)) => match self.widen(&self.q(), x) {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    self.fail("widening a bf16 output", e);
+                    None
+                }
+            },
+            _ => None,
+        };
+        Out {
+            cuda: self,
+            t,
+            widened,
+        }
     }
 
     /// Wait for everything enqueued on `q` (a host read).
@@ -220,36 +430,43 @@ fn rows(n: usize) -> LaunchConfig {
     }
 }
 
-/// The slice of a tensor that must hold data.
-fn s(t: &GpuTensor) -> &CudaSlice<f32> {
-    t.0.as_ref()
-        .expect("a kernel's input is an allocated tensor")
+/// Elements of a tensor or of a view of one.
+trait Elems {
+    fn elems(&self) -> usize;
 }
-fn sm(t: &mut GpuTensor) -> &mut CudaSlice<f32> {
-    t.0.as_mut()
-        .expect("a kernel's output is an allocated tensor")
+impl Elems for GpuTensor {
+    fn elems(&self) -> usize {
+        self.0.as_ref().map_or(0, |s| s.len())
+    }
+}
+impl Elems for In<'_> {
+    fn elems(&self) -> usize {
+        match self {
+            In::Own(x) => x.len(),
+            In::Widened(x) => x.len(),
+            In::Missing => 0,
+        }
+    }
+}
+impl Elems for Out<'_> {
+    fn elems(&self) -> usize {
+        self.t.elems()
+    }
+}
+fn vlen<T: Elems>(t: &T) -> usize {
+    t.elems()
+}
+
+/// The fp32 slice a kernel reads (a view that must hold data).
+fn s<V: View>(t: &V) -> &CudaSlice<f32> {
+    t.view()
+}
+/// The fp32 slice a kernel writes.
+fn sm<V: ViewMut>(t: &mut V) -> &mut CudaSlice<f32> {
+    t.view_mut()
 }
 fn ids(t: &GpuIds) -> &CudaSlice<u32> {
     t.0.as_ref().expect("token ids are allocated")
-}
-
-/// Enqueue kernel `f` on queue `q` with the arguments in order; a failure
-/// is kept (see [`Cuda::fail`]). Each argument is bound to a local first:
-/// the launch reads them through pointers, so they must outlive it.
-macro_rules! launch {
-    ($self:expr, $q:expr, $f:ident, $cfg:expr, [$($arg:expr),* $(,)?]) => {{
-        let queue: &Queue = &$q;
-        let mut b = queue.stream.launch_builder(&$self.gpu.k.$f);
-        $(
-            let a = $arg;
-            b.arg(a);
-        )*
-        // SAFETY: the arguments are the kernel's, in its order, with the
-        // shapes the callers' tensors have.
-        if let Err(e) = unsafe { b.launch($cfg) } {
-            $self.fail(stringify!($f), e);
-        }
-    }};
 }
 
 /// `n` as the kernels' 64-bit count.
@@ -276,11 +493,6 @@ fn seq_rows(h: SeqRows) -> (i32, i32, i32, i32) {
 fn ring_not_built() -> String {
     "context parallelism's ring runs on the CPU backend so far: give `cp:exchange=all-gather`"
         .into()
-}
-
-/// The CUDA backend stores fp32 only so far.
-fn bf16_not_built() -> BackendError {
-    BackendError::Device("bf16 storage is not built in the CUDA backend yet (fp32 only)".into())
 }
 
 impl Backend for Cuda {
@@ -352,32 +564,46 @@ impl Backend for Cuda {
         t.0.as_ref().map_or(0, |s| s.len())
     }
     fn bytes(t: &GpuTensor) -> u64 {
-        Self::len(t) as u64 * 4
+        Self::len(t) as u64 * Self::dtype(t).bytes()
     }
     fn ids_bytes(t: &GpuIds) -> u64 {
         t.0.as_ref().map_or(0, |s| s.len()) as u64 * 4
     }
     fn zeros(&self, n: usize) -> Result<GpuTensor, BackendError> {
+        self.zeros_as(n, Dtype::F32)
+    }
+    fn dtype(t: &GpuTensor) -> Dtype {
+        match &t.0 {
+            Some(Store::Bf16(_)) => Dtype::Bf16,
+            _ => Dtype::F32,
+        }
+    }
+    fn zeros_as(&self, n: usize, dtype: Dtype) -> Result<GpuTensor, BackendError> {
         if n == 0 {
             return Ok(GpuTensor(None));
         }
         self.pending()?;
-        Ok(GpuTensor(Some(self.alloc(&self.q(), n)?)))
-    }
-    fn dtype(_: &GpuTensor) -> Dtype {
-        Dtype::F32
-    }
-    fn zeros_as(&self, n: usize, dtype: Dtype) -> Result<GpuTensor, BackendError> {
-        match dtype {
-            Dtype::F32 => self.zeros(n),
-            Dtype::Bf16 => Err(bf16_not_built()),
-        }
+        let q = self.q();
+        let store =
+            match dtype {
+                Dtype::F32 => Store::F32(self.alloc(&q, n)?),
+                Dtype::Bf16 => Store::Bf16(q.stream.alloc_zeros::<u16>(n).map_err(|e| {
+                    BackendError::Alloc {
+                        bytes: n as u64 * 2,
+                        message: e.to_string(),
+                    }
+                })?),
+            };
+        Ok(GpuTensor(Some(store)))
     }
     fn cast(&self, t: &GpuTensor, dtype: Dtype) -> Result<GpuTensor, BackendError> {
-        match dtype {
-            Dtype::F32 => self.duplicate(t),
-            Dtype::Bf16 => Err(bf16_not_built()),
+        if Self::dtype(t) == dtype {
+            return self.duplicate(t);
         }
+        let mut out = self.zeros_as(vlen(t), dtype)?;
+        self.copy(&mut out, 0, t, 0..vlen(t));
+        self.pending()?;
+        Ok(out)
     }
     fn upload(&self, v: Vec<f32>) -> Result<GpuTensor, BackendError> {
         if v.is_empty() {
@@ -389,7 +615,7 @@ impl Backend for Cuda {
             bytes: v.len() as u64 * 4,
             message: e.to_string(),
         })?;
-        Ok(GpuTensor(Some(t)))
+        Ok(GpuTensor(Some(Store::F32(t))))
     }
     fn upload_ids(&self, v: &[u32]) -> Result<GpuIds, BackendError> {
         if v.is_empty() {
@@ -403,17 +629,27 @@ impl Backend for Cuda {
         Ok(GpuIds(Some(t)))
     }
     fn download(&self, t: &GpuTensor) -> Result<Vec<f32>, BackendError> {
-        self.download_range(t, 0..Self::len(t))
+        self.download_range(t, 0..vlen(t))
     }
     fn download_range(&self, t: &GpuTensor, range: Range<usize>) -> Result<Vec<f32>, BackendError> {
         if range.is_empty() {
             return Ok(Vec::new());
         }
         let q = self.q();
-        let v = q
-            .stream
-            .clone_dtoh(&s(t).slice(range))
-            .map_err(|e| BackendError::Device(format!("copying to the host: {e}")))?;
+        let copied = match &t.0 {
+            Some(Store::F32(x)) => q.stream.clone_dtoh(&x.slice(range)),
+            Some(Store::Bf16(x)) => q.stream.clone_dtoh(&x.slice(range)).map(|bits| {
+                bits.into_iter()
+                    .map(|b| f32::from_bits(u32::from(b) << 16))
+                    .collect()
+            }),
+            None => {
+                return Err(BackendError::Device(format!(
+                    "reading {range:?} of an empty tensor"
+                )))
+            }
+        };
+        let v = copied.map_err(|e| BackendError::Device(format!("copying to the host: {e}")))?;
         self.sync(&q)?;
         Ok(v)
     }
@@ -426,10 +662,14 @@ impl Backend for Cuda {
         };
         self.pending()?;
         let q = self.q();
-        let d = q.stream.clone_dtod(src).map_err(|e| BackendError::Alloc {
-            bytes: src.len() as u64 * 4,
+        let alloc = |e: cudarc::driver::DriverError| BackendError::Alloc {
+            bytes: Self::bytes(t),
             message: e.to_string(),
-        })?;
+        };
+        let d = match src {
+            Store::F32(x) => Store::F32(q.stream.clone_dtod(x).map_err(alloc)?),
+            Store::Bf16(x) => Store::Bf16(q.stream.clone_dtod(x).map_err(alloc)?),
+        };
         Ok(GpuTensor(Some(d)))
     }
     fn duplicate_ids(&self, t: &GpuIds) -> Result<GpuIds, BackendError> {
@@ -448,10 +688,27 @@ impl Backend for Cuda {
             return;
         }
         let q = self.q();
-        let len = range.len();
-        let from = s(src).slice(range);
-        let mut to = sm(dst).slice_mut(at..at + len);
-        if let Err(e) = q.stream.memcpy_dtod(&from, &mut to) {
+        let to = at..at + range.len();
+        let (Some(d), Some(sr)) = (&mut dst.0, &src.0) else {
+            return self.fail("copying on the device", "an empty tensor");
+        };
+        let done = match (d, sr) {
+            (Store::F32(d), Store::F32(sr)) => {
+                q.stream.memcpy_dtod(&sr.slice(range), &mut d.slice_mut(to))
+            }
+            (Store::Bf16(d), Store::Bf16(sr)) => {
+                q.stream.memcpy_dtod(&sr.slice(range), &mut d.slice_mut(to))
+            }
+            (Store::F32(d), Store::Bf16(sr)) => {
+                self.widen_into(&q, &mut d.slice_mut(to), &sr.slice(range));
+                Ok(())
+            }
+            (Store::Bf16(d), Store::F32(sr)) => {
+                self.narrow(&q, &mut d.slice_mut(to), &sr.slice(range));
+                Ok(())
+            }
+        };
+        if let Err(e) = done {
             self.fail("copying on the device", e);
         }
     }
@@ -460,8 +717,15 @@ impl Backend for Cuda {
             return;
         }
         let q = self.q();
-        let mut to = sm(dst).slice_mut(at..at + src.len());
-        if let Err(e) = q.stream.memcpy_htod(src, &mut to) {
+        let to = at..at + src.len();
+        let done = match &mut dst.0 {
+            Some(Store::F32(d)) => q.stream.memcpy_htod(src, &mut d.slice_mut(to)),
+            Some(Store::Bf16(d)) => q.stream.clone_htod(src).map(|tmp| {
+                self.narrow(&q, &mut d.slice_mut(to), &tmp.slice(..));
+            }),
+            None => return self.fail("copying to the device", "an empty tensor"),
+        };
+        if let Err(e) = done {
             self.fail("copying to the device", e);
         }
     }
@@ -475,11 +739,20 @@ impl Backend for Cuda {
             Err(e) => return self.fail("copying to the device", e),
         };
         let n = src.len();
+        let dst = &mut self.wr(dst);
+        if self.broken() {
+            return;
+        }
         let mut to = sm(dst).slice_mut(at..at + n);
         launch!(self, q, add_into, elems(n), [&mut to, &tmp, &i64n(n)]);
     }
     fn add(&self, dst: &mut GpuTensor, src: &GpuTensor) {
-        let n = Self::len(dst).min(Self::len(src));
+        let dst = &mut self.wr(dst);
+        let src = &self.rd(src);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(dst).min(vlen(src));
         if n == 0 {
             return;
         }
@@ -487,9 +760,13 @@ impl Backend for Cuda {
         launch!(self, q, add_into, elems(n), [sm(dst), s(src), &i64n(n)]);
     }
     fn fill_zero(&self, t: &mut GpuTensor) {
-        let Some(d) = t.0.as_mut() else { return };
         let q = self.q();
-        if let Err(e) = q.stream.memset_zeros(d) {
+        let done = match t.0.as_mut() {
+            None => return,
+            Some(Store::F32(d)) => q.stream.memset_zeros(d),
+            Some(Store::Bf16(d)) => q.stream.memset_zeros(d),
+        };
+        if let Err(e) = done {
             self.fail("zeroing", e);
         }
     }
@@ -521,6 +798,13 @@ impl Backend for Cuda {
         t: usize,
         c: usize,
     ) {
+        let out = &mut self.wr(out);
+        let wte = &self.rd(wte);
+        let wpe = wpe.map(|t| self.rd(t));
+        let wpe = wpe.as_ref();
+        if self.broken() {
+            return;
+        }
         let q = self.q();
         let bt = b * t;
         match wpe {
@@ -558,6 +842,13 @@ impl Backend for Cuda {
         t: usize,
         c: usize,
     ) {
+        let dwte = &mut self.wr(dwte);
+        let mut dwpe = dwpe.map(|t| self.wr(t));
+        let dwpe = dwpe.as_mut();
+        let dout = &self.rd(dout);
+        if self.broken() {
+            return;
+        }
         let q = self.q();
         let bt = b * t;
         match dwpe {
@@ -597,6 +888,15 @@ impl Backend for Cuda {
         n: usize,
         c: usize,
     ) {
+        let out = &mut self.wr(out);
+        let mean = &mut self.wr(mean);
+        let rstd = &mut self.wr(rstd);
+        let inp = &self.rd(inp);
+        let weight = &self.rd(weight);
+        let bias = &self.rd(bias);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -629,6 +929,15 @@ impl Backend for Cuda {
         n: usize,
         c: usize,
     ) {
+        let dinp = &mut self.wr(dinp);
+        let dout = &self.rd(dout);
+        let inp = &self.rd(inp);
+        let weight = &self.rd(weight);
+        let mean = &self.rd(mean);
+        let rstd = &self.rd(rstd);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -661,6 +970,15 @@ impl Backend for Cuda {
         n: usize,
         c: usize,
     ) {
+        let dweight = &mut self.wr(dweight);
+        let dbias = &mut self.wr(dbias);
+        let dout = &self.rd(dout);
+        let inp = &self.rd(inp);
+        let mean = &self.rd(mean);
+        let rstd = &self.rd(rstd);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -693,6 +1011,13 @@ impl Backend for Cuda {
         c: usize,
         eps: f32,
     ) {
+        let out = &mut self.wr(out);
+        let rstd = &mut self.wr(rstd);
+        let inp = &self.rd(inp);
+        let weight = &self.rd(weight);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -723,6 +1048,14 @@ impl Backend for Cuda {
         n: usize,
         c: usize,
     ) {
+        let dinp = &mut self.wr(dinp);
+        let dout = &self.rd(dout);
+        let inp = &self.rd(inp);
+        let weight = &self.rd(weight);
+        let rstd = &self.rd(rstd);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -752,6 +1085,13 @@ impl Backend for Cuda {
         n: usize,
         c: usize,
     ) {
+        let dweight = &mut self.wr(dweight);
+        let dout = &self.rd(dout);
+        let inp = &self.rd(inp);
+        let rstd = &self.rd(rstd);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -774,6 +1114,10 @@ impl Backend for Cuda {
         theta: f64,
         inverse: bool,
     ) {
+        let x = &mut self.wr(x);
+        if self.broken() {
+            return;
+        }
         let rows = b * t;
         if rows == 0 || heads == 0 || hd < 2 {
             return;
@@ -807,11 +1151,19 @@ impl Backend for Cuda {
         c: usize,
         oc: usize,
     ) {
+        let out = &mut self.wr(out);
+        let (inp, weight) = &self.operands(inp, weight);
+        let bias = bias.map(|t| self.rd(t));
+        let bias = bias.as_ref();
+        if self.broken() {
+            return;
+        }
         if n == 0 || oc == 0 {
             return;
         }
         let q = self.q();
-        if let Err(e) = blas::linear(&q.blas, sm(out), s(inp), s(weight), (n, c, oc), 0.0) {
+        let mats = (inp.mat(), weight.mat());
+        if let Err(e) = blas::linear(q.on(), sm(out), mats.0, mats.1, (n, c, oc), 0.0) {
             return self.fail("matmul_forward", e);
         }
         if let Some(b) = bias {
@@ -835,6 +1187,14 @@ impl Backend for Cuda {
         c: usize,
         oc: usize,
     ) {
+        let out = &mut self.wr(out);
+        let res = &self.rd(res);
+        let (inp, weight) = &self.operands(inp, weight);
+        let bias = bias.map(|t| self.rd(t));
+        let bias = bias.as_ref();
+        if self.broken() {
+            return;
+        }
         if n == 0 || oc == 0 {
             return;
         }
@@ -847,9 +1207,15 @@ impl Backend for Cuda {
                 elems(n * oc),
                 [sm(out), s(res), s(bias), &i64n(n * oc), &i32n(oc)]
             ),
-            None => self.copy(out, 0, res, 0..n * oc),
+            None => {
+                let (from, mut to) = (s(res).slice(0..n * oc), sm(out).slice_mut(0..n * oc));
+                if let Err(e) = q.stream.memcpy_dtod(&from, &mut to) {
+                    self.fail("matmul_forward_residual", e);
+                }
+            }
         }
-        if let Err(e) = blas::linear(&q.blas, sm(out), s(inp), s(weight), (n, c, oc), 1.0) {
+        let mats = (inp.mat(), weight.mat());
+        if let Err(e) = blas::linear(q.on(), sm(out), mats.0, mats.1, (n, c, oc), 1.0) {
             self.fail("matmul_forward_residual", e);
         }
     }
@@ -863,14 +1229,24 @@ impl Backend for Cuda {
         oc: usize,
         accumulate: bool,
     ) {
+        let dinp = &mut self.wr(dinp);
+        let (dout, weight) = &self.operands(dout, weight);
+        if self.broken() {
+            return;
+        }
         if n == 0 || c == 0 {
             return;
         }
         let q = self.q();
         let beta = if accumulate { 1.0 } else { 0.0 };
-        if let Err(e) =
-            blas::linear_backward_input(&q.blas, sm(dinp), s(dout), s(weight), (n, c, oc), beta)
-        {
+        if let Err(e) = blas::linear_backward_input(
+            q.on(),
+            sm(dinp),
+            dout.mat(),
+            weight.mat(),
+            (n, c, oc),
+            beta,
+        ) {
             self.fail("matmul_backward_input", e);
         }
     }
@@ -884,16 +1260,24 @@ impl Backend for Cuda {
         c: usize,
         oc: usize,
     ) {
+        let dweight = &mut self.wr(dweight);
+        let mut dbias = dbias.map(|t| self.wr(t));
+        let dbias = dbias.as_mut();
+        let (dout_m, inp) = &self.operands(dout, inp);
+        if self.broken() {
+            return;
+        }
         if n == 0 || oc == 0 {
             return;
         }
         let q = self.q();
         if let Err(e) =
-            blas::linear_backward_weight(&q.blas, sm(dweight), s(dout), s(inp), (n, c, oc))
+            blas::linear_backward_weight(q.on(), sm(dweight), dout_m.mat(), inp.mat(), (n, c, oc))
         {
             return self.fail("matmul_backward_weight", e);
         }
         if let Some(db) = dbias {
+            let dout = &self.rd(dout);
             launch!(
                 self,
                 q,
@@ -904,7 +1288,12 @@ impl Backend for Cuda {
         }
     }
     fn add_bias(&self, out: &mut GpuTensor, bias: &GpuTensor, width: usize) {
-        let n = Self::len(out);
+        let out = &mut self.wr(out);
+        let bias = &self.rd(bias);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(out);
         if n == 0 {
             return;
         }
@@ -928,6 +1317,12 @@ impl Backend for Cuda {
         c: usize,
         nh: usize,
     ) {
+        let out = &mut self.wr(out);
+        let att = &mut self.wr(att);
+        let qkv = &self.rd(qkv);
+        if self.broken() {
+            return;
+        }
         if b * t == 0 {
             return;
         }
@@ -986,6 +1381,13 @@ impl Backend for Cuda {
         c: usize,
         nh: usize,
     ) {
+        let dqkv = &mut self.wr(dqkv);
+        let dout = &self.rd(dout);
+        let qkv = &self.rd(qkv);
+        let att = &self.rd(att);
+        if self.broken() {
+            return;
+        }
         if b * t == 0 {
             return;
         }
@@ -1066,6 +1468,12 @@ impl Backend for Cuda {
         nh: usize,
         held: SeqRows,
     ) {
+        let out = &mut self.wr(out);
+        let lse = &mut self.wr(lse);
+        let qkv = &self.rd(qkv);
+        if self.broken() {
+            return;
+        }
         if b * held.len() == 0 {
             return;
         }
@@ -1111,6 +1519,14 @@ impl Backend for Cuda {
         nh: usize,
         held: SeqRows,
     ) {
+        let dqkv = &mut self.wr(dqkv);
+        let dout = &self.rd(dout);
+        let qkv = &self.rd(qkv);
+        let out = &self.rd(out);
+        let lse = &self.rd(lse);
+        if self.broken() {
+            return;
+        }
         if b * held.len() == 0 {
             return;
         }
@@ -1177,6 +1593,13 @@ impl Backend for Cuda {
         _rows: (SeqRows, SeqRows),
         _first: bool,
     ) {
+        let _out = &mut self.wr(_out);
+        let _lse = &mut self.wr(_lse);
+        let _q = &self.rd(_q);
+        let _kv = &self.rd(_kv);
+        if self.broken() {
+            return;
+        }
         self.fail("flash_ring_forward", ring_not_built());
     }
     fn flash_ring_backward(
@@ -1193,6 +1616,16 @@ impl Backend for Cuda {
         _nh: usize,
         _rows: (SeqRows, SeqRows),
     ) {
+        let _dq = &mut self.wr(_dq);
+        let _dkv = &mut self.wr(_dkv);
+        let _dout = &self.rd(_dout);
+        let _q = &self.rd(_q);
+        let _kv = &self.rd(_kv);
+        let _out = &self.rd(_out);
+        let _lse = &self.rd(_lse);
+        if self.broken() {
+            return;
+        }
         self.fail("flash_ring_backward", ring_not_built());
     }
     fn qkv_pack(
@@ -1206,6 +1639,13 @@ impl Backend for Cuda {
         kvh: usize,
         hd: usize,
     ) {
+        let qkv = &mut self.wr(qkv);
+        let q_ = &self.rd(q_);
+        let k = &self.rd(k);
+        let v = &self.rd(v);
+        if self.broken() {
+            return;
+        }
         if n == 0 || kvh == 0 {
             return;
         }
@@ -1238,6 +1678,13 @@ impl Backend for Cuda {
         kvh: usize,
         hd: usize,
     ) {
+        let dq = &mut self.wr(dq);
+        let dk = &mut self.wr(dk);
+        let dv = &mut self.wr(dv);
+        let dqkv = &self.rd(dqkv);
+        if self.broken() {
+            return;
+        }
         if n == 0 || kvh == 0 {
             return;
         }
@@ -1261,7 +1708,12 @@ impl Backend for Cuda {
     }
 
     fn gelu_forward(&self, out: &mut GpuTensor, inp: &GpuTensor) {
-        let n = Self::len(out).min(Self::len(inp));
+        let out = &mut self.wr(out);
+        let inp = &self.rd(inp);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(out).min(vlen(inp));
         if n == 0 {
             return;
         }
@@ -1275,7 +1727,13 @@ impl Backend for Cuda {
         bias: &GpuTensor,
         width: usize,
     ) {
-        let n = Self::len(pre).min(Self::len(out));
+        let pre = &mut self.wr(pre);
+        let out = &mut self.wr(out);
+        let bias = &self.rd(bias);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(pre).min(vlen(out));
         if n == 0 {
             return;
         }
@@ -1289,7 +1747,13 @@ impl Backend for Cuda {
         );
     }
     fn gelu_backward(&self, dinp: &mut GpuTensor, inp: &GpuTensor, dout: &GpuTensor) {
-        let n = Self::len(dinp).min(Self::len(inp)).min(Self::len(dout));
+        let dinp = &mut self.wr(dinp);
+        let inp = &self.rd(inp);
+        let dout = &self.rd(dout);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(dinp).min(vlen(inp)).min(vlen(dout));
         if n == 0 {
             return;
         }
@@ -1303,7 +1767,13 @@ impl Backend for Cuda {
         );
     }
     fn residual_forward(&self, out: &mut GpuTensor, a: &GpuTensor, b: &GpuTensor) {
-        let n = Self::len(out).min(Self::len(a)).min(Self::len(b));
+        let out = &mut self.wr(out);
+        let a = &self.rd(a);
+        let b = &self.rd(b);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(out).min(vlen(a)).min(vlen(b));
         if n == 0 {
             return;
         }
@@ -1318,7 +1788,13 @@ impl Backend for Cuda {
     }
 
     fn swiglu_forward(&self, out: &mut GpuTensor, gate: &GpuTensor, up: &GpuTensor) {
-        let n = Self::len(out);
+        let out = &mut self.wr(out);
+        let gate = &self.rd(gate);
+        let up = &self.rd(up);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(out);
         if n == 0 {
             return;
         }
@@ -1339,7 +1815,15 @@ impl Backend for Cuda {
         up: &GpuTensor,
         dout: &GpuTensor,
     ) {
-        let n = Self::len(dgate);
+        let dgate = &mut self.wr(dgate);
+        let dup = &mut self.wr(dup);
+        let gate = &self.rd(gate);
+        let up = &self.rd(up);
+        let dout = &self.rd(dout);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(dgate);
         if n == 0 {
             return;
         }
@@ -1361,6 +1845,11 @@ impl Backend for Cuda {
         n: usize,
         v: usize,
     ) -> Term {
+        let probs = &mut self.wr(probs);
+        let logits = &self.rd(logits);
+        if self.broken() {
+            return Term::Host(f64::NAN);
+        }
         let q = self.q();
         let losses = match q.stream.alloc_zeros::<f64>(n.max(1)) {
             Ok(l) => l,
@@ -1397,6 +1886,11 @@ impl Backend for Cuda {
         v: usize,
         scale: f32,
     ) {
+        let dlogits = &mut self.wr(dlogits);
+        let probs = &self.rd(probs);
+        if self.broken() {
+            return;
+        }
         if n == 0 {
             return;
         }
@@ -1418,7 +1912,12 @@ impl Backend for Cuda {
     }
 
     fn softmax_rows(&self, probs: &mut GpuTensor, logits: &GpuTensor, e: usize) {
-        let n = Self::len(logits) / e.max(1);
+        let probs = &mut self.wr(probs);
+        let logits = &self.rd(logits);
+        if self.broken() {
+            return;
+        }
+        let n = vlen(logits) / e.max(1);
         if n == 0 {
             return;
         }
@@ -1440,6 +1939,11 @@ impl Backend for Cuda {
         k: usize,
         c: usize,
     ) {
+        let out = &mut self.wr(out);
+        let src = &self.rd(src);
+        if self.broken() {
+            return;
+        }
         if assignments.is_empty() {
             return;
         }
@@ -1466,6 +1970,11 @@ impl Backend for Cuda {
         k: usize,
         c: usize,
     ) {
+        let dst = &mut self.wr(dst);
+        let src = &self.rd(src);
+        if self.broken() {
+            return;
+        }
         if assignments.is_empty() {
             return;
         }
@@ -1491,14 +2000,20 @@ impl Backend for Cuda {
         let q = self.q();
         use cudarc::driver::DevicePtr;
         // Each expert's rows by device pointer; the guards order the reads.
+        let out = &mut self.wr(out);
+        if self.broken() {
+            return;
+        }
+        let ys: Vec<In<'_>> = ys.iter().map(|y| self.rd(y)).collect();
         let ptrs: Vec<(u64, Option<cudarc::driver::SyncOnDrop<'_>>)> = ys
             .iter()
-            .map(|y| match &y.0 {
-                Some(sl) => {
+            .map(|y| match y {
+                In::Own(_) | In::Widened(_) => {
+                    let sl = y.view();
                     let (p, g) = sl.device_ptr(&q.stream);
                     (p, Some(g))
                 }
-                None => (0, None),
+                In::Missing => (0, None),
             })
             .collect();
         let table: Vec<u64> = ptrs.iter().map(|p| p.0).collect();
@@ -1539,6 +2054,11 @@ impl Backend for Cuda {
         c: usize,
     ) {
         let q = self.q();
+        let dweight = &mut self.wr(dweight);
+        let dout = &self.rd(dout);
+        if self.broken() {
+            return;
+        }
         let Ok(weight) = q.stream.clone_htod(&r.weight) else {
             return self.fail(
                 "moe_combine_backward",
@@ -1556,6 +2076,8 @@ impl Backend for Cuda {
                 );
             };
             let m = rows_of.len();
+            let y = &self.rd(&ys[x]);
+            let dy = &mut self.wr(&mut dys[x]);
             launch!(
                 self,
                 q,
@@ -1564,7 +2086,7 @@ impl Backend for Cuda {
                 [
                     sm(dweight),
                     s(dout),
-                    s(&ys[x]),
+                    s(y),
                     &a,
                     &i32n(m),
                     &i32n(r.k),
@@ -1576,15 +2098,7 @@ impl Backend for Cuda {
                 q,
                 moe_combine_dy,
                 elems(m * c),
-                [
-                    sm(&mut dys[x]),
-                    s(dout),
-                    &weight,
-                    &a,
-                    &i32n(m),
-                    &i32n(r.k),
-                    &i32n(c)
-                ]
+                [sm(dy), s(dout), &weight, &a, &i32n(m), &i32n(r.k), &i32n(c)]
             );
         }
     }
@@ -1599,6 +2113,12 @@ impl Backend for Cuda {
         t: usize,
         e: usize,
     ) {
+        let dlogits = &mut self.wr(dlogits);
+        let probs = &self.rd(probs);
+        let dweight = &self.rd(dweight);
+        if self.broken() {
+            return;
+        }
         let n = r.choice.len() / r.k.max(1);
         if n == 0 {
             return;
@@ -1644,6 +2164,13 @@ impl Backend for Cuda {
         grad_scale: f32,
         decay: bool,
     ) {
+        let param = &mut self.wr(param);
+        let grad = &self.rd(grad);
+        let m = &mut self.wr(m);
+        let v = &mut self.wr(v);
+        if self.broken() {
+            return;
+        }
         if range.is_empty() {
             return;
         }
@@ -1701,6 +2228,7 @@ impl Backend for Cuda {
             shared_mem_bytes: 0,
         };
         for (k, (t, r)) in live.iter().enumerate() {
+            let t = &self.rd(t);
             let x = s(t).slice(r.clone());
             let mut out = partial.slice_mut(k * PARTS..(k + 1) * PARTS);
             launch!(self, q, sum_squares, cfg, [&mut out, &x, &i64n(r.len())]);

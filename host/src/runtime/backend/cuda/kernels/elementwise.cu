@@ -123,3 +123,26 @@ extern "C" __global__ void swiglu_backward(float* dgate, float* dup, const float
         dup[i] += d * (g * s);
     }
 }
+
+// bf16 storage. A bf16 value is the high half of an fp32's bits.
+
+// out[i] = in[i] widened to fp32 (exact)
+extern "C" __global__ void bf16_widen(float* out, const unsigned short* in, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) out[i] = __uint_as_float(((u32)in[i]) << 16);
+}
+
+// out[i] = in[i] rounded to the nearest bf16, ties to even; a NaN stays a
+// (quiet) NaN. The `half` crate's conversion, bit for bit, as the CPU
+// backend rounds.
+extern "C" __global__ void bf16_narrow(unsigned short* out, const float* in, i64 n) {
+    for (i64 i = gid(); i < n; i += gsize()) {
+        u32 x = __float_as_uint(in[i]);
+        if ((x & 0x7fffffffu) > 0x7f800000u) {
+            out[i] = (unsigned short)((x >> 16) | 0x0040u);
+        } else if ((x & 0x8000u) != 0 && (x & 0x17fffu) != 0) {
+            out[i] = (unsigned short)((x >> 16) + 1);
+        } else {
+            out[i] = (unsigned short)(x >> 16);
+        }
+    }
+}
