@@ -204,7 +204,8 @@ pub struct Kernels {
     pub layernorm_backward_input: CudaFunction,
     pub layernorm_backward_weight: CudaFunction,
     pub embedding_forward: CudaFunction,
-    pub embedding_backward_weight: CudaFunction,
+    pub embedding_backward_tokens: CudaFunction,
+    pub embedding_backward_positions: CudaFunction,
     pub crossentropy_forward: CudaFunction,
     pub crossentropy_backward: CudaFunction,
     pub attention_split: CudaFunction,
@@ -232,7 +233,7 @@ pub struct Kernels {
     pub qkv_pack: CudaFunction,
     pub qkv_unpack_backward: CudaFunction,
     pub token_embedding_forward: CudaFunction,
-    pub token_embedding_backward_weight: CudaFunction,
+    pub col_finish: CudaFunction,
     pub bf16_widen: CudaFunction,
     pub bf16_narrow: CudaFunction,
 }
@@ -265,7 +266,8 @@ impl Kernels {
             layernorm_backward_input: f("layernorm", "layernorm_backward_input")?,
             layernorm_backward_weight: f("layernorm", "layernorm_backward_weight")?,
             embedding_forward: f("embedding", "embedding_forward")?,
-            embedding_backward_weight: f("embedding", "embedding_backward_weight")?,
+            embedding_backward_tokens: f("embedding", "embedding_backward_tokens")?,
+            embedding_backward_positions: f("embedding", "embedding_backward_positions")?,
             crossentropy_forward: f("loss", "crossentropy_forward")?,
             crossentropy_backward: f("loss", "crossentropy_backward")?,
             attention_split: f("attention", "attention_split")?,
@@ -293,7 +295,7 @@ impl Kernels {
             qkv_pack: f("attention", "qkv_pack")?,
             qkv_unpack_backward: f("attention", "qkv_unpack_backward")?,
             token_embedding_forward: f("embedding", "token_embedding_forward")?,
-            token_embedding_backward_weight: f("embedding", "token_embedding_backward_weight")?,
+            col_finish: f("elementwise", "col_finish")?,
             bf16_widen: f("elementwise", "bf16_widen")?,
             bf16_narrow: f("elementwise", "bf16_narrow")?,
         })
@@ -351,7 +353,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 45);
+        assert_eq!(kernels, 2 * 46);
     }
 
     /// One kernel as ptxas assembled it.
@@ -447,7 +449,7 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(kernels, 2 * 45);
+        assert_eq!(kernels, 2 * 46);
     }
 
     /// The report's parser reads registers and spills per entry.
@@ -500,7 +502,7 @@ ptxas info    : Used 18 registers, used 1 barriers\n";
                 }
             }
         }
-        assert_eq!(kernels, 2 * 45);
+        assert_eq!(kernels, 2 * 46);
         let e = compile_cubin(
             "broken",
             "extern \"C\" __global__ void f(float* x) { x[0] = y; }",

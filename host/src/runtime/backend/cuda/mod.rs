@@ -225,9 +225,40 @@ impl ViewMut for Out<'_> {
     }
 }
 
-/// Token ids on the GPU.
+/// Token ids on the GPU, and their rows grouped by token (for the
+/// embedding's gradient).
 #[derive(Default)]
-pub struct GpuIds(Option<CudaSlice<u32>>);
+pub struct GpuIds(Option<CudaSlice<u32>>, Option<Arc<ByToken>>);
+
+/// The rows of a token tensor grouped by token, made on the host when the
+/// ids are uploaded: the distinct tokens ascending (`uniq`), where each
+/// one's rows start in `rows` (`starts`, one more than `uniq`), and the rows
+/// themselves, ascending within a token. A thread per (token, channel) then
+/// adds the token's rows in the order the CPU does, with no two threads
+/// writing one value. Index metadata beside the ids (three `u32` a token at
+/// most), outside the memory account as the ids' own copies are not.
+pub struct ByToken {
+    uniq: CudaSlice<u32>,
+    starts: CudaSlice<u32>,
+    rows: CudaSlice<u32>,
+    count: usize,
+}
+
+/// `(uniq, starts, rows)` of `v` (see [`ByToken`]).
+fn group_by_token(v: &[u32]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut rows: Vec<u32> = (0..v.len() as u32).collect();
+    rows.sort_by_key(|&r| v[r as usize]);
+    let (mut uniq, mut starts) = (Vec::new(), Vec::new());
+    for (i, &r) in rows.iter().enumerate() {
+        let tok = v[r as usize];
+        if uniq.last() != Some(&tok) {
+            uniq.push(tok);
+            starts.push(i as u32);
+        }
+    }
+    starts.push(rows.len() as u32);
+    (uniq, starts, rows)
+}
 
 /// A loss term: a host value, or each row's `-ln p` in f64 on the GPU.
 pub enum Term {
@@ -362,6 +393,25 @@ impl Cuda {
         launch!(self, q, bf16_narrow, elems(n), [dst, src, &i64n(n)]);
     }
 
+    /// The second stage of a column sum: `dst[j] += Σ_p partial[p, j]`, the
+    /// chunks in order.
+    fn finish_columns(
+        &self,
+        q: &Queue,
+        dst: &mut CudaSlice<f32>,
+        partial: &CudaSlice<f32>,
+        parts: usize,
+        c: usize,
+    ) {
+        launch!(
+            self,
+            q,
+            col_finish,
+            elems(c),
+            [dst, partial, &i32n(parts), &i32n(c)]
+        );
+    }
+
     /// A kernel's fp32 view of input `t` (see [`In`]).
     fn rd<'a>(&self, t: &'a GpuTensor) -> In<'a> {
         match &t.0 {
@@ -421,6 +471,19 @@ fn elems(n: usize) -> LaunchConfig {
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+/// A column sum over `n` rows of `c` columns in two stages: the first
+/// stage's grid (a thread per column, a block row per chunk of rows), the
+/// number of chunks and the rows in each (at least 64, at most 128 chunks).
+fn column_chunks(n: usize, c: usize) -> (LaunchConfig, usize, usize) {
+    let chunk = n.div_ceil(128).max(64);
+    let parts = n.div_ceil(chunk).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (c.div_ceil(BLOCK as usize).max(1) as u32, parts as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (cfg, parts, chunk)
 }
 fn rows(n: usize) -> LaunchConfig {
     LaunchConfig {
@@ -619,14 +682,31 @@ impl Backend for Cuda {
     }
     fn upload_ids(&self, v: &[u32]) -> Result<GpuIds, BackendError> {
         if v.is_empty() {
-            return Ok(GpuIds(None));
+            return Ok(GpuIds(None, None));
+        }
+        // Row numbers are u32 on the device.
+        if u32::try_from(v.len()).is_err() {
+            return Err(BackendError::Device(format!(
+                "{} token ids are past what a u32 row number holds",
+                v.len()
+            )));
         }
         let q = self.q();
-        let t = q.stream.clone_htod(v).map_err(|e| BackendError::Alloc {
-            bytes: v.len() as u64 * 4,
-            message: e.to_string(),
-        })?;
-        Ok(GpuIds(Some(t)))
+        let up = |x: &[u32]| {
+            q.stream.clone_htod(x).map_err(|e| BackendError::Alloc {
+                bytes: x.len() as u64 * 4,
+                message: e.to_string(),
+            })
+        };
+        let t = up(v)?;
+        let (uniq, starts, rows) = group_by_token(v);
+        let by = ByToken {
+            count: uniq.len(),
+            uniq: up(&uniq)?,
+            starts: up(&starts)?,
+            rows: up(&rows)?,
+        };
+        Ok(GpuIds(Some(t), Some(Arc::new(by))))
     }
     fn download(&self, t: &GpuTensor) -> Result<Vec<f32>, BackendError> {
         self.download_range(t, 0..vlen(t))
@@ -674,14 +754,14 @@ impl Backend for Cuda {
     }
     fn duplicate_ids(&self, t: &GpuIds) -> Result<GpuIds, BackendError> {
         let Some(src) = &t.0 else {
-            return Ok(GpuIds(None));
+            return Ok(GpuIds(None, None));
         };
         let q = self.q();
         let d = q.stream.clone_dtod(src).map_err(|e| BackendError::Alloc {
             bytes: src.len() as u64 * 4,
             message: e.to_string(),
         })?;
-        Ok(GpuIds(Some(d)))
+        Ok(GpuIds(Some(d), t.1.clone()))
     }
     fn copy(&self, dst: &mut GpuTensor, at: usize, src: &GpuTensor, range: Range<usize>) {
         if range.is_empty() {
@@ -851,29 +931,37 @@ impl Backend for Cuda {
         }
         let q = self.q();
         let bt = b * t;
-        match dwpe {
-            Some(dwpe) => launch!(
+        let Some(by) = &tokens.1 else {
+            return self.fail(
+                "embedding_backward_weight",
+                "token ids uploaded without their rows by token",
+            );
+        };
+        let (nu, count) = (i32n(by.count), by.count * c);
+        launch!(
+            self,
+            q,
+            embedding_backward_tokens,
+            elems(count),
+            [
+                sm(dwte),
+                s(dout),
+                &by.uniq,
+                &by.starts,
+                &by.rows,
+                &nu,
+                &i32n(bt),
+                &i32n(c)
+            ]
+        );
+        if let Some(dwpe) = dwpe {
+            launch!(
                 self,
                 q,
-                embedding_backward_weight,
-                elems(c),
-                [
-                    sm(dwte),
-                    sm(dwpe),
-                    s(dout),
-                    ids(tokens),
-                    &i32n(bt),
-                    &i32n(t),
-                    &i32n(c)
-                ]
-            ),
-            None => launch!(
-                self,
-                q,
-                token_embedding_backward_weight,
-                elems(c),
-                [sm(dwte), s(dout), ids(tokens), &i32n(bt), &i32n(c)]
-            ),
+                embedding_backward_positions,
+                elems(t * c),
+                [sm(dwpe), s(dout), &i32n(bt), &i32n(t), &i32n(c)]
+            );
         }
     }
 
@@ -983,22 +1071,33 @@ impl Backend for Cuda {
             return;
         }
         let q = self.q();
+        let (cfg, parts, chunk) = column_chunks(n, c);
+        let (Ok(mut pw), Ok(mut pb)) = (self.alloc(&q, parts * c), self.alloc(&q, parts * c))
+        else {
+            return self.fail(
+                "layernorm_backward_weight",
+                "cannot allocate its partial sums",
+            );
+        };
         launch!(
             self,
             q,
             layernorm_backward_weight,
-            elems(c),
+            cfg,
             [
-                sm(dweight),
-                sm(dbias),
+                &mut pw,
+                &mut pb,
                 s(dout),
                 s(inp),
                 s(mean),
                 s(rstd),
                 &i32n(n),
-                &i32n(c)
+                &i32n(c),
+                &i32n(chunk)
             ]
         );
+        self.finish_columns(&q, sm(dweight), &pw, parts, c);
+        self.finish_columns(&q, sm(dbias), &pb, parts, c);
     }
 
     fn rmsnorm_forward(
@@ -1096,13 +1195,29 @@ impl Backend for Cuda {
             return;
         }
         let q = self.q();
+        let (cfg, parts, chunk) = column_chunks(n, c);
+        let Ok(mut pw) = self.alloc(&q, parts * c) else {
+            return self.fail(
+                "rmsnorm_backward_weight",
+                "cannot allocate its partial sums",
+            );
+        };
         launch!(
             self,
             q,
             rmsnorm_backward_weight,
-            elems(c),
-            [sm(dweight), s(dout), s(inp), s(rstd), &i32n(n), &i32n(c)]
+            cfg,
+            [
+                &mut pw,
+                s(dout),
+                s(inp),
+                s(rstd),
+                &i32n(n),
+                &i32n(c),
+                &i32n(chunk)
+            ]
         );
+        self.finish_columns(&q, sm(dweight), &pw, parts, c);
     }
     fn rope(
         &self,
@@ -1278,13 +1393,18 @@ impl Backend for Cuda {
         }
         if let Some(db) = dbias {
             let dout = &self.rd(dout);
+            let (cfg, parts, chunk) = column_chunks(n, oc);
+            let Ok(mut pb) = self.alloc(&q, parts * oc) else {
+                return self.fail("matmul_backward_weight", "cannot allocate its partial sums");
+            };
             launch!(
                 self,
                 q,
                 bias_backward,
-                elems(oc),
-                [sm(db), s(dout), &i32n(n), &i32n(oc)]
+                cfg,
+                [&mut pb, s(dout), &i32n(n), &i32n(oc), &i32n(chunk)]
             );
+            self.finish_columns(&q, sm(db), &pb, parts, oc);
         }
     }
     fn add_bias(&self, out: &mut GpuTensor, bias: &GpuTensor, width: usize) {
@@ -2243,5 +2363,36 @@ impl Backend for Cuda {
             .chunks(PARTS)
             .map(|c| c.iter().fold(0.0f64, |a, x| a + x))
             .fold(0.0f64, |a, x| a + x))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The embedding gradient's grouping: distinct tokens ascending, each
+    /// one's rows ascending (the CPU's order of additions), the starts
+    /// bracketing every group.
+    #[test]
+    fn rows_group_by_token_in_ascending_order() {
+        let (uniq, starts, rows) = group_by_token(&[5, 2, 5, 9, 2, 5]);
+        assert_eq!(uniq, [2, 5, 9]);
+        assert_eq!(starts, [0, 2, 5, 6]);
+        assert_eq!(rows, [1, 4, 0, 2, 5, 3]);
+        let (uniq, starts, rows) = group_by_token(&[7]);
+        assert_eq!((uniq, starts, rows), (vec![7], vec![0, 1], vec![0]));
+    }
+
+    /// Two-stage column sums: chunks of at least 64 rows, at most 128 of
+    /// them, covering every row; a thread per column in each.
+    #[test]
+    fn column_sums_split_rows_into_bounded_chunks() {
+        for (n, c) in [(1, 5), (140, 96), (8192, 768), (1 << 20, 4096)] {
+            let (cfg, parts, chunk) = column_chunks(n, c);
+            assert!(chunk >= 64 && parts <= 128, "{n} rows: {parts} × {chunk}");
+            assert!(parts * chunk >= n && (parts - 1) * chunk < n, "{n} rows");
+            assert_eq!(cfg.grid_dim.1 as usize, parts);
+            assert!(cfg.grid_dim.0 as usize * BLOCK as usize >= c);
+        }
     }
 }

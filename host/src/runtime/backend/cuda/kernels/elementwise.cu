@@ -57,14 +57,29 @@ extern "C" __global__ void gelu_backward(float* dinp, const float* inp, const fl
     }
 }
 
-// dbias[j] += sum over rows of dout[row, j]: a thread per column, the rows in
-// order (a linear layer's bias gradient).
-extern "C" __global__ void bias_backward(float* dbias, const float* dout, int rows, int oc) {
-    int j = (int)gid();
+// Column sums (a linear layer's bias gradient, a norm's weight and bias
+// gradients) in two deterministic stages: block (x, p) of a 2-D grid sums
+// rows [p·chunk, (p+1)·chunk) of its columns into partial[p, j], then
+// `col_finish` adds the chunks onto the gradient in chunk order. Every
+// column's sum has as many threads as chunks, and the same order every run.
+
+// partial[p, j] = sum over chunk p's rows of dout[row, j]
+extern "C" __global__ void bias_backward(float* partial, const float* dout, int rows, int oc, int chunk) {
+    int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= oc) return;
-    float acc = dbias[j];
-    for (int i = 0; i < rows; i++) acc += dout[(i64)i * oc + j];
-    dbias[j] = acc;
+    float acc = 0.0f;
+    int end = min(rows, ((int)blockIdx.y + 1) * chunk);
+    for (int i = (int)blockIdx.y * chunk; i < end; i++) acc += dout[(i64)i * oc + j];
+    partial[(i64)blockIdx.y * oc + j] = acc;
+}
+
+// dst[j] += partial[0, j] + partial[1, j] + ... (chunks in order)
+extern "C" __global__ void col_finish(float* dst, const float* partial, int parts, int c) {
+    int j = (int)gid();
+    if (j >= c) return;
+    float acc = 0.0f;
+    for (int p = 0; p < parts; p++) acc += partial[(i64)p * c + j];
+    dst[j] += acc;
 }
 
 // One AdamW step on n elements (decoupled weight decay `wd`), with the

@@ -1,7 +1,7 @@
 // LayerNorm over the `c` channels of `n` rows, with mean and rstd cached for
 // backward (the CPU backend's layernorm.rs): a block of BLOCK threads per row
-// for the forward and the input gradient; a thread per channel, summing the
-// rows in order, for the weight gradients.
+// for the forward and the input gradient; the weight gradients as column sums
+// in two stages (elementwise.cu's `col_finish`).
 
 #define LN_EPS 1e-5f
 
@@ -55,19 +55,21 @@ extern "C" __global__ void layernorm_backward_input(float* dinp, const float* do
     }
 }
 
-// dweight += sum of norm * dout, dbias += sum of dout, over the rows in order
-extern "C" __global__ void layernorm_backward_weight(float* dweight, float* dbias, const float* dout,
+// dweight += sum of norm * dout, dbias += sum of dout, over the rows. The first of two stages (see `col_finish`): block (x, p) sums chunk p of
+// the rows into pw[p, j] and pb[p, j].
+extern "C" __global__ void layernorm_backward_weight(float* pw, float* pb, const float* dout,
                                                      const float* inp, const float* mean,
-                                                     const float* rstd, int n, int c) {
-    int j = (int)gid();
+                                                     const float* rstd, int n, int c, int chunk) {
+    int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= c) return;
-    float dw = dweight[j], db = dbias[j];
-    for (int i = 0; i < n; i++) {
+    float dw = 0.0f, db = 0.0f;
+    int end = min(n, ((int)blockIdx.y + 1) * chunk);
+    for (int i = (int)blockIdx.y * chunk; i < end; i++) {
         i64 at = (i64)i * c + j;
         float norm = (inp[at] - mean[i]) * rstd[i];
         dw += norm * dout[at];
         db += dout[at];
     }
-    dweight[j] = dw;
-    dbias[j] = db;
+    pw[(i64)blockIdx.y * c + j] = dw;
+    pb[(i64)blockIdx.y * c + j] = db;
 }

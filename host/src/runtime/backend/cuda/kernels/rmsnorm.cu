@@ -1,7 +1,7 @@
 // RMSNorm over the `c` channels of `n` rows, with rstd cached for backward
 // (the CPU backend's rmsnorm.rs): a block of BLOCK threads per row for the
-// forward and the input gradient; a thread per channel, summing the rows in
-// order, for the weight gradient.
+// forward and the input gradient; the weight gradient as a column sum in two
+// stages (elementwise.cu's `col_finish`).
 
 // out = inp * rstd * weight, rstd = 1 / sqrt(mean(inp^2) + eps)
 extern "C" __global__ void rmsnorm_forward(float* out, float* rstd, const float* inp,
@@ -36,16 +36,18 @@ extern "C" __global__ void rmsnorm_backward_input(float* dinp, const float* dout
     }
 }
 
-// dweight += sum over the rows, in order, of norm * dout
-extern "C" __global__ void rmsnorm_backward_weight(float* dweight, const float* dout,
+// dweight += sum over the rows of norm * dout. The first of two stages (see `col_finish`): block (x, p) sums chunk p of
+// the rows into pw[p, j].
+extern "C" __global__ void rmsnorm_backward_weight(float* pw, const float* dout,
                                                    const float* inp, const float* rstd, int n,
-                                                   int c) {
-    int j = (int)gid();
+                                                   int c, int chunk) {
+    int j = (int)(blockIdx.x * blockDim.x + threadIdx.x);
     if (j >= c) return;
-    float dw = dweight[j];
-    for (int i = 0; i < n; i++) {
+    float dw = 0.0f;
+    int end = min(n, ((int)blockIdx.y + 1) * chunk);
+    for (int i = (int)blockIdx.y * chunk; i < end; i++) {
         i64 at = (i64)i * c + j;
         dw += inp[at] * rstd[i] * dout[at];
     }
-    dweight[j] = dw;
+    pw[(i64)blockIdx.y * c + j] = dw;
 }
