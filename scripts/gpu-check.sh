@@ -2,8 +2,9 @@
 # The CUDA backend's checks on a machine with one NVIDIA GPU, from a release binary built
 # beforehand (nothing is built there; no Rust, no network needed):
 #
-#   cargo build --release -p piper --features cuda        # here, before
-#   scripts/gpu-check.sh OUT_DIR                          # there
+#   scripts/gpu-binary.sh        # here, before: builds the release binary with
+#                                # --features cuda, strips it, checks binary + tree <= 60 MiB
+#   scripts/gpu-check.sh OUT_DIR # there
 #
 # Through the device tool: carry the binary, one call under the 600 s limit (the script
 # keeps to 540 s), then give the machine back:
@@ -45,7 +46,7 @@ bin=${PIPER_BIN:-target/release/piper}
 py=${PIPER_TORCH_PYTHON:-/opt/torch/.venv/bin/python}
 [ -x "$py" ] || py=python3
 if [ ! -x "$bin" ]; then
-  echo "gpu-check: no piper binary at $bin: build it with \`cargo build --release -p piper --features cuda\` and carry it"
+  echo "gpu-check: no piper binary at $bin: build it with scripts/gpu-binary.sh and carry it"
   exit 2
 fi
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)

@@ -101,14 +101,6 @@ pub struct TrainOptions {
     pub(crate) inject_panic: Option<(u32, String)>,
 }
 
-/// Does any op pass context parallelism's keys and values around a ring?
-fn ring_planned(plan: &Plan) -> bool {
-    plan.devices
-        .iter()
-        .flat_map(|d| d.streams.iter().flat_map(|s| s.ops.iter()))
-        .any(|o| o.cp_ring)
-}
-
 /// Kernel threads per device when none are asked for: this machine's cores
 /// shared among the devices of this process and the processes of this job
 /// on this machine (Open MPI's and MPICH's local rank count), at least 1.
@@ -428,13 +420,6 @@ impl Trainer {
             return Err(RuntimeError::Plan(format!(
                 "it counts bytes in precision {} but the run is set to {}",
                 plan.precision, cfg.precision
-            )));
-        }
-        if !matches!(opts.backend, backend::BackendKind::Cpu) && ring_planned(&plan) {
-            return Err(RuntimeError::Plan(format!(
-                "context parallelism's ring runs on the CPU backend so far, not the {} \
-                 backend: give `cp:exchange=all-gather`",
-                opts.backend.name()
             )));
         }
         crate::compile::check_deadlock(&plan.devices)

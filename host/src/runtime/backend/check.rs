@@ -370,6 +370,100 @@ fn bf16_storage<R: Backend, B: Backend>(
     k.record("bf16 linear backward weight", 1e-4, &[&dw, &db])
 }
 
+/// Context parallelism's ring on rank 1 of 2 (its rows `held`): a forward
+/// over its own block then rank 0's (whose keys at 0..17 every held row
+/// sees and whose keys at 51..68 none does), and the backward through both.
+fn ring_steps<R: Backend, B: Backend>(
+    k: &mut Bench<'_, R, B>,
+    rng: &mut Rng,
+    (bb, c, nh): (usize, usize, usize),
+    held: SeqRows,
+) -> Result<(), BackendError> {
+    let other = SeqRows::balanced(held.chunk * 4, 2, 0);
+    let (tr, tk) = (held.len(), other.len());
+    let q = k.pair(&rng.vec(bb * tr * 3 * c, 1.0))?;
+    let own = k.pair(&rng.vec(bb * tr * 3 * c, 1.0))?;
+    let theirs = k.pair(&rng.vec(bb * tk * 3 * c, 1.0))?;
+    let (mut out, mut lse) = (
+        k.pair(&vec![0.0; bb * tr * c])?,
+        k.pair(&vec![0.0; bb * nh * tr])?,
+    );
+    k.run(
+        |r| {
+            r.flash_ring_forward(
+                &mut out.r,
+                &mut lse.r,
+                &q.r,
+                &own.r,
+                bb,
+                c,
+                nh,
+                (held, held),
+                true,
+            );
+            let step = (held, other);
+            r.flash_ring_forward(
+                &mut out.r, &mut lse.r, &q.r, &theirs.r, bb, c, nh, step, false,
+            );
+        },
+        |g| {
+            g.flash_ring_forward(
+                &mut out.b,
+                &mut lse.b,
+                &q.b,
+                &own.b,
+                bb,
+                c,
+                nh,
+                (held, held),
+                true,
+            );
+            let step = (held, other);
+            g.flash_ring_forward(
+                &mut out.b, &mut lse.b, &q.b, &theirs.b, bb, c, nh, step, false,
+            );
+        },
+    )?;
+    k.record("flash_ring_forward (2 steps)", FP32, &[&out, &lse])?;
+    let dout = k.pair(&rng.vec(bb * tr * c, 0.5))?;
+    let mut dq = k.pair(&vec![0.0; bb * tr * 3 * c])?;
+    let mut d_own = k.pair(&vec![0.0; bb * tr * 3 * c])?;
+    let mut d_theirs = k.pair(&vec![0.0; bb * tk * 3 * c])?;
+    k.run(
+        |r| {
+            let kept = (&out.r, &lse.r);
+            let steps = [
+                (&own.r, &mut d_own.r, held),
+                (&theirs.r, &mut d_theirs.r, other),
+            ];
+            for (kv, dkv, rows) in steps {
+                let step = (held, rows);
+                r.flash_ring_backward(
+                    &mut dq.r, dkv, &dout.r, &q.r, kv, kept.0, kept.1, bb, c, nh, step,
+                );
+            }
+        },
+        |g| {
+            let kept = (&out.b, &lse.b);
+            let steps = [
+                (&own.b, &mut d_own.b, held),
+                (&theirs.b, &mut d_theirs.b, other),
+            ];
+            for (kv, dkv, rows) in steps {
+                let step = (held, rows);
+                g.flash_ring_backward(
+                    &mut dq.b, dkv, &dout.b, &q.b, kv, kept.0, kept.1, bb, c, nh, step,
+                );
+            }
+        },
+    )?;
+    k.record(
+        "flash_ring_backward (2 steps)",
+        FP32,
+        &[&dq, &d_own, &d_theirs],
+    )
+}
+
 /// Shapes of the dense checks: `(sequences, tokens, d_model, heads,
 /// vocabulary, linear width)`.
 type DenseShape = (usize, usize, usize, usize, usize, usize);
@@ -578,7 +672,7 @@ fn layer_kernels<R: Backend, B: Backend>(
     )?;
     k.record("flash_attention_backward", FP32, &[&fl_dqkv])?;
     // Context parallelism's chunks: rank 1 of 2 holds positions 17..34
-    // and 51..68 of t = 70 (chunks of 17).
+    // and 34..51 of t = 70 (chunks of 17; rank 0 holds 0..17 and 51..68).
     let held = SeqRows::balanced(68, 2, 1);
     let tr = held.len();
     let (mut cp_out, mut cp_lse) = (
@@ -629,6 +723,7 @@ fn layer_kernels<R: Backend, B: Backend>(
         },
     )?;
     k.record("flash_attention_backward (chunks)", FP32, &[&cp_dqkv])?;
+    ring_steps(k, rng, (bb, c, nh), held)?;
 
     // Elementwise.
     let mut ge = k.pair(&vec![0.0; n * c])?;

@@ -234,6 +234,9 @@ pub struct Kernels {
     pub qkv_unpack_backward: CudaFunction,
     pub token_embedding_forward: CudaFunction,
     pub col_finish: CudaFunction,
+    pub ring_forward: CudaFunction,
+    pub ring_backward_dq: CudaFunction,
+    pub ring_backward_dkv: CudaFunction,
     pub bf16_widen: CudaFunction,
     pub bf16_narrow: CudaFunction,
 }
@@ -296,6 +299,9 @@ impl Kernels {
             qkv_unpack_backward: f("attention", "qkv_unpack_backward")?,
             token_embedding_forward: f("embedding", "token_embedding_forward")?,
             col_finish: f("elementwise", "col_finish")?,
+            ring_forward: f("attention", "ring_forward")?,
+            ring_backward_dq: f("attention", "ring_backward_dq")?,
+            ring_backward_dkv: f("attention", "ring_backward_dkv")?,
             bf16_widen: f("elementwise", "bf16_widen")?,
             bf16_narrow: f("elementwise", "bf16_narrow")?,
         })
@@ -353,7 +359,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 46);
+        assert_eq!(kernels, 2 * 49);
     }
 
     /// One kernel as ptxas assembled it.
@@ -449,7 +455,7 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(kernels, 2 * 46);
+        assert_eq!(kernels, 2 * 49);
     }
 
     /// The report's parser reads registers and spills per entry.
@@ -502,7 +508,7 @@ ptxas info    : Used 18 registers, used 1 barriers\n";
                 }
             }
         }
-        assert_eq!(kernels, 2 * 46);
+        assert_eq!(kernels, 2 * 49);
         let e = compile_cubin(
             "broken",
             "extern \"C\" __global__ void f(float* x) { x[0] = y; }",

@@ -552,12 +552,6 @@ fn seq_rows(h: SeqRows) -> (i32, i32, i32, i32) {
     )
 }
 
-/// Context parallelism's ring kernels are the CPU backend's so far.
-fn ring_not_built() -> String {
-    "context parallelism's ring runs on the CPU backend so far: give `cp:exchange=all-gather`"
-        .into()
-}
-
 impl Backend for Cuda {
     type Tensor = GpuTensor;
     type Ids = GpuIds;
@@ -1703,50 +1697,146 @@ impl Backend for Cuda {
     }
     fn flash_ring_forward(
         &self,
-        _out: &mut GpuTensor,
-        _lse: &mut GpuTensor,
-        _q: &GpuTensor,
-        _kv: &GpuTensor,
-        _b: usize,
-        _c: usize,
-        _nh: usize,
-        _rows: (SeqRows, SeqRows),
-        _first: bool,
+        out: &mut GpuTensor,
+        lse: &mut GpuTensor,
+        q: &GpuTensor,
+        kv: &GpuTensor,
+        b: usize,
+        c: usize,
+        nh: usize,
+        (qrows, krows): (SeqRows, SeqRows),
+        first: bool,
     ) {
-        let _out = &mut self.wr(_out);
-        let _lse = &mut self.wr(_lse);
-        let _q = &self.rd(_q);
-        let _kv = &self.rd(_kv);
+        let out = &mut self.wr(out);
+        let lse = &mut self.wr(lse);
+        let q = &self.rd(q);
+        let kv = &self.rd(kv);
         if self.broken() {
             return;
         }
-        self.fail("flash_ring_forward", ring_not_built());
+        if b * qrows.len() == 0 || krows.is_empty() {
+            return;
+        }
+        let hs = c / nh;
+        if hs > BLOCK as usize {
+            return self.fail(
+                "flash_ring_forward",
+                format!("heads of {hs} channels (at most {BLOCK})"),
+            );
+        }
+        let st = self.q();
+        let (tr, qc, q0, q1) = seq_rows(qrows);
+        let (tk, kc, k0, k1) = seq_rows(krows);
+        launch!(
+            self,
+            st,
+            ring_forward,
+            rows(b * nh * qrows.len()),
+            [
+                sm(out),
+                sm(lse),
+                s(q),
+                s(kv),
+                &i32n(nh),
+                &i32n(hs),
+                &tr,
+                &qc,
+                &q0,
+                &q1,
+                &tk,
+                &kc,
+                &k0,
+                &k1,
+                &i32::from(first)
+            ]
+        );
     }
     fn flash_ring_backward(
         &self,
-        _dq: &mut GpuTensor,
-        _dkv: &mut GpuTensor,
-        _dout: &GpuTensor,
-        _q: &GpuTensor,
-        _kv: &GpuTensor,
-        _out: &GpuTensor,
-        _lse: &GpuTensor,
-        _b: usize,
-        _c: usize,
-        _nh: usize,
-        _rows: (SeqRows, SeqRows),
+        dq: &mut GpuTensor,
+        dkv: &mut GpuTensor,
+        dout: &GpuTensor,
+        q: &GpuTensor,
+        kv: &GpuTensor,
+        out: &GpuTensor,
+        lse: &GpuTensor,
+        b: usize,
+        c: usize,
+        nh: usize,
+        (qrows, krows): (SeqRows, SeqRows),
     ) {
-        let _dq = &mut self.wr(_dq);
-        let _dkv = &mut self.wr(_dkv);
-        let _dout = &self.rd(_dout);
-        let _q = &self.rd(_q);
-        let _kv = &self.rd(_kv);
-        let _out = &self.rd(_out);
-        let _lse = &self.rd(_lse);
+        let dq = &mut self.wr(dq);
+        let dkv = &mut self.wr(dkv);
+        let dout = &self.rd(dout);
+        let q = &self.rd(q);
+        let kv = &self.rd(kv);
+        let out = &self.rd(out);
+        let lse = &self.rd(lse);
         if self.broken() {
             return;
         }
-        self.fail("flash_ring_backward", ring_not_built());
+        if b * qrows.len() == 0 || krows.is_empty() {
+            return;
+        }
+        let hs = c / nh;
+        if hs > BLOCK as usize {
+            return self.fail(
+                "flash_ring_backward",
+                format!("heads of {hs} channels (at most {BLOCK})"),
+            );
+        }
+        let st = self.q();
+        let (tr, qc, q0, q1) = seq_rows(qrows);
+        let (tk, kc, k0, k1) = seq_rows(krows);
+        let (nhi, hsi) = (i32n(nh), i32n(hs));
+        launch!(
+            self,
+            st,
+            ring_backward_dq,
+            rows(b * nh * qrows.len()),
+            [
+                sm(dq),
+                s(dout),
+                s(q),
+                s(kv),
+                s(out),
+                s(lse),
+                &nhi,
+                &hsi,
+                &tr,
+                &qc,
+                &q0,
+                &q1,
+                &tk,
+                &kc,
+                &k0,
+                &k1
+            ]
+        );
+        launch!(
+            self,
+            st,
+            ring_backward_dkv,
+            rows(b * nh * krows.len()),
+            [
+                sm(dkv),
+                s(dout),
+                s(q),
+                s(kv),
+                s(out),
+                s(lse),
+                &nhi,
+                &hsi,
+                &tr,
+                &qc,
+                &q0,
+                &q1,
+                &tk,
+                &kc,
+                &k0,
+                &k1
+            ]
+        );
     }
     fn qkv_pack(
         &self,

@@ -302,3 +302,153 @@ extern "C" __global__ void flash_backward_dkv(float* dqkv, const float* dout, co
         dqkv[at + 2 * c] += dv;
     }
 }
+
+// Context parallelism's ring (the CPU's `cpu::ring`): the held query rows of
+// q[b,tr,3c] meet one block of keys and values kv[b,tk,3c] at a time, each
+// side's rows at their positions in the whole sequence (one or two chunks:
+// `flash_pos`); a key counts for a query at or after it. A block per
+// (sequence, head, row), as the kernels above.
+
+// scale * q_r . k_jj of head h of sequence bi, q and k in their own tensors.
+__device__ float ring_score(const float* q, const float* kv, int bi, int h, int r, int jj, int tr,
+                            int tk, int c, int hs, float scale) {
+    const float* qr = q + ((i64)bi * tr + r) * 3 * c + h * hs;
+    const float* kj = kv + ((i64)bi * tk + jj) * 3 * c + c + h * hs;
+    float s = 0.0f;
+    for (int d = 0; d < hs; d++) s += qr[d] * kj[d];
+    return s * scale;
+}
+
+// One forward step: the block's attention merged into out[b,tr,c] and
+// lse[b,nh,tr] by log-sum-exp (`first`: nothing merged yet, so the old
+// output weighs nothing). A row that sees no key of the block is left as
+// it was (zero and -inf on the first step).
+extern "C" __global__ void ring_forward(float* out, float* lse, const float* q, const float* kv,
+                                        int nh, int hs, int tr, int qchunk, int q0, int q1, int tk,
+                                        int kchunk, int k0, int k1, int first) {
+    __shared__ float p[BLOCK];
+    i64 row = blockIdx.x;
+    int r = (int)(row % tr), bh = (int)(row / tr), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int i = flash_pos(r, qchunk, q0, q1);
+    float scale = 1.0f / sqrtf((float)hs);
+    i64 o = ((i64)bi * tr + r) * c + h * hs;
+    float mx = NEG_INF;
+    for (int jj = threadIdx.x; jj < tk; jj += BLOCK)
+        if (flash_pos(jj, kchunk, k0, k1) <= i)
+            mx = fmaxf(mx, ring_score(q, kv, bi, h, r, jj, tr, tk, c, hs, scale));
+    mx = block_max(mx);
+    if (mx == NEG_INF) {
+        if (first) {
+            if (threadIdx.x < hs) out[o + threadIdx.x] = 0.0f;
+            if (threadIdx.x == 0) lse[row] = NEG_INF;
+        }
+        return;
+    }
+    float m_old = first ? NEG_INF : lse[row];
+    float m = fmaxf(m_old, mx);
+    float s = 0.0f;
+    for (int jj = threadIdx.x; jj < tk; jj += BLOCK)
+        if (flash_pos(jj, kchunk, k0, k1) <= i)
+            s += exp_small(fmaxf(ring_score(q, kv, bi, h, r, jj, tr, tk, c, hs, scale) - m, -80.0f));
+    s = block_sum(s);
+    float alpha = m_old == NEG_INF ? 0.0f : exp_small(fmaxf(m_old - m, -80.0f));
+    float total = alpha + s;
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < tk; j0 += BLOCK) {
+        int jj = j0 + threadIdx.x;
+        p[threadIdx.x] = jj < tk && flash_pos(jj, kchunk, k0, k1) <= i
+                             ? exp_small(fmaxf(ring_score(q, kv, bi, h, r, jj, tr, tk, c, hs, scale) - m, -80.0f))
+                             : 0.0f;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, tk - j0);
+            for (int jq = 0; jq < n; jq++)
+                acc += p[jq] * kv[((i64)bi * tk + j0 + jq) * 3 * c + 2 * c + h * hs + threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) {
+        float old = first ? 0.0f : out[o + threadIdx.x];
+        out[o + threadIdx.x] = (old * alpha + acc) / total;
+    }
+    if (threadIdx.x == 0) lse[row] = m + logf(total);
+}
+
+// One backward step, queries: dq[b,tr,3c] (its q part) += the block's share,
+// from the rows' final out and lse.
+extern "C" __global__ void ring_backward_dq(float* dq, const float* dout, const float* q,
+                                            const float* kv, const float* out, const float* lse,
+                                            int nh, int hs, int tr, int qchunk, int q0, int q1,
+                                            int tk, int kchunk, int k0, int k1) {
+    __shared__ float ds[BLOCK];
+    i64 row = blockIdx.x;
+    int r = (int)(row % tr), bh = (int)(row / tr), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int i = flash_pos(r, qchunk, q0, q1);
+    float scale = 1.0f / sqrtf((float)hs);
+    const float* g = dout + ((i64)bi * tr + r) * c + h * hs;
+    float dd = flash_dot(g, out + ((i64)bi * tr + r) * c + h * hs, hs);
+    float l = lse[row];
+    float acc = 0.0f;
+    for (int j0 = 0; j0 < tk; j0 += BLOCK) {
+        int jj = j0 + threadIdx.x;
+        float v = 0.0f;
+        if (jj < tk && flash_pos(jj, kchunk, k0, k1) <= i) {
+            float pj = exp_small(fmaxf(ring_score(q, kv, bi, h, r, jj, tr, tk, c, hs, scale) - l, -80.0f));
+            float dp = flash_dot(g, kv + ((i64)bi * tk + jj) * 3 * c + 2 * c + h * hs, hs);
+            v = pj * (dp - dd) * scale;
+        }
+        ds[threadIdx.x] = v;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, tk - j0);
+            for (int jq = 0; jq < n; jq++)
+                acc += ds[jq] * kv[((i64)bi * tk + j0 + jq) * 3 * c + c + h * hs + threadIdx.x];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) dq[((i64)bi * tr + r) * 3 * c + h * hs + threadIdx.x] += acc;
+}
+
+// One backward step, keys and values: dkv[b,tk,3c] (its k and v parts) +=
+// the gradients through the block's keys, a block per (sequence, head, key).
+extern "C" __global__ void ring_backward_dkv(float* dkv, const float* dout, const float* q,
+                                             const float* kv, const float* out, const float* lse,
+                                             int nh, int hs, int tr, int qchunk, int q0, int q1,
+                                             int tk, int kchunk, int k0, int k1) {
+    __shared__ float p[BLOCK];
+    __shared__ float ds[BLOCK];
+    i64 row = blockIdx.x;
+    int jj = (int)(row % tk), bh = (int)(row / tk), bi = bh / nh, h = bh % nh, c = nh * hs;
+    int j = flash_pos(jj, kchunk, k0, k1);
+    float scale = 1.0f / sqrtf((float)hs);
+    const float* vj = kv + ((i64)bi * tk + jj) * 3 * c + 2 * c + h * hs;
+    float dk = 0.0f, dv = 0.0f;
+    for (int r0 = 0; r0 < tr; r0 += BLOCK) {
+        int r = r0 + threadIdx.x;
+        float pi = 0.0f, dsi = 0.0f;
+        if (r < tr && flash_pos(r, qchunk, q0, q1) >= j) {
+            const float* g = dout + ((i64)bi * tr + r) * c + h * hs;
+            float dd = flash_dot(g, out + ((i64)bi * tr + r) * c + h * hs, hs);
+            pi = exp_small(fmaxf(ring_score(q, kv, bi, h, r, jj, tr, tk, c, hs, scale) -
+                                     lse[(i64)bh * tr + r],
+                                 -80.0f));
+            dsi = pi * (flash_dot(g, vj, hs) - dd) * scale;
+        }
+        p[threadIdx.x] = pi;
+        ds[threadIdx.x] = dsi;
+        __syncthreads();
+        if (threadIdx.x < hs) {
+            int n = min(BLOCK, tr - r0);
+            for (int ii = 0; ii < n; ii++) {
+                dk += ds[ii] * q[((i64)bi * tr + r0 + ii) * 3 * c + h * hs + threadIdx.x];
+                dv += p[ii] * dout[((i64)bi * tr + r0 + ii) * c + h * hs + threadIdx.x];
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x < hs) {
+        i64 at = ((i64)bi * tk + jj) * 3 * c + h * hs + threadIdx.x;
+        dkv[at + c] += dk;
+        dkv[at + 2 * c] += dv;
+    }
+}
