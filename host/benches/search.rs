@@ -12,11 +12,12 @@
 //! 256) the best candidate
 //! beside the best of the compositions that existed before data
 //! parallelism composed with tensor parallelism (no `dp`/`zero` with `tp`),
-//! with the ratio of their tokens/s.
+//! with the ratio of their tokens/s. Every model in bf16 (bf16 parameters,
+//! activations and messages, fp32 reductions), as GPU runs train.
 
 use piper::compile::compile;
 use piper::dag::{Cluster as DagCluster, TrainingDag};
-use piper::model::{ModelConfig, MoeConfig};
+use piper::model::{ModelConfig, MoeConfig, Precision};
 use piper::plugin::{PluginHost, SandboxLimits};
 use piper::search::space::{self, Candidate, Step};
 use piper::search::{self, Outcome, Query};
@@ -43,6 +44,7 @@ fn llama3_8b_like() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: None,
+        precision: Precision::BF16,
         ..Default::default()
     }
 }
@@ -64,6 +66,7 @@ fn qwen3_30b_a3b_like() -> ModelConfig {
         layers_per_region: 1,
         regions: None,
         moe: Some(moe),
+        precision: Precision::BF16,
         ..Default::default()
     }
 }
@@ -74,6 +77,7 @@ fn llama(file: &str) -> ModelConfig {
     let path = format!("{}/../examples/models/{file}", env!("CARGO_MANIFEST_DIR"));
     ModelConfig {
         seq_len: 2048,
+        precision: Precision::BF16,
         ..ModelConfig::from_name_or_file(&path).unwrap()
     }
 }

@@ -393,6 +393,17 @@ impl Cuda {
         launch!(self, q, bf16_narrow, elems(n), [dst, src, &i64n(n)]);
     }
 
+    /// The channels of a head for the attention kernels (a thread per
+    /// channel: at most [`BLOCK`]), or the failure kept for `op`.
+    fn head_width(&self, op: &str, c: usize, nh: usize) -> Option<usize> {
+        let hs = c / nh;
+        if hs > BLOCK as usize {
+            self.fail(op, format!("heads of {hs} channels (at most {BLOCK})"));
+            return None;
+        }
+        Some(hs)
+    }
+
     /// The second stage of a column sum: `dst[j] += Σ_p partial[p, j]`, the
     /// chunks in order.
     fn finish_columns(
@@ -1591,13 +1602,9 @@ impl Backend for Cuda {
         if b * held.len() == 0 {
             return;
         }
-        let hs = c / nh;
-        if hs > BLOCK as usize {
-            return self.fail(
-                "flash_attention_forward",
-                format!("heads of {hs} channels (at most {BLOCK})"),
-            );
-        }
+        let Some(hs) = self.head_width("flash_attention_forward", c, nh) else {
+            return;
+        };
         let q = self.q();
         let (ti, nhi, hsi) = (i32n(t), i32n(nh), i32n(hs));
         let (tr, ch, s0, s1) = seq_rows(held);
@@ -1644,13 +1651,9 @@ impl Backend for Cuda {
         if b * held.len() == 0 {
             return;
         }
-        let hs = c / nh;
-        if hs > BLOCK as usize {
-            return self.fail(
-                "flash_attention_backward",
-                format!("heads of {hs} channels (at most {BLOCK})"),
-            );
-        }
+        let Some(hs) = self.head_width("flash_attention_backward", c, nh) else {
+            return;
+        };
         let q = self.q();
         let (ti, nhi, hsi) = (i32n(t), i32n(nh), i32n(hs));
         let (tr, ch, s0, s1) = seq_rows(held);
@@ -1717,13 +1720,9 @@ impl Backend for Cuda {
         if b * qrows.len() == 0 || krows.is_empty() {
             return;
         }
-        let hs = c / nh;
-        if hs > BLOCK as usize {
-            return self.fail(
-                "flash_ring_forward",
-                format!("heads of {hs} channels (at most {BLOCK})"),
-            );
-        }
+        let Some(hs) = self.head_width("flash_ring_forward", c, nh) else {
+            return;
+        };
         let st = self.q();
         let (tr, qc, q0, q1) = seq_rows(qrows);
         let (tk, kc, k0, k1) = seq_rows(krows);
@@ -1778,13 +1777,9 @@ impl Backend for Cuda {
         if b * qrows.len() == 0 || krows.is_empty() {
             return;
         }
-        let hs = c / nh;
-        if hs > BLOCK as usize {
-            return self.fail(
-                "flash_ring_backward",
-                format!("heads of {hs} channels (at most {BLOCK})"),
-            );
-        }
+        let Some(hs) = self.head_width("flash_ring_backward", c, nh) else {
+            return;
+        };
         let st = self.q();
         let (tr, qc, q0, q1) = seq_rows(qrows);
         let (tk, kc, k0, k1) = seq_rows(krows);
