@@ -216,6 +216,11 @@ fn bf16_on_2_ranks_is_one_process() {
             "1f1b:microbatches=4",
         ],
     );
+    same_as_one_process(
+        "bf16-zero3",
+        2,
+        &[&["--precision", "bf16"][..], &ZERO3_1F1B].concat(),
+    );
     let config = home("bf16-reduce-config").join("run.toml");
     std::fs::write(
         &config,

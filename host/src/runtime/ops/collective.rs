@@ -12,7 +12,7 @@ use crate::compile::plan::{Collective, Op, TensorKind};
 use crate::model::Dtype;
 use crate::runtime::backend::{Backend, ParamId, ParamMap};
 use crate::runtime::buffers::{Buf, Reserved};
-use crate::runtime::comm::{in_op_key, packed};
+use crate::runtime::comm::packed;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
 
@@ -158,7 +158,7 @@ pub(super) fn reduce_grads<B: Backend>(
     let flat = dev.b.download_owned(contrib).map_err(fail)?;
     let what = op.kind().as_str();
     if scatter {
-        let key = scatter_key(dev, op, 0)?;
+        let key = reduction_key(dev, op, 0)?;
         let shard =
             packed::reduce_scatter(ctx.comm, (what, key), group, dev.id, flat, &lens, dev.grad)
                 .map_err(|e| comm_error(dev, op, e))?;
@@ -167,7 +167,7 @@ pub(super) fn reduce_grads<B: Backend>(
             false => super::zero::write_grad_shard(dev, op, &shard),
         };
     }
-    let keys = (scatter_key(dev, op, 0)?, scatter_key(dev, op, 1)?);
+    let keys = (reduction_key(dev, op, 0)?, reduction_key(dev, op, 1)?);
     let sum = packed::all_reduce(ctx.comm, what, keys, group, dev.id, flat, dev.grad)
         .map_err(|e| comm_error(dev, op, e))?;
     if per_microbatch && tied {
@@ -192,15 +192,9 @@ pub(super) fn reduce_grads<B: Backend>(
 /// The key of a gradient reduction's exchange `phase`: the plan node's own
 /// in fp32 (one collective), in-op keys in bf16 (two exchanges: see
 /// `comm::packed`).
-fn scatter_key<B: Backend>(dev: &Device<B>, op: &Op, phase: u32) -> Result<u32, RuntimeError> {
-    if dev.grad == Dtype::F32 {
-        return Ok(op.node);
+fn reduction_key<B: Backend>(dev: &Device<B>, op: &Op, phase: u32) -> Result<u32, RuntimeError> {
+    match dev.grad {
+        Dtype::F32 => Ok(op.node),
+        _ => super::compute::in_op(op, phase).map_err(|e| dev.backend_error(op, e)),
     }
-    in_op_key(op.node, phase).ok_or_else(|| {
-        let why = format!(
-            "node {} is past what a bf16 reduction's keys hold (nodes < 2^20)",
-            op.node
-        );
-        dev.backend_error(op, crate::runtime::backend::BackendError::Exchange(why))
-    })
 }

@@ -560,7 +560,7 @@ fn gather_shares<B: Backend>(
         .map_err(fail)
 }
 
-fn in_op(op: &Op, phase: u32) -> Result<u32, BackendError> {
+pub(super) fn in_op(op: &Op, phase: u32) -> Result<u32, BackendError> {
     in_op_key(op.node, phase).ok_or_else(|| {
         BackendError::Exchange(format!(
             "node {} or exchange {phase} past what in-op keys hold (nodes < 2^20, 1024 exchanges an op)",

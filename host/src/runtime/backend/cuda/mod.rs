@@ -351,6 +351,12 @@ impl Cuda {
         if let Some(e) = self.failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
             return Err(BackendError::Device(e));
         }
+        // Reported once above; every later call says kernels stopped.
+        if self.broken() {
+            return Err(BackendError::Device(
+                "an earlier failure on this device stopped its kernels".into(),
+            ));
+        }
         self.gpu
             .ctx
             .check_err()
@@ -629,7 +635,7 @@ impl Backend for Cuda {
     }
 
     fn len(t: &GpuTensor) -> usize {
-        t.0.as_ref().map_or(0, |s| s.len())
+        t.elems()
     }
     fn bytes(t: &GpuTensor) -> u64 {
         Self::len(t) as u64 * Self::dtype(t).bytes()

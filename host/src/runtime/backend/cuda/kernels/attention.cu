@@ -162,14 +162,20 @@ extern "C" __global__ void qkv_unpack_backward(float* dq, float* dk, float* dv, 
 // BLOCK, checked by the caller) adding the chunk into its sum. Sums run in
 // a fixed order: the same bits every run.
 
-// scale * q_i . k_j of head h of sequence bi.
+// scale * q_r . k_jj of head h of sequence bi, q and k in their own tensors.
+__device__ float ring_score(const float* q, const float* kv, int bi, int h, int r, int jj, int tr,
+                            int tk, int c, int hs, float scale) {
+    const float* qr = q + ((i64)bi * tr + r) * 3 * c + h * hs;
+    const float* kj = kv + ((i64)bi * tk + jj) * 3 * c + c + h * hs;
+    float s = 0.0f;
+    for (int d = 0; d < hs; d++) s += qr[d] * kj[d];
+    return s * scale;
+}
+
+// scale * q_i . k_j of head h of sequence bi, both in qkv.
 __device__ float flash_score(const float* qkv, int bi, int h, int i, int j, int t, int c, int hs,
                              float scale) {
-    const float* q = qkv + ((i64)bi * t + i) * 3 * c + h * hs;
-    const float* k = qkv + ((i64)bi * t + j) * 3 * c + c + h * hs;
-    float s = 0.0f;
-    for (int d = 0; d < hs; d++) s += q[d] * k[d];
-    return s * scale;
+    return ring_score(qkv, qkv, bi, h, i, j, t, t, c, hs, scale);
 }
 
 // dO_i . v_j, or dO_i . O_i with `v` = out.
@@ -309,15 +315,6 @@ extern "C" __global__ void flash_backward_dkv(float* dqkv, const float* dout, co
 // `flash_pos`); a key counts for a query at or after it. A block per
 // (sequence, head, row), as the kernels above.
 
-// scale * q_r . k_jj of head h of sequence bi, q and k in their own tensors.
-__device__ float ring_score(const float* q, const float* kv, int bi, int h, int r, int jj, int tr,
-                            int tk, int c, int hs, float scale) {
-    const float* qr = q + ((i64)bi * tr + r) * 3 * c + h * hs;
-    const float* kj = kv + ((i64)bi * tk + jj) * 3 * c + c + h * hs;
-    float s = 0.0f;
-    for (int d = 0; d < hs; d++) s += qr[d] * kj[d];
-    return s * scale;
-}
 
 // One forward step: the block's attention merged into out[b,tr,c] and
 // lse[b,nh,tr] by log-sum-exp (`first`: nothing merged yet, so the old
