@@ -415,6 +415,106 @@ fn experts_compose_with_zero_2_and_3_at_one_devices_losses() {
     }
 }
 
+/// Context parallelism on a MoE model: the expert segments hold each
+/// member's chunks of its sequences as attention does, `ep` after `cp`
+/// spreads the experts over the data- and context-parallel replicas
+/// together (Megatron's expert-data-parallel group spans dp × cp), and the
+/// sequence-wise balance loss sums each sequence's statistics over the
+/// context-parallel group. Alone, with dp, tp, ZeRO-3 and 1F1B, split into
+/// phases or exchanging inside the op: one device's losses, step-1
+/// gradients equal, every device at work, sent bytes the plan's. `cp` after
+/// `ep` is refused with the order that works.
+#[test]
+fn context_and_expert_parallelism_compose_at_one_devices_losses() {
+    use piper::model::{Attention, ModelConfig};
+    let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
+    let cfg = ModelConfig {
+        attention: Attention::Flash,
+        ..small_moe()
+    };
+    let base = one_device(&host, &cfg, 10);
+    let cp2: &[(&str, &str)] = &[("cp", "2")];
+    let cases: [(&str, u32, usize, Strategy); 5] = [
+        ("cp (experts replicated)", 2, 1, &[("cp", cp2)]),
+        ("cp×ep", 2, 2, &[("cp", cp2), ("ep", &[])]),
+        (
+            "cp×dp×ep (in the op)",
+            4,
+            4,
+            &[
+                ("cp", cp2),
+                ("dp", &[("degree", "2")]),
+                ("ep", &[("stream", "compute")]),
+            ],
+        ),
+        (
+            "tp×cp×ep",
+            4,
+            4,
+            &[("tp", &[("tp", "2")]), ("cp", cp2), ("ep", &[])],
+        ),
+        (
+            "zero3×cp×ep×1f1b",
+            8,
+            4,
+            &[
+                ("zero", &[("stage", "3"), ("dp", "2")]),
+                ("cp", cp2),
+                ("ep", &[]),
+                ("1f1b", &[("microbatches", "4")]),
+            ],
+        ),
+    ];
+    for (name, devices, ep, strategy) in cases {
+        let plan = plan_with(&host, &cfg, devices, strategy).unwrap();
+        let experts: Vec<_> = (plan.devices.iter())
+            .flat_map(|d| d.streams.iter().flat_map(|s| &s.ops))
+            .filter(|o| o.kind().is_compute() && o.tags.contains_key("EP"))
+            .collect();
+        assert!(!experts.is_empty(), "{name}: no expert pass");
+        for o in experts {
+            assert_eq!(o.cp, 2, "{name}: an expert pass holds whole sequences");
+            let spread = (o.spread == Some(Spread::Experts)).then(|| o.group().map(|g| g.len()));
+            assert_eq!(spread.flatten().unwrap_or(1), ep, "{name}: EP degree");
+        }
+        let run = train(&host, &cfg, devices, strategy, 10);
+        assert!(run.peak_bytes.iter().all(|b| *b > 0), "{name}: idle device");
+        assert_same_training(name, &run, &base);
+        // The rows each device sends depend on where its tokens go: at
+        // step 1, the router near its even start, they are what the plan
+        // counts.
+        let sent = train(&host, &cfg, devices, strategy, 1).sent_bytes;
+        for (d, want) in plan.predicted_sent_bytes().iter().enumerate() {
+            let got = sent[d] as f64;
+            assert!(
+                (got / *want as f64 - 1.0).abs() < 0.02,
+                "{name}: device {d} sent {got} bytes, the plan says {want}"
+            );
+        }
+    }
+    step1_grads_match_one_device(
+        &host,
+        &cfg,
+        &[
+            (
+                "cp×dp×ep",
+                4,
+                &[("cp", cp2), ("dp", &[("degree", "2")]), ("ep", &[])],
+            ),
+            (
+                "tp×cp×ep",
+                4,
+                &[("tp", &[("tp", "2")]), ("cp", cp2), ("ep", &[])],
+            ),
+        ],
+    );
+    let err = plan_with(&host, &cfg, 4, &[("ep", &[("ep", "2")]), ("cp", cp2)]).unwrap_err();
+    assert!(
+        err.contains("apply context-parallel before shard (`cp` before `ep`)"),
+        "{err}"
+    );
+}
+
 /// Tensor parallelism × expert parallelism (Megatron with expert-tensor-
 /// parallel size 1): attention tensor-parallel, each MoE layer's experts
 /// spread over the whole dp × tp mesh, every tensor-parallel rank routing

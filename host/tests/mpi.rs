@@ -236,7 +236,8 @@ fn bf16_on_2_ranks_is_one_process() {
 
 /// Context parallelism across ranks: each attention's ring (cp 2 × dp 2 on
 /// 4 devices) and all-gathers and reduce-scatters (tp 2 × cp 2) span both
-/// ranks, one process's bits.
+/// ranks, and so do a MoE model's expert exchanges under cp × dp × ep: one
+/// process's bits.
 #[test]
 fn context_parallel_on_2_ranks_is_one_process() {
     let model = concat!(
@@ -269,6 +270,28 @@ fn context_parallel_on_2_ranks_is_one_process() {
             "tp:tp=2",
             "--strategy",
             "cp:cp=2",
+        ],
+    );
+    // Experts spread over dp × cp: the all-to-alls and the sums of the
+    // sequences' balance statistics cross the ranks.
+    let moe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/models/tiny-moe-cp.toml"
+    );
+    same_as_one_process(
+        "cp2-dp2-ep",
+        2,
+        &[
+            "--model",
+            moe,
+            "--devices",
+            "4",
+            "--strategy",
+            "cp:cp=2",
+            "--strategy",
+            "dp",
+            "--strategy",
+            "ep",
         ],
     );
 }

@@ -1074,6 +1074,9 @@ impl TrainingDag {
     /// replicated, `context-parallel` adds that reduction (bucketed at 25
     /// MiB on `stream`), and `replicate` afterwards (`dp`, `zero`) lays the
     /// whole tp × cp block on each of its replicas and sets its own.
+    /// Expert segments hold the same chunks (routing is per token; their
+    /// balance loss sums each sequence's statistics over the group), and
+    /// `shard` afterwards spreads their experts over the whole mesh.
     /// Apply after `shard-tensor` and before `shard` and `recompute`;
     /// `stream` names where the exchanges belong (they run inside the
     /// attention, as tensor parallelism's do). Returns how many nodes it
@@ -1126,7 +1129,6 @@ impl TrainingDag {
             .unwrap_or(1);
         self.charge_rewire(&call, &compute, widest.saturating_mul(degree as usize))?;
         self.check_paired(&call, &compute)?;
-        let ep = self.find_tag("EP");
         for id in &compute {
             let node = &self.graph[id.ix()];
             if node.context_parallel.is_some() {
@@ -1136,14 +1138,14 @@ impl TrainingDag {
                     node.cp_degree()
                 ));
             }
-            let experts = ep.is_some_and(|t| node.tags.get(t).is_some())
-                || node
-                    .replica
-                    .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some());
-            if experts {
+            let sharded = node
+                .replica
+                .is_some_and(|r| self.specs[r as usize].expert_parallel.is_some());
+            if sharded {
                 return invalid(format!(
-                    "{} is an expert segment: context parallelism with expert parallelism is not built yet (filter the attention and dense segments, or leave cp out)",
-                    self.label(*id)
+                    "{}'s experts are already sharded over {}: apply context-parallel before shard (`cp` before `ep`), so that the experts spread over the data- and context-parallel replicas together",
+                    self.label(*id),
+                    self.devices_label(*id)
                 ));
             }
         }

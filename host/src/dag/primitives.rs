@@ -673,8 +673,28 @@ impl TrainingDag {
                         / u64::from(n.tp_degree())
                         / div
                 };
-                let cp_bytes =
-                    qkv_elems * (blocks * prec.act_bytes() + grad_blocks * crate::model::F32_BYTES);
+                // An expert layer's forward sums its sequences' balance
+                // statistics over the group (an fp32 all-reduce of two
+                // values per expert and sequence held; a selective
+                // recompute keeps them).
+                let routes = match pass {
+                    super::Pass::F => true,
+                    super::Pass::R => !self.reads_kept(id),
+                    _ => false,
+                };
+                let stats = match (&self.model.moe, phase) {
+                    (Some(moe), None | Some(super::ExpertPhase::Dispatch))
+                        if routes && cp > 1 && seg.expert_block.is_some() =>
+                    {
+                        let seqs = self.model.batch_size as u64 * cp / div / tp as u64;
+                        let values = seqs * 2 * u64::from(moe.experts);
+                        values * crate::model::F32_BYTES * 2 * (cp - 1) / cp
+                    }
+                    _ => 0,
+                };
+                let cp_bytes = stats
+                    + qkv_elems
+                        * (blocks * prec.act_bytes() + grad_blocks * crate::model::F32_BYTES);
                 NodeCost {
                     cp_bytes,
                     flops: flops / div as f64 / tp,
@@ -699,16 +719,23 @@ impl TrainingDag {
                     // activation per sum: two per dense block, one per MoE
                     // attention half, in forward and in backward).
                     // Experts on a tensor-parallel mesh: their share of
-                    // the rows, and half an activation per exchange for
-                    // the all-gather of the shares.
+                    // the rows, and the all-gather of the shares.
                     comm_bytes: match (phase, self.expert_phases, n.replica) {
                         // Sequence parallelism sums the block norms'
                         // gradients in the weight pass (an all-reduce).
                         _ if *pass == super::Pass::BW => self.sp_norm_bytes(n, seg),
                         (_, Some(x), _) if experts_split => {
+                            // Counted as `(g − 1)/g` of two exchanges over
+                            // the mesh's `g` members (how an in-op exchange
+                            // is read): the rows, and the all-gather in
+                            // which each rank sends its share to the
+                            // `tp − 1` others of its group.
                             let m = &self.model;
-                            let act = m.batch_size as u64 * m.seq_len as u64 * m.d_model as u64;
-                            (x.routed_bytes / tp as u64 + act * prec.act_bytes() / 2) / div
+                            let act = m.batch_size as f64 * m.seq_len as f64 * m.d_model as f64;
+                            let g = (n.devices.len() as f64).max(2.0);
+                            let gather = act * prec.act_bytes() as f64 * (tp - 1.0) / tp * g
+                                / (2.0 * (g - 1.0));
+                            (x.routed_bytes / tp as u64 + gather.round() as u64) / div
                         }
                         _ if n.tensor_parallel.is_some() => {
                             let sums = block_halves(&seg.parts);

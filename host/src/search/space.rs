@@ -378,8 +378,7 @@ pub fn enumerate(
         }
         tensor.extend(user(Role::Tensor).into_iter().map(|s| (Some(s), None)));
         // Context parallelism next to tp (the mesh: tp × cp × pp × dp), on
-        // models that run the memory-efficient attention, dense ones (cp
-        // with expert parallelism is not built).
+        // models that run the memory-efficient attention.
         // (tp step, cp degree, tp degree, pipeline positions)
         type Context = (Option<Step>, u32, Option<u32>, Option<u32>);
         let mut contexts: Vec<Context> = Vec::new();
@@ -390,7 +389,7 @@ pub fn enumerate(
                 _ => None,
             };
             contexts.push((tp_step.clone(), 1, *tp, positions));
-            if bundled && !moe && model.flash_attention() {
+            if bundled && model.flash_attention() {
                 for c in divisors(positions.unwrap_or(1)) {
                     if c > 1 && model.seq_len.is_multiple_of(2 * c) {
                         contexts.push((tp_step.clone(), c, *tp, positions.map(|p| p / c)));
@@ -402,8 +401,8 @@ pub fn enumerate(
             let (tp_step, cp, tp, positions) = (tp_step, *cp, tp, *positions);
             let cp_step = (cp > 1).then(|| Step::new("cp", &[("cp", cp.to_string())]));
             // Expert parallelism over the data-parallel group (or every
-            // device; with tensor parallelism, the dp × tp mesh, which
-            // tensor-parallel experts need), MoE models only.
+            // device; with tensor or context parallelism, the dp × tp × cp
+            // mesh, which tensor-parallel experts need), MoE models only.
             let mut experts: Vec<(Option<Step>, u32)> = match tp_step {
                 Some(_) if moe => Vec::new(),
                 _ => vec![(None, 1)],
@@ -411,9 +410,8 @@ pub fn enumerate(
             if moe {
                 if bundled {
                     let e = match (dp, tp) {
-                        (Some(d), Some(t)) if *t > 1 => d * t,
-                        (Some(1), Some(1)) => devices,
-                        (Some(d), Some(1)) => d,
+                        (Some(1), Some(1)) if cp == 1 => devices,
+                        (Some(d), Some(t)) => d * t * cp,
                         _ => 1,
                     };
                     if e > 1 && model.moe.as_ref().is_some_and(|m| m.experts % e == 0) {
@@ -425,7 +423,7 @@ pub fn enumerate(
             for (ep_step, ep) in &experts {
                 // `ep` alone replicates the model over every device.
                 let positions = match (ep_step.is_some(), dp, positions) {
-                    (true, Some(1), Some(_)) if tp_step.is_none() => Some(1),
+                    (true, Some(1), Some(_)) if tp_step.is_none() && cp == 1 => Some(1),
                     (_, _, p) => p,
                 };
                 let head: Vec<Step> = [rep, tp_step, &cp_step, ep_step]
@@ -763,6 +761,24 @@ mod tests {
                 .any(|l| l.contains("tp:tp=") && !l.contains("+ep")),
             "tp without ep on a MoE model"
         );
+        // With the memory-efficient attention, cp joins: experts over the
+        // dp × cp (× tp) mesh.
+        moe.attention = crate::model::Attention::Flash;
+        let all = enumerate(&moe, 8, 8, None);
+        for (want, shape) in [
+            (
+                "zero:stage=1,dp=2+cp:cp=2+ep+1f1b:microbatches=4",
+                (2, 1, 2, 4, 2),
+            ),
+            ("dp:degree=2+tp:tp=2+cp:cp=2+ep", (2, 2, 2, 8, 1)),
+            ("cp:cp=4+ep+1f1b:microbatches=4", (1, 1, 4, 4, 2)),
+        ] {
+            let c = all.iter().find(|c| c.label() == want);
+            let got = c
+                .and_then(|c| c.shape)
+                .map(|s| (s.dp, s.tp, s.cp, s.ep, s.pp));
+            assert_eq!(got, Some(shape), "{want}");
+        }
     }
 
     #[test]

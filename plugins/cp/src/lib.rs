@@ -12,7 +12,8 @@
 //!
 //! Composes on the device mesh of `piper_sdk::mesh`: apply `tp` first (its
 //! groups stay innermost), then `cp`, then `dp` or `zero` (either side of
-//! `cp`: each data-parallel replica gets the whole tp × cp block), then a
+//! `cp`: each data-parallel replica gets the whole tp × cp block), then
+//! `ep` on a MoE model (its experts spread over the dp × cp mesh), a
 //! pipeline and `recompute`. The model must run the memory-efficient
 //! attention (`attention = "flash"`, or `auto` above 1024 tokens) and its
 //! sequence length divide by `2·cp`.

@@ -2,8 +2,8 @@
 //! the devices its expert segment is data-parallel over (EP degree = that
 //! DP degree, DeepSpeed-MoE's and Megatron's `ep = dp` layout): device `i` of
 //! a group of `n` holds experts `i·E/n … (i+1)·E/n − 1`, tokens travel to
-//! their experts and back by all-to-all. Composes with `dp` and `tp` (run
-//! them first: after `tp` the experts spread over the whole dp × tp mesh)
+//! their experts and back by all-to-all. Composes with `dp`, `tp` and `cp`
+//! (run them first: the experts spread over the whole dp × tp × cp mesh)
 //! and the pipeline strategies (before or after): with no data parallelism
 //! yet, `ep` replicates the whole model over `ep` devices itself, spread as
 //! `dp` spreads them, so a pipeline applied next puts stage s on the group

@@ -7,11 +7,14 @@ use crate::model::MoeConfig;
 /// Marks an assignment dropped for capacity.
 pub const DROPPED: u32 = u32::MAX;
 
-/// Shapes of one MoE forward: `n` tokens in sequences of `t`.
+/// Shapes of one MoE forward: `n` tokens in sequences of `t` (this
+/// device's rows of each; `seq` positions in all, more than `t` when a
+/// context-parallel group shares the sequences).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MoeDims {
     pub n: usize,
     pub t: usize,
+    pub seq: usize,
     pub c: usize,
     pub e: usize,
     pub k: usize,
@@ -23,11 +26,16 @@ impl MoeDims {
         MoeDims {
             n,
             t,
+            seq: t,
             c,
             e: moe.experts as usize,
             k: moe.top_k as usize,
             hid: moe.hidden_width(c as u32) as usize,
         }
+    }
+    /// Sequences of `seq` positions of which this device holds `t`.
+    pub fn of_sequences(self, seq: usize) -> Self {
+        MoeDims { seq, ..self }
     }
 }
 

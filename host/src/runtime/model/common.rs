@@ -176,20 +176,39 @@ pub enum Peers<'a, 'b, B: Backend> {
     Experts {
         group: ExpertGroup,
         exchange: &'a mut Exchange<'b, B>,
+        /// Under context parallelism, the sum over the group that splits
+        /// this device's sequences.
+        context: Option<&'a mut ContextSum<'b>>,
     },
-    /// Tensor parallelism (`shard-tensor`): the group's sum; the shapes are
-    /// in [`Dims::tp`].
-    Tensor { reduce: &'a mut Reduce<'b, B> },
+    /// Tensor parallelism (`shard-tensor`) or context parallelism: the
+    /// group's collectives; the shapes are in [`Dims`].
+    Tensor {
+        reduce: &'a mut Reduce<'b, B>,
+        context: Option<&'a mut ContextSum<'b>>,
+    },
 }
 
 impl<B: Backend> Peers<'_, '_, B> {
     pub(super) fn reduce(&mut self) -> Option<&mut Reduce<'_, B>> {
         match self {
-            Peers::Tensor { reduce } => Some(&mut **reduce),
+            Peers::Tensor { reduce, .. } => Some(&mut **reduce),
             Peers::Experts { .. } => None,
         }
     }
+    /// The context-parallel group's sum, when the sequences are split.
+    pub(super) fn context(&mut self) -> Option<&mut ContextSum<'_>> {
+        match self {
+            Peers::Tensor { context, .. } | Peers::Experts { context, .. } => {
+                context.as_deref_mut().map(|c| c as &mut ContextSum<'_>)
+            }
+        }
+    }
 }
+
+/// Host values summed over a context-parallel group (fp32, in member
+/// order): statistics of whole sequences whose tokens the group shares,
+/// such as a MoE layer's sequence-wise balance loss.
+pub type ContextSum<'a> = dyn FnMut(Vec<f32>) -> Result<Vec<f32>, BackendError> + 'a;
 
 /// A spread computation that met no group.
 fn no_group(what: &str) -> BackendError {

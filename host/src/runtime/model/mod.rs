@@ -12,5 +12,5 @@ pub mod llama;
 pub mod moe;
 pub mod segment;
 
-pub use common::{Coll, Dims, Model, Peers, Reduce};
+pub use common::{Coll, ContextSum, Dims, Model, Peers, Reduce};
 pub use segment::{Forward, SegmentCache, SegmentStash};

@@ -25,7 +25,10 @@
 //!   mean router probability of `e`; each layer adds `aux_loss_coef ×` the
 //!   mean of `aux` over the global batch's sequences to the training loss.
 //!   Per sequence, so the loss is the same however sequences are split into
-//!   microbatches and data-parallel replicas.
+//!   microbatches and data-parallel replicas; under context parallelism,
+//!   where a device holds chunks of each sequence, `f_e` and `P_e` are
+//!   summed over the group first (a [`ContextSum`]), and each member adds
+//!   its rows' share of the term.
 //! - **Expert parallelism**: with an EP group of `g` devices, device `r`
 //!   holds experts `r·E/g … (r+1)·E/g − 1`. Routing stays local; the rows each
 //!   expert runs go to its owner and the outputs come back through an
@@ -45,45 +48,49 @@
 // Compositions carry their shapes as arguments, as the kernels do.
 #![allow(clippy::too_many_arguments)]
 
-pub use super::common::{alone, Exchange, ExpertGroup};
+pub use super::common::{alone, ContextSum, Exchange, ExpertGroup};
 use super::common::{bytes_of, Model};
 use crate::model::params::{ExpertIds, ExpertsIds};
 use crate::model::MoeConfig;
 pub use crate::runtime::backend::routing::{route, MoeDims, Routing, DROPPED};
 use crate::runtime::backend::{grad_mut, param, Backend, BackendError, ParamMap};
 
-/// Per-sequence choice shares `f[s, e]` (before drops).
-fn choice_shares(r: &Routing, d: MoeDims) -> Vec<f32> {
+/// Per-sequence statistics of one forward's routing, `[seqs, 2e]`: each
+/// expert's count of the sequence's top-k choices held here (before drops),
+/// then its router probabilities summed over those tokens.
+fn sequence_stats(probs: &[f32], r: &Routing, d: MoeDims) -> Vec<f64> {
     let MoeDims { n, t, e, k, .. } = d;
-    let seqs = n / t;
-    let mut f = vec![0.0f32; seqs * e];
-    let per = 1.0 / (t * k) as f32;
+    let mut stats = vec![0.0f64; n / t * 2 * e];
     for (a, &x) in r.choice.iter().enumerate() {
-        let s = a / k / t;
-        f[s * e + x as usize] += per;
+        stats[a / k / t * 2 * e + x as usize] += 1.0;
     }
-    f
+    for tok in 0..n {
+        let sums = &mut stats[tok / t * 2 * e + e..][..e];
+        for (pm, p) in sums.iter_mut().zip(&probs[tok * e..][..e]) {
+            *pm += *p as f64;
+        }
+    }
+    stats
 }
 
-/// The sequence-wise balance loss of one forward, as the term it adds to
-/// the summed token losses: `aux_coef × t × Σ_sequences aux`.
-fn balance_loss(probs: &[f32], r: &Routing, d: MoeDims, aux_coef: f64) -> f64 {
-    let MoeDims { n, t, e, .. } = d;
-    let f = choice_shares(r, d);
+/// The sequence-wise balance loss from whole sequences' statistics
+/// ([`sequence_stats`], summed over a context-parallel group): the choice
+/// shares `f[s, e]` the router's backward reads, and the term this device
+/// adds to its summed token losses, `aux_coef × t × Σ_sequences aux` for
+/// its `t` rows of each (the group's terms add up to the whole sequences').
+fn balance_loss(stats: &[f64], d: MoeDims, aux_coef: f64) -> (Vec<f32>, f64) {
+    let MoeDims { t, e, k, seq, .. } = d;
+    let choices = (seq * k) as f64;
+    let mut shares = Vec::with_capacity(stats.len() / 2);
     let mut aux = 0.0f64;
-    for s in 0..n / t {
-        let mut p_mean = vec![0.0f64; e];
-        for tok in s * t..(s + 1) * t {
-            for (pm, p) in p_mean.iter_mut().zip(&probs[tok * e..][..e]) {
-                *pm += *p as f64;
-            }
-        }
-        let dot: f64 = (0..e)
-            .map(|x| f[s * e + x] as f64 * p_mean[x] / t as f64)
-            .sum();
+    for s in stats.chunks_exact(2 * e) {
+        let (counts, sums) = s.split_at(e);
+        let f: Vec<f32> = counts.iter().map(|c| (c / choices) as f32).collect();
+        let dot: f64 = (0..e).map(|x| f[x] as f64 * sums[x] / seq as f64).sum();
         aux += e as f64 * dot;
+        shares.extend(f);
     }
-    aux_coef * t as f64 * aux
+    (shares, aux_coef * t as f64 * aux)
 }
 
 /// Values a row count takes in a chunk's head: its base-256 digits, low
@@ -135,6 +142,9 @@ pub struct MoeRouted<B: Backend> {
     pub rstd: B::Tensor,
     pub probs: B::Tensor,
     pub routing: Routing,
+    /// Each sequence's choice shares `f[s, e]` (its whole length's, under
+    /// context parallelism), which the router's backward reads.
+    pub shares: Vec<f32>,
     /// This forward's balance-loss term.
     pub aux: f64,
 }
@@ -156,6 +166,7 @@ impl<B: Backend> MoeRouted<B> {
             rstd: b.duplicate(&self.rstd)?,
             probs: b.duplicate(&self.probs)?,
             routing: self.routing.clone(),
+            shares: self.shares.clone(),
             aux: self.aux,
         })
     }
@@ -353,7 +364,8 @@ impl<B: Backend> Model<'_, B> {
     /// (every member calls it together): the output, the cache, and the
     /// load-balancing loss term. The three phases ([`Model::moe_dispatch`],
     /// [`Model::moe_experts`], [`Model::moe_combine`]) with the two
-    /// exchanges between them.
+    /// exchanges between them. `context`: the group sharing this device's
+    /// sequences under context parallelism.
     pub fn moe_forward(
         &self,
         params: &ParamMap<B::Tensor>,
@@ -363,8 +375,9 @@ impl<B: Backend> Model<'_, B> {
         d: MoeDims,
         group: ExpertGroup,
         exchange: &mut Exchange<'_, B>,
+        context: Option<&mut ContextSum<'_>>,
     ) -> Result<(B::Tensor, MoeCache<B>, f64), BackendError> {
-        let (routed, chunks) = self.moe_dispatch(params, l, moe, x, d, group)?;
+        let (routed, chunks) = self.moe_dispatch(params, l, moe, x, d, group, context)?;
         let got = exchange(0, chunks)?;
         let (experts, back) = self.moe_experts(params, l, d, group, &got)?;
         drop(got);
@@ -374,7 +387,10 @@ impl<B: Backend> Model<'_, B> {
 
     /// Dispatch phase: ln2, the router, top-k routing with capacity; the rows
     /// for each member of the group (per expert of theirs: the row count as
-    /// bits, then the rows).
+    /// bits, then the rows). Under context parallelism (`context`, the sum
+    /// over the group holding the other chunks of these sequences) the
+    /// balance loss's statistics are the whole sequences'; capacity stays
+    /// per device (its tokens are the ones routed together).
     pub fn moe_dispatch(
         &self,
         params: &ParamMap<B::Tensor>,
@@ -383,6 +399,7 @@ impl<B: Backend> Model<'_, B> {
         x: B::Tensor,
         d: MoeDims,
         group: ExpertGroup,
+        context: Option<&mut ContextSum<'_>>,
     ) -> Result<(MoeRouted<B>, Vec<B::Tensor>), BackendError> {
         let MoeDims { n, c, e, k, .. } = d;
         let ids = self.experts_ids(l)?;
@@ -419,7 +436,15 @@ impl<B: Backend> Model<'_, B> {
         self.b.softmax_rows(&mut probs, &logits, e);
         let host_probs = self.b.download(&probs)?;
         let routing = route(&host_probs, d, moe.capacity_factor);
-        let aux = balance_loss(&host_probs, &routing, d, moe.aux_loss_coef);
+        let mut stats = sequence_stats(&host_probs, &routing, d);
+        if let Some(sum) = context {
+            // Counts are integers and fp32 holds them exactly; the sums'
+            // partials are rounded once for the wire.
+            let got = sum(stats.iter().map(|x| *x as f32).collect())?;
+            expect_len("balance statistics", got.len(), stats.len())?;
+            stats = got.into_iter().map(f64::from).collect();
+        }
+        let (shares, aux) = balance_loss(&stats, d, moe.aux_loss_coef);
         let mut chunks = Vec::with_capacity(group.size);
         for p in 0..group.size {
             let experts = group.experts_of(e, p);
@@ -449,6 +474,7 @@ impl<B: Backend> Model<'_, B> {
             rstd,
             probs,
             routing,
+            shares,
             aux,
         };
         Ok((routed, chunks))
@@ -758,19 +784,11 @@ impl<B: Backend> Model<'_, B> {
         }
         // Through the renormalisation w_j = p_j / Σ p, the balance loss and the
         // softmax, to the router logits.
-        let f = choice_shares(r, d);
+        let f = &cache.routed.shares;
         let aux = cache.routed.aux_coef as f32 * e as f32 * loss_scale;
         let mut dlogits = self.zeros(n * e)?;
-        self.b.router_backward(
-            &mut dlogits,
-            &cache.routed.probs,
-            &dweight,
-            &f,
-            aux,
-            r,
-            t,
-            e,
-        );
+        self.b
+            .router_backward(&mut dlogits, &cache.routed.probs, &dweight, f, aux, r, t, e);
         self.b.matmul_backward_input(
             &mut dln,
             &dlogits,

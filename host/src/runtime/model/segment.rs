@@ -331,12 +331,23 @@ impl<B: Backend> Model<'_, B> {
                 }
                 Part::Experts(l) => {
                     let moe = dims.moe.ok_or_else(|| missing("MoE configuration"))?;
-                    let d = MoeDims::new(&moe, n, t, c);
+                    let d = MoeDims::new(&moe, n, t, c).of_sequences(dims.seq);
                     let inp = std::mem::take(&mut x);
                     let (out, cache, aux) = match peers.as_mut() {
-                        Some(Peers::Experts { group, exchange }) => {
-                            self.moe_forward(params, l, &moe, inp, d, *group, *exchange)?
-                        }
+                        Some(Peers::Experts {
+                            group,
+                            exchange,
+                            context,
+                        }) => self.moe_forward(
+                            params,
+                            l,
+                            &moe,
+                            inp,
+                            d,
+                            *group,
+                            *exchange,
+                            context.as_deref_mut(),
+                        )?,
                         _ => self.moe_forward(
                             params,
                             l,
@@ -345,6 +356,7 @@ impl<B: Backend> Model<'_, B> {
                             d,
                             ExpertGroup::ALONE,
                             &mut super::moe::alone::<B>,
+                            peers.as_mut().and_then(|p| p.context()),
                         )?,
                     };
                     x = out;

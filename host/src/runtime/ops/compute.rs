@@ -45,6 +45,10 @@ pub(super) fn with_peers<B: Backend, R>(
     let members = op.group().map_or(&[][..], |g| &g[..]);
     let key = |phase: u32| in_op(op, phase);
     let b = &dev.b;
+    let mut context_sum = context_sum(dev, op, ctx);
+    let mut context_sum = context_sum
+        .as_mut()
+        .map(|c| c as &mut crate::runtime::model::ContextSum<'_>);
     if let Some(group) = dev.spreads.experts.get(&seg).copied() {
         let mut exchange = |phase: u32, chunks: Vec<B::Tensor>| {
             let what = [
@@ -71,6 +75,7 @@ pub(super) fn with_peers<B: Backend, R>(
         let peers = Peers::Experts {
             group,
             exchange: &mut exchange,
+            context: context_sum.take(),
         };
         return f(Some(peers)).map_err(fail);
     }
@@ -210,10 +215,30 @@ pub(super) fn with_peers<B: Backend, R>(
         };
         let peers = Peers::Tensor {
             reduce: &mut reduce,
+            context: context_sum.take(),
         };
         return f(Some(peers)).map_err(fail);
     }
     f(None).map_err(fail)
+}
+
+/// A context-parallel op's sum over its group of host values (fp32, in
+/// member order; see [`crate::runtime::model::ContextSum`]), or `None`
+/// when the op holds whole sequences.
+pub(super) fn context_sum<'a, B: Backend>(
+    dev: &'a Device<B>,
+    op: &'a Op,
+    ctx: &'a StepCtx<B>,
+) -> Option<impl FnMut(Vec<f32>) -> Result<Vec<f32>, BackendError> + 'a> {
+    let group = op.context_group().filter(|_| op.cp > 1)?;
+    let mut phase = CONTEXT_SUM;
+    Some(move |mine: Vec<f32>| {
+        let key = in_op(op, phase)?;
+        phase += 1;
+        let what = "context-parallel sequence statistics";
+        packed::all_reduce(ctx.comm, what, (key, 0), group, dev.id, mine, Dtype::F32)
+            .map_err(|e| BackendError::Exchange(e.to_string()))
+    })
 }
 
 /// Member `rank`'s contiguous `1/size` of `len` values (sequence
@@ -498,6 +523,9 @@ pub(super) fn backward_input<B: Backend>(
 
 /// In-op exchanges of a sequence split (after the experts' four).
 const GATHER: u32 = 8;
+/// A context-parallel group's sums of sequence statistics, counting up
+/// (one per expert layer of the op).
+const CONTEXT_SUM: u32 = 16;
 /// Its gradient sum (two keys: a bf16 sum is two exchanges).
 const GRAD_SUM: (u32, u32) = (9, 10);
 /// Sequence parallelism's sum of the norms' gradients: the last in-op keys,

@@ -5,7 +5,7 @@
 //! `moe.rs`'s phase by phase, so a split pass computes what the whole one
 //! does, bit for bit.
 
-use super::compute::with_params;
+use super::compute::{context_sum, rows_of, with_params};
 use super::StepCtx;
 use super::{comm_error, missing};
 use crate::compile::plan::{ExpertPhase, Op, OpKind, TensorKind};
@@ -18,7 +18,7 @@ use crate::runtime::device::{params_here, Device};
 use crate::runtime::error::{label, RuntimeError};
 use crate::runtime::model::moe::{ExpertGroup, MoeCache, MoeDims};
 use crate::runtime::model::segment::{PartCache, PartStash};
-use crate::runtime::model::{Dims, Model, SegmentCache, SegmentStash};
+use crate::runtime::model::{ContextSum, Dims, Model, SegmentCache, SegmentStash};
 use std::sync::Arc;
 
 /// The all-to-all between two phases: this device's chunk for each member
@@ -111,9 +111,10 @@ pub(super) fn phase<B: Backend>(
         .get(&s)
         .copied()
         .unwrap_or(ExpertGroup::ALONE);
-    let b = ctx.batch.b / op.batch_div.max(1) as usize;
-    let dims = Dims::new(ctx.cfg, b);
-    let d = MoeDims::new(moe, dims.n(), dims.t, dims.c);
+    let b = rows_of(op, ctx.batch.b).len();
+    let cp = op.cp.max(1) as usize;
+    let dims = Dims::new(ctx.cfg, b).with_context(cp, op.replica as usize % cp, op.cp_ring);
+    let d = MoeDims::new(moe, dims.n(), dims.t, dims.c).of_sequences(dims.seq);
     let model = Model::new(&dev.b, &dev.table).with_act(dev.act);
     let fail = |e: BackendError| dev.backend_error(op, e);
     let phase = op.phase.ok_or_else(|| plan_error("no phase"))?;
@@ -122,8 +123,12 @@ pub(super) fn phase<B: Backend>(
             let x = dev
                 .tensor_of(op, dev.bufs.take(op, TensorKind::Activation)?)?
                 .ok_or_else(|| missing(dev, op, "the input activation"))?;
+            let mut sum = context_sum(dev, op, ctx);
+            let sum = sum.as_mut().map(|c| c as &mut ContextSum<'_>);
             let (routed, out) = with_params(dev, op, |p| {
-                model.moe_dispatch(p, l, moe, x, d, group).map_err(fail)
+                model
+                    .moe_dispatch(p, l, moe, x, d, group, sum)
+                    .map_err(fail)
             })?;
             {
                 let mut st = dev.state.lock().unwrap();

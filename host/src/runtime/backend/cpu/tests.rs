@@ -579,7 +579,7 @@ fn moe_layer(
     (moe, d, params, cfg)
 }
 
-use crate::runtime::model::moe::{alone, ExpertGroup, MoeCache, MoeDims};
+use crate::runtime::model::moe::{alone, ContextSum, ExpertGroup, MoeCache, MoeDims};
 
 /// `Σ out · R + aux` of the MoE half, and its routing.
 fn moe_loss(
@@ -611,6 +611,7 @@ fn moe_fwd(
             d,
             ExpertGroup::ALONE,
             &mut alone::<Cpu>,
+            None,
         )
         .map(|(out, cache, aux)| (out.into_f32(), cache, aux))
         .unwrap()
@@ -709,113 +710,156 @@ type Member = (Vec<f32>, f64, Vec<f32>, Tensors);
 /// 4 members (threads exchanging through the in-process all-to-all), each
 /// member routing its own sequences, give one device's outputs, balance
 /// loss and input gradients, each expert's gradients on its owner, and the
-/// router's summed over members.
+/// router's summed over members. Under context parallelism each member
+/// holds a part of every sequence instead, and the group's sum of the
+/// sequences' statistics makes the balance loss and its gradient the whole
+/// sequences'.
 #[test]
 fn expert_parallel_moe_matches_one_device() {
     use crate::runtime::backend::BackendError;
     use crate::runtime::comm::{in_op_key, Comm, LocalComm};
     let (moe, _, params, cfg) = moe_layer(None);
     let table = ParamTable::new(&cfg);
-    let (n, c) = (20, 8);
-    let full = MoeDims::new(&moe, n, 5, c);
-    let mut rng = Rng(9);
-    let (x, r) = (rng.vec(n * c), rng.vec(n * c));
-    let b = cpu();
-    let m = Model::new(&b, &table);
-    let (out, cache, aux) = moe_fwd(&cfg, &params, &x, full);
-    let p = by_id(&table, &params);
-    let (dx, stash) = m
-        .moe_backward_input(&p, &cache, r.clone().into(), 0.5, &mut alone::<Cpu>)
-        .unwrap();
-    let dx = dx.into_f32();
-    let mut grads = by_id(&table, &zeros_like(&params));
-    m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
-    let grads = by_name(&table, grads);
-    for g in [2usize, 4] {
-        let comm = LocalComm::new(std::time::Duration::from_secs(10));
-        let per = n / g;
-        let devs: Vec<u32> = (0..g as u32).collect();
-        let members: Vec<Member> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..g)
-                .map(|rank| {
-                    let (comm, devs, params, x, r, table) = (&comm, &devs, &params, &x, &r, &table);
-                    s.spawn(move || {
-                        let b = cpu();
-                        let m = Model::new(&b, table);
-                        let group = ExpertGroup { size: g, rank };
-                        let mut ex =
-                            |phase: u32,
-                             chunks: Vec<CpuTensor>|
-                             -> Result<Vec<CpuTensor>, BackendError> {
-                                let key = in_op_key(1, phase).unwrap();
-                                let chunks = chunks.into_iter().map(CpuTensor::into_f32).collect();
-                                let got = comm
-                                    .all_to_all("moe", key, devs, rank as u32, chunks)
-                                    .map_err(|e| BackendError::Exchange(e.to_string()))?;
-                                Ok(got
-                                    .into_iter()
-                                    .map(|c| std::sync::Arc::unwrap_or_clone(c).into())
-                                    .collect())
-                            };
-                        // Shared weights and this member's experts only.
-                        let mine: Tensors = params
-                            .iter()
-                            .filter(|(k, _)| {
-                                !k.contains("experts.")
-                                    || group.local(4).any(|e| k.contains(&format!("experts.{e}.")))
-                            })
-                            .map(|(k, v)| (k.clone(), v.clone()))
-                            .collect();
-                        let mine_ids = by_id(table, &mine);
-                        let d = MoeDims::new(&moe, per, 5, c);
-                        let xs = x[rank * per * c..][..per * c].to_vec();
-                        let (o, cache, a) = m
-                            .moe_forward(&mine_ids, 0, &moe, xs.into(), d, group, &mut ex)
-                            .unwrap();
-                        let rs = r[rank * per * c..][..per * c].to_vec();
-                        let (dxr, st) = m
-                            .moe_backward_input(&mine_ids, &cache, rs.into(), 0.5, &mut ex)
-                            .unwrap();
-                        let mut gr = by_id(table, &zeros_like(&mine));
-                        m.moe_backward_weight(&mut gr, &cache, &st).unwrap();
-                        (o.into_f32(), a, dxr.into_f32(), by_name(table, gr))
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let cat =
-            |f: &dyn Fn(&Member) -> Vec<f32>| members.iter().flat_map(f).collect::<Vec<f32>>();
-        assert!(
-            rel_diff(&cat(&|m| m.0.clone()), &out) < 1e-6,
-            "EP {g}: outputs"
-        );
-        assert!(
-            rel_diff(&cat(&|m| m.2.clone()), &dx) < 1e-6,
-            "EP {g}: input gradients"
-        );
-        let aux_sum: f64 = members.iter().map(|m| m.1).sum();
-        assert!(
-            (aux_sum - aux).abs() < 1e-6 * aux.abs(),
-            "EP {g}: balance loss {aux_sum} vs {aux}"
-        );
-        for (name, want) in &grads {
-            let got: Vec<f32> = if name.contains("experts.") {
-                let holders: Vec<_> = members.iter().filter(|m| m.3.contains_key(name)).collect();
-                assert_eq!(holders.len(), 1, "EP {g}: {name} on exactly one member");
-                holders[0].3[name].clone()
-            } else {
-                let mut sum = vec![0.0; want.len()];
-                for m in &members {
-                    sum.iter_mut().zip(&m.3[name]).for_each(|(a, b)| *a += b);
-                }
-                sum
+    let c = 8;
+    // (tokens, sequence length, whether members split the sequences)
+    for (n, t, context) in [(20, 5, false), (40, 20, true)] {
+        let full = MoeDims::new(&moe, n, t, c);
+        let mut rng = Rng(9);
+        let (x, r) = (rng.vec(n * c), rng.vec(n * c));
+        let b = cpu();
+        let m = Model::new(&b, &table);
+        let (out, cache, aux) = moe_fwd(&cfg, &params, &x, full);
+        let p = by_id(&table, &params);
+        let (dx, stash) = m
+            .moe_backward_input(&p, &cache, r.clone().into(), 0.5, &mut alone::<Cpu>)
+            .unwrap();
+        let dx = dx.into_f32();
+        let mut grads = by_id(&table, &zeros_like(&params));
+        m.moe_backward_weight(&mut grads, &cache, &stash).unwrap();
+        let grads = by_name(&table, grads);
+        for g in [2usize, 4] {
+            let case = match context {
+                true => format!("EP {g} × CP {g}"),
+                false => format!("EP {g}"),
             };
+            let comm = LocalComm::new(std::time::Duration::from_secs(10));
+            let per = n / g;
+            // Member `rank`'s rows: whole sequences, or its part of each.
+            let rows = |rank: usize| -> Vec<usize> {
+                match context {
+                    false => (rank * per..(rank + 1) * per).collect(),
+                    true => (0..n / t)
+                        .flat_map(|s| s * t + rank * t / g..s * t + (rank + 1) * t / g)
+                        .collect(),
+                }
+            };
+            let take = |v: &[f32], rank: usize| -> Vec<f32> {
+                rows(rank)
+                    .into_iter()
+                    .flat_map(|i| v[i * c..(i + 1) * c].to_vec())
+                    .collect()
+            };
+            let devs: Vec<u32> = (0..g as u32).collect();
+            let members: Vec<Member> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..g)
+                    .map(|rank| {
+                        let (comm, devs, params, table) = (&comm, &devs, &params, &table);
+                        let (xs, rs) = (take(&x, rank), take(&r, rank));
+                        s.spawn(move || {
+                            let b = cpu();
+                            let m = Model::new(&b, table);
+                            let group = ExpertGroup { size: g, rank };
+                            let mut ex =
+                                |phase: u32,
+                                 chunks: Vec<CpuTensor>|
+                                 -> Result<Vec<CpuTensor>, BackendError> {
+                                    let key = in_op_key(1, phase).unwrap();
+                                    let chunks =
+                                        chunks.into_iter().map(CpuTensor::into_f32).collect();
+                                    let got = comm
+                                        .all_to_all("moe", key, devs, rank as u32, chunks)
+                                        .map_err(|e| BackendError::Exchange(e.to_string()))?;
+                                    Ok(got
+                                        .into_iter()
+                                        .map(|c| std::sync::Arc::unwrap_or_clone(c).into())
+                                        .collect())
+                                };
+                            let mut sum = |v: Vec<f32>| -> Result<Vec<f32>, BackendError> {
+                                let key = in_op_key(1, 16).unwrap();
+                                comm.all_reduce("stats", key, devs, rank as u32, v)
+                                    .map(std::sync::Arc::unwrap_or_clone)
+                                    .map_err(|e| BackendError::Exchange(e.to_string()))
+                            };
+                            let sum = context.then_some(&mut sum as &mut ContextSum<'_>);
+                            // Shared weights and this member's experts only.
+                            let mine: Tensors = params
+                                .iter()
+                                .filter(|(k, _)| {
+                                    !k.contains("experts.")
+                                        || group
+                                            .local(4)
+                                            .any(|e| k.contains(&format!("experts.{e}.")))
+                                })
+                                .map(|(k, v)| (k.clone(), v.clone()))
+                                .collect();
+                            let mine_ids = by_id(table, &mine);
+                            let d = match context {
+                                true => MoeDims::new(&moe, per, t / g, c).of_sequences(t),
+                                false => MoeDims::new(&moe, per, t, c),
+                            };
+                            let (o, cache, a) = m
+                                .moe_forward(&mine_ids, 0, &moe, xs.into(), d, group, &mut ex, sum)
+                                .unwrap();
+                            let (dxr, st) = m
+                                .moe_backward_input(&mine_ids, &cache, rs.into(), 0.5, &mut ex)
+                                .unwrap();
+                            let mut gr = by_id(table, &zeros_like(&mine));
+                            m.moe_backward_weight(&mut gr, &cache, &st).unwrap();
+                            (o.into_f32(), a, dxr.into_f32(), by_name(table, gr))
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            // Every member's rows back at their places.
+            let placed = |f: &dyn Fn(&Member) -> &Vec<f32>| {
+                let mut all = vec![0.0f32; n * c];
+                for (rank, mem) in members.iter().enumerate() {
+                    for (j, i) in rows(rank).into_iter().enumerate() {
+                        all[i * c..(i + 1) * c].copy_from_slice(&f(mem)[j * c..(j + 1) * c]);
+                    }
+                }
+                all
+            };
+            assert!(rel_diff(&placed(&|m| &m.0), &out) < 1e-6, "{case}: outputs");
             assert!(
-                rel_diff(&got, want) < 1e-5,
-                "EP {g}: d{name} differs by {}",
-                rel_diff(&got, want)
+                rel_diff(&placed(&|m| &m.2), &dx) < 1e-6,
+                "{case}: input gradients"
             );
+            let aux_sum: f64 = members.iter().map(|m| m.1).sum();
+            assert!(
+                (aux_sum - aux).abs() < 1e-6 * aux.abs(),
+                "{case}: balance loss {aux_sum} vs {aux}"
+            );
+            for (name, want) in &grads {
+                let got: Vec<f32> = if name.contains("experts.") {
+                    let holders: Vec<_> =
+                        members.iter().filter(|m| m.3.contains_key(name)).collect();
+                    assert_eq!(holders.len(), 1, "{case}: {name} on exactly one member");
+                    holders[0].3[name].clone()
+                } else {
+                    let mut sum = vec![0.0; want.len()];
+                    for m in &members {
+                        sum.iter_mut().zip(&m.3[name]).for_each(|(a, b)| *a += b);
+                    }
+                    sum
+                };
+                assert!(
+                    rel_diff(&got, want) < 1e-5,
+                    "{case}: d{name} differs by {}",
+                    rel_diff(&got, want)
+                );
+            }
         }
     }
 }
