@@ -916,6 +916,8 @@ fn moe_kernels<R: Backend, B: Backend>(
     let rows: usize = routing.rows.iter().map(Vec::len).sum();
     let mut gathered = k.pair(&vec![0.0; 7 + rows * c])?;
     let mut scattered = k.pair(&rng.vec(n * c, 0.5))?;
+    // As the model scatters: expert by expert (each token once per call).
+    let mut by_expert = k.pair(&rng.vec(n * c, 0.5))?;
     k.run(
         |r| {
             let mut at = 7;
@@ -931,6 +933,11 @@ fn moe_kernels<R: Backend, B: Backend>(
                 d.k,
                 c,
             );
+            let mut at = 7;
+            for x in 0..e {
+                r.scatter_add_rows(&mut by_expert.r, &gathered.r, at, &routing.rows[x], d.k, c);
+                at += routing.rows[x].len() * c;
+            }
         },
         |g| {
             let mut at = 7;
@@ -946,10 +953,16 @@ fn moe_kernels<R: Backend, B: Backend>(
                 d.k,
                 c,
             );
+            let mut at = 7;
+            for x in 0..e {
+                g.scatter_add_rows(&mut by_expert.b, &gathered.b, at, &routing.rows[x], d.k, c);
+                at += routing.rows[x].len() * c;
+            }
         },
     )?;
     k.record("gather_rows", FP32, &[&gathered])?;
     k.record("scatter_add_rows", FP32, &[&scattered])?;
+    k.record("scatter_add_rows (one expert's rows)", FP32, &[&by_expert])?;
     let ys: Vec<Pair<R, B>> = routing
         .rows
         .iter()

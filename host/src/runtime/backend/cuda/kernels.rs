@@ -220,6 +220,7 @@ pub struct Kernels {
     pub moe_softmax_rows: CudaFunction,
     pub moe_gather_rows: CudaFunction,
     pub moe_scatter_add_rows: CudaFunction,
+    pub moe_scatter_add_distinct: CudaFunction,
     pub moe_combine: CudaFunction,
     pub moe_combine_dweight: CudaFunction,
     pub moe_combine_dy: CudaFunction,
@@ -285,6 +286,7 @@ impl Kernels {
             moe_softmax_rows: f("moe", "moe_softmax_rows")?,
             moe_gather_rows: f("moe", "moe_gather_rows")?,
             moe_scatter_add_rows: f("moe", "moe_scatter_add_rows")?,
+            moe_scatter_add_distinct: f("moe", "moe_scatter_add_distinct")?,
             moe_combine: f("moe", "moe_combine")?,
             moe_combine_dweight: f("moe", "moe_combine_dweight")?,
             moe_combine_dy: f("moe", "moe_combine_dy")?,
@@ -359,7 +361,7 @@ mod tests {
             }
         }
         // Every kernel `Kernels` loads, for both architectures.
-        assert_eq!(kernels, 2 * 49);
+        assert_eq!(kernels, 2 * 50);
     }
 
     /// One kernel as ptxas assembled it.
@@ -455,7 +457,7 @@ mod tests {
             }
         }
         std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(kernels, 2 * 49);
+        assert_eq!(kernels, 2 * 50);
     }
 
     /// The report's parser reads registers and spills per entry.
@@ -508,7 +510,7 @@ ptxas info    : Used 18 registers, used 1 barriers\n";
                 }
             }
         }
-        assert_eq!(kernels, 2 * 49);
+        assert_eq!(kernels, 2 * 50);
         let e = compile_cubin(
             "broken",
             "extern \"C\" __global__ void f(float* x) { x[0] = y; }",

@@ -502,6 +502,14 @@ fn column_chunks(n: usize, c: usize) -> (LaunchConfig, usize, usize) {
     };
     (cfg, parts, chunk)
 }
+/// Whether `assignments` (`token × k + choice`) name each token at most
+/// once, so a scatter of their rows may add every element in parallel.
+fn distinct_tokens(assignments: &[u32], k: usize) -> bool {
+    let mut seen = std::collections::HashSet::with_capacity(assignments.len());
+    assignments
+        .iter()
+        .all(|a| seen.insert(*a as usize / k.max(1)))
+}
 fn rows(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.max(1) as u32, 1, 1),
@@ -2195,6 +2203,17 @@ impl Backend for Cuda {
             Err(e) => return self.fail("scatter_add_rows", e),
         };
         let r = assignments.len();
+        // One expert's rows name each token once: a thread per element.
+        if distinct_tokens(assignments, k) {
+            launch!(
+                self,
+                q,
+                moe_scatter_add_distinct,
+                elems(r * c),
+                [sm(dst), s(src), &i64n(at), &a, &i32n(r), &i32n(k), &i32n(c)]
+            );
+            return;
+        }
         launch!(
             self,
             q,
@@ -2472,6 +2491,17 @@ mod tests {
         assert_eq!(rows, [1, 4, 0, 2, 5, 3]);
         let (uniq, starts, rows) = group_by_token(&[7]);
         assert_eq!((uniq, starts, rows), (vec![7], vec![0, 1], vec![0]));
+    }
+
+    /// One expert's rows of a top-2 routing name each token once (the
+    /// parallel scatter); a token's two choices together do not.
+    #[test]
+    fn a_scatter_runs_in_parallel_only_over_distinct_tokens() {
+        let k = 2;
+        assert!(distinct_tokens(&[0, 3, 4, 7], k));
+        assert!(distinct_tokens(&[], k));
+        assert!(!distinct_tokens(&[4, 5], k));
+        assert!(!distinct_tokens(&[1, 6, 0], k));
     }
 
     /// Two-stage column sums: chunks of at least 64 rows, at most 128 of

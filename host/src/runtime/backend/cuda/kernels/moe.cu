@@ -38,6 +38,18 @@ extern "C" __global__ void moe_scatter_add_rows(float* dst, const float* src, i6
     for (int r = 0; r < rows; r++) dst[(i64)(assignments[r] / k) * c + j] += src[at + (i64)r * c + j];
 }
 
+// The same when no token appears twice among the rows (one expert's rows: a
+// token's choices are distinct experts): a thread per element, each element
+// added to once, so the sum is the ordered one.
+extern "C" __global__ void moe_scatter_add_distinct(float* dst, const float* src, i64 at, const u32* assignments,
+                                                    int rows, int k, int c) {
+    i64 n = (i64)rows * c;
+    for (i64 i = gid(); i < n; i += gsize()) {
+        int r = (int)(i / c), j = (int)(i % c);
+        dst[(i64)(assignments[r] / k) * c + j] += src[at + i];
+    }
+}
+
 // out[token] += weight * ys[expert][slot] over the token's kept choices in
 // order; `ys` holds each expert's output rows (device pointers).
 extern "C" __global__ void moe_combine(float* out, const float* const* ys, const u32* choice, const u32* slot,
