@@ -255,6 +255,7 @@ impl<B: Backend> Devices for Vec<Device<B>> {
             epoch: i.epoch,
             eval: i.eval,
             failures: std::sync::Mutex::new(Vec::new()),
+            handed: Default::default(),
         };
         step::run_step(self, plans, &ctx)
     }

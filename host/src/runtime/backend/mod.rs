@@ -325,6 +325,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Whether a tensor `other` made is usable here as it is (one memory:
+    /// the CPU's threads, virtual devices on one GPU), so that a message
+    /// between the two hands the tensor over instead of copying it through
+    /// the host. Work the tensor's producer enqueued is ordered before its
+    /// new holder's use by the backend (on CUDA, the allocation's events).
+    fn shares_memory_with(&self, other: &Self) -> bool {
+        let _ = other;
+        false
+    }
+
     // Storage.
 
     /// Elements of a tensor.

@@ -320,6 +320,9 @@ impl Comm for LocalComm {
     fn sent_bytes(&self) -> BTreeMap<u32, u64> {
         self.state.lock().unwrap().sent.clone()
     }
+    fn count_sent(&self, device: u32, bytes: u64) {
+        self.count(device, bytes);
+    }
 }
 
 #[cfg(test)]

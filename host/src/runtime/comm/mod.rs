@@ -228,6 +228,9 @@ pub trait Comm: Send + Sync {
     /// Bytes each device of this process sent so far in this step (its
     /// messages and its part of every collective), by device.
     fn sent_bytes(&self) -> std::collections::BTreeMap<u32, u64>;
+    /// Count `bytes` as sent by `device` for a message that did not go
+    /// through the transport (a tensor handed over in one memory).
+    fn count_sent(&self, device: u32, bytes: u64);
     /// All-to-all over `group` (ascending devices): `chunks[i]` goes to
     /// `group[i]`, and the result's `[i]` came from `group[i]` (this device's
     /// own chunk stays here). Chunks may differ in size. `key` tells this

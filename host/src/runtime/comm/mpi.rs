@@ -412,6 +412,9 @@ impl Comm for MpiComm {
     fn sent_bytes(&self) -> BTreeMap<u32, u64> {
         self.local.sent_bytes()
     }
+    fn count_sent(&self, device: u32, bytes: u64) {
+        self.local.count(device, bytes);
+    }
 
     fn abort(&self) {
         self.local.abort();

@@ -46,6 +46,9 @@ pub(crate) struct StepCtx<'a, B: Backend> {
     /// Failures in the order they happened: the first is the cause, later
     /// ones (aborted waits, locks a panic left poisoned) are consequences.
     pub failures: Mutex<Vec<RuntimeError>>,
+    /// Messages handed over between devices of one memory, by (pair,
+    /// sender, receiver), until their receivers take them (see `p2p`).
+    pub handed: Mutex<std::collections::HashMap<(u32, u32, u32), B::Tensor>>,
 }
 
 /// Run one op of `dev`'s plan on its stream `si`; when tracing, the

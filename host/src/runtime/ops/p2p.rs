@@ -1,15 +1,33 @@
 //! Point-to-point ops: a `send` hands a tensor to the comm (it stays on the
 //! sender's memory account until the receiver holds it); a `recv` takes the
-//! matching message and releases the sender's account.
+//! matching message and releases the sender's account. Between two devices
+//! of one memory (this process's CPU threads, virtual devices on one GPU:
+//! [`Backend::shares_memory_with`]) the tensor itself is handed over, and
+//! the comm carries an empty message that orders the two and bounds the
+//! wait; otherwise the values travel through the host in the tensor's
+//! dtype.
 
 use super::StepCtx;
 use super::{comm_error, missing};
 use crate::compile::plan::{Op, TensorKind};
-use crate::runtime::backend::Backend;
+use crate::runtime::backend::{Backend, BackendError};
 use crate::runtime::buffers::Buf;
 use crate::runtime::comm::packed;
 use crate::runtime::device::Device;
 use crate::runtime::error::RuntimeError;
+use std::sync::Arc;
+
+/// Whether a message from device `from` to device `to` is handed over in
+/// memory: both in this process, on backends that share their memory.
+fn handed_over<B: Backend>(ctx: &StepCtx<B>, from: u32, to: u32) -> bool {
+    let find = |id: u32| ctx.devices.iter().find(|d| d.id == id);
+    match (find(from), find(to)) {
+        (Some(a), Some(b)) => {
+            ctx.comm.is_local(from) && ctx.comm.is_local(to) && b.b.shares_memory_with(&a.b)
+        }
+        _ => false,
+    }
+}
 
 pub(super) fn send<B: Backend>(
     dev: &Device<B>,
@@ -25,9 +43,33 @@ pub(super) fn send<B: Backend>(
         .ok_or_else(|| missing(dev, op, &format!("{kind:?} to send")))?;
     // The message stays on this device's account until its receiver holds
     // it (in this process), or until the transport has it (another rank).
-    let in_flight = dev.bufs.reserve(op, B::bytes(&t))?;
+    let bytes = B::bytes(&t);
+    let in_flight = dev.bufs.reserve(op, bytes)?;
     if ctx.comm.is_local(peer) {
         in_flight.keep();
+    }
+    if handed_over(ctx, dev.id, peer) {
+        let slot = (pair, dev.id, peer);
+        {
+            let mut handed = ctx.handed.lock().unwrap_or_else(|p| p.into_inner());
+            if handed.contains_key(&slot) {
+                return Err(comm_error(
+                    dev,
+                    op,
+                    crate::runtime::comm::CommError::Duplicate {
+                        node: pair,
+                        from: dev.id,
+                        to: peer,
+                    },
+                ));
+            }
+            handed.insert(slot, t);
+        }
+        ctx.comm.count_sent(dev.id, bytes);
+        return ctx
+            .comm
+            .send(pair, dev.id, peer, Arc::new(Vec::new()))
+            .map_err(|e| comm_error(dev, op, e));
     }
     // On the wire in the tensor's dtype.
     let dtype = B::dtype(&t);
@@ -47,13 +89,49 @@ pub(super) fn recv<B: Backend>(
 ) -> Result<(), RuntimeError> {
     let kind = op.tensor.unwrap_or(TensorKind::Activation);
     let what = format!("{kind:?}");
-    // Sent and held in the activation dtype, as its sender held it.
-    let v = packed::recv(ctx.comm, pair, (peer, dev.id), &what, dev.act)
-        .map_err(|e| comm_error(dev, op, e))?;
-    let t = dev
-        .b
-        .upload_as(v, dev.act)
-        .map_err(|e| dev.backend_error(op, e))?;
+    let t = match handed_over(ctx, peer, dev.id) {
+        true => {
+            // The comm's message says the tensor is there (or the wait
+            // ends with the comm's error).
+            let signal = ctx
+                .comm
+                .recv(pair, peer, dev.id, &what)
+                .map_err(|e| comm_error(dev, op, e))?;
+            let handed = (ctx.handed.lock().unwrap_or_else(|p| p.into_inner()))
+                .remove(&(pair, peer, dev.id));
+            let t = match (signal.is_empty(), handed) {
+                (true, Some(t)) => t,
+                _ => {
+                    return Err(dev.backend_error(
+                        op,
+                        BackendError::Exchange(format!(
+                            "{what} #{pair} from device {peer}: its message came without the tensor it hands over"
+                        )),
+                    ))
+                }
+            };
+            // Held in the activation dtype, as its sender held it.
+            if B::dtype(&t) != dev.act {
+                return Err(dev.backend_error(
+                    op,
+                    BackendError::Exchange(format!(
+                        "{what} #{pair} from device {peer} is {:?}, this device holds {:?}",
+                        B::dtype(&t),
+                        dev.act
+                    )),
+                ));
+            }
+            t
+        }
+        false => {
+            // Sent and held in the activation dtype, as its sender held it.
+            let v = packed::recv(ctx.comm, pair, (peer, dev.id), &what, dev.act)
+                .map_err(|e| comm_error(dev, op, e))?;
+            dev.b
+                .upload_as(v, dev.act)
+                .map_err(|e| dev.backend_error(op, e))?
+        }
+    };
     let bytes = B::bytes(&t);
     dev.bufs.put(op, kind, Buf::Tensor(t))?;
     if let Some(sender) = ctx.devices.iter().find(|d| d.id == peer) {

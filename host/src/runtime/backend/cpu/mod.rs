@@ -94,6 +94,9 @@ impl Backend for Cpu {
     fn name(&self) -> &'static str {
         "cpu"
     }
+    fn shares_memory_with(&self, _: &Self) -> bool {
+        true
+    }
 
     fn stream(&self) -> Result<Inline, BackendError> {
         Ok(Inline)

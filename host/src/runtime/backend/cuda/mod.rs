@@ -587,6 +587,11 @@ impl Backend for Cuda {
     fn name(&self) -> &'static str {
         "cuda"
     }
+    /// Virtual devices on one GPU share its context: a tensor one made is
+    /// the other's to use (cudarc's per-allocation events order the uses).
+    fn shares_memory_with(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.gpu, &other.gpu)
+    }
 
     fn stream(&self) -> Result<Arc<Queue>, BackendError> {
         Self::queue_on(&self.gpu, self.device)
