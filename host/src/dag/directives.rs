@@ -678,9 +678,12 @@ impl TrainingDag {
     /// own tokens and the rows each expert runs travel to its owner and back
     /// by all-to-all, in forward and in backward. The segments must already
     /// be data-parallel over exactly `devices` (EP degree = their DP degree:
-    /// `dp` or `replicate` first), without ZeRO; their expert parameters then
-    /// leave the data-parallel gradient sync (each lives on one device),
-    /// their router and layernorm stay in it.
+    /// `dp` or `replicate` first); their expert parameters then leave the
+    /// data-parallel gradient sync (each lives on one device, its states
+    /// whole there), their router and layernorm stay in it (ZeRO shards
+    /// those over the group). Context-parallel segments (`context-parallel`
+    /// first) count their context-parallel replicas among the data-parallel
+    /// ones: the experts spread over the whole dp × cp mesh.
     ///
     /// On `stream` `compute` the exchanges run inside the expert segment's
     /// compute op. On any other stream each `F`, `B` or `BI` of the matched
