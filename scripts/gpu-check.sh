@@ -13,7 +13,9 @@
 # A stage that fails is recorded in check.json and the next one runs; after a failure the
 # checks run again (1 step) with CUDA_LAUNCH_BLOCKING=1 and PIPER_CUDA_SYNC=1 (a
 # synchronisation after every op), under compute-sanitizer when the
-# image has it, into OUT_DIR/blocking.
+# image has it, into OUT_DIR/blocking. Pipeline messages between virtual devices of the GPU
+# hand the tensor over on the device; if the multi-device stages disagree with one GPU,
+# PIPER_HOST_MESSAGES=1 (messages through host memory) tells that path from the rest.
 #
 # 1. `piper backend check --backend cuda --bench`: every CUDA kernel against the CPU
 #    backend on the same inputs (fp32, 1e-5 of each output's scale); `tiny` for 20 steps on
