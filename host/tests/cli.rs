@@ -1431,6 +1431,40 @@ fn plan_search_finds_writes_and_reproduces_the_best_and_names_what_does_not_fit(
         html.contains("#1 ") && html.contains("#2 "),
         "the report stacks the top candidates"
     );
+    // A MoE model on the memory-efficient attention: cp and ep compose in
+    // the space, and every candidate it offers plans (the plugins' known
+    // refusals, such as tp × ep's sequences per microbatch, are left out).
+    let moe = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/models/tiny-moe-cp.toml"
+    );
+    let (ok, json, err) = piper(
+        &h,
+        &[
+            "plan",
+            "--search",
+            "--devices",
+            "8",
+            "--model",
+            moe,
+            "--json",
+        ],
+    );
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let all = v["candidates"].as_array().unwrap();
+    let failed: Vec<String> = (all.iter())
+        .filter(|c| c["outcome"] == "failed")
+        .map(|c| format!("{}: {}", c["candidate"], c["reason"]))
+        .collect();
+    assert!(failed.is_empty(), "{failed:#?}");
+    assert!(
+        all.iter().any(|c| {
+            let name = c["candidate"].as_str().unwrap_or_default();
+            name.contains("cp:cp=") && name.contains("+ep") && c["outcome"] == "simulated"
+        }),
+        "no cp × ep candidate simulated"
+    );
 
     // Under a cap: what the search calls out of memory, the runtime refuses.
     let (ok, json, err) = search(&["--device-memory", "6MiB", "--json"]);

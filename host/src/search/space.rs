@@ -444,17 +444,27 @@ pub fn enumerate(
                         chunks,
                     })
                 };
+                // Experts on a tensor-parallel mesh split each replica's
+                // sequences of a microbatch over the tp group: they must
+                // divide (compile refuses the plan otherwise).
+                let split = match (ep_step, tp) {
+                    (Some(_), Some(t)) if moe => *t,
+                    _ => 1,
+                };
+                let replicas = dp.unwrap_or(1);
                 // No pipeline: the model must already be on every device.
                 if positions == Some(1) && !head.is_empty() {
+                    if !(batch / replicas.max(1)).is_multiple_of(split) {
+                        continue;
+                    }
                     out.push(Candidate {
                         steps: head.clone(),
                         shape: shape(1, 1, 1, 1),
                     });
                     continue;
                 }
-                let replicas = dp.unwrap_or(1);
                 for (step, m, chunks) in
-                    pipelines(positions, regions, batch / replicas.max(1), bundled)
+                    pipelines(positions, regions, batch / replicas.max(1), split, bundled)
                 {
                     let copies = if step.plugin == "dualpipe" { 2 } else { 1 };
                     // ZeRO-2/3 over DualPipe's parameter copies is not
@@ -481,13 +491,15 @@ pub fn enumerate(
 }
 
 /// The bundled pipeline schedules over `positions` pipeline devices (when
-/// known), with microbatch counts that divide a replica's `batch` rows and
-/// meet each schedule's documented preconditions; each with its microbatch
-/// count and the model chunks a position holds.
+/// known), with microbatch counts that divide a replica's `batch` rows into
+/// microbatches of a multiple of `split` rows and meet each schedule's
+/// documented preconditions; each with its microbatch count and the model
+/// chunks a position holds.
 fn pipelines(
     positions: Option<u32>,
     regions: u32,
     batch: u32,
+    split: u32,
     bundled: bool,
 ) -> Vec<(Step, u32, u32)> {
     let Some(p) = positions.filter(|p| *p >= 2 && bundled) else {
@@ -496,7 +508,7 @@ fn pipelines(
     let mut out = Vec::new();
     for k in [1, 2, 4, 8, 16] {
         let m = p * k;
-        if m == 0 || !batch.is_multiple_of(m) {
+        if m == 0 || !batch.is_multiple_of(m) || !(batch / m).is_multiple_of(split.max(1)) {
             continue;
         }
         let mb = ("microbatches", m.to_string());
