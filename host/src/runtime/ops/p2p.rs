@@ -25,16 +25,15 @@ fn through_host() -> bool {
 }
 
 /// Whether a message from device `from` to device `to` is handed over in
-/// memory: both in this process, on backends that share their memory.
+/// memory: both in this process (`ctx.devices` holds only those), on
+/// backends that share their memory.
 fn handed_over<B: Backend>(ctx: &StepCtx<B>, from: u32, to: u32) -> bool {
     if through_host() {
         return false;
     }
     let find = |id: u32| ctx.devices.iter().find(|d| d.id == id);
     match (find(from), find(to)) {
-        (Some(a), Some(b)) => {
-            ctx.comm.is_local(from) && ctx.comm.is_local(to) && b.b.shares_memory_with(&a.b)
-        }
+        (Some(a), Some(b)) => b.b.shares_memory_with(&a.b),
         _ => false,
     }
 }
@@ -59,22 +58,21 @@ pub(super) fn send<B: Backend>(
         in_flight.keep();
     }
     if handed_over(ctx, dev.id, peer) {
-        let slot = (pair, dev.id, peer);
-        {
-            let mut handed = ctx.handed.lock().unwrap_or_else(|p| p.into_inner());
-            if handed.contains_key(&slot) {
-                return Err(comm_error(
-                    dev,
-                    op,
-                    crate::runtime::comm::CommError::Duplicate {
-                        node: pair,
-                        from: dev.id,
-                        to: peer,
-                    },
-                ));
+        // A second message before the first was taken is refused, as the
+        // comm refuses it, and the first stays.
+        let mut handed = ctx.handed.lock().unwrap_or_else(|p| p.into_inner());
+        match handed.entry((pair, dev.id, peer)) {
+            std::collections::hash_map::Entry::Occupied(_) => {
+                let twice = crate::runtime::comm::CommError::Duplicate {
+                    node: pair,
+                    from: dev.id,
+                    to: peer,
+                };
+                return Err(comm_error(dev, op, twice));
             }
-            handed.insert(slot, t);
-        }
+            std::collections::hash_map::Entry::Vacant(slot) => slot.insert(t),
+        };
+        drop(handed);
         ctx.comm.count_sent(dev.id, bytes);
         return ctx
             .comm
