@@ -672,6 +672,57 @@ fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
     );
 }
 
+/// Under sequence parallelism the gathers and reduce-scatters run beside
+/// the products they feed or read, a member's rows at a time: over NVLink
+/// the products outlast the exchange, so what waits is the share by which
+/// communication in flight slows them (0.18 on an H100), where plain
+/// tensor parallelism waits for all of its sums; across nodes (one slow
+/// NIC) the exchange outlasts the products and the excess waits.
+#[test]
+fn sequence_parallel_exchanges_hide_behind_the_products_beside_them() {
+    let model = ModelConfig {
+        layers: 4,
+        d_model: 1024,
+        heads: 16,
+        seq_len: 512,
+        batch_size: 16,
+        ..ModelConfig::tiny()
+    };
+    let exposed = |opts: &[(&str, &str)], c: &Cluster| {
+        let plan = common::plan_with(&host(), &model, 2, &[("tp", opts)]).unwrap();
+        let s = simulate(&plan, c).unwrap();
+        (
+            s.step_time,
+            s.devices[0].exposed_comm[piper::sim::IN_OP_TP_SUMS],
+        )
+    };
+    let (tp, sp) = (
+        &[("tp", "2")][..],
+        &[("tp", "2"), ("sequence-parallel", "true")][..],
+    );
+    let nv = Cluster::h100_8x();
+    let ((step_tp, plain), (step_sp, hidden)) = (exposed(tp, &nv), exposed(sp, &nv));
+    // Each op runs one block: its two sums' bytes, plus the residual
+    // gathered where the block ends (half a sum, counted with them):
+    // 0.18 × 5/4 of the plain sums.
+    let want = 0.18 * 5.0 / 4.0 * plain;
+    assert!(
+        (hidden - want).abs() < 0.05 * want && step_sp < step_tp,
+        "NVLink: {hidden:.3e} s exposed under sequence parallelism, {plain:.3e} s without (expected {want:.3e} s)"
+    );
+    let across = Cluster {
+        devices_per_node: 1,
+        nodes: 2,
+        inter_bytes_per_s: 1e9,
+        ..Cluster::h100_cluster(2)
+    };
+    let ((_, plain), (_, slow)) = (exposed(tp, &across), exposed(sp, &across));
+    assert!(
+        slow > 0.5 * plain && slow > 10.0 * hidden,
+        "across a 1 GB/s link: {slow:.3e} s exposed with sequence parallelism, {plain:.3e} s without"
+    );
+}
+
 #[test]
 fn devices_sharing_a_nodes_cores_compute_at_its_pace_and_alone_at_their_own() {
     // A node of 64 virtual devices with two cores' worth of compute.

@@ -135,17 +135,49 @@ impl Cluster {
         let Act::Compute { pass, .. } = op.act else {
             return 0.0;
         };
-        let (eff, fixed) = match pass {
+        let (eff, fixed) = self.pass_rate(pass);
+        match (&self.device, &op.shape.0) {
+            (Some(dev), Some(shape)) => fixed + self.shaped(dev, shape, eff),
+            _ => fixed + op.flops / (self.peak_flops * eff),
+        }
+    }
+
+    /// A pass's efficiency and fixed overhead per op.
+    fn pass_rate(&self, pass: Pass) -> (f64, f64) {
+        match pass {
             // A recompute is its forward again, at the forward's rate.
             Pass::F | Pass::R => (self.efficiency.f, self.op_overhead_s.f),
             Pass::B => (self.efficiency.b, self.op_overhead_s.b),
             Pass::BI => (self.efficiency.bi, self.op_overhead_s.bi),
             Pass::BW => (self.efficiency.bw, self.op_overhead_s.bw),
-        };
-        match (&self.device, &op.shape.0) {
-            (Some(dev), Some(shape)) => fixed + self.shaped(dev, shape, eff),
-            _ => fixed + op.flops / (self.peak_flops * eff),
         }
+    }
+
+    /// A compute op's seconds in its weight products (with shapes; by
+    /// FLOPs, all its arithmetic but the fixed overhead).
+    fn products(&self, op: &Op) -> f64 {
+        let Act::Compute { pass, .. } = op.act else {
+            return 0.0;
+        };
+        let (eff, _) = self.pass_rate(pass);
+        match (&self.device, &op.shape.0) {
+            (Some(dev), Some(s)) => self.gemms_s(dev, s, eff),
+            _ => op.flops / (self.peak_flops * eff),
+        }
+    }
+
+    /// The weight products of a shaped op at `eff` of peak times the share
+    /// its tiles and depth allow, no faster than their bytes over HBM.
+    fn gemms_s(&self, dev: &DeviceClass, s: &OpShape, eff: f64) -> f64 {
+        let peak = self.peak_for(dev, s.elem_bytes);
+        (s.gemms.iter())
+            .map(|g| {
+                let flops = 2.0 * g.m * g.n * g.k;
+                let rate = peak * eff * dev.gemm_share(g.m, g.n, g.k);
+                let bytes = (g.m * g.k + g.k * g.n + g.m * g.n) * s.elem_bytes;
+                g.count * (flops / rate).max(self.stream_s(dev, bytes))
+            })
+            .sum()
     }
 
     /// An op's time from its shapes (arithmetic at the device's peak for
@@ -154,16 +186,7 @@ impl Cluster {
     /// HBM; the attention kernel at its measured rate; the memory-bound
     /// kernels' bytes over HBM; a launch gap per kernel.
     fn shaped(&self, dev: &DeviceClass, s: &OpShape, eff: f64) -> f64 {
-        let peak = self.peak_for(dev, s.elem_bytes);
-        let products: f64 = (s.gemms.iter())
-            .map(|g| {
-                let flops = 2.0 * g.m * g.n * g.k;
-                let rate = peak * eff * dev.gemm_share(g.m, g.n, g.k);
-                let bytes = (g.m * g.k + g.k * g.n + g.m * g.n) * s.elem_bytes;
-                g.count * (flops / rate).max(self.stream_s(dev, bytes))
-            })
-            .sum();
-        products + self.unscaled(dev, s)
+        self.gemms_s(dev, s, eff) + self.unscaled(dev, s)
     }
 
     /// The arithmetic peak for operands of `elem_bytes`: the cluster's
@@ -229,7 +252,22 @@ impl Cluster {
                 let n = g.len() as f64;
                 let one_node = g.iter().all(|d| self.same_node(*d, g[0]));
                 let (beta, alpha) = self.link(one_node);
-                2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta
+                let sums = 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta;
+                match op.sp {
+                    // Sequence parallelism's gathers and reduce-scatters
+                    // run beside the products they feed or read, a
+                    // member's rows at a time (`Model::gathered_products`,
+                    // `Model::scattered_products`): the member's own rows
+                    // need no exchange, so the exchange hides behind the
+                    // other `(n − 1)/n` of the products unless it takes
+                    // longer, and what it hides slows them as any
+                    // communication in flight does (`comm_slowdown`).
+                    true => {
+                        let hidden = ((n - 1.0) / n * self.products(op)).min(sums);
+                        sums - hidden + hidden * self.contention().unwrap_or(0.0)
+                    }
+                    false => sums,
+                }
             }
             _ => 0.0,
         }

@@ -28,6 +28,8 @@ pub struct Dims {
     /// Tensor-parallel degree: attention and the MLP hold `1/tp` of their
     /// heads and hidden units (1: whole).
     pub tp: usize,
+    /// This member's rank in its tensor-parallel group.
+    pub tp_rank: usize,
     /// Sequence parallelism over the tensor-parallel group: inside blocks
     /// the residual stream and the norms hold [`Dims::rows`] rows.
     pub sp: bool,
@@ -56,6 +58,7 @@ impl Dims {
             v: cfg.vocab as usize,
             moe: cfg.moe,
             tp: 1,
+            tp_rank: 0,
             sp: false,
             arch: cfg.arch(),
             flash: cfg.flash_attention(),
@@ -144,9 +147,6 @@ pub enum Coll {
     /// Sequence parallelism: every member's rows, in rank order (the
     /// whole tensor from each member's `1/tp` of its rows).
     Gather,
-    /// Sequence parallelism: the sum's rows of this member (`1/tp` of
-    /// them, contiguous, in rank order).
-    Scatter,
     /// Sequence parallelism: this member's rows of a whole tensor every
     /// member holds (no exchange).
     Shard,
@@ -163,11 +163,37 @@ pub enum Coll {
     /// Context parallelism: the sum over the context-parallel group of a
     /// whole-sequence tensor `[b, seq, w]`, this member's rows of it.
     ContextScatter,
+    /// Sequence parallelism's overlapped gather: post this member's rows
+    /// to every other member at once (returns nothing; never blocks).
+    Post,
+    /// The rows member `m` posted (the argument is not read).
+    Take(usize),
+    /// Sequence parallelism's overlapped reduce-scatter: this member's
+    /// partial result for member `m`'s rows, sent to it (kept when `m` is
+    /// this member; returns nothing; never blocks).
+    Part(usize),
+    /// Every member's [`Coll::Part`] for this member's rows (its `1/tp`
+    /// of them, contiguous, in rank order), summed in device order (fp32,
+    /// rounded once).
+    Parts,
 }
 
 /// A tensor-parallel group's collectives ([`Coll`]) on this member's tensor.
 pub type Reduce<'a, B> =
     dyn FnMut(Coll, <B as Backend>::Tensor) -> Result<<B as Backend>::Tensor, BackendError> + 'a;
+
+/// A gathered tensor (`None`: it was whole already) and its products.
+type Gathered<B> = (Option<<B as Backend>::Tensor>, Vec<<B as Backend>::Tensor>);
+
+/// The rows each member of a sequence-parallel group of `tp` holds of `n`.
+fn sp_rows(n: usize, tp: usize) -> Result<usize, BackendError> {
+    match n.is_multiple_of(tp) {
+        true => Ok(n / tp),
+        false => Err(BackendError::Exchange(format!(
+            "{n} rows do not split over a sequence-parallel group of {tp}"
+        ))),
+    }
+}
 
 /// A segment spread over a group of devices.
 pub enum Peers<'a, 'b, B: Backend> {
@@ -505,51 +531,194 @@ impl<'a, B: Backend> Model<'a, B> {
         Ok((out, mean, rstd))
     }
 
-    /// A norm's output on the residual's rows made whole for the
-    /// column-parallel layers: gathered over the group under sequence
-    /// parallelism, as it is otherwise.
-    pub(super) fn gathered_norm(
+    /// Products of a tensor `x` of `n` rows of `w` of which this member
+    /// holds its `1/tp` under sequence parallelism (all of them otherwise):
+    /// `f(x_rows, rows)` gives the products' outputs for those rows, of
+    /// widths `outs`. Returns the whole tensor (every member's rows in rank
+    /// order; `None` when `x` is whole already) and the products for all
+    /// `n` rows. Under sequence parallelism this member's rows are posted
+    /// to the group at once and each member's multiplied as it arrives,
+    /// its own first, so the exchange overlaps the products (Megatron's
+    /// `--tp-comm-overlap`; pairwise, not a ring).
+    pub(super) fn gathered_products(
         &self,
-        t: B::Tensor,
-        sp: bool,
+        x: &B::Tensor,
+        (n, w): (usize, usize),
+        outs: &[usize],
+        dims: &Dims,
         group: Option<&mut Reduce<'_, B>>,
-    ) -> Result<B::Tensor, BackendError> {
-        match group {
-            Some(g) if sp => g(Coll::Gather, t),
-            _ => Ok(t),
+        mut f: impl FnMut(&B::Tensor, usize) -> Result<Vec<B::Tensor>, BackendError>,
+    ) -> Result<Gathered<B>, BackendError> {
+        let g = match group {
+            Some(g) if dims.sp && dims.tp > 1 => g,
+            _ => return Ok((None, f(x, n)?)),
+        };
+        let (tp, rank) = (dims.tp, dims.tp_rank);
+        let per = sp_rows(n, tp)?;
+        g(Coll::Post, self.b.duplicate(x)?)?;
+        let mut whole = self.b.zeros_as(n * w, B::dtype(x))?;
+        let mut all = Vec::with_capacity(outs.len());
+        for ow in outs {
+            all.push(self.zeros(n * ow)?);
         }
+        for s in 0..tp {
+            let m = (rank + tp - s) % tp;
+            let taken = match s {
+                0 => None,
+                _ => Some(g(Coll::Take(m), Default::default())?),
+            };
+            let rows = taken.as_ref().unwrap_or(x);
+            self.b.copy(&mut whole, m * per * w, rows, 0..per * w);
+            let got = f(rows, per)?;
+            if got.len() != outs.len() {
+                return Err(BackendError::Device(format!(
+                    "{} products of a gathered tensor, not {}",
+                    got.len(),
+                    outs.len()
+                )));
+            }
+            for ((o, p), ow) in all.iter_mut().zip(&got).zip(outs) {
+                self.b.copy(o, m * per * ow, p, 0..per * ow);
+            }
+        }
+        Ok((Some(whole), all))
     }
 
-    /// Under sequence parallelism, the whole of a half's output gradient
-    /// `dout` (this member holds its rows): what the row-parallel layer's
-    /// backward reads. `None` otherwise (`dout` is whole already).
-    pub(super) fn grad_full(
+    /// Products summed over the tensor-parallel group: `f(rows)` is this
+    /// member's part `[rows.len(), w]` of the sum's rows `rows` (of `n`).
+    /// Under sequence parallelism the sum's rows are scattered (this
+    /// member's `1/tp` of them): each other member's part is computed and
+    /// sent as soon as it is done, this member's own last, then the parts
+    /// of its rows are summed, so the products overlap the exchange.
+    /// Otherwise the whole sum (alone: the product itself).
+    pub(super) fn scattered_products(
         &self,
-        dout: &B::Tensor,
-        dims: Dims,
+        n: usize,
+        dims: &Dims,
         group: Option<&mut Reduce<'_, B>>,
-    ) -> Result<Option<B::Tensor>, BackendError> {
-        match group {
-            Some(g) if dims.sp => Ok(Some(g(Coll::Gather, self.b.duplicate(dout)?)?)),
-            _ => Ok(None),
+        mut f: impl FnMut(std::ops::Range<usize>) -> Result<B::Tensor, BackendError>,
+    ) -> Result<B::Tensor, BackendError> {
+        let g = match group {
+            Some(g) if dims.sp && dims.tp > 1 => g,
+            Some(g) => return g(Coll::Sum, f(0..n)?),
+            None => return f(0..n),
+        };
+        let (tp, rank) = (dims.tp, dims.tp_rank);
+        let per = sp_rows(n, tp)?;
+        for s in 1..=tp {
+            let m = (rank + s) % tp;
+            g(Coll::Part(m), f(m * per..(m + 1) * per)?)?;
         }
+        g(Coll::Parts, Default::default())
+    }
+
+    /// Rows `rows` of `t` (rows of `w`), or `None` when they are all of it.
+    pub(super) fn rows(
+        &self,
+        t: &B::Tensor,
+        rows: std::ops::Range<usize>,
+        w: usize,
+    ) -> Result<Option<B::Tensor>, BackendError> {
+        if rows.start == 0 && rows.end * w == B::len(t) {
+            return Ok(None);
+        }
+        let mut out = self.b.zeros_as(rows.len() * w, B::dtype(t))?;
+        self.b.copy(&mut out, 0, t, rows.start * w..rows.end * w);
+        Ok(Some(out))
+    }
+
+    /// `dx += dY_i · W_i` over `(dY_i [n, oc_i], W_i)` for rows `rows`: a
+    /// column-parallel layer's input gradient `[rows.len(), ic]`, this
+    /// member's part of its sum.
+    pub(super) fn input_grad_rows(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        lins: &[(&B::Tensor, ParamId, usize)],
+        rows: std::ops::Range<usize>,
+        ic: usize,
+    ) -> Result<B::Tensor, BackendError> {
+        let r = rows.len();
+        let mut dx = self.zeros(r * ic)?;
+        for (i, (dy, w, oc)) in lins.iter().enumerate() {
+            let part = self.rows(dy, rows.clone(), *oc)?;
+            let dy = part.as_ref().unwrap_or(dy);
+            self.b
+                .matmul_backward_input(&mut dx, dy, param(params, *w)?, r, ic, *oc, i > 0);
+        }
+        Ok(dx)
+    }
+
+    /// The row-parallel layer's input gradient `dout · W` (`W` `[c, ic]`)
+    /// from this member's rows of `dout` (`[rows, c]` under sequence
+    /// parallelism, overlapped with the gather as in
+    /// [`Model::gathered_products`]): the whole `dout` (`None` when it was
+    /// whole), which the weight pass reads, and the gradient `[n, ic]`.
+    pub(super) fn gathered_input_grad(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        dout: &B::Tensor,
+        w: ParamId,
+        (n, ic, c): (usize, usize, usize),
+        dims: &Dims,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(Option<B::Tensor>, B::Tensor), BackendError> {
+        let weight = param(params, w)?;
+        let (whole, mut d) = self.gathered_products(dout, (n, c), &[ic], dims, group, |x, r| {
+            let mut d = self.zeros(r * ic)?;
+            self.b
+                .matmul_backward_input(&mut d, x, weight, r, ic, c, false);
+            Ok(vec![d])
+        })?;
+        let d = d
+            .pop()
+            .ok_or_else(|| BackendError::Device("no input gradient".into()))?;
+        Ok((whole, d))
+    }
+
+    /// Column-parallel linears `(W, bias, oc)` on a norm's output `x[rows,
+    /// c]`: made whole over the group under sequence parallelism,
+    /// overlapped with the products ([`Model::gathered_products`]). Returns
+    /// the whole norm output and the linears' outputs `[n, oc]`.
+    pub(super) fn gathered_linears(
+        &self,
+        params: &ParamMap<B::Tensor>,
+        x: B::Tensor,
+        lins: &[(ParamId, Option<ParamId>, usize)],
+        (n, c): (usize, usize),
+        dims: &Dims,
+        group: Option<&mut Reduce<'_, B>>,
+    ) -> Result<(B::Tensor, Vec<B::Tensor>), BackendError> {
+        let outs: Vec<usize> = lins.iter().map(|l| l.2).collect();
+        let (whole, outs) = self.gathered_products(&x, (n, c), &outs, dims, group, |x, r| {
+            lins.iter()
+                .map(|(w, bias, oc)| self.linear(params, (*w, *bias), x, r, c, *oc))
+                .collect()
+        })?;
+        Ok((whole.unwrap_or(x), outs))
     }
 
     /// The row-parallel end of a tensor-parallel layer: `inp[n, ic] · Wᵀ`
     /// summed over the group (its rows of the sum under sequence
-    /// parallelism: `how`), then `+ bias`.
+    /// parallelism, overlapped: [`Model::scattered_products`]), then
+    /// `+ bias`.
     fn row_parallel(
         &self,
         params: &ParamMap<B::Tensor>,
         (w, bias): (ParamId, Option<ParamId>),
         inp: &B::Tensor,
         (n, ic, oc): (usize, usize, usize),
-        (reduce, how): (&mut Reduce<'_, B>, Coll),
+        dims: &Dims,
+        reduce: &mut Reduce<'_, B>,
     ) -> Result<B::Tensor, BackendError> {
-        let mut part = self.zeros(n * oc)?;
-        self.b
-            .matmul_forward(&mut part, inp, param(params, w)?, None, n, ic, oc);
-        let mut out = reduce(how, part)?;
+        let weight = param(params, w)?;
+        let mut out = self.scattered_products(n, dims, Some(reduce), |rows| {
+            let r = rows.len();
+            let part = self.rows(inp, rows, ic)?;
+            let mut out = self.zeros(r * oc)?;
+            let x = part.as_ref().unwrap_or(inp);
+            self.b.matmul_forward(&mut out, x, weight, None, r, ic, oc);
+            Ok(out)
+        })?;
         if let Some(b) = bias {
             self.b.add_bias(&mut out, param(params, b)?, oc);
         }
@@ -568,7 +737,7 @@ impl<'a, B: Backend> Model<'a, B> {
         inp: &B::Tensor,
         res: &B::Tensor,
         shape: (usize, usize, usize),
-        sp: bool,
+        dims: &Dims,
         reduce: Option<&mut Reduce<'_, B>>,
     ) -> Result<B::Tensor, BackendError> {
         let (n, ic, oc) = shape;
@@ -592,8 +761,7 @@ impl<'a, B: Backend> Model<'a, B> {
                 Ok(out)
             }
             Some(reduce) => {
-                let how = if sp { Coll::Scatter } else { Coll::Sum };
-                let proj = self.row_parallel(params, (w, bias), inp, shape, (reduce, how))?;
+                let proj = self.row_parallel(params, (w, bias), inp, shape, dims, reduce)?;
                 let mut out = self.zeros(B::len(&proj))?;
                 self.b.residual_forward(&mut out, res, &proj);
                 Ok(out)
@@ -602,24 +770,20 @@ impl<'a, B: Backend> Model<'a, B> {
     }
 
     /// The end of a half's backward: the gradient of its layernorm's output
-    /// `dln` (summed over a tensor-parallel group first, onto the
-    /// residual's rows under sequence parallelism), through the layernorm
-    /// (its input, mean and rstd on `rows` rows), added to the residual's
-    /// `dout`: the half's input gradient, and `dln` for the weight pass.
+    /// `dln` (summed over a tensor-parallel group, this member's rows of
+    /// it under sequence parallelism: [`Model::scattered_products`]),
+    /// through the layernorm (its input, mean and rstd on `rows` rows),
+    /// added to the residual's `dout`: the half's input gradient, and
+    /// `dln` for the weight pass.
     pub(super) fn back_to_residual(
         &self,
         params: &ParamMap<B::Tensor>,
         norm: Norm,
-        mut dln: B::Tensor,
-        sp: bool,
-        reduce: Option<&mut Reduce<'_, B>>,
+        dln: B::Tensor,
         dout: &B::Tensor,
         (x, mean, rstd): (&B::Tensor, &B::Tensor, &B::Tensor),
         (rows, c): (usize, usize),
     ) -> Result<(B::Tensor, B::Tensor), BackendError> {
-        if let Some(reduce) = reduce {
-            dln = reduce(if sp { Coll::Scatter } else { Coll::Sum }, dln)?;
-        }
         let mut dx = self.b.duplicate(dout)?;
         self.b.layernorm_backward_input(
             &mut dx,

@@ -163,8 +163,18 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(l).attn;
         let (ln1_out, ln1_mean, ln1_rstd) = self.layernorm(params, ln1, &x, dims.rows(), c)?;
-        let ln1_out = self.gathered_norm(ln1_out, dims.sp, reduce.as_deref_mut())?;
-        let qkv_out = self.linear(params, qkv.parts(), &ln1_out, n, c, 3 * cl)?;
+        let (qkv_w, qkv_b) = qkv.parts();
+        let (ln1_out, mut outs) = self.gathered_linears(
+            params,
+            ln1_out,
+            &[(qkv_w, qkv_b, 3 * cl)],
+            (n, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
+        let qkv_out = outs
+            .pop()
+            .ok_or_else(|| BackendError::Device("no qkv".into()))?;
         let mut atty = self.zeros(n * cl)?;
         let att = self.attention(
             &mut atty,
@@ -179,7 +189,7 @@ impl<B: Backend> Model<'_, B> {
             &atty,
             &x,
             (n, cl, c),
-            dims.sp,
+            &dims,
             reduce,
         )?;
         let cache = AttnCache {
@@ -221,17 +231,17 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let (ln2, MlpIds { fc, proj }) = self.dense(l)?;
         let (ln2_out, ln2_mean, ln2_rstd) = self.layernorm(params, ln2, &x2, dims.rows(), c)?;
-        let ln2_out = self.gathered_norm(ln2_out, dims.sp, reduce.as_deref_mut())?;
-        let mut fch = self.zeros(n * hl)?;
-        self.b.matmul_forward(
-            &mut fch,
-            &ln2_out,
-            param(params, fc.weight)?,
-            None,
-            n,
-            c,
-            hl,
-        );
+        let (ln2_out, mut outs) = self.gathered_linears(
+            params,
+            ln2_out,
+            &[(fc.weight, None, hl)],
+            (n, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
+        let mut fch = outs
+            .pop()
+            .ok_or_else(|| BackendError::Device("no fc".into()))?;
         let mut fch_gelu = self.zeros(n * hl)?;
         self.b
             .bias_gelu_forward(&mut fch, &mut fch_gelu, param(params, fc.bias)?, hl);
@@ -241,7 +251,7 @@ impl<B: Backend> Model<'_, B> {
             &fch_gelu,
             &x2,
             (n, hl, c),
-            dims.sp,
+            &dims,
             reduce,
         )?;
         let cache = MlpCache {
@@ -273,17 +283,14 @@ impl<B: Backend> Model<'_, B> {
         let (cl, nhl) = (c / tp, nh / tp);
         let n = dims.n();
         let AttnIds { ln1, qkv, proj } = self.table.layer(k.layer).attn;
-        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut datty = self.zeros(n * cl)?;
-        self.b.matmul_backward_input(
-            &mut datty,
-            full.as_ref().unwrap_or(&dout),
-            param(params, proj.weight)?,
-            n,
-            cl,
-            c,
-            false,
-        );
+        let (full, datty) = self.gathered_input_grad(
+            params,
+            &dout,
+            proj.weight,
+            (n, cl, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let mut dqkv = self.zeros(n * 3 * cl)?;
         let shape = (b, t, cl, nhl);
         let kept = (&k.atty, &k.att);
@@ -296,22 +303,13 @@ impl<B: Backend> Model<'_, B> {
             &dims,
             reduce.as_deref_mut(),
         )?;
-        let mut dln1 = self.zeros(n * c)?;
-        self.b.matmul_backward_input(
-            &mut dln1,
-            &dqkv,
-            param(params, qkv.weight)?,
-            n,
-            c,
-            3 * cl,
-            false,
-        );
+        let dln1 = self.scattered_products(n, &dims, reduce, |rows| {
+            self.input_grad_rows(params, &[(&dqkv, qkv.weight, 3 * cl)], rows, c)
+        })?;
         let (dx, dln1) = self.back_to_residual(
             params,
             ln1,
             dln1,
-            dims.sp,
-            reduce,
             &dout,
             (&k.x, &k.ln1_mean, &k.ln1_rstd),
             (dims.rows(), c),
@@ -333,28 +331,23 @@ impl<B: Backend> Model<'_, B> {
         let hl = 4 * c / dims.tp;
         let n = dims.n();
         let (ln2, MlpIds { fc, proj }) = self.dense(k.layer)?;
-        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut dgelu = self.zeros(n * hl)?;
-        self.b.matmul_backward_input(
-            &mut dgelu,
-            full.as_ref().unwrap_or(&dout),
-            param(params, proj.weight)?,
-            n,
-            hl,
-            c,
-            false,
-        );
+        let (full, dgelu) = self.gathered_input_grad(
+            params,
+            &dout,
+            proj.weight,
+            (n, hl, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let mut dfch = self.zeros(n * hl)?;
         self.b.gelu_backward(&mut dfch, &k.fch, &dgelu);
-        let mut dln2 = self.zeros(n * c)?;
-        self.b
-            .matmul_backward_input(&mut dln2, &dfch, param(params, fc.weight)?, n, c, hl, false);
+        let dln2 = self.scattered_products(n, &dims, reduce, |rows| {
+            self.input_grad_rows(params, &[(&dfch, fc.weight, hl)], rows, c)
+        })?;
         let (dx2, dln2) = self.back_to_residual(
             params,
             ln2,
             dln2,
-            dims.sp,
-            reduce,
             &dout,
             (&k.x2, &k.ln2_mean, &k.ln2_rstd),
             (dims.rows(), c),

@@ -202,22 +202,18 @@ impl<B: Backend> Model<'_, B> {
     }
 
     /// The end of a half's backward: `dln` (summed over a tensor-parallel
-    /// group first, onto the residual's `n` rows under sequence
-    /// parallelism) through the RMSNorm, added to the residual's `dout`.
+    /// group, onto the residual's `n` rows under sequence parallelism:
+    /// [`Model::scattered_products`]) through the RMSNorm, added to the
+    /// residual's `dout`.
     fn rms_back_to_residual(
         &self,
         params: &ParamMap<B::Tensor>,
         w: ParamId,
-        mut dln: B::Tensor,
-        sp: bool,
-        reduce: Option<&mut Reduce<'_, B>>,
+        dln: B::Tensor,
         dout: &B::Tensor,
         (x, rstd): (&B::Tensor, &B::Tensor),
         (n, c): (usize, usize),
     ) -> Result<(B::Tensor, B::Tensor), BackendError> {
-        if let Some(reduce) = reduce {
-            dln = reduce(if sp { Coll::Scatter } else { Coll::Sum }, dln)?;
-        }
         let mut dx = self.b.duplicate(dout)?;
         self.b
             .rmsnorm_backward_input(&mut dx, &dln, x, param(params, w)?, rstd, n, c);
@@ -240,10 +236,17 @@ impl<B: Backend> Model<'_, B> {
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
         let (ln1, rstd1) = self.rmsnorm(params, ids.norm, &x, dims.rows(), c, a.norm_eps)?;
-        let ln1 = self.gathered_norm(ln1, dims.sp, reduce.as_deref_mut())?;
-        let mut q = self.linear(params, (ids.q, None), &ln1, n, c, qw)?;
-        let mut k = self.linear(params, (ids.k, None), &ln1, n, c, kvw)?;
-        let v = self.linear(params, (ids.v, None), &ln1, n, c, kvw)?;
+        let (ln1, qkv) = self.gathered_linears(
+            params,
+            ln1,
+            &[(ids.q, None, qw), (ids.k, None, kvw), (ids.v, None, kvw)],
+            (n, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
+        let Ok::<[B::Tensor; 3], _>([mut q, mut k, v]) = qkv.try_into() else {
+            return Err(BackendError::Device("no q, k and v".into()));
+        };
         let (mut q_raw, mut k_raw, mut q_rstd, mut k_rstd) = Default::default();
         if let (Some(qn), Some(kn)) = (ids.q_norm, ids.k_norm) {
             let (qo, qr) = self.rmsnorm(params, qn, &q, n * lc.nh, hd, a.norm_eps)?;
@@ -266,7 +269,7 @@ impl<B: Backend> Model<'_, B> {
             reduce.as_deref_mut(),
         )?;
         let shape = (n, qw, c);
-        let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, shape, dims.sp, reduce)?;
+        let x2 = self.onto_residual(params, (ids.o, None), &atty, &x, shape, &dims, reduce)?;
         Ok((
             x2,
             LlamaAttnCache {
@@ -342,14 +345,21 @@ impl<B: Backend> Model<'_, B> {
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
         let (ln2, rstd2) = self.rmsnorm(params, norm, &x2, dims.rows(), c, dims.arch.norm_eps)?;
-        let ln2 = self.gathered_norm(ln2, dims.sp, reduce.as_deref_mut())?;
-        let gate = self.linear(params, (ids.gate, None), &ln2, n, c, hl)?;
-        let up = self.linear(params, (ids.up, None), &ln2, n, c, hl)?;
+        let (ln2, gate_up) = self.gathered_linears(
+            params,
+            ln2,
+            &[(ids.gate, None, hl), (ids.up, None, hl)],
+            (n, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
+        let Ok::<[B::Tensor; 2], _>([gate, up]) = gate_up.try_into() else {
+            return Err(BackendError::Device("no gate and up".into()));
+        };
         let mut act = self.zeros(n * hl)?;
         self.b.swiglu_forward(&mut act, &gate, &up);
         let shape = (n, hl, c);
-        let out =
-            self.onto_residual(params, (ids.down, None), &act, &x2, shape, dims.sp, reduce)?;
+        let out = self.onto_residual(params, (ids.down, None), &act, &x2, shape, &dims, reduce)?;
         Ok((
             out,
             SwiGluCache {
@@ -378,11 +388,14 @@ impl<B: Backend> Model<'_, B> {
         let n = dims.n();
         let lc = Local::of(&dims);
         let (qw, kvw, hd) = (lc.qw(), lc.kvw(), lc.hd);
-        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut datty = self.zeros(n * qw)?;
-        let dsrc = full.as_ref().unwrap_or(&dout);
-        self.b
-            .matmul_backward_input(&mut datty, dsrc, param(params, ids.o)?, n, qw, c, false);
+        let (full, datty) = self.gathered_input_grad(
+            params,
+            &dout,
+            ids.o,
+            (n, qw, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let mut dqkv = self.zeros(n * 3 * qw)?;
         let shape = (b, t, qw, lc.nh);
         let kept = (&k.atty, &k.att);
@@ -442,19 +455,14 @@ impl<B: Backend> Model<'_, B> {
             }
             (dq, dk) = (dq_raw, dk_raw);
         }
-        let mut dln1 = self.zeros(n * c)?;
-        self.b
-            .matmul_backward_input(&mut dln1, &dq, param(params, ids.q)?, n, c, qw, false);
-        self.b
-            .matmul_backward_input(&mut dln1, &dk, param(params, ids.k)?, n, c, kvw, true);
-        self.b
-            .matmul_backward_input(&mut dln1, &dv, param(params, ids.v)?, n, c, kvw, true);
+        let lins = [(&dq, ids.q, qw), (&dk, ids.k, kvw), (&dv, ids.v, kvw)];
+        let dln1 = self.scattered_products(n, &dims, reduce, |rows| {
+            self.input_grad_rows(params, &lins, rows, c)
+        })?;
         let (dx, dln1) = self.rms_back_to_residual(
             params,
             ids.norm,
             dln1,
-            dims.sp,
-            reduce,
             &dout,
             (&k.x, &k.rstd1),
             (dims.rows(), c),
@@ -487,26 +495,26 @@ impl<B: Backend> Model<'_, B> {
         let (norm, ids) = self.swiglu_ids(k.layer)?;
         let (n, c) = (dims.n(), dims.c);
         let hl = Local::of(&dims).hidden;
-        let full = self.grad_full(&dout, dims, reduce.as_deref_mut())?;
-        let mut dact = self.zeros(n * hl)?;
-        let dsrc = full.as_ref().unwrap_or(&dout);
-        self.b
-            .matmul_backward_input(&mut dact, dsrc, param(params, ids.down)?, n, hl, c, false);
+        let (full, dact) = self.gathered_input_grad(
+            params,
+            &dout,
+            ids.down,
+            (n, hl, c),
+            &dims,
+            reduce.as_deref_mut(),
+        )?;
         let (mut dgate, mut dup) = (self.zeros(n * hl)?, self.zeros(n * hl)?);
         self.b
             .swiglu_backward(&mut dgate, &mut dup, &k.gate, &k.up, &dact);
         drop(dact);
-        let mut dln2 = self.zeros(n * c)?;
-        self.b
-            .matmul_backward_input(&mut dln2, &dgate, param(params, ids.gate)?, n, c, hl, false);
-        self.b
-            .matmul_backward_input(&mut dln2, &dup, param(params, ids.up)?, n, c, hl, true);
+        let lins = [(&dgate, ids.gate, hl), (&dup, ids.up, hl)];
+        let dln2 = self.scattered_products(n, &dims, reduce, |rows| {
+            self.input_grad_rows(params, &lins, rows, c)
+        })?;
         let (dx2, dln2) = self.rms_back_to_residual(
             params,
             norm,
             dln2,
-            dims.sp,
-            reduce,
             &dout,
             (&k.x2, &k.rstd2),
             (dims.rows(), c),

@@ -89,9 +89,102 @@ pub(super) fn with_peers<B: Backend, R>(
         let mut phase = 0u32;
         // The ring's sends not yet matched by a receive: (key, dtype).
         let mut ring: std::collections::VecDeque<(u32, Dtype)> = Default::default();
+        // Sequence parallelism's overlapped exchanges: the key of the rows
+        // posted last, and of the parts being sent (with this member's own).
+        let mut posted: Option<(u32, Dtype)> = None;
+        let mut parts: Option<(u32, Dtype, Option<Vec<f32>>)> = None;
         let mut reduce = |how: Coll, part: B::Tensor| {
             let exchange =
                 |e: crate::runtime::comm::CommError| BackendError::Exchange(e.to_string());
+            if let Coll::Post | Coll::Take(_) | Coll::Part(_) | Coll::Parts = how {
+                let member = |m: usize| {
+                    members.get(m).copied().ok_or_else(|| {
+                        BackendError::Exchange(format!(
+                            "member {m} of a tensor-parallel group of {}",
+                            members.len()
+                        ))
+                    })
+                };
+                if members.get(rank) != Some(&dev.id) {
+                    return Err(BackendError::Exchange(format!(
+                        "device {} is not member {rank} of its tensor-parallel group {members:?}",
+                        dev.id
+                    )));
+                }
+                let comm = ctx.comm;
+                match how {
+                    Coll::Post => {
+                        let dtype = B::dtype(&part);
+                        phase += 1;
+                        let k = key(phase - 1)?;
+                        posted = Some((k, dtype));
+                        let mine = b.download_owned(part)?;
+                        // In ring order (the next member first), as the
+                        // members take them (the previous one's first):
+                        // on a shared link the rows arrive one after the
+                        // other, each while the one before is multiplied.
+                        for s in 1..members.len() {
+                            let to = member((rank + s) % members.len())?;
+                            packed::send(comm, k, (dev.id, to), mine.clone(), dtype)
+                                .map_err(exchange)?;
+                        }
+                        return Ok(Default::default());
+                    }
+                    Coll::Take(m) => {
+                        let (k, dtype) = posted.ok_or_else(|| {
+                            BackendError::Exchange("rows taken before they were posted".into())
+                        })?;
+                        let what = "sequence-parallel rows";
+                        let got = packed::recv(comm, k, (member(m)?, dev.id), what, dtype)
+                            .map_err(exchange)?;
+                        return b.upload_as(got, dtype);
+                    }
+                    Coll::Part(m) => {
+                        let to = member(m)?;
+                        if parts.is_none() {
+                            phase += 1;
+                            parts = Some((key(phase - 1)?, B::dtype(&part), None));
+                        }
+                        let Some((k, dtype, own)) = parts.as_mut() else {
+                            unreachable!("set above")
+                        };
+                        let mine = b.download_owned(part)?;
+                        match to == dev.id {
+                            true => *own = Some(mine),
+                            false => packed::send(comm, *k, (dev.id, to), mine, *dtype)
+                                .map_err(exchange)?,
+                        }
+                        return Ok(Default::default());
+                    }
+                    _ => {
+                        let what = "sequence-parallel reduce-scatter";
+                        let (k, dtype, own) = parts.take().ok_or_else(|| {
+                            BackendError::Exchange("a sum of parts none was sent of".into())
+                        })?;
+                        let own = own.ok_or_else(|| {
+                            BackendError::Exchange("a sum of parts without this member's".into())
+                        })?;
+                        let mut got: Vec<(u32, Vec<f32>)> = Vec::with_capacity(members.len());
+                        for from in members.iter().copied() {
+                            let v = match from == dev.id {
+                                true => own.clone(),
+                                false => packed::recv(comm, k, (from, dev.id), what, dtype)
+                                    .map_err(exchange)?,
+                            };
+                            got.push((from, v));
+                        }
+                        got.sort_by_key(|(d, _)| *d);
+                        let sum = crate::runtime::comm::sum_in_device_order(
+                            what,
+                            k,
+                            members,
+                            got.iter().map(|(d, v)| (*d, &v[..])),
+                        )
+                        .map_err(exchange)?;
+                        return b.upload_as(sum, dtype);
+                    }
+                }
+            }
             if let Coll::ContextSend | Coll::ContextRecv = how {
                 let cm = context.ok_or_else(|| {
                     BackendError::Exchange("context-parallel attention without its group".into())
@@ -137,7 +230,12 @@ pub(super) fn with_peers<B: Backend, R>(
             let comm = ctx.comm;
             let n = members.len();
             let out = match how {
-                Coll::ContextSend | Coll::ContextRecv => {
+                Coll::ContextSend
+                | Coll::ContextRecv
+                | Coll::Post
+                | Coll::Take(_)
+                | Coll::Part(_)
+                | Coll::Parts => {
                     return Err(BackendError::Exchange("a ring step out of place".into()))
                 }
                 Coll::ContextGather | Coll::ContextScatter => {
@@ -185,21 +283,6 @@ pub(super) fn with_peers<B: Backend, R>(
                     let what = "sequence-parallel all-gather";
                     let lens = vec![mine.len(); n];
                     packed::all_gather(
-                        comm,
-                        (what, next_key()?),
-                        members,
-                        dev.id,
-                        mine,
-                        &lens,
-                        dtype,
-                    )
-                    .map_err(exchange)?
-                }
-                Coll::Scatter => {
-                    rows_of_member(mine.len(), n, rank)?;
-                    let lens = vec![mine.len() / n; n];
-                    let what = "sequence-parallel reduce-scatter";
-                    packed::reduce_scatter(
                         comm,
                         (what, next_key()?),
                         members,
@@ -370,12 +453,14 @@ pub(super) fn forward<B: Backend>(
     }
     // A tensor-parallel member holds 1/tp of the heads and MLP units; the
     // cache keeps the shapes for backward.
+    let (tp, tp_rank) = dev
+        .spreads
+        .tensor
+        .get(&op.segments[0])
+        .map_or((1, 0), |(t, r)| (*t, *r));
     let dims = Dims {
-        tp: dev
-            .spreads
-            .tensor
-            .get(&op.segments[0])
-            .map_or(1, |(t, _)| *t),
+        tp,
+        tp_rank,
         sp: dev.spreads.sequence_parallel.contains(&op.segments[0]),
         ..Dims::new(ctx.cfg, b)
     }
