@@ -32,6 +32,9 @@ struct Run {
     cluster: String,
     devices: u32,
     precision: String,
+    /// `eager`: the run's framework launches each elementwise op on its
+    /// own (PyTorch without `torch.compile`); default `fused`.
+    kernels: Option<String>,
     tokens_per_s_per_gpu: Option<f64>,
     tflops_per_gpu: Option<f64>,
     memory_gib: Option<f64>,
@@ -86,7 +89,14 @@ fn main() {
             true => format!("{root}/{}", r.cluster),
             false => r.cluster.clone(),
         };
-        let cluster = Cluster::resolve(&spec, r.devices).unwrap();
+        let cluster = Cluster {
+            eager: match r.kernels.as_deref() {
+                None | Some("fused") => false,
+                Some("eager") => true,
+                Some(k) => panic!("{}: kernels = {k:?} is `fused` or `eager`", r.name),
+            },
+            ..Cluster::resolve(&spec, r.devices).unwrap()
+        };
         let candidate = Candidate {
             steps: r.strategies.iter().map(|s| step(s)).collect(),
             shape: None,
@@ -134,6 +144,11 @@ fn main() {
             format!("{gib:.1} GiB"),
             mem_ratio
         );
-        println!("  {} · {}", r.source, r.strategies.join(" "));
+        let kernels = r.kernels.as_deref().unwrap_or("fused");
+        println!(
+            "  {} · {} · {kernels} kernels",
+            r.source,
+            r.strategies.join(" ")
+        );
     }
 }

@@ -1756,7 +1756,8 @@ fn the_configuration_reference_is_what_piper_reads() {
     let model = piper::model::ModelConfig::from_toml_str(&block("Model file"), "config.md")
         .unwrap_or_else(|e| panic!("the model block: {e}"));
     assert!(model.moe.is_some() && model.qk_norm);
-    // The cluster file, every key of the preset's (and `compute_slots`).
+    // The cluster file, every key of the preset's (and `compute_slots`,
+    // `eager`, which the GPU preset leaves out).
     let cluster = block("Cluster file");
     let path = dir.join("cluster.toml");
     std::fs::write(&path, &cluster).unwrap();
@@ -1765,6 +1766,9 @@ fn the_configuration_reference_is_what_piper_reads() {
     all.as_table_mut()
         .unwrap()
         .insert("compute_slots".into(), toml::Value::Float(2.0));
+    all.as_table_mut()
+        .unwrap()
+        .insert("eager".into(), toml::Value::Boolean(false));
     assert_eq!(
         keys(&toml::from_str(&cluster).unwrap()),
         keys(&all),

@@ -723,6 +723,48 @@ fn sequence_parallel_exchanges_hide_behind_the_products_beside_them() {
     );
 }
 
+/// PyTorch eager runs a Llama block's RMSNorms and rotary embeddings as
+/// several kernels over fp32 copies, GPT-2's LayerNorm and GELU as one
+/// kernel each (as fused): on an eager cluster the same plan costs a Llama
+/// step more, and a GPT-2 step differs only in the loss (an fp32 copy of
+/// the logits and a `log_softmax`: 12 bytes a logit more forward, 18
+/// backward, in bf16).
+#[test]
+fn eager_kernels_cost_llamas_norms_and_rotary_and_only_gpt2s_loss() {
+    let bf16 = |m: ModelConfig| ModelConfig {
+        precision: piper::model::Precision::BF16,
+        ..m
+    };
+    let (gpt2, llama) = (bf16(common::small()), bf16(common::small_llama()));
+    let step = |m: &ModelConfig, eager: bool| {
+        let plan = common::plan_with(&host(), m, 1, &[("dp", &[])]).unwrap();
+        let extra: f64 = (plan.devices.iter())
+            .flat_map(|d| d.streams.iter().flat_map(|s| &s.ops))
+            .filter_map(|o| o.shape.0.as_ref())
+            .map(|s| s.eager_stream_bytes - s.stream_bytes)
+            .sum();
+        let c = Cluster {
+            eager,
+            ..Cluster::h100_8x()
+        };
+        (simulate(&plan, &c).unwrap().step_time, extra)
+    };
+    let ((fused, _), (eager, extra)) = (step(&gpt2, false), step(&gpt2, true));
+    let tokens = f64::from(gpt2.batch_size * gpt2.seq_len);
+    let want = tokens * f64::from(gpt2.vocab) * (12.0 + 18.0);
+    assert!(
+        (extra - want).abs() < 1e-9 * want && eager > fused,
+        "GPT-2: eager moves {extra} bytes more, the loss's {want}; steps {eager:.6e} vs {fused:.6e} s"
+    );
+    let ((fused, _), (eager, extra)) = (step(&llama, false), step(&llama, true));
+    let tokens = f64::from(llama.batch_size * llama.seq_len);
+    let loss = tokens * f64::from(llama.vocab) * (12.0 + 18.0);
+    assert!(
+        extra > 2.0 * loss && eager > fused,
+        "Llama: eager moves {extra} bytes more (the loss alone {loss}), steps {eager:.3e} vs {fused:.3e} s"
+    );
+}
+
 #[test]
 fn devices_sharing_a_nodes_cores_compute_at_its_pace_and_alone_at_their_own() {
     // A node of 64 virtual devices with two cores' worth of compute.

@@ -603,6 +603,8 @@ impl TrainingDag {
             s.gemms.iter_mut().for_each(|g| g.count *= share);
             s.stream_bytes *= share;
             s.kernels *= share;
+            s.eager_stream_bytes *= share;
+            s.eager_kernels *= share;
         }
         Some(s)
     }

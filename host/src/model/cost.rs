@@ -365,6 +365,10 @@ pub struct OpShape {
     /// rotary, embedding lookups and the loss.
     pub stream_bytes: f64,
     pub kernels: f64,
+    /// The same elementwise work as PyTorch eager runs it ([`Eager`]):
+    /// its bytes and, with the products, its kernels.
+    pub eager_stream_bytes: f64,
+    pub eager_kernels: f64,
     /// Bytes of a product's operand element.
     pub elem_bytes: f64,
 }
@@ -427,9 +431,138 @@ struct PartWork {
     /// What a selective recompute streams again besides the attention
     /// core: its norms (replicated) and its activation (sliced).
     rerun: (f64, f64),
+    /// The same elementwise work as PyTorch eager runs it.
+    eager: Eager,
+}
+
+/// A part's elementwise work as PyTorch eager runs it (torchtitan's Llama
+/// without `torch.compile`): each op its own kernel, reading its inputs and
+/// writing its output, so an RMSNorm is seven kernels over fp32 copies
+/// (`x.float()`, `pow`, `mean`, `rsqrt`, `x·r`, `type_as`, `·weight`), a
+/// rotary embedding three (upcast, complex product, `type_as`), SwiGLU two
+/// (`silu`, `·up`), the loss an fp32 copy of the logits and a
+/// `log_softmax`; autograd's backward runs each op's gradient kernels.
+/// Bytes per token, (replicated, sliced) as [`PartWork`]'s; GPT-2's
+/// LayerNorm and GELU, the embedding and the experts run one kernel each,
+/// as fused.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Eager {
+    fwd: (f64, f64),
+    bwd: (f64, f64),
+    /// What a selective recompute streams again (the norms, the activation).
+    rerun: (f64, f64),
+    /// Kernels forward (backward launches twice as many) and in a
+    /// selective recompute.
+    kernels: f64,
+    rerun_kernels: f64,
+}
+
+/// Eager bytes per element, (forward, backward), for activations of `b`
+/// bytes (fp32 copies cost nothing when they are fp32 already).
+struct EagerOps {
+    rmsnorm: (f64, f64),
+    rotary: (f64, f64),
+    swiglu: (f64, f64),
+    residual: (f64, f64),
+    loss: (f64, f64),
+}
+
+impl EagerOps {
+    fn of(b: f64) -> Self {
+        // An upcast to fp32 and its way back (`type_as`), each direction.
+        let up = if b < 4.0 { b + 4.0 } else { 0.0 };
+        EagerOps {
+            // pow 8, mean 4, x·r 8, ·weight 2b; backward: ·weight's two
+            // gradients 4b, x·r's two 16, pow's 12, their sum 12.
+            rmsnorm: (2.0 * up + 20.0 + 2.0 * b, 2.0 * up + 40.0 + 4.0 * b),
+            // The complex product reads and writes fp32.
+            rotary: (2.0 * up + 8.0, 2.0 * up + 8.0),
+            swiglu: (5.0 * b, 9.0 * b),
+            residual: (3.0 * b, 6.0 * b),
+            // `log_softmax` 8; backward: nll's 4, log_softmax's 12.
+            loss: (up + 8.0, up + 16.0),
+        }
+    }
+}
+
+impl Eager {
+    /// What eager runs as the fused model counts it.
+    fn fused(w: &PartWork, b: f64) -> Self {
+        Eager {
+            fwd: (w.replicated * b, w.sliced * b),
+            bwd: (2.0 * w.replicated * b, 2.0 * w.sliced * b),
+            rerun: (w.rerun.0 * b, w.rerun.1 * b),
+            kernels: w.elementwise,
+            rerun_kernels: if w.attends { 3.0 } else { 0.0 },
+        }
+    }
 }
 
 fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
+    let mut w = fused_work(cfg, part);
+    w.eager = eager_work(cfg, part, &w);
+    w
+}
+
+/// [`Eager`] of `part` (`w` its fused work).
+fn eager_work(cfg: &ModelConfig, part: Part, w: &PartWork) -> Eager {
+    let b = cfg.precision.act_bytes() as f64;
+    let fused = Eager::fused(w, b);
+    let a = cfg.arch();
+    let d = f64::from(cfg.d_model);
+    let (qk_width, hid) = (f64::from(a.q_width() + a.kv_width()), f64::from(a.hidden));
+    let qk = if a.qk_norm { 1.0 } else { 0.0 };
+    let o = EagerOps::of(b);
+    let norm_res = |i: usize| {
+        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
+        d * (pick(o.rmsnorm) + pick(o.residual))
+    };
+    let attn = |i: usize| {
+        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
+        (
+            norm_res(i),
+            qk_width * (pick(o.rotary) + qk * pick(o.rmsnorm)),
+        )
+    };
+    let mlp = |i: usize| {
+        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
+        (norm_res(i), hid * pick(o.swiglu))
+    };
+    let add = |x: (f64, f64), y: (f64, f64)| (x.0 + y.0, x.1 + y.1);
+    let llama = cfg.family == Family::Llama;
+    // Norm and residual 8 kernels, rotary 3 per tensor, SwiGLU 2.
+    match part {
+        Part::Block(_) if llama => Eager {
+            fwd: add(attn(0), mlp(0)),
+            bwd: add(attn(1), mlp(1)),
+            rerun: (2.0 * d * o.rmsnorm.0, hid * o.swiglu.0),
+            kernels: 16.0 + 6.0 * (1.0 + qk) + 2.0,
+            rerun_kernels: 16.0,
+        },
+        Part::Attention(_) if llama => Eager {
+            fwd: attn(0),
+            bwd: attn(1),
+            rerun: (d * o.rmsnorm.0, 0.0),
+            kernels: 8.0 + 6.0 * (1.0 + qk),
+            rerun_kernels: 7.0,
+        },
+        Part::Head => Eager {
+            fwd: (
+                if llama { d * o.rmsnorm.0 } else { fused.fwd.0 },
+                f64::from(cfg.vocab) * o.loss.0,
+            ),
+            bwd: (
+                if llama { d * o.rmsnorm.1 } else { fused.bwd.0 },
+                f64::from(cfg.vocab) * o.loss.1,
+            ),
+            kernels: if llama { 10.0 } else { 4.0 },
+            ..fused
+        },
+        _ => fused,
+    }
+}
+
+fn fused_work(cfg: &ModelConfig, part: Part) -> PartWork {
     let a = cfg.arch();
     let d = f64::from(cfg.d_model);
     let v = f64::from(cfg.vocab);
@@ -490,6 +623,7 @@ fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
         elementwise: ew,
         attends: true,
         rerun,
+        eager: Eager::default(),
     };
     match part {
         Part::Embedding => PartWork {
@@ -499,6 +633,7 @@ fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
             elementwise: if llama { 1.0 } else { 2.0 },
             attends: false,
             rerun: (0.0, 0.0),
+            eager: Eager::default(),
         },
         Part::Block(_) => {
             let (mut w, r, s, e) = attention();
@@ -528,6 +663,7 @@ fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
                 elementwise: ew + 4.0,
                 attends: false,
                 rerun: (0.0, 0.0),
+                eager: Eager::default(),
             }
         }
         Part::Head => PartWork {
@@ -537,6 +673,7 @@ fn part_work(cfg: &ModelConfig, part: Part) -> PartWork {
             elementwise: 2.0,
             attends: false,
             rerun: (0.0, 0.0),
+            eager: Eager::default(),
         },
     }
 }
@@ -577,6 +714,14 @@ pub fn op_shape(cfg: &ModelConfig, parts: &[Part], work: Work, at: Placement) ->
             Work::WeightGrads => (0.0, [false, false, true]),
         };
         s.stream_bytes += stream;
+        let eager = w.eager;
+        let per_row = |(r, sl): (f64, f64)| (r / rep + sl / at.tp) * at.rows;
+        s.eager_stream_bytes += match work {
+            Work::Forward => per_row(eager.fwd),
+            Work::Core => per_row(eager.rerun),
+            Work::Backward | Work::InputGrads => per_row(eager.bwd),
+            Work::WeightGrads => 0.0,
+        };
         let mut products = 0.0;
         for (k, n, split) in &w.weights {
             let (m, n, k, count) = match split {
@@ -620,6 +765,7 @@ pub fn op_shape(cfg: &ModelConfig, parts: &[Part], work: Work, at: Placement) ->
                 _ => 2.5 * fwd,
             };
             s.kernels += 1.0;
+            s.eager_kernels += 1.0;
         }
         s.kernels += products
             + match work {
@@ -629,6 +775,13 @@ pub fn op_shape(cfg: &ModelConfig, parts: &[Part], work: Work, at: Placement) ->
                 // The norms and the activation again.
                 Work::Core if w.attends => 3.0,
                 Work::Core => 0.0,
+            };
+        s.eager_kernels += products
+            + match work {
+                Work::WeightGrads => 0.0,
+                Work::Backward | Work::InputGrads => 2.0 * eager.kernels,
+                Work::Forward => eager.kernels,
+                Work::Core => eager.rerun_kernels,
             };
     }
     s

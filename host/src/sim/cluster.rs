@@ -115,6 +115,13 @@ pub struct Cluster {
         skip_serializing_if = "Option::is_none"
     )]
     pub device: Option<DeviceClass>,
+    /// The framework runs each elementwise op as its own kernel, as
+    /// PyTorch eager does (`model::cost`'s eager traffic: norms and
+    /// rotary over fp32 copies); `false`: fused kernels, as Piper's
+    /// backends, `torch.compile` and TransformerEngine run them. Read with
+    /// a device class only.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub eager: bool,
 }
 
 /// A cluster description that cannot be used.
@@ -160,6 +167,7 @@ impl Cluster {
             op_overhead_s: Overhead::default(),
             compute_slots: None,
             device: Some(device),
+            eager: false,
         }
     }
 
@@ -213,6 +221,7 @@ impl Cluster {
                 std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64),
             ),
             device: None,
+            eager: false,
         }
     }
 

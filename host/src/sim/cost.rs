@@ -214,7 +214,11 @@ impl Cluster {
             }
             false => 0.0,
         };
-        attention + self.stream_s(dev, s.stream_bytes) + s.kernels * dev.kernel_launch_s
+        let (bytes, kernels) = match self.eager {
+            true => (s.eager_stream_bytes, s.eager_kernels),
+            false => (s.stream_bytes, s.kernels),
+        };
+        attention + self.stream_s(dev, bytes) + kernels * dev.kernel_launch_s
     }
 
     /// A compute op's shaped time in the two parts calibration fits it by:
