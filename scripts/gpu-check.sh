@@ -20,7 +20,8 @@
 # 1. `piper backend check --backend cuda --bench`: every CUDA kernel against the CPU
 #    backend on the same inputs (fp32, 1e-5 of each output's scale); `tiny` for 20 steps on
 #    one GPU against the CPU's losses (1e-4 relative); 1f1b, zero:stage=3,dp=2 + 1f1b,
-#    dualpipev and ep on the MoE model on 4 virtual devices of the GPU, tp:tp=2 on 2, each
+#    dualpipev and ep on the MoE model on 4 virtual devices of the GPU, tp:tp=2 on 2 with and
+#    without sequence parallelism (its exchanges beside the products), each
 #    against the one-GPU losses (1e-5); bf16: the storage checks among the kernels (casts,
 #    copies, a bf16 linear layer through cublasGemmEx and its backward), `tiny` in bf16
 #    against the CPU's bf16 losses (1e-2) and ZeRO-3 x 1F1B with bf16 gradient reductions

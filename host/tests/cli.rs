@@ -696,7 +696,14 @@ fn backend_check_holds_the_cpu_to_itself_and_writes_its_report() {
         .collect();
     assert_eq!(
         names,
-        ["1f1b", "zero3+1f1b", "dualpipev", "tp=2", "ep on 4"]
+        [
+            "1f1b",
+            "zero3+1f1b",
+            "dualpipev",
+            "tp=2",
+            "tp=2+sp",
+            "ep on 4"
+        ]
     );
     assert!(
         stdout.contains("tiny, 2 steps on one cpu device"),

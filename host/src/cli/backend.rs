@@ -173,6 +173,12 @@ fn strategy_checks() -> Vec<(&'static str, ModelConfig, u32, Strategy)> {
             &[("dualpipev", &[("microbatches", "8")])],
         ),
         ("tp=2", ModelConfig::tiny(), 2, &[("tp", &[("tp", "2")])]),
+        (
+            "tp=2+sp",
+            ModelConfig::tiny(),
+            2,
+            &[("tp", &[("tp", "2"), ("sequence-parallel", "true")])],
+        ),
         ("ep on 4", tiny_moe(), 4, &[("ep", &[("ep", "4")])]),
     ]
 }
