@@ -530,20 +530,21 @@ fn eager_work(cfg: &ModelConfig, part: Part, w: &PartWork) -> Eager {
     };
     let add = |x: (f64, f64), y: (f64, f64)| (x.0 + y.0, x.1 + y.1);
     let llama = cfg.family == Family::Llama;
-    // Norm and residual 8 kernels, rotary 3 per tensor, SwiGLU 2.
+    // Norm and residual 8 kernels, rotary 3 per tensor, a q/k norm 7,
+    // SwiGLU 2.
     match part {
         Part::Block(_) if llama => Eager {
             fwd: add(attn(0), mlp(0)),
             bwd: add(attn(1), mlp(1)),
             rerun: (2.0 * d * o.rmsnorm.0, hid * o.swiglu.0),
-            kernels: 16.0 + 6.0 * (1.0 + qk) + 2.0,
+            kernels: 16.0 + 6.0 + 14.0 * qk + 2.0,
             rerun_kernels: 16.0,
         },
         Part::Attention(_) if llama => Eager {
             fwd: attn(0),
             bwd: attn(1),
             rerun: (d * o.rmsnorm.0, 0.0),
-            kernels: 8.0 + 6.0 * (1.0 + qk),
+            kernels: 8.0 + 6.0 + 14.0 * qk,
             rerun_kernels: 7.0,
         },
         Part::Head => Eager {
