@@ -597,6 +597,16 @@ impl TrainingDag {
             },
         };
         let mut s = op_shape(m, &seg.parts, work, at);
+        // Sequence parallelism's exchanges inside the blocks (the sums of
+        // `comm_bytes`, one activation of the rows each) run beside the
+        // products.
+        if at.sp && at.tp > 1.0 && matches!(work, Work::Forward | Work::Backward | Work::InputGrads)
+        {
+            s.tp_overlap_bytes = block_halves(&seg.parts) as f64
+                * at.rows
+                * f64::from(m.d_model)
+                * m.precision.act_bytes() as f64;
+        }
         // A phase of a split expert pass runs its share of the segment.
         if let (Some(p), Some(x)) = (phase, self.expert_phases) {
             let share = x.flop_share[p.index() as usize];

@@ -369,6 +369,11 @@ pub struct OpShape {
     /// its bytes and, with the products, its kernels.
     pub eager_stream_bytes: f64,
     pub eager_kernels: f64,
+    /// Of its in-op tensor-parallel exchange, the bytes that run beside
+    /// its products: sequence parallelism's gathers and reduce-scatters
+    /// inside the blocks (not the gather where a run of blocks ends, nor a
+    /// plain all-reduce).
+    pub tp_overlap_bytes: f64,
     /// Bytes of a product's operand element.
     pub elem_bytes: f64,
 }

@@ -259,15 +259,20 @@ impl Cluster {
                 let sums = 2.0 * (n - 1.0) * alpha + 2.0 * (n - 1.0) / n * op.bytes as f64 / beta;
                 match op.sp {
                     // Sequence parallelism's gathers and reduce-scatters
-                    // run beside the products they feed or read, a
-                    // member's rows at a time (`Model::gathered_products`,
-                    // `Model::scattered_products`): the member's own rows
-                    // need no exchange, so the exchange hides behind the
-                    // other `(n − 1)/n` of the products unless it takes
-                    // longer, and what it hides slows them as any
-                    // communication in flight does (`comm_slowdown`).
+                    // inside the blocks run beside the products they feed
+                    // or read, a member's rows at a time
+                    // (`Model::gathered_products`, `scattered_products`):
+                    // the member's own rows need no exchange, so they hide
+                    // behind the other `(n − 1)/n` of the products unless
+                    // they take longer, and what they hide slows them as
+                    // any communication in flight does (`comm_slowdown`).
+                    // The gather where a run of blocks ends waits. A plan
+                    // read back without shapes counts all of it beside.
                     true => {
-                        let hidden = ((n - 1.0) / n * self.products(op)).min(sums);
+                        let beside = op.shape.0.as_ref().map_or(1.0, |s| {
+                            (s.tp_overlap_bytes / op.bytes as f64).clamp(0.0, 1.0)
+                        });
+                        let hidden = ((n - 1.0) / n * self.products(op)).min(sums * beside);
                         sums - hidden + hidden * self.contention().unwrap_or(0.0)
                     }
                     false => sums,
