@@ -631,19 +631,25 @@ fn dualpipev_hides_expert_all_to_alls_behind_the_paired_compute() {
     );
 }
 
-/// Tensor parallelism's sums run inside its compute ops (as Megatron's, on
-/// the critical path): the simulator counts them as exposed communication,
-/// and they cost more across nodes than over NVLink.
-#[test]
-fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
-    let model = ModelConfig {
+/// A model whose tensor-parallel sums are a visible share of its step:
+/// 4 blocks of 1024, 16 sequences of 512.
+fn tp_model() -> ModelConfig {
+    ModelConfig {
         layers: 4,
         d_model: 1024,
         heads: 16,
         seq_len: 512,
         batch_size: 16,
         ..ModelConfig::tiny()
-    };
+    }
+}
+
+/// Tensor parallelism's sums run inside its compute ops (as Megatron's, on
+/// the critical path): the simulator counts them as exposed communication,
+/// and they cost more across nodes than over NVLink.
+#[test]
+fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
+    let model = tp_model();
     let plan = common::plan_with(&host(), &model, 2, &[("tp", &[("tp", "2")])]).unwrap();
     let sums = |c: &Cluster| {
         let s = simulate(&plan, c).unwrap();
@@ -681,14 +687,7 @@ fn tensor_parallel_sums_are_exposed_communication_and_dearer_across_nodes() {
 /// outlasts the products and the excess waits.
 #[test]
 fn sequence_parallel_exchanges_hide_behind_the_products_beside_them() {
-    let model = ModelConfig {
-        layers: 4,
-        d_model: 1024,
-        heads: 16,
-        seq_len: 512,
-        batch_size: 16,
-        ..ModelConfig::tiny()
-    };
+    let model = tp_model();
     let exposed = |opts: &[(&str, &str)], c: &Cluster| {
         let plan = common::plan_with(&host(), &model, 2, &[("tp", opts)]).unwrap();
         let s = simulate(&plan, c).unwrap();

@@ -518,36 +518,31 @@ fn eager_work(cfg: &ModelConfig, part: Part, w: &PartWork) -> Eager {
     let (qk_width, hid) = (f64::from(a.q_width() + a.kv_width()), f64::from(a.hidden));
     let qk = if a.qk_norm { 1.0 } else { 0.0 };
     let o = EagerOps::of(b);
-    let norm_res = |i: usize| {
-        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
-        d * (pick(o.rmsnorm) + pick(o.residual))
-    };
-    let attn = |i: usize| {
-        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
+    // Forward (`false`) or backward (`true`) bytes of an op.
+    let pick = |p: (f64, f64), back: bool| if back { p.1 } else { p.0 };
+    let norm_res = |back| d * (pick(o.rmsnorm, back) + pick(o.residual, back));
+    let attn = |back| {
         (
-            norm_res(i),
-            qk_width * (pick(o.rotary) + qk * pick(o.rmsnorm)),
+            norm_res(back),
+            qk_width * (pick(o.rotary, back) + qk * pick(o.rmsnorm, back)),
         )
     };
-    let mlp = |i: usize| {
-        let pick = |p: (f64, f64)| if i == 0 { p.0 } else { p.1 };
-        (norm_res(i), hid * pick(o.swiglu))
-    };
+    let mlp = |back| (norm_res(back), hid * pick(o.swiglu, back));
     let add = |x: (f64, f64), y: (f64, f64)| (x.0 + y.0, x.1 + y.1);
     let llama = cfg.family == Family::Llama;
     // Norm and residual 8 kernels, rotary 3 per tensor, a q/k norm 7,
     // SwiGLU 2.
     match part {
         Part::Block(_) if llama => Eager {
-            fwd: add(attn(0), mlp(0)),
-            bwd: add(attn(1), mlp(1)),
+            fwd: add(attn(false), mlp(false)),
+            bwd: add(attn(true), mlp(true)),
             rerun: (2.0 * d * o.rmsnorm.0, hid * o.swiglu.0),
             kernels: 16.0 + 6.0 + 14.0 * qk + 2.0,
             rerun_kernels: 16.0,
         },
         Part::Attention(_) if llama => Eager {
-            fwd: attn(0),
-            bwd: attn(1),
+            fwd: attn(false),
+            bwd: attn(true),
             rerun: (d * o.rmsnorm.0, 0.0),
             kernels: 8.0 + 6.0 + 14.0 * qk,
             rerun_kernels: 7.0,

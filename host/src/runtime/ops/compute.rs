@@ -141,12 +141,12 @@ pub(super) fn with_peers<B: Backend, R>(
                     }
                     Coll::Part(m) => {
                         let to = member(m)?;
-                        if parts.is_none() {
-                            phase += 1;
-                            parts = Some((key(phase - 1)?, B::dtype(&part), None));
-                        }
-                        let Some((k, dtype, own)) = parts.as_mut() else {
-                            unreachable!("set above")
+                        let (k, dtype, own) = match &mut parts {
+                            Some(p) => p,
+                            None => {
+                                phase += 1;
+                                parts.insert((key(phase - 1)?, B::dtype(&part), None))
+                            }
                         };
                         let mine = b.download_owned(part)?;
                         match to == dev.id {
@@ -161,14 +161,14 @@ pub(super) fn with_peers<B: Backend, R>(
                         let (k, dtype, own) = parts.take().ok_or_else(|| {
                             BackendError::Exchange("a sum of parts none was sent of".into())
                         })?;
-                        let own = own.ok_or_else(|| {
+                        let mut own = Some(own.ok_or_else(|| {
                             BackendError::Exchange("a sum of parts without this member's".into())
-                        })?;
+                        })?);
                         let mut got: Vec<(u32, Vec<f32>)> = Vec::with_capacity(members.len());
                         for from in members.iter().copied() {
-                            let v = match from == dev.id {
-                                true => own.clone(),
-                                false => packed::recv(comm, k, (from, dev.id), what, dtype)
+                            let v = match own.take_if(|_| from == dev.id) {
+                                Some(v) => v,
+                                None => packed::recv(comm, k, (from, dev.id), what, dtype)
                                     .map_err(exchange)?,
                             };
                             got.push((from, v));
