@@ -7,7 +7,7 @@
 # C needs clang with wasi-libc from the system (Debian: apt-get install clang-19
 # lld-19 libclang-rt-19-dev-wasm32 wasi-libc); .ci/run installs it.
 # Prints what it could not install and carries on: the tests of that language
-# then say NOT RUN (or fail, under PIPER_REQUIRE_GUESTS=1 as in .ci/run).
+# are then reported as not run (a failure under CI=true, as in .ci/run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 COMPONENTIZE_PY=0.25.1

@@ -6,7 +6,7 @@
 # clone's install a copy). PyPI's torch imports only with its nvidia-* wheels:
 # about 4 GB and 5 minutes the first time on a machine. Prints the python to
 # use, or says on stderr what it could not install (the interop tests then
-# say NOT RUN, or fail under PIPER_REQUIRE_HF=1 as in .ci/run).
+# are reported as not run, a failure under CI=true as in .ci/run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 TORCH=2.11.0

@@ -3,8 +3,8 @@
 # nvidia-cuda-nvrtc (libnvrtc.so.13 compiles CUDA C to PTX with no GPU and no
 # driver), pinned by version and hash, unpacked into target/nvrtc (kept for the
 # next run). Prints the directory to put on LD_LIBRARY_PATH, or says on stderr
-# what it could not install (the compile tests then say NOT RUN, or fail under
-# PIPER_REQUIRE_NVRTC=1 as in .ci/run).
+# what it could not install (the compile tests are then reported as not run, a
+# failure under CI=true as in .ci/run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=target/nvrtc

@@ -3,8 +3,8 @@
 # CUDA: PyPI's nvidia-cuda-nvcc (its bin/ptxas assembles PTX for any sm_XX
 # with no GPU and no driver), pinned by version and hash; only ptxas is
 # unpacked, into target/ptxas (kept for the next run). Prints the path of
-# ptxas, or says on stderr what it could not install (the check then says
-# NOT RUN, or fails under PIPER_REQUIRE_PTXAS=1 as in .ci/run).
+# ptxas, or says on stderr what it could not install (the check is then
+# reported as not run, a failure under CI=true as in .ci/run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 dir=target/ptxas

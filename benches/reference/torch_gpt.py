@@ -19,7 +19,7 @@ the peak GPU memory.
 With `--weights DUMP` (a GPT-2 model's `piper train --dump-step1` file) it
 loads Piper's weights and batch instead, runs one forward (bf16 autocast with
 `--precision bf16`) and prints the step-1 loss: Piper's numerics against
-PyTorch's mixed precision on the same inputs (`host/tests/hf.rs`).
+PyTorch's mixed precision on the same inputs (`host/tests/it/hf.rs`).
 
     python3 benches/reference/torch_gpt.py --layers 6 --d-model 384 --heads 6 \
         --seq 256 --batch 8 --vocab 256 --steps 3 --threads 2

@@ -5,7 +5,7 @@
 //! --search` on 4 devices beside real runs of its top 5. Prints each ratio.
 //!
 //! What it measured is written to DIR (default `target/calibration`) in the
-//! layout `host/tests/calibrate.rs` reads from `host/tests/data/calibration`
+//! layout `host/tests/it/calibrate.rs` reads from `host/tests/data/calibration`
 //! (`scripts/record-calibration.sh` records there): the tests check the
 //! simulator against that kept record, never against this machine's clock.
 

@@ -3,7 +3,7 @@
 //! with ZeRO-3 `replicate` over 8 devices per stage (128 devices). Prints the
 //! node counts and the time of each phase (best of several runs).
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../tests/it/common.rs"]
 mod common;
 
 use piper::compile::compile;

@@ -19,3 +19,5 @@ pub mod runtime;
 pub mod search;
 pub mod session;
 pub mod sim;
+#[doc(hidden)]
+pub mod test_support;

@@ -298,8 +298,8 @@ pub fn reference() -> String {
     let mut out = String::from(
         "# The `piper` command\n\n\
          Every command and flag, generated from the CLI itself (`piper::cli::reference`; \
-         `host/tests/cli.rs` fails when this page and the CLI differ, and \
-         `PIPER_WRITE_DOCS=1 cargo test -p piper --test cli the_cli_reference` rewrites it). \
+         `host/tests/it/cli.rs` fails when this page and the CLI differ, and \
+         `PIPER_WRITE_DOCS=1 cargo test -p piper --test it cli::the_cli_reference` rewrites it). \
          `-v`/`--verbose` works with every command.\n",
     );
     reference_of(&root, "piper", &mut out);

@@ -758,7 +758,7 @@ mod tests {
     /// 4, stage after stage, every order accepted, the kept order valid
     /// after each and the graph acyclic by petgraph's own sort; then an
     /// order that contradicts the schedules already set is refused with a
-    /// cycle. (The groups are built here as in `tests/common`, which unit
+    /// cycle. (The groups are built here as in `tests/it/common.rs`, which unit
     /// tests cannot reach.)
     #[test]
     fn orders_that_mostly_agree_are_proven_in_place() {

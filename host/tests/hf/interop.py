@@ -1,4 +1,4 @@
-"""Hugging Face's side of the interop test (host/tests/hf.rs).
+"""Hugging Face's side of the interop test (host/tests/it/hf.rs).
 
   interop.py loss DIR DUMP [auto]
                              the loss of transformers' model of DIR on the
@@ -11,10 +11,22 @@
                              CONFIG_DIR's config.json, saved by
                              save_pretrained into OUT in several shards
                              (in fp32, or bf16 with `bfloat16`)
+  interop.py autocast DUMP HEADS
+                             the step-1 loss of the GPT-2 of a Piper dump
+                             under PyTorch's bf16 autocast (fp32 weights), by
+                             benches/reference/torch_gpt.py's model
 Prints one JSON object.
+
+  interop.py serve           the same commands, one JSON list of arguments a
+                             line on stdin, one JSON object a line on stdout
+                             ({"error": ...} when one fails), until stdin
+                             closes: the tests import torch and transformers
+                             once for all their questions.
 """
 import json
+import os
 import sys
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +62,35 @@ def save(config_dir, out, dtype="float32"):
     return {"class": type(model).__name__}
 
 
+def autocast(dump, heads):
+    reference = os.path.join(os.path.dirname(__file__), "../../../benches/reference")
+    sys.path.insert(0, os.path.abspath(reference))
+    import torch_gpt
+
+    return torch_gpt.step1_loss(dump, int(heads), "bf16")
+
+
+def ping():
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+COMMANDS = {"loss": loss, "save": save, "autocast": autocast, "ping": ping}
+
+
+def serve():
+    for line in sys.stdin:
+        args = json.loads(line)
+        try:
+            result = COMMANDS[args[0]](*args[1:])
+        except Exception:
+            result = {"error": traceback.format_exc()}
+        print(json.dumps(result), flush=True)
+
+
 if __name__ == "__main__":
-    what = sys.argv[1]
-    result = loss(*sys.argv[2:5]) if what == "loss" else save(*sys.argv[2:5])
-    print(json.dumps(result))
+    if sys.argv[1] == "serve":
+        serve()
+    else:
+        print(json.dumps(COMMANDS[sys.argv[1]](*sys.argv[2:])))

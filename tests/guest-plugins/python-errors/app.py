@@ -1,4 +1,4 @@
-"""A Python strategy that fails on purpose (host/tests/languages.rs):
+"""A Python strategy that fails on purpose (host/tests/it/languages.rs):
 mode = raise (a Python exception), loop (never returns), directive (a
 directive the host refuses)."""
 

@@ -1,7 +1,6 @@
 //! Real `mpirun` jobs of the `piper` binary (feature `mpi`; Open MPI on
 //! loopback): the same losses as one process, agreement before the first
 //! step, and a killed rank ending the job.
-#![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};

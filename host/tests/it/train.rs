@@ -9,7 +9,7 @@ use common::{
     assert_same_training, one_device, plan_with, small, small_llama, small_moe, train, Strategy,
 };
 
-mod common;
+use crate::common;
 
 #[test]
 fn every_strategy_trains_to_the_same_losses_as_one_device() {
@@ -1099,10 +1099,17 @@ fn then_recompute<'a>(
         .collect()
 }
 
-/// `gpt2-small` with 2048 tokens a step (8 rows of 256), so one CPU step
-/// stays quick.
-fn gpt2_small_2048_tokens() -> piper::model::ModelConfig {
+/// A GPT-2 whose peaks are activations and the tied embedding's gradient
+/// staging, as `gpt2-small`'s are: 2048 tokens a step (8 rows of 256) through
+/// 4 layers of width 256 and a vocabulary of 8192, so one CPU step takes
+/// about a second.
+fn gpt2_2048_tokens() -> piper::model::ModelConfig {
     piper::model::ModelConfig {
+        name: "gpt2-2048-tokens".into(),
+        layers: 4,
+        d_model: 256,
+        heads: 4,
+        vocab: 8192,
         seq_len: 256,
         batch_size: 8,
         ..piper::model::ModelConfig::gpt2_small()
@@ -1110,15 +1117,15 @@ fn gpt2_small_2048_tokens() -> piper::model::ModelConfig {
 }
 
 /// The plan's peak per device bounds the measured one from above, within
-/// 5%, on `gpt2-small` over two 1F1B stages with and without recompute: the
-/// last stage's tied-embedding gradient all-reduce takes 300 MB of staging
+/// 5%, on a GPT-2 over two 1F1B stages with and without recompute: the
+/// last stage's tied-embedding gradient all-reduce takes its staging
 /// as soon as the head's last backward is done and holds it until the first
 /// stage joins, while that stage's last backwards still hold activations;
 /// the plan counts them together.
 #[test]
 fn a_collective_waiting_for_its_group_is_counted_beside_what_runs_meanwhile() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
-    let gpt2 = gpt2_small_2048_tokens();
+    let gpt2 = gpt2_2048_tokens();
     let full = [("policy", "full")];
     let cases: [Strategy; 2] = [
         &[("1f1b", &[("microbatches", "4")])],
@@ -1294,15 +1301,14 @@ fn recompute_changes_no_bit_under_every_parallelism() {
 
 /// Recomputation lowers the measured peak by what the plan predicts (within
 /// 5% of the predicted saving on every device), full and selective, on
-/// `tiny` and on `gpt2-small` (256 tokens a row, so one CPU step stays
-/// quick).
+/// `tiny` and on a GPT-2 of 2048 tokens a step.
 #[test]
 fn recompute_saves_the_memory_the_plan_predicts() {
     let host = PluginHost::new(SandboxLimits::default(), None).unwrap();
     // 2048 tokens a step: enough activations that the peak of the first
     // stage is theirs, not the tied embedding's gradient staging.
-    let gpt2 = gpt2_small_2048_tokens();
-    // gpt2-small on one device: on two stages the last one's peak comes
+    let gpt2 = gpt2_2048_tokens();
+    // The GPT-2 on one device: on two stages the last one's peak comes
     // while the tied embedding's gradient all-reduce waits for the first
     // stage, and how many of the last backwards' activations are still
     // live when its staging is taken is a race between two threads (the

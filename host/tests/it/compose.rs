@@ -12,7 +12,7 @@ use common::{
     assert_same_training, one_device, plan_with, small, small_llama, small_moe, train, Strategy,
 };
 
-mod common;
+use crate::common;
 
 /// `small` with 4 heads, so tensor parallelism of 2 divides them.
 fn four_heads() -> piper::model::ModelConfig {

@@ -11,7 +11,7 @@ use piper::plugin::{PluginHost, SandboxLimits};
 
 use common::{assert_same_training, one_device, plan_with, train, Run, Strategy};
 
-mod common;
+use crate::common;
 
 fn host() -> PluginHost {
     PluginHost::new(SandboxLimits::default(), None).unwrap()
@@ -339,7 +339,7 @@ fn zb_h1_matches_the_zero_bubble_papers_schedule() {
 /// and its 32 rows into the microbatches.
 #[test]
 fn zbv_and_interleaved_zb_run_pytorchs_orders() {
-    let table = include_str!("data/pytorch-schedule-orders.txt");
+    let table = include_str!("../data/pytorch-schedule-orders.txt");
     let mut checked = 0;
     for line in table.lines().filter(|l| !l.starts_with('#')) {
         let (head, want) = line.split_once(": ").unwrap();
@@ -527,7 +527,7 @@ fn every_precondition_fails_with_the_numbers() {
         assert!(err.contains(want), "expected {want:?} in: {err}");
     }
     // ZeRO-2/3 over DualPipe's parameter copies is refused at compile, not
-    // left to fail mid-step (ZeRO-1 trains: host/tests/compose.rs).
+    // left to fail mid-step (ZeRO-1 trains: host/tests/it/compose.rs).
     for stage in ["2", "3"] {
         let err = refused(
             4,

@@ -8,13 +8,15 @@
 //!
 //! Runs where Python with torch and transformers is found
 //! (`PIPER_HF_PYTHON`, else `target/hf-venv/bin/python` as
-//! `scripts/hf-python.sh` installs it); reported NOT RUN otherwise, unless
-//! `PIPER_REQUIRE_HF=1` (CI) makes that a failure.
+//! `scripts/hf-python.sh` installs it); reported as not run otherwise
+//! (`scripts/test.sh` lists it; CI fails).
 
-mod common;
+use crate::common;
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
 
 /// A fresh directory for one test.
 fn scratch(tag: &str) -> PathBuf {
@@ -24,41 +26,86 @@ fn scratch(tag: &str) -> PathBuf {
     d
 }
 
-fn python() -> Option<PathBuf> {
-    let py = std::env::var_os("PIPER_HF_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/hf-venv/bin/python")
-        });
-    let ok = Command::new(&py)
-        .args(["-c", "import torch, transformers"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        return Some(py);
-    }
-    let required = std::env::var("PIPER_REQUIRE_HF").is_ok_and(|v| v == "1");
-    assert!(
-        !required,
-        "PIPER_REQUIRE_HF=1 but {} cannot import torch and transformers (scripts/hf-python.sh installs them)",
-        py.display()
-    );
-    println!("NOT RUN: no Python with torch and transformers (scripts/hf-python.sh installs them into target/hf-venv)");
-    None
+/// transformers' side: one `interop.py serve` for every test here, so torch
+/// and transformers are imported once.
+struct Interop {
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    /// Its standard error (transformers' warnings, a crash).
+    log: PathBuf,
 }
 
-/// Run the interop script; its JSON answer.
-fn hf(py: &Path, args: &[&str]) -> serde_json::Value {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/interop.py");
-    let out = Command::new(py).arg(script).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "interop.py {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let text = String::from_utf8_lossy(&out.stdout);
-    serde_json::from_str(text.trim().lines().last().unwrap_or(""))
-        .unwrap_or_else(|e| panic!("interop.py {args:?} printed {text}: {e}"))
+/// The shared `interop.py serve`, started on first use; `None` (reported as
+/// not run) where no Python imports torch and transformers.
+fn python() -> Option<&'static Mutex<Interop>> {
+    static SERVER: OnceLock<Option<Mutex<Interop>>> = OnceLock::new();
+    SERVER
+        .get_or_init(|| {
+            let py = std::env::var_os("PIPER_HF_PYTHON")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| {
+                    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/hf-venv/bin/python")
+                });
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/hf/interop.py");
+            let log = std::env::temp_dir().join(format!("piper-interop-{}.log", std::process::id()));
+            let started = Command::new(&py)
+                .arg(script)
+                .arg("serve")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn();
+            let server = started.ok().map(|mut child| Interop {
+                stdin: child.stdin.take().unwrap(),
+                stdout: BufReader::new(child.stdout.take().unwrap()),
+                log,
+            });
+            // The first answer says whether both import.
+            let server = server.and_then(|mut s| {
+                let answer = s.ask(&["ping"]).ok()?;
+                answer.get("torch").is_some().then_some(s)
+            });
+            if server.is_none() {
+                piper::test_support::not_run(
+                    "hf",
+                    &format!(
+                        "{} cannot import torch and transformers (scripts/hf-python.sh installs them into target/hf-venv)",
+                        py.display()
+                    ),
+                );
+            }
+            server.map(Mutex::new)
+        })
+        .as_ref()
+}
+
+impl Interop {
+    /// One command of `interop.py`, its JSON answer (or the line it gave).
+    fn ask(&mut self, args: &[&str]) -> Result<serde_json::Value, String> {
+        let line = serde_json::to_string(args).unwrap();
+        writeln!(self.stdin, "{line}").map_err(|e| e.to_string())?;
+        self.stdin.flush().map_err(|e| e.to_string())?;
+        let mut answer = String::new();
+        self.stdout
+            .read_line(&mut answer)
+            .map_err(|e| e.to_string())?;
+        serde_json::from_str(&answer).map_err(|e| {
+            format!(
+                "answered {answer:?} ({e}); its stderr: {}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            )
+        })
+    }
+}
+
+/// Run one interop command; its JSON answer.
+fn hf(py: &Mutex<Interop>, args: &[&str]) -> serde_json::Value {
+    let answer = py.lock().unwrap_or_else(|e| e.into_inner()).ask(args);
+    match answer {
+        Ok(v) if v.get("error").is_none() => v,
+        Ok(v) => panic!("interop.py {args:?}: {}", v["error"].as_str().unwrap_or("")),
+        Err(e) => panic!("interop.py {args:?}: {e}"),
+    }
 }
 
 /// `piper train` with these arguments, which must succeed.
@@ -115,7 +162,7 @@ fn checkpoints_open_in_transformers_and_transformers_models_train_in_piper() {
             ],
         );
         let (piper_loss, batch) = dump(&dir.join("d1"));
-        let got = hf(&py, &["loss", &ck, &p("d1")]);
+        let got = hf(py, &["loss", &ck, &p("d1")]);
         assert_eq!(got["class"], class, "{model}");
         close(
             &format!("{model} checkpoint"),
@@ -124,7 +171,7 @@ fn checkpoints_open_in_transformers_and_transformers_models_train_in_piper() {
         );
         // transformers -> Piper: a fresh model of the same config, saved in
         // shards; Piper's step-1 loss from it on the same batch.
-        hf(&py, &["save", &ck, &p("hf")]);
+        hf(py, &["save", &ck, &p("hf")]);
         assert!(dir.join("hf/model.safetensors.index.json").is_file());
         train(
             &home,
@@ -141,7 +188,7 @@ fn checkpoints_open_in_transformers_and_transformers_models_train_in_piper() {
         );
         let (piper_loss, batch2) = dump(&dir.join("d2"));
         assert_eq!(batch, batch2, "{model}: the same first batch");
-        let got = hf(&py, &["loss", &p("hf"), &p("d2")]);
+        let got = hf(py, &["loss", &p("hf"), &p("d2")]);
         close(
             &format!("{model} from transformers"),
             piper_loss,
@@ -220,25 +267,12 @@ fn bf16_checkpoints_open_in_transformers_in_bf16_and_bf16_weights_train_in_bf16(
         near(
             &format!("{model} checkpoint"),
             loss,
-            &hf(&py, &["loss", &ck, &p("d1"), "auto"]),
+            &hf(py, &["loss", &ck, &p("d1"), "auto"]),
         );
         if model == "tiny" {
             // PyTorch's own mixed precision (fp32 weights, bf16 autocast) on
             // the same weights and batch: the reference bench's model.
-            let script =
-                Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/reference/torch_gpt.py");
-            let out = Command::new(&py)
-                .arg(script)
-                .args(["--weights", &p("d1"), "--heads", "4", "--precision", "bf16"])
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            let got: serde_json::Value =
-                serde_json::from_str(String::from_utf8_lossy(&out.stdout).trim()).unwrap();
+            let got = hf(py, &["autocast", &p("d1"), "4"]);
             let torch = got["loss"].as_f64().unwrap();
             let rel = (loss - torch).abs() / torch;
             eprintln!(
@@ -250,12 +284,12 @@ fn bf16_checkpoints_open_in_transformers_in_bf16_and_bf16_weights_train_in_bf16(
                 "a trained model's loss, not a uniform guess: {loss}"
             );
         }
-        hf(&py, &["save", &ck, &p("hf"), "bfloat16"]);
+        hf(py, &["save", &ck, &p("hf"), "bfloat16"]);
         let loss = step1(&p("hf"), "d2");
         near(
             &format!("{model} from transformers"),
             loss,
-            &hf(&py, &["loss", &p("hf"), &p("d2"), "auto"]),
+            &hf(py, &["loss", &p("hf"), &p("d2"), "auto"]),
         );
         let bytes = std::fs::read(dir.join("d2")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -319,7 +353,7 @@ fn context_parallel_runs_give_transformers_losses() {
             .concat(),
         );
         let (piper_loss, _) = dump(&dir.join("d1"));
-        let got = hf(&py, &["loss", &ck, &p("d1")]);
+        let got = hf(py, &["loss", &ck, &p("d1")]);
         assert_eq!(got["class"], class, "{model}");
         close(
             &format!("{model} under cp 2"),

@@ -2,7 +2,7 @@
 //! textbook orders, matched send/recv pairs, ZeRO model-state proportions,
 //! deadlock detection and plan-hash stability.
 
-mod common;
+use crate::common;
 
 use common::*;
 use piper::compile::{

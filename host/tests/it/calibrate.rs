@@ -9,7 +9,7 @@
 
 use std::path::{Path, PathBuf};
 
-mod common;
+use crate::common;
 
 /// The kept record.
 fn record() -> PathBuf {

@@ -2,17 +2,19 @@
 //! missing in one line. Built and run with `--features cuda`; the kernels'
 //! compilation is tested in the library (`backend::cuda::kernels`) and their
 //! numerics on a GPU machine by `scripts/gpu-check.sh`.
-#![cfg(feature = "cuda")]
 
 use common::piper;
 
-mod common;
+use crate::common;
 
 #[test]
 fn backend_cuda_without_a_gpu_is_one_clear_line() {
     // SAFETY: probing for the driver library, as the backend does.
     if unsafe { cudarc_probe() } {
-        println!("NOT RUN: this machine has a CUDA driver (scripts/gpu-check.sh checks the backend there)");
+        piper::test_support::not_run(
+            "cuda without a GPU",
+            "this machine has a CUDA driver (scripts/gpu-check.sh checks the backend there)",
+        );
         return;
     }
     let h = std::env::temp_dir().join(format!("piper-cuda-{}", std::process::id()));

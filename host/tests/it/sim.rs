@@ -9,7 +9,7 @@ use piper::plugin::{PluginHost, SandboxLimits};
 use piper::sim::{simulate, Cluster, Simulation, UnitCosts};
 use std::time::Instant;
 
-mod common;
+use crate::common;
 
 fn host() -> PluginHost {
     PluginHost::new(SandboxLimits::default(), None).unwrap()
@@ -159,9 +159,10 @@ fn the_report_renders_one_lane_per_device_in_headless_chromium_without_network()
             .output()
             .is_ok_and(|o| o.status.success())
     }) else {
-        let msg = "NOT RUN: the report test needs Debian's chromium (apt-get install chromium); .ci/run installs it";
-        assert!(std::env::var_os("PIPER_REQUIRE_BROWSER").is_none(), "{msg}");
-        eprintln!("{msg}");
+        piper::test_support::not_run(
+            "sim report",
+            "the report test needs Debian's chromium (apt-get install chromium); .ci/run installs it",
+        );
         return;
     };
     let dir = std::env::temp_dir().join(format!("piper-report-{}", std::process::id()));
