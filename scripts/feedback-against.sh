@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fast-feedback figures side by side with an earlier commit, in one run on this
-# machine (docs/contributing.md): for COMMIT and then this checkout's HEAD, a fresh clone
+# machine (docs/contributing.md): for this checkout's HEAD and then COMMIT, a fresh clone
 # runs `.ci/run` with every line of its output stamped with the seconds since it started,
 # and the phases are read off the stamps:
 #   first build  from the start to the first line after the featureless `cargo build -p
@@ -50,8 +50,8 @@ run_one() { # NAME REV
   rm -rf "$dir"
 }
 
-run_one before "$rev"
 run_one after "$(git -C "$root" rev-parse HEAD)"
+run_one before "$rev"
 
 python3 - "$out" "$rev" <<'EOF'
 import sys
