@@ -1878,8 +1878,9 @@ fn the_plan_file_reference_names_every_key_a_plan_writes() {
 }
 
 /// `(line, command, inline)` of each `piper` command: the lines of shell
-/// code blocks (continuations joined, comments dropped) and inline code
-/// spans that start with `piper ` and a subcommand.
+/// code blocks (continuations joined, comments dropped) that run `piper`
+/// (not `cargo` or one of `scripts/`, which take `-p piper`), and inline
+/// code spans that start with `piper ` and a subcommand.
 fn doc_commands(text: &str) -> Vec<(usize, String, bool)> {
     let mut out = Vec::new();
     let (mut in_code, mut shell, mut pending): (bool, bool, Option<(usize, String)>) =
@@ -1905,7 +1906,10 @@ fn doc_commands(text: &str) -> Vec<(usize, String, bool)> {
             cmd.push(' ');
             if body.trim_end().ends_with('\\') {
                 pending = Some((line, cmd));
-            } else if cmd.split_whitespace().any(|w| w == "piper") && !cmd.contains("cargo ") {
+            } else if cmd.split_whitespace().any(|w| w == "piper")
+                && !cmd.contains("cargo ")
+                && !cmd.contains("scripts/")
+            {
                 out.push((line, cmd, false));
             }
             continue;
