@@ -6,7 +6,8 @@
 //! The modules follow the flow: [`model`] → [`dag`] → [`plugin`] → [`compile`]
 //! → [`runtime`] | [`sim`]; [`registry`] brings plugins from OCI registries to [`plugin`].
 //! [`session`] runs the flow up to a plan from a run config (what the CLI
-//! and a program using Piper call); [`cli`] parses arguments and prints.
+//! and a program using Piper call); [`verify`] trains a plan beside one
+//! device and holds it to its numbers; [`cli`] parses arguments and prints.
 
 pub mod cli;
 pub mod compile;
@@ -21,3 +22,4 @@ pub mod session;
 pub mod sim;
 #[doc(hidden)]
 pub mod test_support;
+pub mod verify;

@@ -1,20 +1,23 @@
 //! `piper plugin verify PLUGIN[:options]`: the other half of trusting a
-//! stranger's strategy — does it keep the math? The plugin plans `tiny` (and
-//! `tiny` with a dropless mixture of experts) on `--devices` devices; each
-//! plan is compiled (so checked for deadlocks, with its predicted peaks) and
-//! trained for `--steps` steps beside the same model on one device, and the
-//! largest loss and step-1 gradient differences are held to 1e-5. A model the
-//! plugin refuses to plan (expert parallelism on a dense model), or plans
-//! only with another strategy after it (tensor parallelism on a MoE model,
-//! whose experts need `ep`), is reported and skipped; a plan that does not compile, a missing gradient or a
-//! difference past the tolerance fails the verdict, naming the worst tensor.
+//! stranger's strategy — does it keep the math? The plugin plans each model
+//! (`tiny` and `tiny` with a dropless mixture of experts, or the `--model`s
+//! given) on each of the `--devices` counts; each plan is compiled (so
+//! checked for deadlocks, with its predicted peaks) and trained for `--steps`
+//! steps beside the same model on one device (`crate::verify`): the largest
+//! loss and step-1 gradient differences are held to 1e-5 and each device's
+//! measured peak to its plan's. A model the plugin refuses to plan (expert
+//! parallelism on a dense model), or plans only with another strategy after
+//! it (tensor parallelism on a MoE model, whose experts need `ep`), is
+//! reported and skipped; a plan that does not compile, a missing gradient, a
+//! difference past the tolerance or a peak past the plan fails the verdict,
+//! naming the worst tensor.
 
 use super::{RegistryArgs, RunArgs, RunConfig};
 use crate::compile::{compile, human_bytes};
-use crate::dag::{Cluster, Filter, TrainingDag};
+use crate::dag::{Cluster, TrainingDag};
 use crate::model::{ModelConfig, MoeConfig};
-use crate::runtime::{Corpus, NamedTensors, TrainOptions, Trainer};
 use crate::session::Strategies;
+use crate::verify::{Baseline, Verdict, TOLERANCE};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
@@ -26,13 +29,13 @@ pub struct VerifyArgs {
     /// `oci://` reference (`1f1b:microbatches=8`).
     #[arg(value_name = "PLUGIN[:k=v,...]")]
     plugin: String,
-    /// Train this model only (a preset or a model TOML) instead of `tiny`
-    /// and `tiny` with a dropless MoE.
+    /// Train these models (a preset or a model TOML; repeat the flag for
+    /// several) instead of `tiny` and `tiny` with a dropless MoE.
     #[arg(long)]
-    model: Option<String>,
-    /// Devices the plugin plans for.
-    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
-    devices: u32,
+    model: Vec<String>,
+    /// Device counts the plugin plans for, each checked (`2,4,8`).
+    #[arg(long, value_delimiter = ',', default_value = "4", value_parser = clap::value_parser!(u32).range(1..=64))]
+    devices: Vec<u32>,
     /// Steps trained under each plan.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     steps: u32,
@@ -46,12 +49,6 @@ pub struct VerifyArgs {
     registry: RegistryArgs,
 }
 
-/// The largest loss and gradient difference a plan may show against one
-/// device: relative for losses, relative to the tensor's largest entry for
-/// gradients (sums in another grouping move f32 entries by ~1e-6 of the
-/// largest; a lost microbatch or a wrong shard by 1e-2 or more).
-pub const TOLERANCE: f64 = 1e-5;
-
 /// `tiny` with 4 experts of which each token uses 2, dropless, so every
 /// plan routes every token the same way.
 pub fn tiny_moe() -> ModelConfig {
@@ -63,73 +60,42 @@ pub fn tiny_moe() -> ModelConfig {
     cfg
 }
 
-/// What verifying one model found.
+/// What verifying one model on one device count found.
 #[derive(Serialize)]
 struct ModelReport {
     model: String,
+    devices: u32,
     /// The plugin's own refusal of this model (then nothing else is set).
     #[serde(skip_serializing_if = "Option::is_none")]
     not_planned: Option<String>,
     /// The plan's compile error (deadlock, inconsistent placement).
     #[serde(skip_serializing_if = "Option::is_none")]
     compile_error: Option<String>,
-    /// Predicted peak bytes per device.
-    peaks: Vec<u64>,
-    /// Largest relative loss difference and its step.
-    loss_diff: f64,
-    loss_step: u32,
-    /// Largest step-1 gradient difference (relative to the tensor's
-    /// largest entry) and the tensor.
-    grad_diff: f64,
-    grad_tensor: String,
-    /// Parameters the plan gave no gradient.
-    missing: Vec<String>,
+    /// Training beside one device.
+    #[serde(flatten)]
+    verdict: Verdict,
 }
 
 impl ModelReport {
-    fn new(model: &str) -> Self {
+    fn new(model: &str, devices: u32) -> Self {
         ModelReport {
             model: model.into(),
+            devices,
             not_planned: None,
             compile_error: None,
-            peaks: Vec::new(),
-            loss_diff: 0.0,
-            loss_step: 0,
-            grad_diff: 0.0,
-            grad_tensor: String::new(),
-            missing: Vec::new(),
+            verdict: Verdict::default(),
         }
     }
     fn trained(&self) -> bool {
         self.not_planned.is_none() && self.compile_error.is_none()
     }
     fn passed(&self) -> bool {
-        self.trained()
-            && self.missing.is_empty()
-            && self.loss_diff <= TOLERANCE
-            && self.grad_diff <= TOLERANCE
+        self.trained() && self.verdict.passed()
     }
-}
-
-/// Losses of `steps` steps and the step-1 gradients of `cfg` under `dag`'s plan.
-fn train(cfg: &ModelConfig, dag: &TrainingDag, steps: u32) -> Result<(Vec<f64>, NamedTensors)> {
-    let plan = compile(dag)?;
-    let opts = TrainOptions {
-        capture_grads: true,
-        ..TrainOptions::default()
-    };
-    let mut t = Trainer::new(cfg, plan, opts)?;
-    let corpus = Corpus::builtin();
-    let mut losses = Vec::new();
-    let mut grads = NamedTensors::new();
-    for s in 1..=steps {
-        let batch = corpus.batch(s, cfg.batch_size as usize, cfg.seq_len as usize, cfg.vocab)?;
-        losses.push(t.step(&batch).with_context(|| format!("step {s}"))?.loss);
-        if s == 1 {
-            grads = t.last_grads()?;
-        }
+    /// The larger of the loss and gradient differences.
+    fn worst(&self) -> f64 {
+        self.verdict.grad_diff.max(self.verdict.loss_diff)
     }
-    Ok((losses, grads))
 }
 
 /// Verify the loaded strategies on one model.
@@ -139,7 +105,7 @@ fn verify_model(
     devices: u32,
     steps: u32,
 ) -> Result<ModelReport> {
-    let mut report = ModelReport::new(&cfg.name);
+    let mut report = ModelReport::new(&cfg.name, devices);
     let mut dag = TrainingDag::build(cfg, Cluster::new(devices))?;
     if let Err(e) = strategies.apply(&mut dag) {
         report.not_planned = Some(format!("{e:#}"));
@@ -158,39 +124,10 @@ fn verify_model(
             return Ok(report);
         }
     };
-    report.peaks = plan.devices.iter().map(|d| d.peak_bytes).collect();
-    let (losses, grads) = train(cfg, &dag, steps).context("training under the plugin's plan")?;
-    let mut one = TrainingDag::build(cfg, Cluster::new(1))?;
-    one.place(&Filter::all(), &[0], "pp")?;
-    let (base_losses, base_grads) = train(cfg, &one, steps).context("training on one device")?;
-    for (s, (a, b)) in losses.iter().zip(&base_losses).enumerate() {
-        let d = ((a - b) / b).abs();
-        let d = if d.is_nan() { f64::INFINITY } else { d };
-        if d > report.loss_diff || report.loss_step == 0 {
-            report.loss_diff = d;
-            report.loss_step = s as u32 + 1;
-        }
-    }
-    for (name, want) in &base_grads {
-        let Some(got) = grads.get(name) else {
-            report.missing.push(name.clone());
-            continue;
-        };
-        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-12);
-        let worst = got
-            .iter()
-            .zip(want)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-        let d = if got.len() != want.len() || worst.is_nan() {
-            f64::INFINITY
-        } else {
-            (worst / scale) as f64
-        };
-        if d > report.grad_diff || report.grad_tensor.is_empty() {
-            report.grad_diff = d;
-            report.grad_tensor = name.clone();
-        }
-    }
+    let base = Baseline::of(cfg, steps).context("training on one device")?;
+    report.verdict = base
+        .check(plan, None)
+        .context("training under the plugin's plan")?;
     Ok(report)
 }
 
@@ -198,7 +135,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     let args = RunArgs {
         config: a.config.clone(),
         model: None,
-        devices: Some(a.devices),
+        devices: a.devices.first().copied(),
         strategies: vec![a.plugin.clone()],
         registry: a.registry.clone(),
         lock: None,
@@ -207,20 +144,23 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     let config = RunConfig::resolve(&args.overrides())?;
     let strategies = Strategies::load(&config, &args.sources())?;
     let (plugin, options) = &strategies.plugins[0];
-    let models = match &a.model {
-        Some(m) => vec![ModelConfig::from_name_or_file(m)?],
-        None => vec![ModelConfig::tiny(), tiny_moe()],
+    let models = match &a.model[..] {
+        [] => vec![ModelConfig::tiny(), tiny_moe()],
+        names => names
+            .iter()
+            .map(|m| ModelConfig::from_name_or_file(m))
+            .collect::<Result<Vec<_>, _>>()?,
     };
     let mut reports = Vec::new();
     for cfg in &models {
-        reports.push(verify_model(&strategies, cfg, a.devices, a.steps)?);
+        for &devices in &a.devices {
+            reports.push(verify_model(&strategies, cfg, devices, a.steps)?);
+        }
     }
     let trained: Vec<&ModelReport> = reports.iter().filter(|r| r.trained()).collect();
-    let worst = trained.iter().max_by(|x, y| {
-        x.grad_diff
-            .max(x.loss_diff)
-            .total_cmp(&y.grad_diff.max(y.loss_diff))
-    });
+    let worst = trained
+        .iter()
+        .max_by(|x, y| x.worst().total_cmp(&y.worst()));
     let passed = !trained.is_empty()
         && reports
             .iter()
@@ -234,12 +174,22 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         true => plugin.ident(),
         false => format!("{} with {opts}", plugin.ident()),
     };
+    // `tiny and tiny-moe`, `2 and 4`: each name once, in order.
+    let listed = |items: Vec<String>| {
+        let mut seen: Vec<String> = Vec::new();
+        for i in items {
+            if !seen.contains(&i) {
+                seen.push(i);
+            }
+        }
+        seen.join(" and ")
+    };
     let verdict = match (passed, worst) {
         (true, Some(w)) => format!(
             "PASS: {who} trains {} on {} devices as one device does (largest difference {:.1e}, tolerance {TOLERANCE:.0e})",
-            trained.iter().map(|r| r.model.as_str()).collect::<Vec<_>>().join(" and "),
-            a.devices,
-            w.grad_diff.max(w.loss_diff),
+            listed(trained.iter().map(|r| r.model.clone()).collect()),
+            listed(trained.iter().map(|r| r.devices.to_string()).collect()),
+            w.worst(),
         ),
         _ => format!("FAIL: {who}: {}", failure(&reports)),
     };
@@ -258,7 +208,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     } else {
         println!(
             "verifying {who} on {} devices, {} steps, against one device (tolerance {TOLERANCE:.0e}):",
-            a.devices, a.steps
+            listed(a.devices.iter().map(|d| d.to_string()).collect()),
+            a.steps
         );
         for r in &reports {
             println!("  {}", line(r));
@@ -273,24 +224,34 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
 
 /// One model's line of the report.
 fn line(r: &ModelReport) -> String {
+    let at = format!("{} on {} devices", r.model, r.devices);
     if let Some(e) = &r.not_planned {
-        return format!("{}: not planned by the plugin (skipped): {e}", r.model);
+        return format!("{at}: not planned by the plugin (skipped): {e}");
     }
     if let Some(e) = &r.compile_error {
-        return format!("{}: the plan does not compile: {e}", r.model);
+        return format!("{at}: the plan does not compile: {e}");
     }
-    let peaks = r
-        .peaks
+    let v = &r.verdict;
+    let peaks = v
+        .measured
         .iter()
-        .map(|p| human_bytes(*p))
+        .zip(&v.planned)
+        .map(|(m, p)| format!("{} of {}", human_bytes(*m), human_bytes(*p)))
         .collect::<Vec<_>>()
         .join(", ");
     let mut s = format!(
-        "{}: deadlock-free plan, predicted peaks {peaks}; losses within {:.1e} (step {}), step-1 gradients within {:.1e} (worst {})",
-        r.model, r.loss_diff, r.loss_step, r.grad_diff, r.grad_tensor
+        "{at}: deadlock-free plan, peaks (measured of planned) {peaks}; losses within {:.1e} (step {}), step-1 gradients within {:.1e} (worst {})",
+        v.loss_diff, v.loss_step, v.grad_diff, v.grad_tensor
     );
-    if !r.missing.is_empty() {
-        s.push_str(&format!("; no gradient for {}", r.missing.join(", ")));
+    if !v.missing.is_empty() {
+        s.push_str(&format!("; no gradient for {}", v.missing.join(", ")));
+    }
+    for (d, m, p) in v.over_plan() {
+        s.push_str(&format!(
+            "; device {d} peaked at {}, above its planned {}",
+            human_bytes(m),
+            human_bytes(p)
+        ));
     }
     s.push_str(if r.passed() { "  ok" } else { "  DIFFERS" });
     s
@@ -305,26 +266,12 @@ fn failure(reports: &[ModelReport]) -> String {
             r.compile_error.as_deref().unwrap_or_default()
         );
     }
-    if let Some(r) = reports.iter().find(|r| !r.missing.is_empty()) {
-        return format!(
-            "its plan of {} gives no gradient for {}",
-            r.model,
-            r.missing.join(", ")
-        );
-    }
     let differs = reports
         .iter()
         .filter(|r| r.trained() && !r.passed())
-        .max_by(|x, y| {
-            x.grad_diff
-                .max(x.loss_diff)
-                .total_cmp(&y.grad_diff.max(y.loss_diff))
-        });
-    if let Some(r) = differs {
-        return format!(
-            "{} trains differently than on one device: step-1 gradient of `{}` differs by {:.1e} of its largest entry, losses by {:.1e} (step {}); tolerance {TOLERANCE:.0e}",
-            r.model, r.grad_tensor, r.grad_diff, r.loss_diff, r.loss_step
-        );
+        .max_by(|x, y| x.worst().total_cmp(&y.worst()));
+    if let Some(why) = differs.and_then(|r| Some(format!("{} {}", r.model, r.verdict.failure()?))) {
+        return why;
     }
     let why = reports
         .iter()

@@ -17,6 +17,7 @@ use super::flat::Flat;
 use super::groups::Groups;
 use super::is_param_gather;
 use super::plan::{self, Act, Collective, Input, Op, OpCommon, StreamIx, Wait};
+use super::relayout::Relayout;
 use crate::dag::{
     CommOp, CommPurpose, DeviceId, EdgeKind, Node, NodeId, NodeKind, Spread, TagKey, Tags,
     TensorKind, TrainingDag,
@@ -58,6 +59,38 @@ pub(super) struct Ctx<'a> {
     /// Per segment, of what it saves, stashes and keeps, the shares tensor
     /// parallelism leaves whole on every rank (see [`tp_whole`]).
     pub tp_whole: &'a [[(f64, f64); 3]],
+    /// The relayout nodes compile put in and what each moves (`layout.rs`).
+    pub relayouts: &'a HashMap<NodeId, Arc<Relayout>>,
+    /// Per segment: the bytes of its dense parts' norm outputs over the
+    /// global batch, which a selective recompute keeps gathered under
+    /// sequence parallelism (see [`sp_norms`]).
+    pub sp_norms: &'a [u64],
+}
+
+/// Per segment, the norm outputs of its dense parts (two a block, one an
+/// attention half) over the global batch: a selective recompute drops
+/// them, except under sequence parallelism, where each rank keeps them
+/// gathered over its group, whole (`runtime::model::SegmentCache::thin`).
+pub(super) fn sp_norms(dag: &TrainingDag) -> Vec<u64> {
+    use crate::model::Part;
+    let cfg = dag.model();
+    let one = u64::from(cfg.batch_size)
+        * u64::from(cfg.seq_len)
+        * u64::from(cfg.d_model)
+        * cfg.precision.act_bytes();
+    dag.segments()
+        .iter()
+        .map(|seg| {
+            seg.parts
+                .iter()
+                .map(|p| match p {
+                    Part::Block(_) => 2 * one,
+                    Part::Attention(_) => one,
+                    _ => 0,
+                })
+                .sum()
+        })
+        .collect()
 }
 
 /// Of each segment's saved, stashed and kept bytes, the shares tensor
@@ -227,15 +260,24 @@ struct Marks {
     k: Vec<u32>,
     bytes: Vec<u64>,
     blocks: Vec<u64>,
+    /// The maximum of each [`Marks::BLOCK`] blocks.
+    supers: Vec<u64>,
 }
 
 impl Marks {
     const BLOCK: usize = 64;
+    const SUPER: usize = Self::BLOCK * Self::BLOCK;
 
     fn push(&mut self, k: u32, bytes: u64) {
-        if self.bytes.len().is_multiple_of(Self::BLOCK) {
+        let n = self.bytes.len();
+        if n.is_multiple_of(Self::BLOCK) {
             self.blocks.push(bytes);
         } else if let Some(b) = self.blocks.last_mut() {
+            *b = (*b).max(bytes);
+        }
+        if n.is_multiple_of(Self::SUPER) {
+            self.supers.push(bytes);
+        } else if let Some(b) = self.supers.last_mut() {
             *b = (*b).max(bytes);
         }
         self.k.push(k);
@@ -249,7 +291,10 @@ impl Marks {
         let hi = self.k.partition_point(|&k| k <= upto);
         let mut high = 0;
         while lo < hi {
-            if lo.is_multiple_of(Self::BLOCK) && lo + Self::BLOCK <= hi {
+            if lo.is_multiple_of(Self::SUPER) && lo + Self::SUPER <= hi {
+                high = high.max(self.supers[lo / Self::SUPER]);
+                lo += Self::SUPER;
+            } else if lo.is_multiple_of(Self::BLOCK) && lo + Self::BLOCK <= hi {
                 high = high.max(self.blocks[lo / Self::BLOCK]);
                 lo += Self::BLOCK;
             } else {
@@ -586,6 +631,12 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
             };
             let whole = ends + blocks;
             b = whole + split / t;
+            if tp.sequence && tensor == TensorKind::Kept {
+                if let NodeKind::Compute { segment, .. } = &n.kind {
+                    let norms = cx.sp_norms.get(*segment as usize).copied().unwrap_or(0);
+                    b += norms / div;
+                }
+            }
         }
         let slot = &mut by_kind[tensor as usize];
         *slot = (*slot).max(b);
@@ -609,7 +660,11 @@ fn readers<'a>(cx: &Ctx<'a>, id: NodeId, n: &Node, div: u64) -> Readers<'a> {
 /// gathered whole). 0 for other nodes.
 fn staging(n: &Node, div: u64) -> u64 {
     match &n.kind {
-        NodeKind::Comm(c) if !c.op.is_p2p() && c.purpose != CommPurpose::GradNorm => {
+        // A relayout stages on the host (its pieces), not on the device.
+        NodeKind::Comm(c)
+            if !c.op.is_p2p()
+                && !matches!(c.purpose, CommPurpose::GradNorm | CommPurpose::Relayout) =>
+        {
             let whole = comm_bytes(c, div);
             match c.op {
                 CommOp::ReduceScatter | CommOp::AllGather => {
@@ -1015,6 +1070,12 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             desc.readers.on(dev)
         };
         let link = link(cx, id, n, desc, i, dev);
+        // A relayout leaves each member what its consumer reads, and nothing
+        // on a member that only sends.
+        let out_bytes = match &link.act {
+            Act::Relayout { spec, .. } => spec.held_bytes(dev.0),
+            _ => desc.readers.out_bytes,
+        };
         let (waits, local_inputs) = &mut self.acc[h];
         let inputs = if desc.single_device_inputs {
             desc.inputs.clone()
@@ -1059,8 +1120,8 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
             // A tensor-parallel group runs one batch share: its replica's
             // (a context-parallel group of replicas, one share together).
             replica: i as u32 / desc.common.tp.max(1),
-            out_bytes: if desc.readers.out_bytes > 0 && on_dev > 0 {
-                desc.readers.out_bytes
+            out_bytes: if out_bytes > 0 && on_dev > 0 {
+                out_bytes
             } else {
                 0
             },
@@ -1101,8 +1162,8 @@ impl<'c, 'a> ChunkBuild<'c, 'a> {
         }
         let staged = before.saturating_add(desc.staging);
         if on_dev > 0 {
-            dv.live += desc.readers.out_bytes;
-            self.bufs[kbase + i] = (desc.readers.out_bytes, on_dev);
+            dv.live += out_bytes;
+            self.bufs[kbase + i] = (out_bytes, on_dev);
         }
         let high = staged.max(dv.live);
         dv.mark(k, high);
@@ -1316,6 +1377,23 @@ fn link(cx: &Ctx<'_>, id: NodeId, n: &Node, desc: &Described<'_>, i: usize, dev:
         };
     }
     let gi = comm.groups.iter().position(|grp| grp.contains(&dev));
+    if let Some(spec) = cx.relayouts.get(&id) {
+        let group = gi.map_or_else(|| Arc::from([dev.0]), |gi| desc.groups[gi].clone());
+        let need = group.len() as u32;
+        return Link {
+            act: Act::Relayout {
+                group,
+                spec: spec.clone(),
+            },
+            kind: if need > 1 {
+                Kind::Collective
+            } else {
+                Kind::Local
+            },
+            key: gbase + gi.unwrap_or(0) as u32,
+            need,
+        };
+    }
     let (kind, key, need) = match gi {
         Some(gi) if comm.groups[gi].len() > 1 => (
             Kind::Collective,
@@ -1345,7 +1423,8 @@ mod tests {
         let mut m = Marks::default();
         // Order indices 0, 3, 6, …; bytes from a hash, so blocks differ.
         let bytes = |i: u64| (i.wrapping_mul(2_654_435_761) >> 7) % 10_000;
-        for i in 0..300u64 {
+        // 9,000 marks: whole super-blocks of 4,096, blocks and single marks.
+        for i in 0..9_000u64 {
             m.push(3 * i as u32, bytes(i));
         }
         for (after, upto) in [
@@ -1357,8 +1436,12 @@ mod tests {
             (Some(190), 194),
             (Some(800), 10_000),
             (Some(897), 900),
+            (None, 26_999),
+            (Some(100), 25_000),
+            (Some(12_287), 24_576),
+            (Some(12_290), 12_300),
         ] {
-            let want = (0..300u64)
+            let want = (0..9_000u64)
                 .filter(|i| after.is_none_or(|a| 3 * *i as u32 > a) && 3 * *i as u32 <= upto)
                 .map(bytes)
                 .max()

@@ -2,10 +2,19 @@
 //! runs. Every stream is a sequential program; an op starts when the ops it
 //! waits on (other streams of its device) are done. A `send` completes on its
 //! own (sends are buffered: the runtime never blocks a sender); a `recv`
-//! completes once its matching `send` has; a collective completes when every
-//! device of its group has it at the head of the same stream, naming the same
-//! group. If no stream can move and some still have ops, the plan would
-//! deadlock: the error names the devices and ops that wait on each other.
+//! completes once its matching `send` has; a collective (a relayout too)
+//! completes when every device of its group has it at the head of the same
+//! stream, naming the same group; a compute op that exchanges with its group
+//! inside it (tensor-parallel sums, context parallelism's ring steps, expert
+//! all-to-alls) is a meeting of its group (with context parallelism, of its
+//! tensor- and context-parallel block). If no stream can move and some
+//! still have ops, the plan would deadlock: the error names the devices and
+//! ops that wait on each other.
+//!
+//! These are every wait the runtime blocks on: its streams run on threads
+//! of their own, each with kernel threads of its own on the CPU (a stream
+//! waiting for a peer inside a kernel holds only its own), memory over a
+//! device's cap is an error, not a wait, and every comm wait is bounded.
 
 use super::plan::{Act, DevicePlan, Op, StreamIx};
 use foldhash::{HashMap, HashSet, HashSetExt};

@@ -4,10 +4,14 @@
 //! The DAG's edges are read once into flat arrays (`flat.rs`) and its device
 //! groups interned (`groups.rs`); every pass below walks those.
 //!
+//! 0. **Relayouts** (`layout.rs`, `relayout.rs`): where a data edge joins
+//!    two layouts, a relayout op between its ends moves each consumer what
+//!    it needs; compile lowers its own copy of the DAG with them in it.
 //! 1. **Validate**: every node placed; a segment's nodes on one device group;
 //!    SPMD groups only where replicated; no data edge crossing devices
-//!    without a send/recv; the tied embedding/head reconciled; the global batch
-//!    divisible by each node's microbatches × DP degree; no cycle.
+//!    without a send/recv, nor joining two layouts no relayout joins; the
+//!    tied embedding/head reconciled; the global batch divisible by each
+//!    node's microbatches × DP degree; no cycle.
 //! 2. **Order**: one global list schedule (among ready nodes the lowest
 //!    depth first, then the higher priority, then the lower id; a node with
 //!    no predecessor is keyed just before its first consumer, so prefetches
@@ -32,7 +36,9 @@ mod deadlock;
 mod flat;
 mod forward;
 mod groups;
+mod layout;
 pub mod plan;
+mod relayout;
 #[cfg(test)]
 mod tests;
 
@@ -48,6 +54,8 @@ use foldhash::{HashMap, HashMapExt};
 use petgraph::stable_graph::NodeIndex;
 use petgraph::visit::NodeIndexable;
 use rayon::prelude::*;
+use relayout::Relayout;
+use std::sync::Arc;
 
 /// Why a DAG cannot be compiled.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -116,6 +124,17 @@ pub enum CompileError {
     ContextChunks { node: String, seq: u32, cp: u32 },
     #[error("{node} is context-parallel, which runs the memory-efficient attention kernel: set `attention = \"flash\"` in the model config (`auto` chooses it above {} tokens)", crate::model::Attention::AUTO_FLASH_ABOVE)]
     ContextAttention { node: String },
+    #[error("data edge {from} -> {to}{} joins two layouts no relayout moves between: {from_layout}; {to_layout}. A relayout moves a residual or its gradient between layouts that each hold whole rows of the batch in pieces the runtime cuts (a split into the model's microbatch count, shares that divide the batch); other tensors move between equal layouts only: give both regions the same split, replication, tensor and context parallelism", through.as_deref().map_or(String::new(), |(a, b)| format!(" (sent from devices {a:?} to {b:?})")))]
+    Layouts {
+        from: String,
+        to: String,
+        from_layout: String,
+        to_layout: String,
+        /// The pipeline pair's device groups, when the edge crosses one.
+        through: Option<Box<(Vec<u32>, Vec<u32>)>>,
+    },
+    #[error("the tied embedding/head weight `wte` is held two ways: {first}; {other}. Its gradient sums the embedding's and the head's rows once each only when both regions share one layout: give the regions with the embedding and the LM head the same replication, tensor and context parallelism and ZeRO stage (or untie them)")]
+    TiedLayouts { first: String, other: String },
     #[error(transparent)]
     Deadlock(#[from] DeadlockError),
 }
@@ -288,6 +307,8 @@ fn validate(
         return Err(e);
     }
     validate_edges(dag, flat, groups, &segs.placement)?;
+    layout::check(dag, flat, groups)?;
+    layout::check_tied(dag)?;
     check_busy(dag, groups)
 }
 
@@ -297,8 +318,9 @@ fn comm_fault(c: &crate::dag::Comm, devices: usize) -> Option<String> {
     let op = c.op.as_str();
     let purpose = c.purpose.as_str();
     if !c.op.is_p2p() {
-        return plan::Collective::of(c.op, c.purpose)
-            .is_none()
+        // A relayout is compile's own (`layout.rs`), its spec beside the DAG.
+        let relayout = c.op == CommOp::AllToAll && c.purpose == CommPurpose::Relayout;
+        return (plan::Collective::of(c.op, c.purpose).is_none() && !relayout)
             .then(|| format!("`{op}` for `{purpose}` is no collective a plan runs"));
     }
     if c.purpose != CommPurpose::Pipeline {
@@ -531,7 +553,7 @@ fn compile_synced(dag: &TrainingDag) -> Result<Plan, CompileError> {
         parts,
         steps,
         keys,
-    } = lower(dag)?;
+    } = lower(dag, &HashMap::new())?;
     // The deadlock check on the steps built with the ops (the messages
     // and meetings keyed by global positions).
     let pc = deadlock::simulate(&steps, keys);
@@ -638,7 +660,13 @@ fn chunk_devices(
     (nchunks, chunk, chunks_of)
 }
 
-fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
+/// `relayouts`: the relayout nodes compile put into its own copy of the
+/// DAG (`layout.rs`) and what each moves; empty for the DAG as given, where
+/// they are planned first.
+fn lower(
+    dag: &TrainingDag,
+    relayouts: &HashMap<NodeId, Arc<Relayout>>,
+) -> Result<Lowered, CompileError> {
     // The passes that only read the DAG run side by side (each is mostly
     // serial): the snapshots first, then validation and the schedule. A
     // validation error is reported before a cycle, as when they ran in turn.
@@ -650,6 +678,16 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
             tp: dag.segment_tp(),
         },
     );
+    // Where a data edge joins two layouts a relayout can join, compile
+    // lowers its own copy of the DAG with the relayouts in it.
+    if relayouts.is_empty() {
+        let planned = layout::plan(dag, &flat, &groups);
+        if !planned.is_empty() {
+            let mut copy = dag.clone();
+            let relayouts = layout::insert(&mut copy, planned);
+            return lower(&copy, &relayouts);
+        }
+    }
     let (valid, order) = rayon::join(
         || validate(dag, &flat, &groups, &segs),
         || schedule(dag, &flat),
@@ -672,6 +710,7 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         .map(|k| (*k, extents.get(dag.tag_name(*k)).copied().unwrap_or(1)))
         .collect();
     let tp_whole = build::tp_whole(dag);
+    let sp_norms = build::sp_norms(dag);
     let cx = build::Ctx {
         dag,
         flat: &flat,
@@ -690,6 +729,8 @@ fn lower(dag: &TrainingDag) -> Result<Lowered, CompileError> {
         split_sizes: &split_sizes,
         microbatches: split_sizes.iter().map(|(_, s)| *s).product(),
         tp_whole: &tp_whole,
+        relayouts,
+        sp_norms: &sp_norms,
     };
     let mut built: Vec<Option<build::Built>> = (0..nchunks)
         .into_par_iter()

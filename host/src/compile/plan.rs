@@ -10,6 +10,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 /// The IR vocabulary a plan is written in; the runtime reads it from here.
+pub use super::relayout::{Holding, Piece, Relayout};
 pub use crate::dag::{CommPurpose, ExpertPhase, Spread, TensorKind};
 pub use crate::model::cost::{Gemm, OpShape};
 
@@ -180,6 +181,12 @@ pub enum Act {
     /// Run `what` together with the other members of `group` (this device
     /// included).
     Collective { what: Collective, group: Arc<[u32]> },
+    /// Move a batch-sized tensor from its producer's layout to its
+    /// consumer's over `group` (this device included): see [`Relayout`].
+    Relayout {
+        group: Arc<[u32]>,
+        spec: Arc<Relayout>,
+    },
     /// The optimizer step of the node's segments.
     Update,
 }
@@ -255,6 +262,7 @@ impl Act {
             Act::Send { .. } => OpKind::Send,
             Act::Recv { .. } => OpKind::Recv,
             Act::Collective { what, .. } => what.kind(),
+            Act::Relayout { .. } => OpKind::AllToAll,
             Act::Update => OpKind::Update,
         }
     }
@@ -295,6 +303,7 @@ impl Op {
         match &self.act {
             Act::Send { .. } | Act::Recv { .. } => Some(CommPurpose::Pipeline),
             Act::Collective { what, .. } => Some(what.purpose()),
+            Act::Relayout { .. } => Some(CommPurpose::Relayout),
             Act::Compute { .. } | Act::Update => None,
         }
     }
@@ -303,7 +312,14 @@ impl Op {
     pub fn group(&self) -> Option<&Arc<[u32]>> {
         match &self.act {
             Act::Compute { group, .. } => group.as_ref(),
-            Act::Collective { group, .. } => Some(group),
+            Act::Collective { group, .. } | Act::Relayout { group, .. } => Some(group),
+            _ => None,
+        }
+    }
+    /// A relayout's spec.
+    pub fn relayout(&self) -> Option<&Arc<Relayout>> {
+        match &self.act {
+            Act::Relayout { spec, .. } => Some(spec),
             _ => None,
         }
     }
@@ -511,6 +527,8 @@ struct FlatOp<'a> {
     cp_bytes: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     context: Option<Arc<[u32]>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    relayout: Option<Arc<Relayout>>,
 }
 
 /// A wait in JSON: the stream by its name.
@@ -560,6 +578,7 @@ impl<'a> FlatOp<'a> {
             cp_ring: c.cp_ring,
             cp_bytes: c.cp_bytes,
             context: o.context_group().cloned(),
+            relayout: o.relayout().cloned(),
         }
     }
 
@@ -596,6 +615,12 @@ impl<'a> FlatOp<'a> {
                     group: self.group,
                     context: self.context,
                 },
+                (None, Some(CommOp::AllToAll)) if self.purpose == Some(CommPurpose::Relayout) => {
+                    Act::Relayout {
+                        group: self.group.ok_or_else(|| lacks("group"))?,
+                        spec: self.relayout.ok_or_else(|| lacks("relayout"))?,
+                    }
+                }
                 (None, Some(op)) => {
                     let purpose = self.purpose.ok_or_else(|| lacks("purpose"))?;
                     Act::Collective {
@@ -886,6 +911,18 @@ impl StableHasher {
         if let Some(g) = o.context_group() {
             self.words(g);
         }
+        if let Some(r) = o.relayout().filter(|_| shared) {
+            self.word(r.position_bytes);
+            for h in r.from.iter().chain(&r.to) {
+                match h {
+                    Some(h) => {
+                        self.words(&h.rows);
+                        self.words(h.spans.as_flattened());
+                    }
+                    None => self.word(u64::MAX),
+                }
+            }
+        }
         self.word(waits.len() as u64);
         for (s, i) in waits {
             self.word(pair(s, i));
@@ -913,6 +950,9 @@ impl Plan {
                     op.bytes as f64 * (n - 1.0) / n
                 };
                 ops.map(|op| {
+                    if let Some(r) = op.relayout() {
+                        return r.sent_bytes(d.device) as f64;
+                    }
                     op.cp_bytes as f64
                         + match op.kind() {
                             OpKind::Send => op.bytes as f64,

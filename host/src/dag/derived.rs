@@ -506,8 +506,13 @@ impl TrainingDag {
         if e == h || ge == gh || ge.len() != gh.len() || !disjoint {
             return;
         }
-        let per_mb = |x: Option<u32>| x.is_some_and(|x| self.specs[x as usize].zero >= 2);
-        let per_mb = per_mb(re) || per_mb(rh);
+        // Per microbatch where a side reduces its gradients per microbatch:
+        // ZeRO-2/3 over more than one replica (one replica has no ZeRO).
+        let per_mb = |x: Option<u32>, g: &[DeviceId], seg: usize| {
+            x.is_some_and(|x| self.specs[x as usize].zero >= 2)
+                && g.len() as u32 / r.tp.get(seg).copied().unwrap_or(1).max(1) > 1
+        };
+        let per_mb = per_mb(re, &ge, e) || per_mb(rh, &gh, h);
         let wte = self.segments()[h].tied_elems * self.model.precision.grad_bytes();
         let mut devices = ge.clone();
         devices.extend(gh.iter().copied());

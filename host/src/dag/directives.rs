@@ -445,19 +445,26 @@ impl TrainingDag {
         );
         let (devs, compute) = self.devices_and_compute(f, devices, stream, &call)?;
         self.charge_rewire(&call, &compute, devs.len())?;
-        // A tensor-parallel mesh moves whole, device for device.
+        // A tensor- or context-parallel mesh moves whole, device for device.
         if let Some(id) = compute.iter().find(|id| {
             let n = &self.graph[id.ix()];
-            n.tensor_parallel.is_some() && n.devices.len() != devs.len()
+            (n.tensor_parallel.is_some() || n.context_parallel.is_some())
+                && n.devices.len() != devs.len()
         }) {
+            let n = &self.graph[id.ix()];
+            let what = match (n.tensor_parallel.is_some(), n.context_parallel.is_some()) {
+                (true, true) => "tensor- and context-parallel",
+                (true, false) => "tensor-parallel",
+                _ => "context-parallel",
+            };
             return Err(DagError::new(
                 call,
                 DagErrorKind::InvalidArgument(format!(
-                    "{} is tensor-parallel on {} devices {}: place moves its groups whole, so give {} devices (got {})",
+                    "{} is {what} on {} devices {}: place moves its groups whole, so give {} devices (got {})",
                     self.label(*id),
-                    self.graph[id.ix()].devices.len(),
+                    n.devices.len(),
                     self.devices_label(*id),
-                    self.graph[id.ix()].devices.len(),
+                    n.devices.len(),
                     devs.len()
                 )),
             ));
@@ -1395,9 +1402,11 @@ impl TrainingDag {
     ) -> Result<(), DagError> {
         let sets = self.order_sets(call, resolved)?;
         let devs = self.one_device_group(call, &sets)?;
-        // Boundaries visit each member's edges: at most every edge twice.
+        // Boundaries visit each member's edges (at most every edge twice),
+        // and the sinks' out-edges are read once more for the edges they
+        // have: at most every edge three times.
         let members: u64 = sets.iter().map(|s| s.len() as u64).sum();
-        self.charge(call, members.saturating_add(2 * self.edge_count() as u64))?;
+        self.charge(call, members.saturating_add(3 * self.edge_count() as u64))?;
         let bound = self.graph.node_bound();
         let (planned, markers) = self.plan_order_edges(call, &sets, bound)?;
         self.check_growth(call, markers as u64, planned.len() as u64)?;
@@ -1553,9 +1562,20 @@ impl TrainingDag {
                 planned.extend(sinks.iter().map(|s| (s.ix().index(), m)));
                 planned.extend(sources.iter().map(|t| (m, t.ix().index())));
             } else {
+                // The edges a sink has already, looked up by bisection: a
+                // scan of them per source would cost its degree each time
+                // (a hub ordered before 10^5 nodes, then before 10^5 more,
+                // scanned its 10^5 edges 10^5 times). Each sink's edges are
+                // read once: within the charge for visiting every edge.
                 for &s in &sinks {
+                    let mut has: Vec<u32> = self
+                        .graph
+                        .edges_directed(s.ix(), Direction::Outgoing)
+                        .map(|e| e.target().index() as u32)
+                        .collect();
+                    has.sort_unstable();
                     for &t in &sources {
-                        if self.graph.find_edge(s.ix(), t.ix()).is_none() {
+                        if has.binary_search(&(t.ix().index() as u32)).is_err() {
                             planned.push((s.ix().index(), t.ix().index()));
                         }
                     }

@@ -179,6 +179,9 @@ pub enum CommPurpose {
     /// Expert parallelism: the all-to-all between two phases of an expert
     /// segment's pass (rows to their experts' owners and back).
     Experts,
+    /// A tensor moved between two layouts where a data edge joins them
+    /// (compile plans it: `compile/layout.rs`).
+    Relayout,
 }
 
 impl CommPurpose {
@@ -193,6 +196,7 @@ impl CommPurpose {
             CommPurpose::CopyGrad => "copy-grad",
             CommPurpose::GradNorm => "grad-norm",
             CommPurpose::Experts => "experts",
+            CommPurpose::Relayout => "relayout",
         }
     }
 }

@@ -886,6 +886,30 @@ fn order_over_groups_of_a_hundred_thousand_nodes_fits_a_plugins_budget() {
     assert!(dag.work_used() > 0);
 }
 
+/// A hub ordered before every backward, twice: the second `order` finds
+/// every edge there already without scanning the hub's edges once per
+/// backward (2^15 × 2^15 edge visits), within a plugin's budget.
+#[test]
+fn a_hub_ordered_before_many_nodes_twice_reads_its_edges_once() {
+    let n = 1u32 << 15;
+    let cfg = ModelConfig {
+        layers: 1,
+        batch_size: n,
+        ..ModelConfig::tiny()
+    };
+    let mut dag = TrainingDag::build(&cfg, Cluster::new(1)).unwrap();
+    dag.split(&Filter::all(), "MB", n).unwrap();
+    dag.place(&Filter::all(), &[0], "pp").unwrap();
+    dag.set_budget(Some(crate::plugin::SandboxLimits::default().dag_budget()));
+    let hub = vec![Filter::tag("MB", 0).pass(Label::F)];
+    let all_b = vec![Filter::all().pass(Label::B)];
+    dag.order(&[hub.clone(), all_b.clone()]).unwrap();
+    let edges = dag.edge_count();
+    assert!(edges > n as usize, "the hub's edges: {edges}");
+    dag.order(&[hub, all_b]).unwrap();
+    assert_eq!(dag.edge_count(), edges, "the second order adds no edge");
+}
+
 #[test]
 fn sequence_parallelism_needs_tensor_parallel_segments_and_covers_each_of_their_nodes() {
     let mut dag = tiny(2);

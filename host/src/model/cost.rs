@@ -121,14 +121,16 @@ pub fn part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
             // router + top_k expert MLPs per token
             2.0 * n * d * e + 2.0 * n * k * 2.0 * d * hid,
             0.5,
-            // x, ln2 (2 d), mean/rstd, router probabilities (e), and per
-            // assignment the expert's hidden pre-activation and GELU (2 hid)
-            // and output (d)
-            ((2.0 * d + e) + k * (2.0 * hid + d)) * n * b + 2.0 * n * s,
-            // weight pass: x, ln2, mean/rstd, GELU out (k hid), router
-            // logits' gradient (e), gradients of ln2 (d) and per assignment
-            // of the expert's hidden (hid) and output (d)
-            ((3.0 * d + e) + k * (2.0 * hid + d)) * n * b + 2.0 * n * s,
+            // x, ln2 (2 d), mean/rstd, router probabilities (e), the
+            // routing (expert, weight, slot and row of each assignment:
+            // 4 k), and per assignment the expert's input and output (2 d)
+            // and its hidden pre-activation and GELU (2 hid)
+            ((2.0 * d + e) + k * (2.0 * hid + 2.0 * d)) * n * b + (2.0 + 4.0 * k) * n * s,
+            // weight pass: x, ln2, mean/rstd, the routing, per assignment
+            // the expert's input (d) and GELU out (hid); router logits'
+            // gradient (e), gradients of ln2 (d) and per assignment of the
+            // expert's hidden (hid) and output (d)
+            ((3.0 * d + e) + k * (2.0 * hid + 2.0 * d)) * n * b + (2.0 + 4.0 * k) * n * s,
             hidden,
             hidden,
         ),
@@ -268,10 +270,13 @@ fn llama_part_cost(cfg: &ModelConfig, part: Part) -> PartCost {
                     m.hidden_width(cfg.d_model) as f64,
                 )
             });
+            // As GPT-2's experts (the routing, each assignment's input
+            // and output), with SwiGLU's gate, up and product (3 eh) and
+            // one rstd.
             (
                 2.0 * n * d * e + 2.0 * n * k * 3.0 * d * eh,
-                ((2.0 * d + e) + k * (3.0 * eh + d)) * n * b + n * s,
-                ((3.0 * d + e) + k * (3.0 * eh + d)) * n * b + n * s,
+                ((2.0 * d + e) + k * (3.0 * eh + 2.0 * d)) * n * b + (1.0 + 4.0 * k) * n * s,
+                ((3.0 * d + e) + k * (3.0 * eh + 2.0 * d)) * n * b + (1.0 + 4.0 * k) * n * s,
                 hidden,
                 hidden,
             )
@@ -342,8 +347,9 @@ pub fn expert_phases(cfg: &ModelConfig) -> Option<ExpertPhaseCost> {
         flop_share: [dispatch / total, experts / total, combine / total],
         routed_bytes: (n * k * d * b) as u64,
         // x, ln2, probabilities in the activation dtype; the statistics
-        // and the routing (indices, weights) in fp32.
-        dispatch_saved: ((2.0 * d + e) * n * b + (2.0 + 3.0 * k) * n * F32_BYTES as f64) as u64,
+        // and the routing (expert, weight, slot and row of each
+        // assignment) in fp32.
+        dispatch_saved: ((2.0 * d + e) * n * b + (2.0 + 4.0 * k) * n * F32_BYTES as f64) as u64,
         experts_saved: (k * (mats * hid + d) * n * b) as u64,
     })
 }

@@ -104,6 +104,12 @@ impl CostModel for Cluster {
         }
         let one_node = group.iter().all(|d| self.same_node(*d, group[0]));
         let (beta, alpha) = self.link(one_node);
+        // A relayout: each member sends its pieces to the others at once;
+        // the one that sends the most sets the time.
+        if let Some(r) = op.relayout() {
+            let most = group.iter().map(|d| r.sent_bytes(*d)).max().unwrap_or(0);
+            return (n - 1.0) * alpha + most as f64 / beta;
+        }
         let s = op.bytes as f64;
         // Ring: all-reduce moves 2(n−1)/n of the buffer over n−1 steps each
         // way; reduce-scatter, all-gather and all-to-all half of that.
@@ -356,7 +362,11 @@ impl CostModel for UnitCosts {
                 Pass::BI => self.bi,
                 Pass::BW => self.bw,
             },
-            Act::Send { .. } | Act::Recv { .. } | Act::Collective { .. } | Act::Update => 0.0,
+            Act::Send { .. }
+            | Act::Recv { .. }
+            | Act::Collective { .. }
+            | Act::Relayout { .. }
+            | Act::Update => 0.0,
         }
     }
     fn p2p(&self, _: u64, _: u32, _: u32) -> f64 {

@@ -302,7 +302,9 @@ fn dependencies(plan: &Plan, ix: &OpIndex) -> Result<(Deps, Vec<u32>), SimError>
             Act::Send { .. } => {
                 sends.insert((device, o.node), g);
             }
-            Act::Collective { .. } => members.entry(o.node).or_default().push(g),
+            Act::Collective { .. } | Act::Relayout { .. } => {
+                members.entry(o.node).or_default().push(g)
+            }
             Act::Compute { .. } | Act::Recv { .. } | Act::Update => {}
         }
     }
@@ -440,7 +442,7 @@ fn run_shared(
         let (_, o) = ix.op(plan, g);
         let d = at[g].0;
         match o.act {
-            Act::Collective { .. } => {
+            Act::Collective { .. } | Act::Relayout { .. } => {
                 let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
                 };
@@ -688,7 +690,7 @@ fn run_contended(
         let (_, o) = ix.op(plan, g);
         let d = at[g].0;
         match o.act {
-            Act::Collective { .. } => {
+            Act::Collective { .. } | Act::Relayout { .. } => {
                 let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
                 };
@@ -760,7 +762,7 @@ fn run_in_dependency_order(
         let (_, o) = ix.op(plan, g);
         let d = at[g].0;
         match o.act {
-            Act::Collective { .. } => {
+            Act::Collective { .. } | Act::Relayout { .. } => {
                 let Some(group) = deps.arrive(&mut arrived, o.node) else {
                     continue;
                 };

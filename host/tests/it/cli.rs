@@ -1867,6 +1867,35 @@ fn the_plan_file_reference_names_every_key_a_plan_writes() {
             }
         }
     }
+    // A mixed layout's relayout (`layouts.rs`): regions on one device
+    // feeding regions replicated over two.
+    let mixed = crate::fuzz::Program {
+        model: crate::fuzz::Model::Gpt2,
+        devices: 2,
+        calls: (0..4)
+            .map(|r| crate::fuzz::Call::Replicate {
+                f: crate::fuzz::F::pp(r),
+                devices: if r == 0 || r == 3 {
+                    vec![0]
+                } else {
+                    vec![0, 1]
+                },
+                zero: 0,
+            })
+            .collect(),
+    };
+    let mut dag =
+        piper::dag::TrainingDag::build(&mixed.model.config(), piper::dag::Cluster::new(2)).unwrap();
+    mixed.apply(&mut dag).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&piper::compile::compile(&dag).unwrap().to_json()).unwrap();
+    for d in v["devices"].as_array().unwrap() {
+        for s in d["streams"].as_array().unwrap() {
+            for op in s["ops"].as_array().unwrap() {
+                seen[2].extend(op.as_object().unwrap().keys().cloned());
+            }
+        }
+    }
     for (heading, seen) in ["The plan", "A device", "An op"].iter().zip(&seen) {
         assert_eq!(
             &documented(heading),

@@ -303,7 +303,7 @@ fn the_python_1f1b_example_passes_plugin_verify() {
     let plugin = example("python");
     let out = ok(piper().args(["plugin", "verify", &plugin.origin]));
     assert!(
-        out.contains("PASS: `1f1b-py@") && out.contains("tiny-moe-dropless:"),
+        out.contains("PASS: `1f1b-py@") && out.contains("tiny-moe-dropless on 4 devices:"),
         "{out}"
     );
 }
@@ -585,8 +585,9 @@ fn plugin_new_writes_a_skeleton_that_builds_and_plans_in_every_language_outside_
         let out = ok(&mut build);
         let wasm = dir.join("build").join(format!("{name}.wasm"));
         assert!(out.contains(&wasm.display().to_string()), "{out}");
+        // Out of the box it plans on any device count (data parallelism).
         let plan = ok(piper()
-            .args(["plan", "--model", "tiny", "--devices", "1", "--strategy"])
+            .args(["plan", "--model", "tiny", "--devices", "2", "--strategy"])
             .arg(&wasm));
         assert!(plan.contains(&format!("{name}@0.1.0")), "{plan}");
         if lang == Lang::Rust {

@@ -13,8 +13,10 @@ mod cli;
 mod compose;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fuzz;
 mod hf;
 mod languages;
+mod layouts;
 mod library;
 #[cfg(feature = "mpi")]
 mod mpi;

@@ -1,6 +1,7 @@
 //! `piper plugin new NAME --lang L`: a working skeleton in a new folder,
-//! anywhere — a strategy that places every segment on device 0, the WIT it
-//! builds against, and a README with the one-line try command.
+//! anywhere — a strategy that replicates the model over every device (data
+//! parallelism, so it plans on any device count), the WIT it builds
+//! against, and a README with the one-line try command.
 
 use super::{embedded, write, AuthorError, Lang};
 use std::path::{Path, PathBuf};

@@ -3,7 +3,8 @@
 //! recompute `R`, `B`, `BI`, `BW`), point-to-point (`send`, `recv`), the
 //! phases of split expert passes and their all-to-alls (`experts`), gradient
 //! collectives (norm, DP / tied / copy reductions), ZeRO gathers (in
-//! `zero`), and the optimizer `update`.
+//! `zero`), relayouts between two layouts (`relayout`), and the optimizer
+//! `update`.
 //! Generic over the device's backend: kernels run inside the backend's
 //! [`Backend::enter`] on the op's stream; communication stays on the
 //! stream's own thread.
@@ -12,6 +13,7 @@ mod collective;
 pub(super) mod compute;
 mod experts;
 mod p2p;
+mod relayout;
 mod update;
 mod zero;
 
@@ -90,6 +92,7 @@ pub(super) fn exec_op<B: Backend>(
             C::ParamGather => host(&|| zero::param_gather(dev, op, ctx, group)),
             C::Experts => host(&|| experts::all_to_all(dev, op, ctx, group)),
         },
+        Act::Relayout { group, spec } => host(&|| relayout::run(dev, op, ctx, group, spec)),
         Act::Update => kernel(&|| update::update(dev, op, ctx)),
     }
 }

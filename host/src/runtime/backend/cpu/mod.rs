@@ -1,12 +1,18 @@
-//! The CPU backend, the embedded default: a device is a thread pool with
-//! its own memory account, storage is host memory in the tensor's dtype
-//! ([`CpuTensor`]: fp32 or bf16), and the kernels are llm.c's, one file per
-//! op family, each op a forward plus a backward-for-input and a
-//! backward-for-weights with explicit shapes, computing in fp32 (bf16
-//! operands widened, bf16 results rounded: [`tensor`]); each kernel spreads
-//! over its device's thread pool ([`par`]) and gives the same bits for every
-//! thread count. Enqueuing a kernel runs it, so streams and events are empty
-//! and every read is immediate.
+//! The CPU backend, the embedded default: a device is a set of kernel
+//! threads with its own memory account, storage is host memory in the
+//! tensor's dtype ([`CpuTensor`]: fp32 or bf16), and the kernels are
+//! llm.c's, one file per op family, each op a forward plus a
+//! backward-for-input and a backward-for-weights with explicit shapes,
+//! computing in fp32 (bf16 operands widened, bf16 results rounded:
+//! [`tensor`]); each kernel spreads over the threads of the stream it runs
+//! on ([`par`]) and gives the same bits for every thread count. Enqueuing a
+//! kernel runs it, so events are empty and every read is immediate.
+//!
+//! Each stream has kernel threads of its own ([`Lane`]): an op that waits
+//! for its peers inside a kernel (a tensor-parallel sum, a ring step of
+//! context parallelism) holds only its own stream's threads, so another
+//! stream's op on the device never waits behind it — a wait the plan's
+//! deadlock check could not see.
 
 // Kernels carry their shapes as arguments, as llm.c does: readable at the call.
 #![allow(clippy::too_many_arguments)]
@@ -40,25 +46,28 @@ use std::ops::Range;
 pub use tensor::CpuTensor;
 use tensor::{to_bf16, with_f32_all};
 
-/// One CPU device: the threads its kernels run on.
+/// One CPU device: how many kernel threads each of its streams runs on.
 pub struct Cpu {
-    pool: rayon::ThreadPool,
+    device: u32,
+    threads: usize,
+    /// Streams made so far (their threads' names).
+    lanes: std::sync::atomic::AtomicUsize,
 }
 
 impl Cpu {
-    /// Device `device` with `threads` kernel threads.
+    /// Device `device` with `threads` kernel threads per stream.
     pub fn new(device: u32, threads: usize) -> Result<Self, BackendError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads.max(1))
-            .thread_name(move |i| format!("piper-d{device}-k{i}"))
-            .build()
-            .map_err(|e| {
-                BackendError::Device(format!(
-                    "device {device}: cannot start {threads} kernel threads: {e}"
-                ))
-            })?;
-        Ok(Cpu { pool })
+        Ok(Cpu {
+            device,
+            threads: threads.max(1),
+            lanes: std::sync::atomic::AtomicUsize::new(0),
+        })
     }
+}
+
+/// A stream of a CPU device: the kernel threads its ops run on.
+pub struct Lane {
+    pool: rayon::ThreadPool,
 }
 
 /// Below this many floats a buffer is filled on the calling thread.
@@ -70,17 +79,15 @@ impl Cpu {
     /// fraction of the memory bandwidth, and a step zeroes or copies every
     /// activation and gradient it allocates. `None`: fill it on this thread.
     fn filled(&self, n: usize, fill: impl FnOnce(&mut Vec<f32>) + Send) -> Option<Vec<f32>> {
-        if n < 4 * PAR_MIN || self.pool.current_num_threads() == 1 {
+        // On the calling stream's threads (a kernel runs inside its lane).
+        if n < 4 * PAR_MIN || rayon::current_num_threads() == 1 {
             return None;
         }
         let mut v = Vec::new();
-        self.pool.install(|| fill(&mut v));
+        fill(&mut v);
         Some(v)
     }
 }
-
-/// No queue: a kernel runs when it is called.
-pub struct Inline;
 
 type T = CpuTensor;
 
@@ -88,7 +95,7 @@ impl Backend for Cpu {
     type Tensor = CpuTensor;
     type Ids = Vec<u32>;
     type Scalar = f64;
-    type Stream = Inline;
+    type Stream = Lane;
     type Event = ();
 
     fn name(&self) -> &'static str {
@@ -98,17 +105,30 @@ impl Backend for Cpu {
         true
     }
 
-    fn stream(&self) -> Result<Inline, BackendError> {
-        Ok(Inline)
+    fn stream(&self) -> Result<Lane, BackendError> {
+        let (device, threads) = (self.device, self.threads);
+        let lane = self
+            .lanes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("piper-d{device}-s{lane}-k{i}"))
+            .build()
+            .map_err(|e| {
+                BackendError::Device(format!(
+                    "device {device}: cannot start {threads} kernel threads for stream {lane}: {e}"
+                ))
+            })?;
+        Ok(Lane { pool })
     }
-    fn enter<R: Send>(&self, _: &Inline, trace: Trace<'_>, f: impl FnOnce() -> R + Send) -> R {
-        self.pool.install(|| match trace {
+    fn enter<R: Send>(&self, lane: &Lane, trace: Trace<'_>, f: impl FnOnce() -> R + Send) -> R {
+        lane.pool.install(|| match trace {
             Some((epoch, spans)) => profile::recording(true, epoch, spans, f),
             None => f(),
         })
     }
-    fn record(&self, _: &Inline) {}
-    fn wait(&self, _: &Inline, _: &()) {}
+    fn record(&self, _: &Lane) {}
+    fn wait(&self, _: &Lane, _: &()) {}
 
     fn len(t: &T) -> usize {
         t.len()
